@@ -1,0 +1,37 @@
+"""The ``fanfold`` command: an argparse hub that only dispatches to subcommands.
+
+Each subcommand lives in its own module, which provides ``add_arguments(parser)`` and ``main(args) -> int``:
+``demo`` (fanfold.demo), ``run`` (fanfold.launcher), ``train`` (fanfold.train). Nothing imports this module.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help); modules are imported only when the parser is built.
+_COMMANDS = {
+    "demo": ("fanfold.demo", "the DataParallel tutorial: per-replica batch sizes on N devices (CPU replicas too)"),
+    "run": ("fanfold.launcher", "launch N worker processes of a script (torchrun's contract, tracebacks shown)"),
+    "train": ("fanfold.train", "the main job: data-parallel CNN training on the digits dataset"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fanfold", description="Data parallelism for PyTorch, done right.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (module, help_) in _COMMANDS.items():
+        p = sub.add_parser(name, help=help_, description=help_)
+        mod = importlib.import_module(module)
+        mod.add_arguments(p)
+        p.set_defaults(_main=mod.main)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args._main(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
