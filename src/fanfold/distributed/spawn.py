@@ -71,7 +71,7 @@ def _context(fn: Callable, start_method: str | None):
         start_method = "fork" if getattr(fn, "__module__", None) == "__main__" else "forkserver"
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "fanfold"])
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.optim", "fanfold"])
     return ctx
 
 

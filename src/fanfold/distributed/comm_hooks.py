@@ -1,0 +1,110 @@
+"""Communication hooks: how one gradient bucket is reduced across ranks.
+
+Used by the reducer (``reducer.py``); registered with ``DistributedDataParallel.register_comm_hook(state, hook)``.
+A hook has torch's shape, ``hook(state, bucket) -> future``: it receives a :class:`GradBucket` whose ``buffer()``
+is the bucket's flat gradient (this rank's local sum), starts the reduction and returns a future whose ``wait()``
+gives a tensor of the buffer's size holding the *averaged* gradient. ``bucket.all_reduce(tensor)`` issues the
+all-reduce through the DDP's transport (so a hook works on every transport and its collectives are labelled with
+the bucket index); ``bucket.divisor`` is what to divide by (the world size, or the number of ranks still active
+inside ``join(divide_by_initial_world_size=False)``). Hooks written for torch's DDP that call ``dist.all_reduce``
+themselves also work on the torch transport, since the reducer accepts torch futures.
+
+The compression hooks divide before casting (so that fp16 cannot overflow on the sum), all-reduce in the narrow
+type and cast the result back into the fp32 buffer: half the bytes on the wire, about 3 (bf16) or 4-5 (fp16)
+significant digits kept.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["Future", "GradBucket", "allreduce_hook", "fp16_compress_hook", "bf16_compress_hook"]
+
+
+class Future:
+    """A lazily completed result: ``wait()`` runs the wait function once and caches its value; ``then(fn)`` chains
+    ``fn(future)`` the way ``torch.futures.Future.then`` does. Transports whose handles only progress inside
+    ``wait()`` need no callback thread this way."""
+
+    def __init__(self, wait_fn: Callable[[], Any]):
+        self._wait_fn, self._done, self._value = wait_fn, False, None
+
+    def wait(self) -> Any:
+        if not self._done:
+            self._value = self._wait_fn()
+            self._done, self._wait_fn = True, None  # drop the closure: it holds the bucket tensors
+        return self._value
+
+    value = wait
+
+    def done(self) -> bool:
+        return self._done
+
+    def then(self, callback: Callable[["Future"], Any]) -> "Future":
+        return Future(lambda: callback(_completed(self)))
+
+
+def _completed(fut: Future) -> Future:
+    fut.wait()
+    return fut
+
+
+class GradBucket:
+    """One bucket as a comm hook sees it (torch's ``GradBucket`` methods, plus ``all_reduce`` and ``divisor``)."""
+
+    def __init__(self, index: int, buffer: torch.Tensor, params: list, grads: list, is_last: bool,
+                 divisor: int, issue: Callable[[torch.Tensor, int], Any]):
+        self._index, self._buffer, self._params, self._grads = index, buffer, params, grads
+        self._is_last, self.divisor, self._issue = is_last, divisor, issue
+
+    def index(self) -> int:
+        return self._index
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def set_buffer(self, tensor: torch.Tensor) -> None:
+        self._buffer.copy_(tensor)
+
+    def is_last(self) -> bool:
+        return self._is_last
+
+    def parameters(self) -> list:
+        return list(self._params)
+
+    def gradients(self) -> list:
+        """Views of the buffer shaped like each parameter."""
+        return list(self._grads)
+
+    def all_reduce(self, tensor: torch.Tensor) -> Future:
+        """Start an in-place SUM of ``tensor`` over the ranks; the future's value is ``tensor``."""
+        handle = self._issue(tensor, self._index)
+        return Future(lambda: (handle.wait(), tensor)[1])
+
+
+def allreduce_hook(state: Any, bucket: GradBucket) -> Future:
+    """Exact fp32 (the bucket's dtype) all-reduce, then divide: the default."""
+    divisor = bucket.divisor
+    return bucket.all_reduce(bucket.buffer()).then(lambda fut: fut.value().div_(divisor))
+
+
+def _compress_hook(dtype: torch.dtype) -> Callable[[Any, GradBucket], Future]:
+    def hook(state: Any, bucket: GradBucket) -> Future:
+        buffer = bucket.buffer()
+        narrow = buffer.div(bucket.divisor).to(dtype)
+
+        def decompress(fut: Future) -> torch.Tensor:
+            return buffer.copy_(fut.value())
+
+        return bucket.all_reduce(narrow).then(decompress)
+
+    return hook
+
+
+fp16_compress_hook = _compress_hook(torch.float16)
+fp16_compress_hook.__name__ = fp16_compress_hook.__qualname__ = "fp16_compress_hook"
+fp16_compress_hook.__doc__ = "Divide, cast to float16, all-reduce, cast back: half the bytes, ~1e-3 relative error."
+bf16_compress_hook = _compress_hook(torch.bfloat16)
+bf16_compress_hook.__name__ = bf16_compress_hook.__qualname__ = "bf16_compress_hook"
+bf16_compress_hook.__doc__ = "Divide, cast to bfloat16, all-reduce, cast back: half the bytes, ~1e-2 relative error."

@@ -1,0 +1,129 @@
+"""The torchrun environment contract: initialise and tear down the process group, and ask where this process sits.
+
+Bottom of the distributed layers (``env <- buckets <- reducer <- ddp``). A worker started by ``fanfold run``,
+``torchrun`` or ``fanfold.launch`` finds RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT in its
+environment; :func:`init_process_group` reads them, picks NCCL when CUDA is available (gloo otherwise) and pins the
+process to its local device. The rank helpers answer for a single process too (rank 0 of 1), so the same script runs
+with or without a launcher once it guards ``init_process_group`` itself.
+"""
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "init_process_group",
+    "destroy_process_group",
+    "is_initialized",
+    "rank",
+    "world_size",
+    "local_rank",
+    "is_main_process",
+    "barrier",
+    "device",
+]
+
+_REQUIRED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _accelerator() -> str | None:
+    """The accelerator type this process can use ("cuda", "xpu", ...) or None on a CPU-only machine."""
+    acc = getattr(torch, "accelerator", None)
+    if acc is not None and acc.is_available():
+        return acc.current_accelerator().type
+    return "cuda" if torch.cuda.is_available() else None
+
+
+def _env_int(name: str) -> int:
+    value = os.environ[name]
+    try:
+        return int(value)
+    except ValueError:
+        raise RuntimeError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def init_process_group(backend: str | None = None, timeout: timedelta | float = 600.0) -> torch.device:
+    """Join the process group described by the torchrun environment and return this process's device.
+
+    ``backend`` defaults to "nccl" when CUDA is available, "gloo" otherwise. ``timeout`` (seconds or a timedelta)
+    bounds every collective of the group. The local accelerator ``LOCAL_RANK`` becomes the current device.
+    """
+    missing = [name for name in _REQUIRED if name not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"fanfold.distributed.init_process_group: environment variables {missing} are not set. Start the script "
+            "with `fanfold run -n N script.py` (or torchrun), or call the function through `fanfold.launch(fn, "
+            "nprocs=N)`, which set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT."
+        )
+    if dist.is_initialized():
+        raise RuntimeError("fanfold.distributed.init_process_group: the default process group is already initialised")
+    if isinstance(timeout, (int, float)):
+        if timeout <= 0:
+            raise ValueError(f"timeout must be positive, got {timeout!r}")
+        timeout = timedelta(seconds=float(timeout))
+    elif not isinstance(timeout, timedelta):
+        raise TypeError(f"timeout must be seconds or a datetime.timedelta, got {type(timeout).__name__}")
+    r, n, lr = _env_int("RANK"), _env_int("WORLD_SIZE"), _env_int("LOCAL_RANK")
+    if not 0 <= r < n:
+        raise RuntimeError(f"RANK={r} is outside WORLD_SIZE={n}")
+    acc = _accelerator()
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dev = torch.device("cpu")
+    if acc is not None:
+        count = torch.get_device_module(acc).device_count()
+        if lr >= count:
+            raise RuntimeError(f"LOCAL_RANK={lr} but this host has only {count} {acc} device(s): start at most "
+                               f"{count} processes per node (`fanfold run -n {count}`)")
+        dev = torch.device(acc, lr)
+        torch.get_device_module(acc).set_device(dev)
+    kwargs = {"device_id": dev} if backend == "nccl" else {}
+    dist.init_process_group(backend, rank=r, world_size=n, timeout=timeout, **kwargs)
+    return dev
+
+
+def destroy_process_group() -> None:
+    """Leave the default process group; a no-op when none is initialised."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    """Global rank: from the process group, else $RANK, else 0."""
+    return dist.get_rank() if is_initialized() else int(os.environ.get("RANK", 0))
+
+
+def world_size() -> int:
+    """Number of processes: from the process group, else $WORLD_SIZE, else 1."""
+    return dist.get_world_size() if is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+
+
+def local_rank() -> int:
+    """Rank on this host: $LOCAL_RANK, else 0."""
+    return int(os.environ.get("LOCAL_RANK", 0))
+
+
+def is_main_process() -> bool:
+    """True on global rank 0 (and in a single process): the one that logs and saves."""
+    return rank() == 0
+
+
+def barrier() -> None:
+    """Wait for every rank; a no-op in a single process."""
+    if is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def device() -> torch.device:
+    """This process's device: the local-rank accelerator when one is available, else the CPU."""
+    acc = _accelerator()
+    if acc is None:
+        return torch.device("cpu")
+    return torch.device(acc, local_rank())

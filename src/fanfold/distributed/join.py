@@ -1,0 +1,74 @@
+"""Uneven inputs: the join-state exchange and the shadow loop of ranks that ran out of data.
+
+Used by ``DistributedDataParallel.join()`` (``ddp.py``). Inside the context, every forward and every synchronised
+backward of an active rank starts with one small all-reduce, the *announcement*: a vector holding the number of
+active ranks, what follows (a forward, with or without a buffer broadcast, or a backward's bucket all-reduces) and
+one slot per rank saying who is active. A rank that leaves the context early announces nothing but zeros; it then
+reads each announcement and issues the collectives that follow with zero gradients (its *shadow*), so the active
+ranks never wait on it. When an announcement sums to zero every rank has joined: the parameters and buffers of the
+lowest rank among the last active ones are broadcast, so that every rank ends with the same model.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["JoinState", "FORWARD", "BACKWARD"]
+
+FORWARD, BACKWARD = 1, 2
+_ALIVE, _FWD, _BWD, _BUFS = 0, 1, 2, 3  # slots of the announcement; rank r's activity is slot 4 + r
+
+
+class JoinState:
+    """One ``join()`` context of one rank."""
+
+    def __init__(self, transport: Any, divide_by_initial_world_size: bool, throw_on_early_termination: bool):
+        self.transport = transport
+        self.divide_by_initial = divide_by_initial_world_size
+        self.throw = throw_on_early_termination
+        self.last_active: list[int] = list(range(transport.world_size))
+
+    def _exchange(self, what: int, sync_buffers: bool, active: bool) -> torch.Tensor:
+        t = self.transport
+        flag = torch.zeros(4 + t.world_size, dtype=torch.float32)
+        if active:
+            flag[_ALIVE] = 1.0
+            flag[_FWD if what == FORWARD else _BWD] = 1.0
+            flag[_BUFS] = float(sync_buffers)
+            flag[4 + t.rank] = 1.0
+        t.all_reduce(flag).wait()
+        alive = int(flag[_ALIVE])
+        if alive:
+            self.last_active = [r for r in range(t.world_size) if flag[4 + r] > 0]
+        return flag
+
+    def announce(self, what: int, sync_buffers: bool = False) -> tuple[int, int]:
+        """An active rank is about to issue a forward's or a backward's collectives; returns (active ranks, the
+        rank buffers come from)."""
+        flag = self._exchange(what, sync_buffers, active=True)
+        alive = int(flag[_ALIVE])
+        if self.throw and alive < self.transport.world_size:
+            gone = sorted(set(range(self.transport.world_size)) - set(self.last_active))
+            raise RuntimeError(
+                f"DistributedDataParallel.join(throw_on_early_termination=True): rank(s) {gone} ran out of inputs "
+                f"while rank {self.transport.rank} still has some"
+            )
+        return alive, min(self.last_active)
+
+    def shadow(self, sync_buffers: Callable[[int], None], shadow_backward: Callable[[int], None]) -> int:
+        """Mirror the active ranks' collectives until every rank has joined; returns the authoritative rank."""
+        while True:
+            flag = self._exchange(0, False, active=False)
+            alive = int(flag[_ALIVE])
+            if alive == 0:
+                return min(self.last_active) if self.last_active else 0
+            if self.throw:
+                raise RuntimeError(
+                    f"DistributedDataParallel.join(throw_on_early_termination=True): rank {self.transport.rank} ran "
+                    f"out of inputs while rank(s) {self.last_active} still have some"
+                )
+            if flag[_FWD] > 0 and flag[_BUFS] > 0:
+                sync_buffers(min(self.last_active))
+            if flag[_BWD] > 0:
+                shadow_backward(alive)

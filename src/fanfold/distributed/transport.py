@@ -1,0 +1,102 @@
+"""The collective interface of fanfold's reducer and DDP, and its implementation on torch.distributed.
+
+Every collective that DistributedDataParallel issues -- bucket all-reduces, the fingerprint exchange, parameter and
+buffer broadcasts, join-state exchanges -- goes through one transport object, so another implementation (the
+shared-memory ``ShmTransport`` of ``shm.py``) or a wrapper (the stall inspector of ``stall.py``, which numbers each
+collective) can stand in without touching the reducer. A transport has:
+
+- ``all_reduce(tensor, bucket=None) -> handle``: in-place SUM over the group, asynchronous; ``handle.wait()``
+  blocks until ``tensor`` holds the sum. ``bucket`` is a label only (the gradient bucket index, None otherwise);
+  a transport may ignore it, a wrapper may record it.
+- ``broadcast(tensor, src) -> None``: in place, synchronous; ``src`` is a rank of the group.
+- ``barrier() -> None``.
+- ``rank``, ``world_size`` attributes.
+
+Small exchanges of structured data are built from ``all_reduce`` alone (:func:`all_gather_rows`), summing rows that
+only their owner fills, in float32 with values below 2**24 so that the sum is exact on every transport.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["TorchTransport", "resolve_transport", "all_gather_rows", "all_gather_bytes", "ENV_VAR"]
+
+ENV_VAR = "FANFOLD_TRANSPORT"
+
+
+class TorchTransport:
+    """The transport interface on a torch.distributed process group (``group=None``: the default group)."""
+
+    def __init__(self, group: Any = None):
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "TorchTransport needs an initialised process group: call fanfold.distributed.init_process_group() "
+                "first (under `fanfold run` or fanfold.launch)"
+            )
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+
+    def all_reduce(self, tensor: torch.Tensor, bucket: int | None = None) -> Any:
+        return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        # src is a rank of this group; torch wants the global rank.
+        global_src = src if self.group is None else dist.get_global_rank(self.group, src)
+        dist.broadcast(tensor, global_src, group=self.group)
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.group)
+
+    def __repr__(self) -> str:
+        return f"TorchTransport(rank={self.rank}, world_size={self.world_size}, backend={dist.get_backend(self.group)})"
+
+
+def resolve_transport(transport: Any = None, group: Any = None) -> Any:
+    """The transport named by ``transport``: None -> ``$FANFOLD_TRANSPORT``, else "shm" when every rank shares this
+    host and the CPU (``shm.select_transport``, collective), else "torch"; "torch" -> TorchTransport; "shm" -> the
+    shared-memory transport; any object with ``all_reduce``/``broadcast``/``barrier`` -> used as is."""
+    source = "transport"
+    if transport is None:
+        from .shm import select_transport  # collective: every rank gets the same answer
+
+        transport, source = select_transport(group), ENV_VAR
+    if isinstance(transport, str):
+        if transport == "torch":
+            return TorchTransport(group)
+        if transport == "shm":
+            from .shm import ShmTransport  # imported lazily: only processes that choose it pay for it
+
+            return ShmTransport(group)
+        raise ValueError(f"{source} must be 'torch', 'shm' or a transport object, got {transport!r}")
+    missing = [m for m in ("all_reduce", "broadcast", "barrier") if not callable(getattr(transport, m, None))]
+    missing += [a for a in ("rank", "world_size") if not isinstance(getattr(transport, a, None), int)]
+    if missing:
+        raise TypeError(f"transport {transport!r} lacks {missing} of the transport interface (all_reduce, broadcast, "
+                        "barrier, rank, world_size)")
+    return transport
+
+
+def all_gather_rows(transport: Any, row: torch.Tensor) -> torch.Tensor:
+    """Every rank's float32 ``row`` (same length everywhere), stacked by rank: one all-reduce of a zero matrix
+    whose row ``rank`` this rank fills. Values must be integers below 2**24 for the sum to be exact."""
+    table = torch.zeros(transport.world_size, row.numel(), dtype=torch.float32, device=row.device)
+    table[transport.rank] = row.to(torch.float32)
+    transport.all_reduce(table).wait()
+    return table
+
+
+def all_gather_bytes(transport: Any, data: bytes, device: torch.device | str = "cpu") -> list[bytes]:
+    """Every rank's ``data`` by rank, in two fixed-shape all-reduces (lengths, then the padded bytes)."""
+    lengths = all_gather_rows(transport, torch.tensor([float(len(data))], device=device))[:, 0].long().tolist()
+    if max(lengths) == 0:
+        return [b""] * len(lengths)
+    row = torch.zeros(max(lengths), dtype=torch.float32, device=device)
+    if data:
+        row[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device=device, dtype=torch.float32)
+    table = all_gather_rows(transport, row).to(torch.uint8).cpu()
+    return [bytes(table[r, :n].tolist()) for r, n in enumerate(lengths)]
