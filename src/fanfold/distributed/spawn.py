@@ -71,7 +71,8 @@ def _context(fn: Callable, start_method: str | None):
         start_method = "fork" if getattr(fn, "__module__", None) == "__main__" else "forkserver"
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.optim", "fanfold"])
+        # torch._dynamo: creating any torch.optim optimizer imports it (4-15 s here); pay that once, not per rank.
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.optim", "torch._dynamo", "fanfold"])
     return ctx
 
 
