@@ -13,7 +13,7 @@ $(STAMP): requirements.txt pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/fanfold demo --devices 3
+	$(BIN)/fanfold train
 
 demo: $(STAMP)
 	$(BIN)/fanfold demo --devices 3
