@@ -1,0 +1,244 @@
+"""``ShmTransport``: collectives through one shared-memory segment for ranks that share a host, and the choice
+between it and torch's collectives (:func:`select_transport`).
+
+Layer: a transport (the interface of ``transport.py``: ``all_reduce(tensor, bucket=None) -> handle``, ``broadcast``,
+``barrier``), used by the reducer and DDP; below it ``shm_engine.py`` (the algorithms) and ``shm_segment.py`` (the
+memory and the bounded waits). Process groups, rendezvous and launching stay torch.distributed's: only the
+segment's name and each rank's host identity travel, through the group's store.
+
+all_reduce goes chunk by chunk (``chunk_bytes``, 1 MiB) through a ring of shared areas: every rank copies its chunk
+into its slot, then either every rank sums all slots into its own tensor (up to 3 ranks: one synchronisation a
+chunk, fewest bytes moved), or rank r sums shard r into a result area that every rank then copies out
+(reduce-scatter + all-gather, more ranks). Either way each element is summed in rank order 0..N-1 with the same
+float32 operations, so every rank gets the same bits, run after run; bf16/fp16 are summed in float32 and rounded
+once. Requests run in FIFO order on one background thread per transport, so a reducer keeps several buckets in
+flight while backward runs; every wait for a peer is bounded by ``timeout``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import queue
+import threading
+import weakref
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from .shm_engine import ALL_REDUCE, BARRIER, BROADCAST, DTYPES, OPS, Engine
+from .shm_segment import SHM_DIR, Segment, ShmTimeoutError, pid_namespace
+from .stall import ENV_VAR as STALL_ENV_VAR, resolve_stall_timeout
+from .transport import ENV_VAR
+
+__all__ = ["ShmTransport", "ShmWork", "ShmTimeoutError", "select_transport", "host_key"]
+
+
+class ShmWork:
+    """The handle of an asynchronous collective: ``wait()`` blocks until the tensor holds the result (or raises
+    the transport's error; the transport's timeout bounds it), ``get_future()`` gives a torch Future of the tensor."""
+
+    __slots__ = ("_future",)
+
+    def __init__(self, future: torch.futures.Future):
+        self._future = future
+
+    def wait(self, timeout: Any = None) -> bool:
+        self._future.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+
+def _completed(value: Any) -> ShmWork:
+    fut = torch.futures.Future()
+    fut.set_result(value)
+    return ShmWork(fut)
+
+
+def _flat(tensor: torch.Tensor, what: str) -> tuple[torch.Tensor, Callable[[], None] | None]:
+    """A contiguous 1-d view of ``tensor`` in a supported dtype, and the copy back when it had to be a copy."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{what} needs a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.device.type != "cpu":
+        raise ValueError(f"the shm transport works on CPU tensors; {what} got one on {tensor.device}")
+    t = torch.view_as_real(tensor) if tensor.is_complex() else tensor
+    if t.dtype not in DTYPES:
+        raise TypeError(f"{what}: dtype {tensor.dtype} is not supported by the shm transport ({DTYPES})")
+    if t.is_contiguous():
+        return t.view(-1), None
+    flat = t.contiguous().view(-1)
+    return flat, lambda: t.copy_(flat.view_as(t))
+
+
+def _serve(requests: queue.SimpleQueue, engine: Engine) -> None:
+    """The transport's thread: requests in FIFO order (every rank issues them in the same order). After a failure
+    the transport is unusable (the peers were told through the abort word); later requests get the same error."""
+    error = None
+    while True:
+        item = requests.get()
+        if item is None:
+            return
+        fut, value, finish, args = item
+        if error is not None:
+            fut.set_exception(RuntimeError(f"the shm transport failed earlier and cannot be used: {error}"))
+            continue
+        try:
+            engine.run(*args)
+            if finish is not None:
+                finish()
+        except BaseException as exc:  # noqa: BLE001 - every failure must reach the waiting caller
+            error = exc
+            engine.seg.abort(f"rank {engine.rank}: {type(exc).__name__}: {exc}")
+            fut.set_exception(exc)
+            continue
+        fut.set_result(value)
+
+
+def _stop(requests: queue.SimpleQueue, thread: threading.Thread, segment: Segment | None) -> None:
+    if thread is not None and thread.is_alive():
+        requests.put(None)
+        thread.join(5.0)
+    if segment is not None and (thread is None or not thread.is_alive()):
+        segment.close()
+
+
+class ShmTransport:
+    """The transport interface through shared memory, for a group whose ranks all share this host's /dev/shm.
+
+    Collective: every rank of ``group`` (None: the default group) constructs it, in the same order as its other
+    transports. ``timeout`` (seconds or timedelta; default ``$FANFOLD_STALL_TIMEOUT``, else the process group's
+    timeout) bounds every wait for a peer; a peer that never arrives, dies or fails makes the waiting rank raise
+    :class:`ShmTimeoutError` naming both ranks and the collective. ``chunk_bytes`` is the pipelining unit;
+    ``direct_bytes`` (default: a whole chunk up to 3 ranks, else 64 KiB) the largest chunk that every rank sums
+    whole instead of by shards. Call :meth:`close` when done (also run when the object is collected).
+    """
+
+    def __init__(self, group: Any = None, timeout: float | timedelta | None = None, *, chunk_bytes: int = 1 << 20,
+                 direct_bytes: int | None = None):
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("ShmTransport needs an initialised process group: call "
+                               "fanfold.distributed.init_process_group() first (under `fanfold run` or fanfold.launch)")
+        if chunk_bytes < 4096 or chunk_bytes % 4096:
+            raise ValueError(f"chunk_bytes must be a positive multiple of 4096, got {chunk_bytes!r}")
+        self.group = group
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        if timeout is None and not os.environ.get(STALL_ENV_VAR):
+            timeout = dist.distributed_c10d._get_default_store().timeout  # the process group's own timeout
+        self.timeout = resolve_stall_timeout(timeout)
+        self._seq, self._lock = 0, threading.Lock()
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = self._segment = None
+        if self.world_size > 1:
+            store = _group_store(group, "shm", self.rank)
+            store.set(f"pidns/{self.rank}", pid_namespace())
+            areas = 8 if self.world_size <= 3 else 4
+            self._segment = Segment(store, self.rank, self.world_size, areas * (self.world_size + 1) * chunk_bytes,
+                                    self.timeout, check_pids=False)
+            # Liveness checks by pid only make sense when every rank sees the same pids.
+            spaces = {store.get(f"pidns/{r}") for r in range(self.world_size)}
+            self._segment.check_pids = len(spaces) == 1 and b"" not in spaces
+            if direct_bytes is None:  # up to 3 ranks, summing everything on every rank moves fewer bytes
+                direct_bytes = chunk_bytes if self.world_size <= 3 else 64 << 10
+            engine = Engine(self._segment, self.rank, self.world_size, chunk_bytes, direct_bytes, areas)
+            self._thread = threading.Thread(target=_serve, args=(self._requests, engine), daemon=True,
+                                            name=f"fanfold-shm-rank{self.rank}")
+            self._thread.start()
+        self._finalizer = weakref.finalize(self, _stop, self._requests, self._thread, self._segment)
+
+    def _submit(self, op: int, tensor: torch.Tensor | None, bucket: int | None = None, src: int = 0) -> ShmWork:
+        flat, finish = _flat(tensor, OPS[op]) if tensor is not None else (None, None)
+        if self.world_size == 1:
+            return _completed(tensor)
+        if not self._finalizer.alive:
+            raise RuntimeError(f"rank {self.rank}: {OPS[op]} on a closed ShmTransport")
+        fut = torch.futures.Future()
+        with self._lock:  # numbering and queueing together: the FIFO order is the numbering order
+            self._seq += 1
+            self._requests.put((fut, tensor, finish, (op, flat, self._seq, bucket, src)))
+        return ShmWork(fut)
+
+    def all_reduce(self, tensor: torch.Tensor, bucket: int | None = None) -> ShmWork:
+        """Sum ``tensor`` over the group, in place, asynchronously; ``bucket`` labels errors."""
+        return self._submit(ALL_REDUCE, tensor, bucket)
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        """Copy rank ``src``'s ``tensor`` into every rank's, in place (after the collectives queued before it)."""
+        if not isinstance(src, int) or not 0 <= src < self.world_size:
+            raise ValueError(f"broadcast: src must be a rank of the group (0..{self.world_size - 1}), got {src!r}")
+        self._submit(BROADCAST, tensor, src=src).wait()
+
+    def barrier(self) -> None:
+        """Return once every rank has reached this barrier (and finished the collectives queued before it)."""
+        self._submit(BARRIER, None).wait()
+
+    def close(self) -> None:
+        """Finish queued collectives, stop the thread and unmap the segment. Idempotent."""
+        self._finalizer()
+
+    def __enter__(self) -> "ShmTransport":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"ShmTransport(rank={self.rank}, world_size={self.world_size}, timeout={self.timeout:g})"
+
+
+def _group_store(group: Any, kind: str, rank: int) -> dist.Store:
+    """A store namespace private to this rank's next ``kind`` object on ``group``: every rank creates its objects in
+    the same order, so the n-th of each rank meet under the same prefix, with no process-wide counter."""
+    name = (group if group is not None else dist.group.WORLD).group_name
+    store = dist.PrefixStore(f"fanfold/{kind}/{name}/", dist.distributed_c10d._get_default_store())
+    instance = store.add(f"instances/{rank}", 1)
+    return dist.PrefixStore(f"{instance}/", store)
+
+
+def host_key() -> str:
+    """Equal for two processes exactly when they run on one kernel and see the same /dev/shm mount."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        st = os.stat(SHM_DIR)
+    except OSError:
+        return f"no-shm-{os.getpid()}-{id(object())}"  # never equal to another process's key
+    return f"{boot}:{st.st_dev}:{st.st_ino}"
+
+
+def select_transport(group: Any = None, transport: str | None = None, device: Any = None) -> str:
+    """"torch" or "shm" for ``group``, the same answer on every rank (collective: every rank calls it).
+
+    ``transport`` (or ``$FANFOLD_TRANSPORT`` when None) forces a choice; ranks that ask for different ones get a
+    ValueError naming them. Unforced: "shm" when every rank sees the same kernel and /dev/shm (compared through
+    the store), the group's backend is gloo, the tensors live on the CPU (``device``; when None: no CUDA here) and
+    the machine is x86-64 (the segment's ordering relies on its total store order); "torch" otherwise.
+    """
+    source = "transport"
+    if transport is None:
+        transport, source = os.environ.get(ENV_VAR) or None, ENV_VAR
+    if transport not in (None, "torch", "shm"):
+        raise ValueError(f"{source} must be 'torch' or 'shm', got {transport!r}")
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("choosing a transport needs an initialised process group: call "
+                           "fanfold.distributed.init_process_group() first (under `fanfold run` or fanfold.launch)")
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    store = _group_store(group, "select", rank)
+    local = platform.machine().lower() in ("x86_64", "amd64") and "nccl" not in dist.get_backend(group) and (
+        torch.device(device).type == "cpu" if device is not None else not torch.cuda.is_available())
+    store.set(str(rank), json.dumps([transport, host_key(), local]))
+    store.wait([str(r) for r in range(world_size)])  # bounded by the store's (the process group's) timeout
+    views = [json.loads(store.get(str(r))) for r in range(world_size)]
+    asked = {r: v[0] for r, v in enumerate(views)}
+    if len(set(asked.values())) > 1:
+        raise ValueError(f"ranks ask for different transports (by rank, {source}): {asked}")
+    if transport is not None:
+        return transport
+    same_host = len({v[1] for v in views}) == 1
+    return "shm" if same_host and all(v[2] for v in views) else "torch"

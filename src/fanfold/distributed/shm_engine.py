@@ -1,0 +1,162 @@
+"""The algorithms of the shared-memory transport: all_reduce, broadcast and barrier as numbered steps over the
+ring of areas of a :class:`~fanfold.distributed.shm_segment.Segment`.
+
+Layer: between ``shm_segment.py`` (memory, counters, bounded waits) and ``shm.py`` (the transport: its thread,
+handles and selection). An :class:`Engine` runs on the transport's thread only.
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import Any, Callable
+
+import torch
+
+from .shm_segment import Segment
+
+__all__ = ["Engine", "DTYPES", "OPS", "ALL_REDUCE", "BROADCAST", "BARRIER"]
+
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.int16,
+          torch.int8, torch.uint8]
+ALL_REDUCE, BROADCAST, BARRIER = 1, 2, 3
+OPS = {ALL_REDUCE: "all_reduce", BROADCAST: "broadcast", BARRIER: "barrier"}
+_DESC = 16  # in a rank's line, two descriptors (kind u32, numel u64) of its current collective, by seq parity
+
+
+class Engine:
+    """The algorithms over one segment; runs on the transport's thread only.
+
+    Every rank publishes numbered steps (``Segment.arrive``); step g writes area g % ``areas`` of the ring. A rank
+    finishes reading step x before it publishes step x + 2 (one chunk of look-ahead: chunk i + 1 is written before
+    chunk i is summed), so step g may rewrite its area once every peer's count reached g - areas + 3. With 8 areas a
+    rank runs up to 5 steps ahead of a descheduled peer: the two take turns in bursts, not at every chunk.
+    """
+
+    def __init__(self, segment: Segment, rank: int, world_size: int, chunk_bytes: int, direct_bytes: int,
+                 areas: int):
+        self.seg, self.rank, self.n = segment, rank, world_size
+        self.chunk_bytes, self.direct_bytes, self.areas = chunk_bytes, direct_bytes, areas
+        self._views: dict[torch.dtype, list] = {}
+        self._scratch = torch.empty(chunk_bytes // 2, dtype=torch.float32)  # a chunk of half values, widened
+        # Parity: a rank rewrites descriptor seq % 2 only after the first step of seq + 1 completed, which its peers
+        # publish only once they have checked collective seq.
+        self._desc = [[(segment.line(r, ctypes.c_uint32, _DESC + 16 * b),
+                        segment.line(r, ctypes.c_uint64, _DESC + 16 * b + 8)) for b in (0, 1)]
+                      for r in range(world_size)]
+
+    def _step(self, dtype: torch.dtype, describe: Callable) -> tuple[int, list[torch.Tensor], torch.Tensor]:
+        """The next step's number, and its area's slots 0..N-1 and result, as ``dtype`` views, once reusable."""
+        g = self.seg.arrived
+        if g + 3 > self.areas:
+            self.seg.wait_all(g + 3 - self.areas, describe)
+        if dtype not in self._views:
+            cap, data = self.chunk_bytes, self.seg.data
+            self._views[dtype] = [[data[(b * (self.n + 1) + a) * cap:][:cap].view(dtype) for a in range(self.n + 1)]
+                                  for b in range(self.areas)]
+        area = self._views[dtype][g % self.areas]
+        return g, area[: self.n], area[self.n]
+
+    def _sum(self, parts: list[torch.Tensor], out: torch.Tensor) -> None:
+        # Rank order, every time: the bits depend only on the inputs, not on which rank sums or how fast it is.
+        if out.dtype in (torch.bfloat16, torch.float16) and len(parts) > 2:
+            acc = self._scratch[: out.numel()]
+            acc.copy_(parts[0])
+            for p in parts[1:]:
+                acc.add_(p)
+            out.copy_(acc)
+            return
+        torch.add(parts[0], parts[1], out=out)  # two half operands are added in float32 and rounded once
+        for p in parts[2:]:
+            out.add_(p)
+
+    def _check(self, seq: int, kind: int, numel: int, describe: Callable) -> None:
+        # After the first step of a collective every peer has announced it: catch a mismatch instead of summing
+        # unrelated memory.
+        for p in range(self.n):
+            theirs = tuple(v.value for v in self._desc[p][seq & 1])
+            if theirs != (kind, numel):
+                raise RuntimeError(
+                    f"fanfold shm transport: rank {self.rank} is in {describe()[0]} but rank {p} is in "
+                    f"{_describe_kind(*theirs)}: every rank must issue the same collectives, with the same "
+                    "shapes and dtypes, in the same order")
+
+    def run(self, op: int, flat: torch.Tensor | None, seq: int, bucket: int | None, src: int = 0) -> None:
+        numel = 0 if flat is None else flat.numel()
+        kind = op | (0 if flat is None else DTYPES.index(flat.dtype) + 1) << 4 | src << 12
+        d = self._desc[self.rank][seq & 1]
+        d[0].value, d[1].value = kind, numel
+        cap = self.chunk_bytes // (flat.element_size() if flat is not None else 1)
+        count = max(1, -(-numel // cap))
+        where = f"#{seq}" + ("" if bucket is None else f" (bucket {bucket})")
+
+        def describe(i: int) -> Callable:
+            return lambda: (f"{_describe_kind(kind, numel)} {where}, chunk {i + 1} of {count}", seq, bucket)
+
+        if op == BARRIER:
+            self.seg.wait_all(self.seg.arrive(), describe(0))
+            self._check(seq, kind, numel, describe(0))
+            return
+        chunks = [flat[i * cap:][:cap] for i in range(count)]
+        if op == ALL_REDUCE and cap * flat.element_size() > self.direct_bytes:
+            for i, chunk in enumerate(chunks):
+                self._reduce_scatter_gather(chunk, describe(i), i == 0 and (seq, kind, numel))
+            return
+        # Direct all-reduce, or broadcast: write chunk i + 1 before reading chunk i (look-ahead of one).
+        write = self._write_slot if op == ALL_REDUCE else self._write_result if self.rank == src else self._skip
+        ahead = write(chunks[0], describe(0))
+        for i, chunk in enumerate(chunks):
+            g, slots, result = ahead
+            if i + 1 < count:
+                ahead = write(chunks[i + 1], describe(i + 1))
+            self.seg.wait_all(g + 1, describe(i))
+            if i == 0:
+                self._check(seq, kind, numel, describe(0))
+            c = chunk.numel()
+            if op == ALL_REDUCE:
+                self._sum([s[:c] for s in slots], chunk)
+            elif self.rank != src:
+                chunk.copy_(result[:c])
+
+    def _write_slot(self, chunk: torch.Tensor, describe: Callable) -> tuple:
+        g, slots, result = self._step(chunk.dtype, describe)
+        slots[self.rank][: chunk.numel()].copy_(chunk)
+        self.seg.arrive()
+        return g, slots, result
+
+    def _write_result(self, chunk: torch.Tensor, describe: Callable) -> tuple:
+        g, slots, result = self._step(chunk.dtype, describe)
+        result[: chunk.numel()].copy_(chunk)
+        self.seg.arrive()
+        return g, slots, result
+
+    def _skip(self, chunk: torch.Tensor, describe: Callable) -> tuple:
+        g, slots, result = self._step(chunk.dtype, describe)
+        self.seg.arrive()
+        return g, slots, result
+
+    def _reduce_scatter_gather(self, chunk: torch.Tensor, describe: Callable, check: Any) -> None:
+        # Two steps, no look-ahead: the second step publishes this rank's reduced shard.
+        c = chunk.numel()
+        g, slots, _ = self._write_slot(chunk, describe)
+        self.seg.wait_all(g + 1, describe)
+        if check:
+            self._check(*check, describe)
+        align = max(1, 64 // chunk.element_size())  # shard edges on cache lines: no two writers share one
+        per = -(-c // self.n // align) * align if c >= self.n * align else -(-c // self.n)
+        lo, hi = min(c, self.rank * per), min(c, (self.rank + 1) * per)
+        g, _, result = self._step(chunk.dtype, describe)
+        if hi > lo:
+            self._sum([s[lo:hi] for s in slots], result[lo:hi])
+        self.seg.arrive()
+        self.seg.wait_all(g + 1, describe)
+        chunk.copy_(result[:c])
+
+
+def _describe_kind(kind: int, numel: int) -> str:
+    op, dtype, src = kind & 15, (kind >> 4) & 255, kind >> 12
+    name = OPS.get(op, f"an unknown collective ({kind})")
+    if op == BARRIER:
+        return name
+    what = f"{name} of {numel} {str(DTYPES[dtype - 1]).replace('torch.', '')}" if 0 < dtype <= len(DTYPES) else name
+    return what + (f" from rank {src}" if op == BROADCAST else "")
+
+

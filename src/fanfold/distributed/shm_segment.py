@@ -1,0 +1,275 @@
+"""The shared-memory segment of :class:`~fanfold.distributed.shm.ShmTransport`, and the bounded waits that order it.
+
+Layer: below ``shm.py`` (the transport's algorithms); above the process group's store, which carries the segment's
+name. Rank 0 creates ``/dev/shm/fanfold-<pid namespace>-<pid>-<random>``, publishes the name in the store, the other
+ranks map it, and as soon as every rank has reported (attached or failed) every rank unlinks it. From then on the
+name is gone from /dev/shm and the kernel frees the memory when the last rank unmaps it, however that rank ends
+(SIGKILL included); each transport instance gets a fresh random name, so a restart never meets stale state.
+
+Layout: a header page (abort word and message), one 128-byte line per rank (its step counter, pid and the
+descriptor of its current collective), then the data area the transport divides into buffers.
+
+Ordering: rank r owns counter r (the steps it has published) and only ever writes its own line, so no atomic
+read-modify-write is needed: :meth:`arrive` bumps the own counter and wakes sleepers on it, :meth:`wait_all` waits
+until every peer's counter reached a step. x86-64 keeps stores in program order (TSO), so a peer that sees the
+counter also sees the data written before it. A wait spins a
+few microseconds (the peer is usually that close), then sleeps in the kernel on the peer's counter (futex, no CPU
+taken from the computing thread), waking every 50 ms to check the deadline, the abort word and whether the peer's
+process still exists.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import secrets
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+__all__ = ["Segment", "ShmTimeoutError", "SHM_DIR", "pid_namespace", "leftover_segments"]
+
+SHM_DIR = "/dev/shm"
+_PREFIX = "fanfold-"
+_MAGIC = 0x464E464C  # "FNFL"
+_LINE = 128  # one rank's line: two cache lines, so neighbours' writes never share one (adjacent-line prefetch)
+_ABORT, _MSG, _MSG_LEN = 64, 128, 768
+_RANKS = 1024
+_SPIN_S = 100e-6  # polling a peer's counter (yielding the core in between) before sleeping in the kernel
+_SLICE = 0.05  # seconds between checks of deadline, abort word and peer liveness while asleep
+_FUTEX_WAIT, _FUTEX_WAKE = 0, 1
+_SYS_FUTEX = {"x86_64": 202, "amd64": 202, "aarch64": 98, "arm64": 98}.get(platform.machine().lower())
+
+
+def _syscall() -> Any:
+    fn = ctypes.CDLL(None, use_errno=True).syscall
+    fn.restype = ctypes.c_long
+    fn.argtypes = [ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p,
+                   ctypes.c_long]
+    return fn
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+class ShmTimeoutError(RuntimeError):
+    """A collective of the shm transport did not complete: ``rank`` waited in collective ``seq`` (``bucket``) for
+    the ranks ``missing``, which never arrived, died, or aborted the transport."""
+
+    def __init__(self, message: str, *, rank: int, missing: list[int], seq: int, bucket: int | None):
+        super().__init__(message)
+        self.rank, self.missing, self.seq, self.bucket = rank, missing, seq, bucket
+
+
+def pid_namespace() -> str:
+    """An id of this process's pid namespace ("" when unknown): pids are comparable only inside one."""
+    try:
+        return os.readlink("/proc/self/ns/pid").split("[")[-1].rstrip("]")
+    except OSError:
+        return ""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")  # a zombie has exited, unreaped
+    except OSError:
+        return False
+
+
+def leftover_segments() -> list[str]:
+    """Names of fanfold segments present in /dev/shm (normally none: they are unlinked right after attaching)."""
+    try:
+        return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(_PREFIX))
+    except OSError:
+        return []
+
+
+def _sweep(pidns: str) -> None:
+    # A creator killed between creating and publishing a segment leaves its name behind; remove such names, but
+    # only those of our pid namespace whose creator is gone (another namespace's pids mean nothing here).
+    for name in leftover_segments():
+        parts = name.split("-")
+        if len(parts) == 4 and parts[1] == pidns and parts[2].isdigit() and not _alive(int(parts[2])):
+            try:
+                os.unlink(os.path.join(SHM_DIR, name))
+            except OSError:
+                pass
+
+
+class Segment:
+    """The mapped segment of one transport instance: ``data`` (a uint8 tensor of ``data_bytes``), per-rank lines,
+    :meth:`arrive`, :meth:`wait_all`, :meth:`abort`. Collective: every rank constructs it with the same arguments."""
+
+    def __init__(self, store: Any, rank: int, world_size: int, data_bytes: int, timeout: float, check_pids: bool):
+        if _SYS_FUTEX is None:
+            raise RuntimeError(f"the shm transport needs Linux futexes; machine {platform.machine()!r} is not known")
+        self.rank, self.world_size, self.timeout, self.check_pids = rank, world_size, timeout, check_pids
+        self._data_offset = -(-(_RANKS + world_size * _LINE) // 4096) * 4096
+        size = self._data_offset + data_bytes
+        self._mm = self._map(store, size)
+        self._bytes = torch.frombuffer(self._mm, dtype=torch.uint8)
+        self.base = self._bytes.data_ptr()
+        self.data = self._bytes[self._data_offset:]
+        self._futex = _syscall()
+        self._timespec = _Timespec()
+        self._counters = [ctypes.c_uint32.from_address(self._line(r)) for r in range(world_size)]
+        self._abort = ctypes.c_uint32.from_address(self.base + _ABORT)
+        self.arrived = 0  # the steps this rank has published (its counter, without the 32-bit wrap)
+
+    def _line(self, r: int) -> int:
+        return self.base + _RANKS + r * _LINE
+
+    def _map(self, store: Any, size: int) -> Any:
+        import mmap
+
+        deadline = time.monotonic() + self.timeout
+        name, error, mm = None, "", None
+        try:
+            if self.rank == 0:
+                try:
+                    pidns = pid_namespace()
+                    _sweep(pidns)
+                    name = f"{_PREFIX}{pidns or 'x'}-{os.getpid()}-{secrets.token_hex(6)}"
+                    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                    try:
+                        os.posix_fallocate(fd, 0, size)  # ENOSPC now, not SIGBUS at the first touch of a page
+                        mm = mmap.mmap(fd, size)
+                    finally:
+                        os.close(fd)
+                    ctypes.c_uint32.from_buffer(mm, 0).value = _MAGIC
+                    ctypes.c_uint32.from_buffer(mm, 4).value = self.world_size
+                finally:
+                    store.set("name", name if mm is not None else "")  # "": the others stop waiting and report
+            else:
+                store.wait(["name"], timedelta(seconds=self.timeout))
+                name = store.get("name").decode() or None
+                if name is None:
+                    raise RuntimeError("rank 0 could not create it")
+                fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+                try:
+                    if os.fstat(fd).st_size != size:
+                        raise RuntimeError(f"{name} has {os.fstat(fd).st_size} bytes, this rank expects {size}")
+                    mm = mmap.mmap(fd, size)
+                finally:
+                    os.close(fd)
+                header = tuple((ctypes.c_uint32 * 2).from_buffer(mm))
+                if header != (_MAGIC, self.world_size):
+                    raise RuntimeError(f"{name} was made for another group (header {header})")
+            ctypes.c_uint32.from_buffer(mm, _RANKS + self.rank * _LINE + 8).value = os.getpid()
+        except Exception as exc:
+            error, mm = f"{type(exc).__name__}: {exc}", None
+        finally:
+            # Every rank reports, then every rank unlinks: after that the name is gone whatever happens next.
+            try:
+                store.set(f"attached/{self.rank}", error or "ok")
+                self._wait_reports(store, deadline)
+            finally:
+                if name is not None:
+                    try:
+                        os.unlink(os.path.join(SHM_DIR, name))
+                    except FileNotFoundError:
+                        pass
+        if error:
+            raise RuntimeError(f"rank {self.rank} could not map the shm transport's segment: {error}")
+        return mm
+
+    def _wait_reports(self, store: Any, deadline: float) -> None:
+        keys = [f"attached/{r}" for r in range(self.world_size)]
+        while not store.check(keys):
+            if time.monotonic() > deadline:
+                late = [r for r, k in enumerate(keys) if not store.check([k])]
+                raise ShmTimeoutError(
+                    f"rank {self.rank}: ranks {late} did not attach to the shm transport's segment within "
+                    f"{self.timeout:g} s", rank=self.rank, missing=late, seq=0, bucket=None)
+            time.sleep(0.002)
+        failed = {r: store.get(k).decode() for r, k in enumerate(keys)}
+        failed = {r: e for r, e in failed.items() if e != "ok"}
+        if failed:
+            raise RuntimeError(f"rank {self.rank}: the shm transport's segment could not be mapped on ranks "
+                               f"{sorted(failed)}: {failed}. Do all ranks share /dev/shm? Use FANFOLD_TRANSPORT=torch.")
+
+    def line(self, r: int, fmt: type, offset: int) -> Any:
+        """A ctypes view of rank ``r``'s line at byte ``offset`` (>= 16; 0-15 hold the counter and the pid)."""
+        return fmt.from_address(self._line(r) + offset)
+
+    def pid(self, r: int) -> int:
+        return ctypes.c_uint32.from_address(self._line(r) + 8).value
+
+    def _wake(self, r: int) -> None:
+        self._futex(_SYS_FUTEX, self._line(r), _FUTEX_WAKE, 0x7FFFFFFF, None, None, 0)
+
+    def arrive(self) -> int:
+        """Publish this rank's next step (the data it wrote is visible to whoever sees the count); the new count."""
+        self.arrived += 1
+        self._counters[self.rank].value = self.arrived & 0xFFFFFFFF
+        self._wake(self.rank)
+        return self.arrived
+
+    def wait_all(self, target: int, describe: Any) -> None:
+        """Wait until every peer's count reached ``target``, at most ``timeout`` seconds; ``describe()`` gives
+        (what this rank is doing, seq, bucket) for the error."""
+        k = target & 0xFFFFFFFF
+        deadline = None
+        for p in range(self.world_size):
+            c = self._counters[p]
+            if p == self.rank or (c.value - k) & 0x80000000 == 0:
+                continue
+            spin_end = time.perf_counter() + _SPIN_S
+            while (c.value - k) & 0x80000000 and time.perf_counter() < spin_end:
+                os.sched_yield()  # runnable threads (the computing one) get the core; otherwise returns at once
+            if (c.value - k) & 0x80000000:
+                deadline = deadline or time.monotonic() + self.timeout
+                self._sleep_until(p, k, deadline, describe)
+
+    def _sleep_until(self, p: int, k: int, deadline: float, describe: Any) -> None:
+        c = self._counters[p]
+        while True:
+            v = c.value
+            if (v - k) & 0x80000000 == 0:
+                return
+            if self._abort.value:
+                a = self._abort.value - 1
+                self._fail(describe, p, k, f"; rank {a} gave up first: {self.abort_message()}")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._fail(describe, p, k, f" within {self.timeout:g} s")
+            if self.check_pids and not _alive(self.pid(p)):
+                self._fail(describe, p, k, f" (rank {p}'s process {self.pid(p)} is gone)")
+            s = min(_SLICE, left)
+            self._timespec.tv_sec, self._timespec.tv_nsec = int(s), int((s % 1) * 1e9)
+            self._futex(_SYS_FUTEX, self._line(p), _FUTEX_WAIT, v, ctypes.addressof(self._timespec), None, 0)
+
+    def _fail(self, describe: Any, p: int, k: int, why: str) -> None:
+        doing, seq, bucket = describe()
+        missing = [q for q in range(self.world_size) if (self._counters[q].value - k) & 0x80000000] or [p]
+        who = f"rank {missing[0]}" if len(missing) == 1 else f"ranks {missing}"
+        raise ShmTimeoutError(
+            f"fanfold shm transport: rank {self.rank} of {self.world_size} waited in {doing} for {who}, which never "
+            f"arrived{why}", rank=self.rank, missing=missing, seq=seq, bucket=bucket)
+
+    def abort(self, message: str) -> None:
+        """Tell every peer that this rank gave up (their waits raise at once), naming it and ``message``."""
+        if self._abort.value:
+            return  # the first abort's message is the useful one
+        data = message.encode(errors="replace")[: _MSG_LEN - 1]
+        ctypes.memmove(self.base + _MSG, data + b"\0", len(data) + 1)
+        self._abort.value = self.rank + 1
+        for r in range(self.world_size):
+            self._wake(r)
+
+    def abort_message(self) -> str:
+        return ctypes.string_at(self.base + _MSG).decode(errors="replace")
+
+    def close(self) -> None:
+        """Unmap (the memory is freed once every rank has unmapped or exited)."""
+        self._counters = []
+        self.data = self._bytes = None
+        self._abort = None
+        try:
+            self._mm.close()
+        except (BufferError, AttributeError):
+            pass  # a view still exported: the mapping goes with the process

@@ -1,0 +1,332 @@
+"""The shared-memory transport on 2 and 3 ranks: exact fixed-order sums (bitwise equal across ranks), every dtype,
+FIFO async handles, mismatches and dead peers named within the timeout, transport selection, DDP on shm, and
+/dev/shm left clean."""
+import hashlib
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fanfold
+from fanfold.distributed import free_port
+from fanfold.distributed.shm import ShmTimeoutError, ShmTransport, host_key, select_transport
+from fanfold.distributed.shm_segment import SHM_DIR, leftover_segments, pid_namespace
+
+from _ddp_models import MODELS, batch, loss_fn, optimizer, shard, single_process
+
+CHUNK = 64 << 10  # small chunks: many chunk edges and both algorithms (direct below 16 KB) at cheap sizes
+# elements: 1 .. 64 MB of float32, odd lengths, each side of the 16 KB / 64 KB edges
+SIZES = [1, 2, 3, 7, 4095, 4096, 4097, 16383, 16384, 16385, 100003, 1 << 20, (4 << 20) + 5, 16 << 20]
+
+
+@pytest.fixture(autouse=True)
+def clean_dev_shm():
+    before = set(leftover_segments())
+    yield
+    # Other test runs on this machine may be between creating and unlinking a segment (milliseconds): only a
+    # name that stays is a leftover.
+    deadline = time.monotonic() + 2.0
+    while (new := set(leftover_segments()) - before) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not new, f"fanfold segments left in /dev/shm: {sorted(new)}"
+
+
+def _init():
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _inputs(size, r, dtype=torch.float32):
+    if size >= 1 << 20:  # rolled copies of one random tensor: as good an input, far cheaper to make n times
+        x = torch.randn(size, generator=torch.Generator().manual_seed(size)).roll(9973 * r) * (r + 1)
+    else:
+        x = torch.randn(size, generator=torch.Generator().manual_seed(7919 * r + size))
+    return x.to(dtype) if dtype.is_floating_point else (x * 50).to(dtype)
+
+
+def _digest(t):
+    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def _sums():
+    r, n = _init()
+    out = {"host": host_key(), "sizes": {}, "dtypes": {}}
+    with ShmTransport(timeout=60, chunk_bytes=CHUNK, direct_bytes=16 << 10) as t, ShmTransport(timeout=60) as big:
+        for size in SIZES:
+            xs = [_inputs(size, q) for q in range(n)]
+            y = xs[r].clone()
+            (t if size < 1 << 20 else big).all_reduce(y).wait()  # big sizes: the default 1 MB chunks
+            if r > 0:  # the digests show the other ranks hold the same bits: rank 0 checks the values
+                out["sizes"][size] = (_digest(y),)
+                continue
+            fixed = xs[0] + xs[1]  # the promised order: rank 0 + rank 1 + ... in float32
+            for x in xs[2:]:
+                fixed += x
+            ref = sum(x.double() for x in xs)
+            bound = (n * torch.finfo(torch.float32).eps * sum(x.double().abs() for x in xs)).max().item()
+            out["sizes"][size] = (_digest(y), torch.equal(y, fixed), (y.double() - ref).abs().max().item(), bound)
+        for dtype in (torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.int8,
+                      torch.uint8, torch.complex64):
+            real = torch.float32 if dtype == torch.complex64 else dtype
+            xs = [_inputs(3 * CHUNK // 2 + 1, q, real) for q in range(n)]
+            if dtype == torch.complex64:
+                xs = [torch.complex(x, x.flip(0)) for x in xs]
+            y = xs[r].clone()
+            t.all_reduce(y).wait()
+            wide = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+            expect = xs[0].to(wide) + xs[1].to(wide)
+            for x in xs[2:]:
+                expect += x.to(wide)
+            out["dtypes"][str(dtype)] = (_digest(y), torch.equal(y, expect.to(dtype)))
+        base = torch.arange(40.0).view(4, 10) * (r + 1)  # a non-contiguous view: only its elements change
+        t.all_reduce(base[:, ::3]).wait()
+        out["strided"] = base
+        b = torch.full((CHUNK // 4 * 3 + 1,), float(r))  # several chunks, from a rank that is not 0
+        t.broadcast(b, src=n - 1)
+        out["broadcast"] = b.unique().tolist()
+        t.barrier()
+    return out
+
+
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_all_reduce_exact_fixed_order_and_bitwise_equal(nprocs):
+    stale = os.path.join(SHM_DIR, f"fanfold-{pid_namespace() or 'x'}-{_dead_pid()}-0badc0ffee00")
+    open(stale, "w").close()  # what a creator killed before publishing its segment would leave
+    try:
+        out = fanfold.launch(_sums, nprocs=nprocs, timeout=240)
+        assert not os.path.exists(stale)  # swept by the next group's rank 0
+    finally:
+        if os.path.exists(stale):
+            os.unlink(stale)
+    assert len({o["host"] for o in out}) == 1
+    for size in SIZES:
+        digest, fixed, err, bound = out[0]["sizes"][size]
+        assert fixed, f"size {size}: not the rank-order float32 sum"
+        assert err <= bound, f"size {size}: off the float64 sum by {err} > {bound}"
+        assert all(o["sizes"][size][0] == digest for o in out), f"size {size}: ranks differ"
+    for dtype, (digest, exact) in out[0]["dtypes"].items():
+        assert exact, dtype
+        assert all(o["dtypes"][dtype][0] == digest for o in out), dtype
+    scale = sum(range(1, nprocs + 1))
+    strided = torch.arange(40.0).view(4, 10)
+    for r, o in enumerate(out):
+        expect = strided * (r + 1)
+        expect[:, ::3] = strided[:, ::3] * scale
+        assert torch.equal(o["strided"], expect)
+        assert o["broadcast"] == [float(nprocs - 1)]
+
+
+def _dead_pid():
+    p = mp.get_context("fork").Process(target=os._exit, args=(0,))
+    p.start()
+    p.join()
+    return p.pid
+
+
+def _async_fifo():
+    r, n = dist.get_rank(), dist.get_world_size()
+    out = {}
+    with ShmTransport(timeout=60, chunk_bytes=CHUNK) as t:
+        ts = [torch.full((size,), float(r + 1)) for size in (5, 300000, 17, 70000, 1)]
+        handles = [t.all_reduce(x, bucket=i) for i, x in enumerate(ts)]  # all in flight at once
+        chained = handles[1].get_future().then(lambda fut: fut.value().sum().item())
+        out["values"] = [h.wait() and x.unique().tolist() for h, x in zip(reversed(handles), reversed(ts))]
+        out["chained"] = chained.wait()
+        out["completed"] = all(h.is_completed() for h in handles)
+        x = torch.ones(3)
+        h = t.all_reduce(x)
+        t.barrier()  # FIFO: the barrier runs after the all_reduce queued before it
+        out["after_barrier"] = h.is_completed() and x.tolist()
+    return out
+
+
+def _api(asks):
+    _init()
+    return {"async": _async_fifo(), "select": _select(asks), "misuse": _misuse()}
+
+
+@pytest.fixture(scope="module")
+def api():
+    return fanfold.launch(_api, ["shm", "torch"], nprocs=2, timeout=180)
+
+
+def test_async_handles_overlap_in_fifo_order(api):
+    for o in (a["async"] for a in api):
+        assert o["values"] == [[3.0]] * 5
+        assert o["chained"] == 3.0 * 300000
+        assert o["completed"] and o["after_barrier"] == [2.0] * 3
+
+
+def _misuse():
+    r, n = dist.get_rank(), dist.get_world_size()
+    out = {}
+    t = ShmTransport(timeout=30)
+    for name, call, exc in (
+        ("bool", lambda: t.all_reduce(torch.ones(2, dtype=torch.bool)), TypeError),
+        ("not a tensor", lambda: t.all_reduce([1.0]), TypeError),
+        ("src", lambda: t.broadcast(torch.ones(2), src=n), ValueError),
+    ):
+        with pytest.raises(exc) as e:
+            call()
+        out[name] = str(e.value)
+    try:  # different lengths on the two ranks: both must refuse, not sum unrelated memory
+        t.all_reduce(torch.ones(10 + r), bucket=4).wait()
+    except RuntimeError as e:
+        out["mismatch"] = str(e)
+    try:
+        t.all_reduce(torch.ones(1)).wait()
+    except RuntimeError as e:
+        out["after"] = str(e)
+    t.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        t.all_reduce(torch.ones(1))
+    return out
+
+
+def test_misuse_is_named(api):
+    out = [a["misuse"] for a in api]
+    assert "torch.bool" in out[0]["bool"] and "list" in out[0]["not a tensor"] and "src" in out[0]["src"]
+    for r, o in enumerate(out):
+        assert f"rank {r} is in all_reduce of {10 + r} float32 #1 (bucket 4)" in o["mismatch"], o["mismatch"]
+        assert f"rank {1 - r} is in all_reduce of {11 - r} float32" in o["mismatch"], o["mismatch"]
+        assert "failed earlier" in o["after"]
+
+
+# --- a dead or absent peer: the others must raise a named error within the timeout --------------------------------
+
+def _peer_gone(how, path):
+    r, n = _init()
+    t = ShmTransport(timeout=2)
+    x = torch.ones(1 << 20)
+    t.all_reduce(x).wait()  # one good collective first: the peer dies mid-training, not at start
+    t0 = time.monotonic()
+    try:
+        if r == n - 1:
+            if how == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(5)  # "hang": alive but never arrives
+            result = "slept"
+        else:
+            t.all_reduce(x, bucket=2).wait()
+            result = "completed"
+    except ShmTimeoutError as e:
+        result = (str(e), e.rank, e.missing, e.seq, e.bucket)
+    with open(f"{path}.{r}", "wb") as f:
+        pickle.dump((result, time.monotonic() - t0), f)
+
+
+def _run_surviving(fn, args, nprocs, timeout=90):
+    """Start ranks like fanfold.launch, but let one die: wait for all to end, then read each rank's file."""
+    ctx = mp.get_context("forkserver")
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(nprocs)}
+    procs = [ctx.Process(target=_rank_entry, args=(fn, args, r, env)) for r in range(nprocs)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.1, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    return [p.exitcode for p in procs]
+
+
+def _rank_entry(fn, args, r, env):
+    os.environ.update(env, RANK=str(r), LOCAL_RANK=str(r))
+    torch.set_num_threads(1)
+    fn(*args)
+    os._exit(0)  # no process-group teardown: it would wait on the peer this scenario lost
+
+
+@pytest.mark.parametrize("how,nprocs", [("kill", 3), ("hang", 2)])
+def test_dead_or_absent_peer_is_named_within_timeout(how, nprocs, tmp_path):
+    path = str(tmp_path / "result")
+    codes = _run_surviving(_peer_gone, (how, path), nprocs)
+    assert codes[-1] == (-signal.SIGKILL if how == "kill" else 0)
+    missing = nprocs - 1
+    for r in range(nprocs - 1):
+        with open(f"{path}.{r}", "rb") as f:
+            (msg, rank, miss, seq, bucket), waited = pickle.load(f)
+        assert (rank, miss, seq, bucket) == (r, [missing], 2, 2)
+        assert f"rank {r} of {nprocs} waited in all_reduce of {1 << 20} float32 #2 (bucket 2)" in msg
+        assert f"for rank {missing}" in msg
+        if how == "kill":
+            assert "is gone" in msg
+        else:
+            assert "never arrived within 2 s" in msg
+        assert waited < 4  # the timeout, not the 5 s the peer sleeps
+
+
+# --- selection and DDP -------------------------------------------------------------------------------------------
+
+def _select(asks):
+    r, n = dist.get_rank(), dist.get_world_size()
+    out = {"auto": select_transport(), "torch": select_transport(transport="torch"),
+           "gpu": select_transport(device="meta")}
+    os.environ["FANFOLD_TRANSPORT"] = "torch"
+    out["env"] = select_transport()
+    del os.environ["FANFOLD_TRANSPORT"]
+    with pytest.raises(ValueError, match="different transports") as e:
+        select_transport(transport=asks[r])
+    out["disagree"] = str(e.value)
+    with pytest.raises(ValueError, match="'nccl'"):
+        select_transport(transport="nccl")
+    return out
+
+
+def test_select_transport(api):
+    for o in (a["select"] for a in api):
+        assert (o["auto"], o["torch"], o["gpu"], o["env"]) == ("shm", "torch", "torch", "torch")
+        assert "{0: 'shm', 1: 'torch'}" in o["disagree"]
+
+
+def _train(kind, transport, steps, hook=None):
+    r, n = dist.get_rank(), dist.get_world_size()
+    model = MODELS[kind]()
+    ddp = fanfold.DDP(model, transport=transport, bucket_cap_mb=0.002, first_bucket_cap_mb=0.001)
+    if hook is not None:
+        from fanfold.distributed import comm_hooks
+
+        ddp.register_comm_hook(None, getattr(comm_hooks, hook))
+    opt = optimizer(model)
+    for step in range(steps):
+        x, y = batch(kind, step)
+        opt.zero_grad()
+        loss_fn(kind, ddp(shard(x, r, n)), shard(y, r, n)).backward()
+        opt.step()
+    return type(ddp.transport).__name__, [p.detach().clone() for p in model.parameters()]
+
+
+def _trainings(transport):
+    _init()
+    runs = {"mlp": _train("mlp", transport, STEPS)}
+    if transport == "shm":
+        runs["lm"] = _train("lm", transport, STEPS)
+        runs["bf16"] = _train("mlp", transport, STEPS, "bf16_compress_hook")
+    return runs
+
+
+STEPS = 10
+
+
+def test_ddp_training_equivalent_on_both_transports():
+    shm = fanfold.launch(_trainings, "shm", nprocs=2, timeout=180)
+    torch_ = fanfold.launch(_trainings, "torch", nprocs=2, timeout=180)
+    assert [s["mlp"][0] for s in shm] == ["ShmTransport"] * 2 and torch_[0]["mlp"][0] == "TorchTransport"
+    oracle = single_process("mlp", STEPS)
+    for a, b, o in zip(shm[0]["mlp"][1], torch_[0]["mlp"][1], oracle):
+        assert torch.equal(a, b)  # two ranks: a + b either way, so bitwise what gloo gives
+        torch.testing.assert_close(a, o, rtol=1e-5, atol=1e-6)
+    for run in ("mlp", "lm", "bf16"):
+        assert all(torch.equal(a, b) for a, b in zip(shm[0][run][1], shm[1][run][1])), run
+    for a, o in zip(shm[0]["lm"][1], single_process("lm", STEPS)):
+        torch.testing.assert_close(a, o, rtol=1e-5, atol=1e-6)
+    for a, o in zip(shm[0]["bf16"][1], oracle):
+        torch.testing.assert_close(a, o, rtol=0.05, atol=0.02)
