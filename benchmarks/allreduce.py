@@ -6,7 +6,9 @@
 Each rank all-reduces a float32 tensor of each size (bytes) several times; the figure is the median over
 repetitions of the slowest rank. algbw = size / time; busbw = algbw * 2 (n - 1) / n (the bytes each rank moves in a
 ring or reduce-scatter/all-gather, NCCL's convention), so it compares with the copy ceiling: one tensor copy of
-``size`` bytes per rank, all ranks copying at once. The CPU columns are the median CPU time one operation cost
+``size`` bytes per rank, all ranks copying at once. "shm" all-reduces an ordinary tensor (copied into the
+transport's ring); "shm in place" one in memory from ``ShmTransport.allocate``, which every rank reads directly
+(what DDP's buckets use after the first backward). The CPU columns are the median CPU time one operation cost
 rank 0's process (all threads): the transport's own cost, less sensitive than wall time to other load on the machine.
 Prints a markdown table; writes a PNG plot (``--plot``).
 """
@@ -62,13 +64,16 @@ def _rank_main(sizes: list[int], chunk_bytes: int) -> dict:
     for size in sizes:
         x = torch.ones(size // 4)
         y = torch.empty_like(x)
+        z = shm.allocate(size // 4, torch.float32)
+        z.fill_(1.0)
         reps = max(5, min(200, (64 << 20) // size))
         out[size] = {
             "gloo": _time(lambda: dist.all_reduce(x), reps),
             "shm": _time(lambda: shm.all_reduce(x).wait(), reps),
+            "shm in place": _time(lambda: shm.all_reduce(z).wait(), reps),
             "copy": _time(lambda: y.copy_(x), reps),
         }
-        del x, y
+        del x, y, z
     shm.close()
     return out
 
@@ -91,16 +96,17 @@ def main(argv: list[str] | None = None) -> None:
     factor = 2 * (n - 1) / n
     print(f"all_reduce, float32, {n} ranks x 1 thread, torch {torch.__version__}, {os.cpu_count()} CPUs "
           f"({time.time() - t0:.0f} s)\n")
-    print("| size | gloo algbw GB/s | gloo busbw GB/s | shm algbw GB/s | shm busbw GB/s | shm/gloo | copy GB/s "
-          "| gloo CPU ms | shm CPU ms |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| size | gloo busbw GB/s | shm busbw GB/s | shm/gloo | shm in place busbw GB/s | in place/gloo | copy GB/s "
+          "| gloo CPU ms | shm CPU ms | in place CPU ms |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     rows = []
     for size in sizes:
         r = res[size]
-        g, m, c = (size / r[k][0] / 1e9 for k in ("gloo", "shm", "copy"))
-        rows.append((size, g * factor, m * factor, c))
-        print(f"| {_human(size)} | {g:.2f} | {g * factor:.2f} | {m:.2f} | {m * factor:.2f} | {m / g:.1f}x | {c:.1f} "
-              f"| {r['gloo'][1] * 1e3:.2f} | {r['shm'][1] * 1e3:.2f} |")
+        g, m, z, c = (size / r[k][0] / 1e9 for k in ("gloo", "shm", "shm in place", "copy"))
+        rows.append((size, g * factor, m * factor, z * factor, c))
+        print(f"| {_human(size)} | {g * factor:.2f} | {m * factor:.2f} | {m / g:.1f}x | {z * factor:.2f} | "
+              f"{z / g:.1f}x | {c:.1f} | {r['gloo'][1] * 1e3:.2f} | {r['shm'][1] * 1e3:.2f} | "
+              f"{r['shm in place'][1] * 1e3:.2f} |")
     if args.plot:
         import matplotlib
 
@@ -109,8 +115,9 @@ def main(argv: list[str] | None = None) -> None:
 
         fig, ax = plt.subplots(figsize=(7, 4.2))
         xs = [row[0] for row in rows]
-        for i, label in ((1, "gloo (busbw)"), (2, "fanfold shm (busbw)"), (3, "tensor copy (ceiling)")):
-            ax.plot(xs, [row[i] for row in rows], marker="o", label=label, linestyle="--" if i == 3 else "-")
+        for i, label in ((1, "gloo (busbw)"), (2, "fanfold shm (busbw)"), (3, "fanfold shm, in place (busbw)"),
+                         (4, "tensor copy (ceiling)")):
+            ax.plot(xs, [row[i] for row in rows], marker="o", label=label, linestyle="--" if i == 4 else "-")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xticks(xs, [_human(x) for x in xs], rotation=45, fontsize=8)

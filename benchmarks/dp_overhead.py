@@ -3,18 +3,22 @@
     .venv/bin/python benchmarks/dp_overhead.py            # or: make bench
     .venv/bin/python benchmarks/dp_overhead.py --quick    # fewer repetitions
 
-Prints a markdown table of median times: a forward call of the tutorial model (Linear(5, 2), batch 30) and a training
-step (forward, backward, SGD step) of a ~16.8M-parameter MLP (2048 -> 4096 -> 2048, batch 128), each with 1 and 2
-CPU replicas. The process uses 2 intra-op threads (the bare module's), the replicas' worker threads 1 each
-(fanfold's default: the caller's count divided by the number of replicas). Configurations are timed round-robin,
-so that load from other processes hits them alike. torch.nn.DataParallel has no CPU replicas: without GPUs it
-just calls the module, so its column measures that call. The last line adds two comparisons: 2 intra-op threads
-per replica worker instead of 1, and ``parallel_backward_bound``, what a parallel backward could reach at best.
+Prints markdown tables of median times: a forward call of the tutorial model (Linear(5, 2), batch 30) and a training
+step (forward, backward, SGD step) of a ~16.8M-parameter MLP (2048 -> 4096 -> 2048) at batch 128 to 2048,
+with 1 and 2 CPU replicas. The process uses 2 intra-op threads (the bare module's), the replicas' worker threads 1
+each (fanfold's default: the caller's count divided by the number of replicas). With 2 replicas two fanfold
+columns: the default, whose replicas run backward in their workers (``parallel_backward=True``), and
+``parallel_backward=False``, where autograd runs the replicas' backward one after the other on the caller's thread.
+Configurations are timed round-robin, so that load from other processes hits them alike. torch.nn.DataParallel has
+no CPU replicas: without GPUs it just calls the module, so its column measures that call.
+
+The last table isolates the cost that remains: one weight gradient of the MLP (4096 x 2048) as the bare module
+computes it (one product over the whole batch, 2 threads) and as 2 replicas do (two half-batch products at once, 1
+thread each, then summed), each with a freshly allocated output (as autograd does) and into a reused one.
 """
 from __future__ import annotations
 
 import argparse
-import copy
 import statistics
 import time
 from collections.abc import Callable
@@ -27,17 +31,6 @@ import fanfold
 
 def mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(2048, 4096), nn.ReLU(), nn.Linear(4096, 2048))
-
-
-class Oversubscribed(fanfold.DataParallel):
-    """2 intra-op threads per replica worker (4 OpenMP threads on the caller's 2): why fanfold's default is 1."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.pool = fanfold.WorkerPool(threads_per_worker=2)
-
-    def parallel_apply(self, replicas, inputs, kwargs):  # the verb a subclass may swap
-        return fanfold.parallel_apply(replicas, inputs, kwargs, self.device_ids[: len(replicas)], pool=self.pool)
 
 
 def forward_call(model: nn.Module, x: torch.Tensor) -> Callable[[], None]:
@@ -56,28 +49,29 @@ def train_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[
     return run
 
 
-def parallel_backward_bound(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
-    """Not fanfold: an upper bound for CPU replicas. Two threads (1 intra-op thread each) run forward AND backward of
-    half the batch on their own copy of the parameters, then the gradients are summed. DataParallel cannot do this
-    with autograd's engine, which runs all CPU backward work on the thread that called backward()."""
-    copies = [copy.deepcopy(model) for _ in range(2)]
-    halves = list(zip(x.chunk(2), y.chunk(2)))
+def weight_gradient(batch: int) -> dict[str, Callable[[], None]]:
+    """The MLP's first weight gradient, dY^T @ X, computed whole (bare) and as two half-batch products (2 replicas)."""
+    dy, x = torch.randn(batch, 4096), torch.randn(batch, 2048)
+    halves = [(a.contiguous(), b.contiguous()) for a, b in zip(dy.chunk(2), x.chunk(2))]
     pool = fanfold.WorkerPool(threads_per_worker=1)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    out, outs = torch.empty(4096, 2048), [torch.empty(4096, 2048) for _ in range(2)]
 
-    def half(i: int) -> Callable[[], list[torch.Tensor]]:
-        def run() -> list[torch.Tensor]:
-            (xh, yh), m = halves[i], copies[i]
-            loss = nn.functional.mse_loss(m(xh), yh, reduction="sum") / y.numel()
-            return list(torch.autograd.grad(loss, list(m.parameters())))
-        return run
+    def whole_fresh() -> None:
+        dy.t().mm(x)
 
-    def run() -> None:
-        (_, a), (_, b) = pool.run([half(0), half(1)])
-        for p, ga, gb in zip(model.parameters(), a, b):
-            p.grad = ga.add_(gb)
-        opt.step()
-    return run
+    def whole_reused() -> None:
+        torch.mm(dy.t(), x, out=out)
+
+    def halves_fresh() -> None:
+        (_, a), (_, b) = pool.run([lambda h=h: h[0].t().mm(h[1]) for h in halves])
+        a.add_(b)
+
+    def halves_reused() -> None:
+        pool.run([lambda h=h, o=o: torch.mm(h[0].t(), h[1], out=o) for h, o in zip(halves, outs)])
+        outs[0].add_(outs[1])
+
+    return {"whole_fresh": whole_fresh, "whole_reused": whole_reused,
+            "halves_fresh": halves_fresh, "halves_reused": halves_reused}
 
 
 def medians(fns: dict[str, Callable[[], None]], repeats: int, warmup: int) -> dict[str, float]:
@@ -104,7 +98,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(2)
     torch.manual_seed(0)
-    small_n, big_n = (500, 5) if args.quick else (3000, 25)
+    small_n, big_n, bigger_n = (500, 5, 3) if args.quick else (3000, 25, 11)
 
     tiny = nn.Linear(5, 2)
     x_tiny = torch.randn(30, 5)
@@ -116,35 +110,48 @@ def main() -> None:
     }, small_n, 50)
 
     big = mlp()
-    oversubscribed = Oversubscribed(big, ["cpu"] * 2)
-    x, y = torch.randn(128, 2048), torch.randn(128, 2048)
-    big_t = medians({
-        "bare": train_step(big, x, y),
-        "fanfold1": train_step(fanfold.DataParallel(big, ["cpu"]), x, y),
-        "fanfold2": train_step(fanfold.DataParallel(big, ["cpu"] * 2), x, y),
-        "torch": train_step(nn.DataParallel(big), x, y),
-        "fanfold2_oversubscribed": train_step(oversubscribed, x, y),
-        "bound": parallel_backward_bound(big, x, y),
-    }, big_n, 3)
+    mlp_t = {}
+    for batch, steps in ((128, big_n), (512, bigger_n), (1024, bigger_n), (2048, bigger_n)):
+        x, y = torch.randn(batch, 2048), torch.randn(batch, 2048)
+        fns = {
+            "bare": train_step(big, x, y),
+            "fanfold2": train_step(fanfold.DataParallel(big, ["cpu"] * 2), x, y),
+            "fanfold2_autograd": train_step(fanfold.DataParallel(big, ["cpu"] * 2, parallel_backward=False), x, y),
+        }
+        if batch == 128:
+            fns["fanfold1"] = train_step(fanfold.DataParallel(big, ["cpu"]), x, y)
+            fns["torch"] = train_step(nn.DataParallel(big), x, y)
+        mlp_t[batch] = medians(fns, steps, 2)
+    gemm_t = medians(weight_gradient(128), big_n, 2)
 
     params = sum(p.numel() for p in big.parameters())
     print(f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads, median of {small_n} calls / "
-          f"{big_n} steps\n")
-    print("| workload | CPU replicas | bare module | fanfold.DataParallel | torch.nn.DataParallel* | fanfold - bare |")
-    print("|---|---|---|---|---|---|")
-    for name, t in ((f"tutorial Linear(5, 2), forward, batch 30", tiny_t),
-                    (f"MLP {params / 1e6:.1f}M params, train step, batch 128", big_t)):
-        for n in (1, 2):
-            ours = t[f"fanfold{n}"]
-            print(f"| {name} | {n} | {fmt(t['bare'])} | {fmt(ours)} | {fmt(t['torch'])} | "
-                  f"{'+' if ours >= t['bare'] else '-'}{fmt(abs(ours - t['bare']))} ({ours / t['bare']:.2f}x) |")
+          f"{big_n} steps at batch 128 / {bigger_n} steps at larger batches\n")
+    print("| workload | CPU replicas | bare module | fanfold.DataParallel | fanfold, parallel_backward=False | "
+          "torch.nn.DataParallel* | fanfold / bare |")
+    print("|---|---|---|---|---|---|---|")
+
+    def row(name: str, n: int, t: dict, ours: str, serial: str | None) -> None:
+        print(f"| {name} | {n} | {fmt(t['bare'])} | {fmt(t[ours])} | {fmt(t[serial]) if serial else '-'} | "
+              f"{fmt(t['torch']) if 'torch' in t else '-'} | {t[ours] / t['bare']:.2f}x |")
+
+    row("tutorial Linear(5, 2), forward, batch 30", 1, tiny_t, "fanfold1", None)
+    row("tutorial Linear(5, 2), forward, batch 30", 2, tiny_t, "fanfold2", None)
+    name = f"MLP {params / 1e6:.1f}M params, train step"
+    row(f"{name}, batch 128", 1, mlp_t[128], "fanfold1", None)
+    for batch, t in mlp_t.items():
+        row(f"{name}, batch {batch}", 2, t, "fanfold2", "fanfold2_autograd")
     print("\n*torch.nn.DataParallel cannot run CPU replicas: without GPUs it calls the module directly, whatever the "
           "replica count.")
     print(f"\nfanfold per-call overhead with one device: {fmt(tiny_t['fanfold1'] - tiny_t['bare'])} (target < 50 us); "
-          f"2-replica MLP step / bare 2-thread step: {big_t['fanfold2'] / big_t['bare']:.2f} (target <= 1.00); "
-          f"with 2 threads per replica worker instead of 1: {fmt(big_t['fanfold2_oversubscribed'])}; "
-          f"bound with a parallel backward (not fanfold, see parallel_backward_bound): {fmt(big_t['bound'])} "
-          f"({big_t['bound'] / big_t['bare']:.2f}x bare)")
+          "2-replica MLP step / bare 2-thread step (target <= 1.00): "
+          + ", ".join(f"{t['fanfold2'] / t['bare']:.2f} at batch {b}" for b, t in mlp_t.items()))
+    print("\nOne 4096 x 2048 weight gradient at batch 128: whole batch, 2 threads (bare) vs two half-batch products "
+          "at once, 1 thread each, then summed in place (2 replicas)\n")
+    print("| output memory | bare: one product, K=128 | 2 replicas: two products, K=64, + sum |")
+    print("|---|---|---|")
+    for kind, label in (("fresh", "freshly allocated (autograd)"), ("reused", "reused")):
+        print(f"| {label} | {fmt(gemm_t['whole_' + kind])} | {fmt(gemm_t['halves_' + kind])} |")
 
 
 if __name__ == "__main__":

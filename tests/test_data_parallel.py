@@ -79,12 +79,13 @@ def loss_of(out):
     return sum((t * torch.randn(t.shape, generator=gen)).sum() for t in as_tensors(out) if t.requires_grad)
 
 
+@pytest.mark.parametrize("parallel_backward", [True, False], ids=["parallel_backward", "autograd_backward"])
 @pytest.mark.parametrize("case", [linear_case, cnn_case, lstm_case, kwargs_case])
 @pytest.mark.parametrize("n", REPLICAS)
-def test_outputs_and_gradients_equal_the_bare_module(case, n):
+def test_outputs_and_gradients_equal_the_bare_module(case, n, parallel_backward):
     torch.manual_seed(0)
     bare, args, kwargs = case()
-    dp = DataParallel(copy.deepcopy(bare), device_ids=["cpu"] * n)
+    dp = DataParallel(copy.deepcopy(bare), device_ids=["cpu"] * n, parallel_backward=parallel_backward)
     expected, got = bare(*args, **kwargs), dp(*args, **kwargs)
     assert type(got) is type(expected)
     for g, e in zip(as_tensors(got), as_tensors(expected), strict=True):

@@ -8,6 +8,7 @@ import pickle
 import signal
 import time
 from datetime import timedelta
+from unittest import mock
 
 import pytest
 import torch
@@ -87,6 +88,23 @@ def _sums():
         base = torch.arange(40.0).view(4, 10) * (r + 1)  # a non-contiguous view: only its elements change
         t.all_reduce(base[:, ::3]).wait()
         out["strided"] = base
+        # Memory from allocate(): summed in place from every rank's copy; the rest of the region is untouched.
+        out["shared"] = {}
+        for dtype in (torch.float32, torch.bfloat16, torch.int64):
+            region = t.allocate(5 * CHUNK + 9, dtype)
+            region.fill_(7)
+            for size in (1, 4097, 3 * CHUNK // 2 + 1, 5 * CHUNK):  # odd lengths, several chunks, odd offsets
+                xs = [_inputs(size, q, dtype) for q in range(n)]
+                y = region[3:3 + size]
+                y.copy_(xs[r])
+                t.all_reduce(y).wait()
+                wide = torch.float32 if dtype == torch.bfloat16 else dtype
+                expect = xs[0].to(wide) + xs[1].to(wide)
+                for x in xs[2:]:
+                    expect += x.to(wide)
+                rest = torch.cat([region[:3], region[3 + size:]])
+                out["shared"][str(dtype), size] = (_digest(y), torch.equal(y, expect.to(dtype)),
+                                                   bool((rest == 7).all()))
         b = torch.full((CHUNK // 4 * 3 + 1,), float(r))  # several chunks, from a rank that is not 0
         t.broadcast(b, src=n - 1)
         out["broadcast"] = b.unique().tolist()
@@ -113,6 +131,9 @@ def test_all_reduce_exact_fixed_order_and_bitwise_equal(nprocs):
     for dtype, (digest, exact) in out[0]["dtypes"].items():
         assert exact, dtype
         assert all(o["dtypes"][dtype][0] == digest for o in out), dtype
+    for key, (digest, exact, rest_untouched) in out[0]["shared"].items():
+        assert exact and rest_untouched, key
+        assert all(o["shared"][key] == (digest, True, True) for o in out), key
     scale = sum(range(1, nprocs + 1))
     strided = torch.arange(40.0).view(4, 10)
     for r, o in enumerate(out):
@@ -184,6 +205,17 @@ def _misuse():
     except RuntimeError as e:
         out["after"] = str(e)
     t.close()
+    with ShmTransport(timeout=30) as t:  # parts of shared memory at different places: refused as well
+        region = t.allocate((1 << 17) + 8, torch.float32)
+        try:
+            t.all_reduce(region[r:r + (1 << 17)]).wait()
+        except RuntimeError as e:
+            out["shared mismatch"] = str(e)
+    with ShmTransport(timeout=30) as t:  # /dev/shm full where rank 0 creates the region: every rank falls back
+        full = OSError(28, "No space left on device")
+        with mock.patch("os.posix_fallocate", side_effect=full if r == 0 else os.posix_fallocate):
+            with pytest.warns(UserWarning, match="falls back to ordinary memory"):
+                out["full"] = t.allocate(1000, torch.float32)
     with pytest.raises(RuntimeError, match="closed"):
         t.all_reduce(torch.ones(1))
     return out
@@ -196,6 +228,9 @@ def test_misuse_is_named(api):
         assert f"rank {r} is in all_reduce of {10 + r} float32 #1 (bucket 4)" in o["mismatch"], o["mismatch"]
         assert f"rank {1 - r} is in all_reduce of {11 - r} float32" in o["mismatch"], o["mismatch"]
         assert "failed earlier" in o["after"]
+        assert o["full"] is None
+        assert f"rank {1 - r} is in all_reduce of {1 << 17} float32 at {4 * (1 - r)} bytes into region 0" in \
+            o["shared mismatch"], o["shared mismatch"]
 
 
 # --- a dead or absent peer: the others must raise a named error within the timeout --------------------------------
@@ -301,13 +336,16 @@ def _train(kind, transport, steps, hook=None):
         opt.zero_grad()
         loss_fn(kind, ddp(shard(x, r, n)), shard(y, r, n)).backward()
         opt.step()
-    return type(ddp.transport).__name__, [p.detach().clone() for p in model.parameters()]
+    # After the first backward the buckets are rebuilt in memory the shm transport's peers read (allocate).
+    shared = [getattr(ddp.transport, "_shared", lambda f: None)(f) is not None for f in ddp.reducer.flats]
+    return type(ddp.transport.inner).__name__, [p.detach().clone() for p in model.parameters()], shared
 
 
 def _trainings(transport):
     _init()
     runs = {"mlp": _train("mlp", transport, STEPS)}
-    if transport == "shm":
+    if transport == "shm":  # small chunks: the small buckets are summed in place (allocate), not in the ring
+        runs["in place"] = _train("mlp", ShmTransport(timeout=60, chunk_bytes=4096), STEPS)
         runs["lm"] = _train("lm", transport, STEPS)
         runs["bf16"] = _train("mlp", transport, STEPS, "bf16_compress_hook")
     return runs
@@ -320,11 +358,12 @@ def test_ddp_training_equivalent_on_both_transports():
     shm = fanfold.launch(_trainings, "shm", nprocs=2, timeout=180)
     torch_ = fanfold.launch(_trainings, "torch", nprocs=2, timeout=180)
     assert [s["mlp"][0] for s in shm] == ["ShmTransport"] * 2 and torch_[0]["mlp"][0] == "TorchTransport"
+    assert all(all(s[run][2]) for s in shm for run in s) and not any(torch_[0]["mlp"][2])
     oracle = single_process("mlp", STEPS)
-    for a, b, o in zip(shm[0]["mlp"][1], torch_[0]["mlp"][1], oracle):
-        assert torch.equal(a, b)  # two ranks: a + b either way, so bitwise what gloo gives
+    for a, b, c, o in zip(shm[0]["mlp"][1], torch_[0]["mlp"][1], shm[0]["in place"][1], oracle):
+        assert torch.equal(a, b) and torch.equal(a, c)  # two ranks: a + b either way, so bitwise what gloo gives
         torch.testing.assert_close(a, o, rtol=1e-5, atol=1e-6)
-    for run in ("mlp", "lm", "bf16"):
+    for run in ("mlp", "in place", "lm", "bf16"):
         assert all(torch.equal(a, b) for a, b in zip(shm[0][run][1], shm[1][run][1])), run
     for a, o in zip(shm[0]["lm"][1], single_process("lm", STEPS)):
         torch.testing.assert_close(a, o, rtol=1e-5, atol=1e-6)

@@ -9,13 +9,16 @@ so a subclass can swap one step. Beyond torch:
 - reading an attribute the wrapper lacks falls through to the wrapped module (``dp.fc``, ``dp.hidden_size``);
   setting one sets it on the wrapper, as for any module.
 - ``weights=[3, 1]`` splits batches in proportion (unequal devices), ``chunk_sizes=[...]`` splits them explicitly.
+- CPU replicas also run their backward concurrently, in the worker threads (``parallel_backward.py``; autograd
+  alone would run them one after the other on the caller's thread). ``parallel_backward=False`` keeps autograd's
+  way, which supports double backward (``create_graph=True``); the default refuses it with a message saying so.
 
 What a forward with several replicas keeps (as in torch): replicas are discarded after the forward, so attributes
 they set are lost, and buffer updates are kept from the first replica on the module's device only: BatchNorm's
 running statistics end up updated from the first chunk of the batch. Parameters are shared (same device) or copied
 differentiably, so gradients always reach the original module. With one device the module itself runs.
 
-Layer: ``scatter_gather`` / ``replicate`` / ``parallel_apply`` <- ``data_parallel``.
+Layer: ``scatter_gather`` / ``replicate`` / ``parallel_apply`` / ``parallel_backward`` <- ``data_parallel``.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ from torch import nn
 
 from ._utils import DeviceLike, accelerator_type, default_device_ids, normalize_device, normalize_devices
 from .parallel_apply import WorkerPool, parallel_apply
+from .parallel_backward import parallel_apply_backward
 from .replicate import replicate
 from .scatter_gather import gather, scatter_kwargs
 
@@ -53,7 +57,8 @@ class DataParallel(nn.Module):
     ``device_ids``: accelerator indices, strings or ``torch.device`` objects, repeats allowed (``["cpu"] * 4`` is four
     CPU replicas); default: every accelerator, or none on a CPU-only machine (then the module simply runs).
     ``output_device``: where outputs are gathered (default ``device_ids[0]``). The module's parameters and buffers
-    must be on ``device_ids[0]``.
+    must be on ``device_ids[0]``. ``parallel_backward``: with several CPU replicas, run their backward in the
+    worker threads (default) rather than serially on the caller's thread.
     """
 
     def __init__(
@@ -64,6 +69,7 @@ class DataParallel(nn.Module):
         dim: int = 0,
         weights: Sequence[float] | None = None,
         chunk_sizes: Sequence[int] | None = None,
+        parallel_backward: bool = True,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -80,6 +86,7 @@ class DataParallel(nn.Module):
         self.dim = dim
         self.weights = None if weights is None else list(weights)
         self.chunk_sizes = None if chunk_sizes is None else list(chunk_sizes)
+        self.parallel_backward = bool(parallel_backward)
         self._pool: WorkerPool | None = None  # started on the first forward with several replicas
         self.register_load_state_dict_pre_hook(_accept_unprefixed)
         if device_ids is None:
@@ -141,7 +148,12 @@ class DataParallel(nn.Module):
     def parallel_apply(self, replicas: Sequence[nn.Module], inputs: Sequence, kwargs: Sequence[dict]) -> list:
         if self._pool is None:
             self._pool = WorkerPool()
-        return parallel_apply(replicas, inputs, kwargs, self.device_ids[: len(replicas)], pool=self._pool)
+        devices = self.device_ids[: len(replicas)]
+        if (self.parallel_backward and len(replicas) > 1 and torch.is_grad_enabled()
+                and not torch.is_inference_mode_enabled() and all(d.type == "cpu" for d in devices)):
+            # autograd would run the CPU replicas' backward serially on the caller's thread: run it in the workers
+            return parallel_apply_backward(replicas, inputs, kwargs, devices, self._pool)
+        return parallel_apply(replicas, inputs, kwargs, devices, pool=self._pool)
 
     def gather(self, outputs: Sequence, output_device: DeviceLike) -> Any:
         return gather(outputs, output_device, dim=self.dim)

@@ -3,7 +3,8 @@
 The gradient of a communication op is its dual op: copying one tensor to several devices (``Broadcast``) sends the
 gradients back summed (``ReduceAdd``) and the other way round; splitting a batch over devices (``Scatter``) sends the
 gradients back concatenated (``Gather``) and the other way round. Each backward calls its dual's ``apply``, so
-higher-order gradients work too. Any device type, repeated devices allowed; the data moves are ``comm.py``'s.
+higher-order gradients work too (a first-order ``Gather`` backward onto the replicas' own device passes views, not
+copies). Any device type, repeated devices allowed; the data moves are ``comm.py``'s.
 Layer: ``comm`` <- ``functions`` <- ``scatter_gather`` / ``replicate``.
 """
 from __future__ import annotations
@@ -81,4 +82,8 @@ class Gather(Function):
 
     @staticmethod
     def backward(ctx, grad):
+        if not torch.is_grad_enabled() and all(s == grad.device for s in ctx.sources):
+            # a first-order backward with every replica on the gradient's device: views are enough (nothing
+            # writes into incoming gradients), and copying would only cost time
+            return (None, None, *grad.split(ctx.sizes, ctx.dim))
         return (None, None, *Scatter.apply(ctx.sources, ctx.sizes, ctx.dim, grad))

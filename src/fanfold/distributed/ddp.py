@@ -5,7 +5,8 @@ digest exchange first, the details only on a mismatch, so a wrong model fails in
 broadcast), broadcasts parameters and buffers from rank 0 and hooks the reducer onto the parameters. Forward
 re-syncs buffers from rank 0 and tells the reducer whether the coming backward synchronises (not under
 ``no_sync()``). ``join()`` lets ranks with fewer batches shadow the others (``join.py``). Every collective goes
-through the transport (``transport.py``): torch.distributed by default, anything with the same methods otherwise.
+through the transport (``transport.py``): shared memory when every rank shares this host (``shm.py``), else
+torch.distributed, or anything with the same methods.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from torch import nn
 from .._utils import normalize_device
 from .join import BACKWARD, FORWARD, JoinState
 from .reducer import Reducer
+from .stall import inspected
 from .transport import all_gather_bytes, all_gather_rows, resolve_transport
 
 __all__ = ["DistributedDataParallel", "DDP"]
@@ -38,7 +40,9 @@ class DistributedDataParallel(nn.Module):
     """Wrap ``module`` (already on this process's device) for data-parallel training over a process group.
 
     Takes torch's keywords (those not implemented warn and are ignored) plus ``transport`` ("torch", "shm" or a
-    transport object; default ``$FANFOLD_TRANSPORT`` or torch) and ``first_bucket_cap_mb`` (1 MiB).
+    transport object; default ``$FANFOLD_TRANSPORT``, else ``select_transport``: "shm" when every rank shares this
+    host and its CPU, "torch" otherwise), ``first_bucket_cap_mb`` (1 MiB) and ``stall_timeout`` (seconds a collective
+    may wait before ``StallError`` names the ranks that never arrived; default ``$FANFOLD_STALL_TIMEOUT`` or 300).
     """
 
     def __init__(
@@ -49,7 +53,7 @@ class DistributedDataParallel(nn.Module):
         param_to_hook_all_reduce: Any = None, mixed_precision: Any = None, device_mesh: Any = None,
         skip_all_reduce_unused_params: bool = False, bucket_cap_mb_list: list | None = None,
         batched_grad_copy: bool = False, forward_sync_buffers: bool | None = None, *, transport: Any = None,
-        first_bucket_cap_mb: float | None = None,
+        first_bucket_cap_mb: float | None = None, stall_timeout: float | None = None,
     ):
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -72,7 +76,8 @@ class DistributedDataParallel(nn.Module):
         self.gradient_as_bucket_view = bool(gradient_as_bucket_view)
         self.require_backward_grad_sync = True
         self.process_group = process_group
-        self.transport = resolve_transport(transport, process_group)
+        # Every collective is numbered and its wait bounded by the stall inspector (stall.py).
+        self.transport = inspected(resolve_transport(transport, process_group), stall_timeout)
         named = list(module.named_parameters())
         self._check_same_model(module)
         if init_sync:

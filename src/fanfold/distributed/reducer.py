@@ -66,9 +66,10 @@ class Reducer:
                                 self.cap, self.first_cap, order)
         old_views = getattr(self, "_views", None)
         self.buckets, self.flats, self._views, self._loc = groups, [], [None] * len(ps), [None] * len(ps)
+        self._workspaces: dict[tuple, torch.Tensor] = {}
         for b, members in enumerate(groups):
-            flat = torch.zeros(sum(ps[i].numel() for i in members), dtype=ps[members[0]].dtype,
-                               device=ps[members[0]].device)
+            flat = self._bucket_memory(sum(ps[i].numel() for i in members), ps[members[0]].dtype,
+                                       ps[members[0]].device)
             offset = 0
             for i in members:
                 n = ps[i].numel()
@@ -81,6 +82,23 @@ class Reducer:
                 if p.grad is not None and p.grad is old_views[i]:
                     self._views[i].copy_(p.grad)
                     p.grad = self._views[i]
+
+    def _bucket_memory(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        # A transport that offers memory its peers can read (ShmTransport.allocate) all-reduces a bucket there
+        # in place, without copying it into its own buffers. Taken once, for the buckets rebuilt after the first
+        # backward, as every rank rebuilds the same buckets at the same point (allocate is collective).
+        allocate = getattr(self.transport, "allocate", None) if self.rebuilt and device.type == "cpu" else None
+        flat = allocate(numel, dtype) if callable(allocate) else None
+        return flat if flat is not None else torch.zeros(numel, dtype=dtype, device=device)
+
+    def _workspace(self, b: int, dtype: torch.dtype) -> torch.Tensor:
+        """Bucket ``b``'s scratch tensor of ``dtype`` (a compression hook's narrow copy), kept across steps. Every
+        rank's hooks ask for the same ones in bucket order, so taking it from the transport stays collective."""
+        key = (b, dtype)
+        if key not in self._workspaces:
+            flat = self.flats[b]
+            self._workspaces[key] = self._bucket_memory(flat.numel(), dtype, flat.device)
+        return self._workspaces[key]
 
     def _reset(self) -> None:
         self._ready = [False] * len(self.params)
@@ -141,7 +159,7 @@ class Reducer:
     def _launch(self, b: int) -> None:
         members = self.buckets[b]
         bucket = GradBucket(b, self.flats[b], [self.params[i] for i in members], [self._views[i] for i in members],
-                            b == len(self.buckets) - 1, self.divisor, self.all_reduce)
+                            b == len(self.buckets) - 1, self.divisor, self.all_reduce, self._workspace)
         self._futures[b] = self.hook(self.hook_state, bucket)
 
     def all_reduce(self, tensor: torch.Tensor, bucket: int | None = None) -> Any:
@@ -200,7 +218,8 @@ class Reducer:
         self.transport.broadcast(order, 0)
         self.rebuilt = True
         new = [int(i) for i in order.tolist()]
-        if new != [i for members in self.buckets for i in members]:
+        if new != [i for members in self.buckets for i in members] or callable(getattr(self.transport, "allocate",
+                                                                                           None)):
             self._build(new)
 
     def _unused_message(self, missing: list[int]) -> str:

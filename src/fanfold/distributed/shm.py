@@ -11,7 +11,10 @@ into its slot, then either every rank sums all slots into its own tensor (up to 
 chunk, fewest bytes moved), or rank r sums shard r into a result area that every rank then copies out
 (reduce-scatter + all-gather, more ranks). Either way each element is summed in rank order 0..N-1 with the same
 float32 operations, so every rank gets the same bits, run after run; bf16/fp16 are summed in float32 and rounded
-once. Requests run in FIFO order on one background thread per transport, so a reducer keeps several buckets in
+once. A tensor in memory from :meth:`ShmTransport.allocate` (every rank maps every rank's copy) skips the ring:
+each rank sums its shard of each chunk from all copies into its own, in the same rank order, and copies the other
+shards from the peers' copies -- no copy in, half the memory traffic; DDP's reducer keeps its buckets there.
+Requests run in FIFO order on one background thread per transport, so a reducer keeps several buckets in
 flight while backward runs; every wait for a peer is bounded by ``timeout``.
 """
 from __future__ import annotations
@@ -21,6 +24,7 @@ import os
 import platform
 import queue
 import threading
+import warnings
 import weakref
 from datetime import timedelta
 from typing import Any, Callable
@@ -28,7 +32,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from .shm_engine import ALL_REDUCE, BARRIER, BROADCAST, DTYPES, OPS, Engine
+from .shm_engine import ALL_REDUCE, BARRIER, BROADCAST, DTYPES, OPS, SHARED_ALL_REDUCE, Engine
 from .shm_segment import SHM_DIR, Segment, ShmTimeoutError, pid_namespace
 from .stall import ENV_VAR as STALL_ENV_VAR, resolve_stall_timeout
 from .transport import ENV_VAR
@@ -101,12 +105,15 @@ def _serve(requests: queue.SimpleQueue, engine: Engine) -> None:
         fut.set_result(value)
 
 
-def _stop(requests: queue.SimpleQueue, thread: threading.Thread, segment: Segment | None) -> None:
+def _stop(requests: queue.SimpleQueue, thread: threading.Thread, segment: Segment | None, regions: list) -> None:
     if thread is not None and thread.is_alive():
         requests.put(None)
         thread.join(5.0)
     if segment is not None and (thread is None or not thread.is_alive()):
         segment.close()
+        for *_, region in regions:  # mappings still used by tensors stay until those go (Segment.close)
+            region.close()
+        regions.clear()
 
 
 class ShmTransport:
@@ -117,7 +124,8 @@ class ShmTransport:
     timeout) bounds every wait for a peer; a peer that never arrives, dies or fails makes the waiting rank raise
     :class:`ShmTimeoutError` naming both ranks and the collective. ``chunk_bytes`` is the pipelining unit;
     ``direct_bytes`` (default: a whole chunk up to 3 ranks, else 64 KiB) the largest chunk that every rank sums
-    whole instead of by shards. Call :meth:`close` when done (also run when the object is collected).
+    whole instead of by shards. :meth:`allocate` gives tensors that are all-reduced in place, without the copy into
+    the ring (DDP's buckets). Call :meth:`close` when done (also run when the object is collected).
     """
 
     def __init__(self, group: Any = None, timeout: float | timedelta | None = None, *, chunk_bytes: int = 1 << 20,
@@ -132,9 +140,10 @@ class ShmTransport:
         if timeout is None and not os.environ.get(STALL_ENV_VAR):
             timeout = dist.distributed_c10d._get_default_store().timeout  # the process group's own timeout
         self.timeout = resolve_stall_timeout(timeout)
-        self._seq, self._lock = 0, threading.Lock()
+        self._seq, self._lock, self._chunk_bytes = 0, threading.Lock(), chunk_bytes
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = self._segment = None
+        self._regions: list[tuple[int, int, list[torch.Tensor], Segment]] = []  # from allocate(), see _shared
         if self.world_size > 1:
             store = _group_store(group, "shm", self.rank)
             store.set(f"pidns/{self.rank}", pid_namespace())
@@ -150,7 +159,7 @@ class ShmTransport:
             self._thread = threading.Thread(target=_serve, args=(self._requests, engine), daemon=True,
                                             name=f"fanfold-shm-rank{self.rank}")
             self._thread.start()
-        self._finalizer = weakref.finalize(self, _stop, self._requests, self._thread, self._segment)
+        self._finalizer = weakref.finalize(self, _stop, self._requests, self._thread, self._segment, self._regions)
 
     def _submit(self, op: int, tensor: torch.Tensor | None, bucket: int | None = None, src: int = 0) -> ShmWork:
         flat, finish = _flat(tensor, OPS[op]) if tensor is not None else (None, None)
@@ -158,11 +167,51 @@ class ShmTransport:
             return _completed(tensor)
         if not self._finalizer.alive:
             raise RuntimeError(f"rank {self.rank}: {OPS[op]} on a closed ShmTransport")
+        # Small tensors (up to a quarter chunk) take the ring even from shared memory: one synchronisation, not 3.
+        shared = self._shared(flat) if op == ALL_REDUCE and finish is None and self._regions and \
+            flat.numel() * flat.element_size() > self._chunk_bytes // 4 else None
+        if shared is not None:
+            op = SHARED_ALL_REDUCE
         fut = torch.futures.Future()
         with self._lock:  # numbering and queueing together: the FIFO order is the numbering order
             self._seq += 1
-            self._requests.put((fut, tensor, finish, (op, flat, self._seq, bucket, src)))
+            self._requests.put((fut, tensor, finish, (op, flat, self._seq, bucket, src, shared)))
         return ShmWork(fut)
+
+    def _shared(self, flat: torch.Tensor) -> tuple[list[torch.Tensor], int] | None:
+        """Every rank's copy of ``flat`` (by rank) and where it lies, when it lies in memory from allocate()."""
+        nbytes = flat.numel() * flat.element_size()
+        for index, (start, size, views, _) in enumerate(self._regions):
+            offset = flat.data_ptr() - start
+            if 0 <= offset and offset + nbytes <= size:
+                return [v[offset: offset + nbytes].view(flat.dtype) for v in views], index << 40 | offset
+        return None
+
+    def allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """A zeroed 1-d tensor of ``numel`` ``dtype`` in memory every rank of the group can read, or None where
+        that brings nothing (one rank, an unsupported dtype). An all_reduce of it (or of a contiguous part of it)
+        sums in place, each rank reading its peers' copies: no copy into the transport's ring, half the memory
+        traffic. Collective: every rank allocates the same sizes in the same order (the reducer's buckets do).
+        The memory lives until :meth:`close` and the last tensor using it are gone."""
+        if self.world_size == 1 or dtype not in DTYPES or numel <= 0:
+            return None
+        if not self._finalizer.alive:
+            raise RuntimeError(f"rank {self.rank}: allocate on a closed ShmTransport")
+        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+        stride = -(-nbytes // 4096) * 4096
+        store = _group_store(self.group, "region", self.rank)
+        try:
+            region = Segment(store, self.rank, self.world_size, self.world_size * stride, self.timeout,
+                             check_pids=False)
+        except ShmTimeoutError:
+            raise
+        except RuntimeError as exc:  # every rank gets this error (/dev/shm full): all fall back to the ring
+            warnings.warn(f"ShmTransport.allocate({numel}, {dtype}) falls back to ordinary memory: {exc}",
+                          stacklevel=2)
+            return None
+        views = [region.data[r * stride:][:nbytes] for r in range(self.world_size)]
+        self._regions.append((views[self.rank].data_ptr(), nbytes, views, region))
+        return views[self.rank].view(dtype)
 
     def all_reduce(self, tensor: torch.Tensor, bucket: int | None = None) -> ShmWork:
         """Sum ``tensor`` over the group, in place, asynchronously; ``bucket`` labels errors."""

@@ -13,13 +13,14 @@ import torch
 
 from .shm_segment import Segment
 
-__all__ = ["Engine", "DTYPES", "OPS", "ALL_REDUCE", "BROADCAST", "BARRIER"]
+__all__ = ["Engine", "DTYPES", "OPS", "ALL_REDUCE", "BROADCAST", "BARRIER", "SHARED_ALL_REDUCE"]
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.int16,
           torch.int8, torch.uint8]
-ALL_REDUCE, BROADCAST, BARRIER = 1, 2, 3
-OPS = {ALL_REDUCE: "all_reduce", BROADCAST: "broadcast", BARRIER: "barrier"}
+ALL_REDUCE, BROADCAST, BARRIER, SHARED_ALL_REDUCE = 1, 2, 3, 4
+OPS = {ALL_REDUCE: "all_reduce", BROADCAST: "broadcast", BARRIER: "barrier", SHARED_ALL_REDUCE: "all_reduce"}
 _DESC = 16  # in a rank's line, two descriptors (kind u32, numel u64) of its current collective, by seq parity
+_WHERE = 48  # then, by seq parity, where a shared all_reduce's tensor lies (region << 40 | byte offset; u64)
 
 
 class Engine:
@@ -40,7 +41,8 @@ class Engine:
         # Parity: a rank rewrites descriptor seq % 2 only after the first step of seq + 1 completed, which its peers
         # publish only once they have checked collective seq.
         self._desc = [[(segment.line(r, ctypes.c_uint32, _DESC + 16 * b),
-                        segment.line(r, ctypes.c_uint64, _DESC + 16 * b + 8)) for b in (0, 1)]
+                        segment.line(r, ctypes.c_uint64, _DESC + 16 * b + 8),
+                        segment.line(r, ctypes.c_uint64, _WHERE + 8 * b)) for b in (0, 1)]
                       for r in range(world_size)]
 
     def _step(self, dtype: torch.dtype, describe: Callable) -> tuple[int, list[torch.Tensor], torch.Tensor]:
@@ -64,27 +66,42 @@ class Engine:
                 acc.add_(p)
             out.copy_(acc)
             return
+        if any(p.data_ptr() == out.data_ptr() for p in parts[2:]):  # in place into rank >= 2's own copy
+            acc = parts[0] + parts[1]
+            for p in parts[2:]:
+                acc.add_(p)
+            out.copy_(acc)
+            return
         torch.add(parts[0], parts[1], out=out)  # two half operands are added in float32 and rounded once
         for p in parts[2:]:
             out.add_(p)
 
-    def _check(self, seq: int, kind: int, numel: int, describe: Callable) -> None:
+    def _check(self, seq: int, kind: int, numel: int, place: int, describe: Callable) -> None:
         # After the first step of a collective every peer has announced it: catch a mismatch instead of summing
         # unrelated memory.
         for p in range(self.n):
             theirs = tuple(v.value for v in self._desc[p][seq & 1])
-            if theirs != (kind, numel):
+            if theirs != (kind, numel, place):
+                what = _describe_kind(*theirs[:2])
+                if theirs[:2] == (kind, numel):  # a shared all_reduce of another place in the buckets' memory
+                    what += f" at {theirs[2] & ((1 << 40) - 1)} bytes into region {theirs[2] >> 40}"
                 raise RuntimeError(
                     f"fanfold shm transport: rank {self.rank} is in {describe()[0]} but rank {p} is in "
-                    f"{_describe_kind(*theirs)}: every rank must issue the same collectives, with the same "
+                    f"{what}: every rank must issue the same collectives, with the same "
                     "shapes and dtypes, in the same order")
 
-    def run(self, op: int, flat: torch.Tensor | None, seq: int, bucket: int | None, src: int = 0) -> None:
+    def run(self, op: int, flat: torch.Tensor | None, seq: int, bucket: int | None, src: int = 0,
+            shared: tuple[list[torch.Tensor], int] | None = None) -> None:
+        """Collective number ``seq``; ``shared``: (every rank's copy of ``flat``, by rank, and where it lies) for
+        a tensor in memory from :meth:`ShmTransport.allocate`, summed in place without a copy into the ring."""
         numel = 0 if flat is None else flat.numel()
         kind = op | (0 if flat is None else DTYPES.index(flat.dtype) + 1) << 4 | src << 12
+        place = shared[1] if shared is not None else 0
         d = self._desc[self.rank][seq & 1]
-        d[0].value, d[1].value = kind, numel
+        d[0].value, d[1].value, d[2].value = kind, numel, place
         cap = self.chunk_bytes // (flat.element_size() if flat is not None else 1)
+        if op == SHARED_ALL_REDUCE:
+            cap *= self.n  # a chunk holds one shard of chunk_bytes per rank
         count = max(1, -(-numel // cap))
         where = f"#{seq}" + ("" if bucket is None else f" (bucket {bucket})")
 
@@ -93,12 +110,15 @@ class Engine:
 
         if op == BARRIER:
             self.seg.wait_all(self.seg.arrive(), describe(0))
-            self._check(seq, kind, numel, describe(0))
+            self._check(seq, kind, numel, place, describe(0))
+            return
+        if op == SHARED_ALL_REDUCE:
+            self._shared_all_reduce(shared[0], cap, describe, (seq, kind, numel, place))
             return
         chunks = [flat[i * cap:][:cap] for i in range(count)]
         if op == ALL_REDUCE and cap * flat.element_size() > self.direct_bytes:
             for i, chunk in enumerate(chunks):
-                self._reduce_scatter_gather(chunk, describe(i), i == 0 and (seq, kind, numel))
+                self._reduce_scatter_gather(chunk, describe(i), i == 0 and (seq, kind, numel, place))
             return
         # Direct all-reduce, or broadcast: write chunk i + 1 before reading chunk i (look-ahead of one).
         write = self._write_slot if op == ALL_REDUCE else self._write_result if self.rank == src else self._skip
@@ -109,7 +129,7 @@ class Engine:
                 ahead = write(chunks[i + 1], describe(i + 1))
             self.seg.wait_all(g + 1, describe(i))
             if i == 0:
-                self._check(seq, kind, numel, describe(0))
+                self._check(seq, kind, numel, place, describe(0))
             c = chunk.numel()
             if op == ALL_REDUCE:
                 self._sum([s[:c] for s in slots], chunk)
@@ -149,6 +169,42 @@ class Engine:
         self.seg.arrive()
         self.seg.wait_all(g + 1, describe)
         chunk.copy_(result[:c])
+
+    def _shared_all_reduce(self, parts: list[torch.Tensor], cap: int, describe: Callable, check: tuple) -> None:
+        # Every rank's tensor is readable by all: rank r sums shard r of each chunk from all copies into its own,
+        # then copies the peers' summed shards out of theirs -- half the memory traffic of the ring (no copy in,
+        # each element summed once). Shard edges sit on cache lines, so no two writers share one.
+        mine, c = parts[self.rank], parts[0].numel()
+        align = max(1, 64 // mine.element_size())
+        per = -(-cap // self.n // align) * align
+        count = max(1, -(-c // cap))
+        start = self.seg.arrive()  # this rank's tensor is complete: peers may read it
+        self.seg.wait_all(start, describe(0))
+        self._check(*check, describe(0))
+
+        def fetch(j: int) -> None:  # the peers' summed shards of chunk j, published at step start + j + 1
+            base = j * cap
+            for p in range(self.n):
+                lo, hi = min(c, base + p * per), min(c, base + (p + 1) * per, base + cap)
+                if p != self.rank and hi > lo:
+                    mine[lo:hi].copy_(parts[p][lo:hi])
+
+        # Summing never waits for a peer: a descheduled peer (2 cores, 4 busy threads) only delays the fetches,
+        # which are done as soon as their chunk is ready, and waited for at the end.
+        fetched = 0
+        for i in range(count):
+            lo, hi = min(c, i * cap + self.rank * per), min(c, i * cap + (self.rank + 1) * per, (i + 1) * cap)
+            if hi > lo:
+                self._sum([p[lo:hi] for p in parts], mine[lo:hi])
+            self.seg.arrive()
+            while fetched <= i and self.seg.reached(start + fetched + 1):
+                fetch(fetched)
+                fetched += 1
+        for j in range(fetched, count):
+            self.seg.wait_all(start + j + 1, describe(j))
+            fetch(j)
+        # A peer may still be copying this rank's shards: the caller must not touch the tensor before they are done.
+        self.seg.wait_all(self.seg.arrive(), describe(count - 1))
 
 
 def _describe_kind(kind: int, numel: int) -> str:

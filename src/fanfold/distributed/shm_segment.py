@@ -209,6 +209,11 @@ class Segment:
         self._wake(self.rank)
         return self.arrived
 
+    def reached(self, target: int) -> bool:
+        """Whether every rank's count has reached ``target`` (no waiting)."""
+        k = target & 0xFFFFFFFF
+        return all((c.value - k) & 0x80000000 == 0 for c in self._counters)
+
     def wait_all(self, target: int, describe: Any) -> None:
         """Wait until every peer's count reached ``target``, at most ``timeout`` seconds; ``describe()`` gives
         (what this rank is doing, seq, bucket) for the error."""

@@ -157,6 +157,7 @@ class StallInspector:
         a small all-reduce meeting a rank that is one collective off would make gloo abort that rank's process
         ("Received data size doesn't match expected size") before it could say anything."""
         op = self.start("barrier")
+        self.flush()  # the peers must see this barrier in the record before they can give up on it
         key = f"barrier/{op.seq}"
         try:
             if self.store.add(key, 1) == self.world_size:

@@ -1,0 +1,128 @@
+"""A rank's progress record for the stall inspector (``stall.py``): what it has started and still waits on.
+
+One record per rank under one key of the process group's store: the last collective started, the ones still in
+flight (number, kind, bucket, the user's source line), pid and host. A daemon thread writes it, so that the training
+thread never waits on a store round trip (rank 0's process or the launcher's agent serves the store, and on a busy
+host a write can take milliseconds); records that pile up meanwhile collapse into the newest. A process killed in
+the millisecond before its newest record is written leaves the previous one.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import sysconfig
+import threading
+import time
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Collective", "Publisher", "caller_line", "read_progress", "process_gone"]
+
+# Frames in these trees are plumbing; the line worth showing is the first one outside them (the user's).
+_PLUMBING = tuple(
+    os.path.dirname(p) + os.sep
+    for p in (os.path.dirname(os.path.abspath(__file__)), os.path.abspath(torch.__file__))
+) + (sysconfig.get_paths()["stdlib"] + os.sep,)
+
+
+class Collective(NamedTuple):  # a tuple, so that it is published as a JSON list
+    seq: int
+    kind: str
+    bucket: int | None
+    line: str
+
+    def __str__(self) -> str:
+        where = "" if self.bucket is None else f" (bucket {self.bucket})"
+        return f"{self.kind} #{self.seq}{where} started at {self.line}"
+
+
+def caller_line() -> str:
+    """``path:line in function`` of the innermost frame outside fanfold, torch and the standard library."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if not path.startswith(_PLUMBING) and not path.startswith("<"):
+            return f"{path}:{frame.f_lineno} in {frame.f_code.co_name}"
+        frame = frame.f_back
+    return "<no user frame>"  # e.g. a hook run on an autograd device thread
+
+
+class Publisher:
+    """Writes the newest record ``post``-ed to it under ``key`` of ``store``, from a daemon thread."""
+
+    def __init__(self, store: dist.Store, key: str):
+        self._cond = threading.Condition()
+        self._latest: dict | None = None
+        self._busy = self._closed = False
+        # Its own connection: a store client serves one request at a time, and the training thread may sit in a
+        # long store wait (a barrier) during which the record must still get through.
+        threading.Thread(target=self._run, args=(store.clone(), key), daemon=True,
+                         name=f"fanfold-stall-{key}").start()
+
+    def post(self, record: dict) -> None:
+        with self._cond:
+            self._latest = record
+            self._cond.notify_all()
+
+    def flush(self, timeout: float = 10.0) -> None:
+        """Return once the newest record is written (or the store is gone)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._closed or (self._latest is None and not self._busy), timeout)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def _run(self, store: dist.Store, key: str) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._closed or self._latest is not None)
+                if self._closed:
+                    return
+                record, self._latest, self._busy = self._latest, None, True
+            try:
+                store.set(key, json.dumps(record))
+            except Exception:  # the store is gone (its process died): nothing more can be published
+                self.close()
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
+
+
+def read_progress(store: dist.Store, rank: int) -> dict | str:
+    """``rank``'s record, or why there is none."""
+    try:
+        if not store.check([str(rank)]):
+            return "has not issued any fanfold collective"
+        return json.loads(store.get(str(rank)))
+    except Exception as exc:  # the store lives in rank 0's process (or the agent): it may be gone too
+        return f"progress unknown, the store is unreachable ({type(exc).__name__}: {str(exc)[:120]})"
+
+
+def process_gone(pid: int, grace_until: float = 0.0) -> bool:
+    """Whether local process ``pid`` has exited, waiting for it until ``grace_until`` (time.monotonic())."""
+    while not _exited(pid):
+        if time.monotonic() >= grace_until:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _exited(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] in ("Z", "X")  # a zombie has exited, unreaped
+    except FileNotFoundError:
+        return True
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except OSError:
+            pass
+        return False
