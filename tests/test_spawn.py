@@ -32,6 +32,33 @@ def _die_hard():
     time.sleep(30)
 
 
+def _listening_addresses(pid):
+    """Local addresses (hex, /proc/net byte order) of the TCP sockets in LISTEN state that process ``pid`` holds."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    found = []
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/net/{table}") as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                if cols[3] == "0A" and cols[9] in inodes:  # 0A: LISTEN
+                    found.append(cols[1].split(":")[0])
+    return found
+
+
+def _listening_after_init():
+    dist.init_process_group("gloo", timeout=__import__("datetime").timedelta(seconds=20))
+    t = torch.ones(1)
+    dist.all_reduce(t)  # gloo's pairs are connected: its listeners exist now
+    return _listening_addresses(os.getpid()), t.item()
+
+
 def _pid_alive(pid):
     try:
         os.kill(pid, 0)
@@ -46,6 +73,21 @@ def test_results_by_rank_and_collective():
     assert all(o[2] == 6.0 for o in out)  # 1 + 2 + 3 through a real gloo all_reduce
     assert all(o[3] == 1 for o in out)
     assert not any(_pid_alive(o[4]) for o in out)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads /proc/net/tcp (Linux)")
+def test_everything_listens_on_loopback_only():
+    """The store is hosted by the launching process on 127.0.0.1; workers are its clients; gloo stays on lo."""
+    from fanfold.distributed.spawn import loopback_store
+
+    before = set(_listening_addresses(os.getpid()))
+    store, _ = loopback_store(10.0)
+    assert set(_listening_addresses(os.getpid())) - before == {"0100007F"}  # 127.0.0.1 in /proc's byte order
+    del store
+    out = fanfold.launch(_listening_after_init, nprocs=2, timeout=60)
+    assert [o[1] for o in out] == [2.0, 2.0]
+    for addresses, _ in out:
+        assert addresses and set(addresses) == {"0100007F"}, addresses  # nothing on 0.0.0.0 or ::
 
 
 def test_failure_names_rank_and_traceback_and_kills_others():

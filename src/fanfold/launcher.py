@@ -19,7 +19,6 @@ import argparse
 import contextlib
 import os
 import signal
-import socket
 import sys
 import tempfile
 import uuid
@@ -28,9 +27,10 @@ from typing import Iterator, Mapping, Sequence
 
 from torch.distributed.elastic.rendezvous.api import RendezvousHandler, RendezvousInfo, RendezvousStoreInfo
 
+from .distributed.spawn import LOOPBACK, loopback_interface, loopback_store
+
 __all__ = ["launch_script", "add_arguments", "main"]
 
-LOOPBACK = "127.0.0.1"
 _LOOPBACK_BACKEND = "fanfold-loopback"
 
 
@@ -66,17 +66,9 @@ class _LoopbackRendezvous(RendezvousHandler):
         return True  # workers connect to this store as clients (TORCHELASTIC_USE_AGENT_STORE): no second listener
 
     def next_rendezvous(self) -> RendezvousInfo:
-        from torch.distributed import TCPStore
-
         # A fresh store for every round: restarted workers must not read the keys of the round that failed.
         self._store = None
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.bind((LOOPBACK, 0))
-        sock.listen(128)
-        port = sock.getsockname()[1]
-        # TCPStore binds to every interface when given a host name; given a bound socket it listens on that alone.
-        self._store = TCPStore(LOOPBACK, port, is_master=True, multi_tenant=True, wait_for_workers=False,
-                               timeout=self._timeout, master_listen_fd=sock.detach())
+        self._store, port = loopback_store(self._timeout.total_seconds())
         return RendezvousInfo(self._store, 0, 1, RendezvousStoreInfo(LOOPBACK, port))
 
     def is_closed(self) -> bool:
@@ -98,11 +90,6 @@ class _LoopbackRendezvous(RendezvousHandler):
 
 def _create_loopback_handler(params) -> RendezvousHandler:
     return _LoopbackRendezvous(params.run_id, timedelta(seconds=params.get_as_int("timeout", 900)))
-
-
-def _loopback_interface() -> str | None:
-    names = [name for _, name in socket.if_nameindex()] if hasattr(socket, "if_nameindex") else []
-    return next((n for n in ("lo", "lo0") if n in names), None)
 
 
 @contextlib.contextmanager
@@ -167,7 +154,7 @@ def launch_script(
     if single:
         rendezvous_handler_registry.register(_LOOPBACK_BACKEND, _create_loopback_handler)  # idempotent
         backend, endpoint, run_id, configs = _LOOPBACK_BACKEND, f"{LOOPBACK}:0", uuid.uuid4().hex, {}
-        lo = _loopback_interface()
+        lo = loopback_interface()
         for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
             if lo and var not in os.environ:
                 env[var] = lo  # the collectives' own listening sockets stay on loopback too

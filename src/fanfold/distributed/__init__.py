@@ -18,6 +18,7 @@ from .env import (
     world_size,
 )
 from .spawn import WorkerError, free_port, launch
+from .stall import InspectedTransport, StallError
 from .shm import ShmTimeoutError, ShmTransport, select_transport
 from .transport import TorchTransport
 
@@ -40,6 +41,8 @@ __all__ = [
     "ShmTransport",
     "ShmTimeoutError",
     "select_transport",
+    "StallError",
+    "InspectedTransport",
     "allreduce_hook",
     "fp16_compress_hook",
     "bf16_compress_hook",

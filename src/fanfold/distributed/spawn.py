@@ -1,8 +1,10 @@
 """Start N local worker processes running one Python function: ``fanfold.launch(fn, *args, nprocs=N)``.
 
 Sits beside the env contract (``fanfold.distributed.env``): each worker gets the same variables torchrun sets
-(RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), on 127.0.0.1 with a free port, so the
-function calls ``fanfold.distributed.init_process_group()`` exactly as a script under ``fanfold run`` would.
+(RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), so the function calls
+``fanfold.distributed.init_process_group()`` exactly as a script under ``fanfold run`` would. The rendezvous store
+is hosted by the launching process on a socket bound to 127.0.0.1 (workers connect to it as clients, as torchrun's
+workers connect to their agent's store), and gloo is pinned to the loopback interface: nothing listens elsewhere.
 
 Used by notebooks and by the test suite, so it must never hang: the whole run is bounded by ``timeout``; the first
 rank that raises (or dies) ends the run, the others are killed, and the error names the rank and carries its
@@ -20,7 +22,9 @@ import traceback
 from multiprocessing.connection import wait
 from typing import Any, Callable, Mapping, Sequence
 
-__all__ = ["launch", "WorkerError", "free_port"]
+__all__ = ["launch", "WorkerError", "free_port", "loopback_store", "loopback_interface"]
+
+LOOPBACK = "127.0.0.1"
 
 
 class WorkerError(RuntimeError):
@@ -36,6 +40,31 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def loopback_store(timeout: float):
+    """A TCPStore server listening on 127.0.0.1 only, on a port of its own; returns ``(store, port)``.
+
+    Given a host name, TCPStore listens on every interface; given a socket already bound to loopback it listens on
+    that alone. Binding the socket here also removes the race of "find a free port, then bind it".
+    """
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind((LOOPBACK, 0))
+    sock.listen(128)
+    port = sock.getsockname()[1]
+    store = TCPStore(LOOPBACK, port, is_master=True, multi_tenant=True, wait_for_workers=False,
+                     timeout=timedelta(seconds=timeout), master_listen_fd=sock.detach())
+    return store, port
+
+
+def loopback_interface() -> str | None:
+    """The name of the loopback network interface (``lo`` on Linux, ``lo0`` on macOS), or None if not found."""
+    names = [name for _, name in socket.if_nameindex()] if hasattr(socket, "if_nameindex") else []
+    return next((n for n in ("lo", "lo0") if n in names), None)
 
 
 def _worker(fn, args, rank: int, env: Mapping[str, str], threads: int, conn) -> None:
@@ -109,9 +138,13 @@ def launch(
     if timeout <= 0:
         raise ValueError(f"timeout must be positive, got {timeout!r}")
     ctx = _context(fn, start_method)
+    store, port = loopback_store(timeout)
+    lo = loopback_interface()
     base = {
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_port()),
+        "MASTER_ADDR": LOOPBACK,
+        "MASTER_PORT": str(port),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",  # every rank, rank 0 included, is a client of the store above
+        **({"GLOO_SOCKET_IFNAME": lo} if lo and "GLOO_SOCKET_IFNAME" not in os.environ else {}),
         "WORLD_SIZE": str(nprocs),
         "LOCAL_WORLD_SIZE": str(nprocs),
         "GROUP_RANK": "0",
@@ -163,3 +196,4 @@ def launch(
         _kill(procs)
         for c in conns:
             c.close()
+        del store  # the server stops with its last reference; the workers are gone
