@@ -3,15 +3,16 @@
 Used by the reducer (``reducer.py``); registered with ``DistributedDataParallel.register_comm_hook(state, hook)``.
 A hook has torch's shape, ``hook(state, bucket) -> future``: it receives a :class:`GradBucket` whose ``buffer()``
 is the bucket's flat gradient (this rank's local sum), starts the reduction and returns a future whose ``wait()``
-gives a tensor of the buffer's size holding the *averaged* gradient. ``bucket.all_reduce(tensor)`` issues the
-all-reduce through the DDP's transport (so a hook works on every transport and its collectives are labelled with
-the bucket index); ``bucket.divisor`` is what to divide by (the world size, or the number of ranks still active
-inside ``join(divide_by_initial_world_size=False)``). Hooks written for torch's DDP that call ``dist.all_reduce``
+gives a tensor of the buffer's size holding the *averaged* gradient. ``bucket.all_reduce(tensor, divisor=None)``
+issues the all-reduce through the DDP's transport, so a hook works on every transport and its collectives are
+labelled with the bucket index; with ``divisor`` it is an average (the shm transport divides each shard while it is
+in cache, other transports after the wait). ``bucket.divisor`` is what to divide by (the world size, or the number
+of ranks still active inside ``join(divide_by_initial_world_size=False)``). Hooks written for torch's DDP that call ``dist.all_reduce``
 themselves also work on the torch transport, since the reducer accepts torch futures.
 
-The compression hooks divide before casting (so that fp16 cannot overflow on the sum), all-reduce in the narrow
-type and cast the result back into the fp32 buffer: half the bytes on the wire, about 3 (bf16) or 4-5 (fp16)
-significant digits kept. The narrow copy is the bucket's ``workspace(dtype)``, kept from step to step in memory
+The compression hooks cast to the narrow type (fp16 divides first, so that it cannot overflow on the sum; bf16 has
+fp32's range and lets the all-reduce average), all-reduce in it and cast the result back into the fp32 buffer: half
+the bytes on the wire, about 3 (bf16) or 4-5 (fp16) significant digits kept. The narrow copy is the bucket's ``workspace(dtype)``, kept from step to step in memory
 that the transport sums in place when it has such memory (``ShmTransport.allocate``).
 """
 from __future__ import annotations
@@ -55,7 +56,7 @@ class GradBucket:
     """One bucket as a comm hook sees it (torch's ``GradBucket`` methods, plus ``all_reduce`` and ``divisor``)."""
 
     def __init__(self, index: int, buffer: torch.Tensor, params: list, grads: list, is_last: bool,
-                 divisor: int, issue: Callable[[torch.Tensor, int], Any],
+                 divisor: int, issue: Callable[..., Any],
                  workspace: Callable[[int, torch.dtype], torch.Tensor] | None = None):
         self._index, self._buffer, self._params, self._grads = index, buffer, params, grads
         self._is_last, self.divisor, self._issue, self._workspace = is_last, divisor, issue, workspace
@@ -86,29 +87,39 @@ class GradBucket:
             return torch.empty(self._buffer.numel(), dtype=dtype, device=self._buffer.device)
         return self._workspace(self._index, dtype)
 
-    def all_reduce(self, tensor: torch.Tensor) -> Future:
-        """Start an in-place SUM of ``tensor`` over the ranks; the future's value is ``tensor``."""
-        handle = self._issue(tensor, self._index)
+    def all_reduce(self, tensor: torch.Tensor, divisor: float | None = None) -> Future:
+        """Start an in-place SUM of ``tensor`` over the ranks, divided by ``divisor`` if given (by the transport
+        while the data is in cache, where it can); the future's value is ``tensor``."""
+        handle = self._issue(tensor, self._index, divisor)
         return Future(lambda: (handle.wait(), tensor)[1])
 
 
 def allreduce_hook(state: Any, bucket: GradBucket) -> Future:
     """Exact fp32 (the bucket's dtype) all-reduce, then divide: the default."""
-    divisor = bucket.divisor
-    return bucket.all_reduce(bucket.buffer()).then(lambda fut: fut.value().div_(divisor))
+    return bucket.all_reduce(bucket.buffer(), bucket.divisor)
 
 
 def _compress_hook(dtype: torch.dtype) -> Callable[[Any, GradBucket], Future]:
+    # float16 overflows at 65504: the sum of N gradients could, so divide first. bfloat16 has float32's range: the
+    # average is taken by the all-reduce itself (the shm transport divides while the shard is in cache), which
+    # saves a pass over the float32 buffer.
+    divide_first = dtype == torch.float16
+
     def hook(state: Any, bucket: GradBucket) -> Future:
         buffer = bucket.buffer()
-        # In place, then cast: a division straight into the narrow type costs twice as much on CPU. The buffer is
-        # overwritten by the result anyway.
-        narrow = bucket.workspace(dtype).copy_(buffer.div_(bucket.divisor).view(-1))
+        if divide_first:
+            # In place, then cast: a division straight into the narrow type costs several times as much on CPU.
+            # The buffer is overwritten by the result anyway.
+            narrow = bucket.workspace(dtype).copy_(buffer.div_(bucket.divisor).view(-1))
+            fut = bucket.all_reduce(narrow)
+        else:
+            narrow = bucket.workspace(dtype).copy_(buffer.view(-1))
+            fut = bucket.all_reduce(narrow, bucket.divisor)
 
         def decompress(fut: Future) -> torch.Tensor:
             return buffer.copy_(fut.value())
 
-        return bucket.all_reduce(narrow).then(decompress)
+        return fut.then(decompress)
 
     return hook
 
@@ -118,4 +129,4 @@ fp16_compress_hook.__name__ = fp16_compress_hook.__qualname__ = "fp16_compress_h
 fp16_compress_hook.__doc__ = "Divide, cast to float16, all-reduce, cast back: half the bytes, ~1e-3 relative error."
 bf16_compress_hook = _compress_hook(torch.bfloat16)
 bf16_compress_hook.__name__ = bf16_compress_hook.__qualname__ = "bf16_compress_hook"
-bf16_compress_hook.__doc__ = "Divide, cast to bfloat16, all-reduce, cast back: half the bytes, ~1e-2 relative error."
+bf16_compress_hook.__doc__ = "Cast to bfloat16, average, cast back: half the bytes, ~1e-2 relative error."

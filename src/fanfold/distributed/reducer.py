@@ -26,6 +26,20 @@ from .comm_hooks import GradBucket, allreduce_hook
 __all__ = ["Reducer"]
 
 
+class _Divided:
+    """A transport's handle whose ``wait()`` also divides the tensor (once)."""
+
+    def __init__(self, handle: Any, tensor: torch.Tensor, divisor: float):
+        self._handle, self._tensor, self._divisor = handle, tensor, divisor
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        result = self._handle.wait(*args, **kwargs)
+        if self._divisor is not None:
+            self._tensor.div_(self._divisor)
+            self._divisor = None
+        return result
+
+
 class Reducer:
     """Bucketed, overlapped gradient averaging for ``params`` (those requiring grad) over ``transport``."""
 
@@ -162,9 +176,15 @@ class Reducer:
                             b == len(self.buckets) - 1, self.divisor, self.all_reduce, self._workspace)
         self._futures[b] = self.hook(self.hook_state, bucket)
 
-    def all_reduce(self, tensor: torch.Tensor, bucket: int | None = None) -> Any:
-        """The one place the reducer's all-reduces are issued (labelled with their bucket)."""
-        return self.transport.all_reduce(tensor, bucket=bucket)
+    def all_reduce(self, tensor: torch.Tensor, bucket: int | None = None, divisor: float | None = None) -> Any:
+        """The one place the reducer's all-reduces are issued (labelled with their bucket). ``divisor``: the
+        result is the sum divided by it -- by the transport in the same pass when it can (``supports_divisor``),
+        else by a division after the wait."""
+        if divisor is None:
+            return self.transport.all_reduce(tensor, bucket=bucket)
+        if getattr(self.transport, "supports_divisor", False):
+            return self.transport.all_reduce(tensor, bucket=bucket, divisor=divisor)
+        return _Divided(self.transport.all_reduce(tensor, bucket=bucket), tensor, divisor)
 
     # ---- end of backward ------------------------------------------------------------------------------------
     def _finalize(self) -> None:

@@ -161,9 +161,12 @@ class ShmTransport:
             self._thread.start()
         self._finalizer = weakref.finalize(self, _stop, self._requests, self._thread, self._segment, self._regions)
 
-    def _submit(self, op: int, tensor: torch.Tensor | None, bucket: int | None = None, src: int = 0) -> ShmWork:
+    def _submit(self, op: int, tensor: torch.Tensor | None, bucket: int | None = None, src: int = 0,
+                divisor: float | None = None) -> ShmWork:
         flat, finish = _flat(tensor, OPS[op]) if tensor is not None else (None, None)
         if self.world_size == 1:
+            if divisor is not None:
+                tensor.div_(divisor)
             return _completed(tensor)
         if not self._finalizer.alive:
             raise RuntimeError(f"rank {self.rank}: {OPS[op]} on a closed ShmTransport")
@@ -175,7 +178,7 @@ class ShmTransport:
         fut = torch.futures.Future()
         with self._lock:  # numbering and queueing together: the FIFO order is the numbering order
             self._seq += 1
-            self._requests.put((fut, tensor, finish, (op, flat, self._seq, bucket, src, shared)))
+            self._requests.put((fut, tensor, finish, (op, flat, self._seq, bucket, src, shared, divisor)))
         return ShmWork(fut)
 
     def _shared(self, flat: torch.Tensor) -> tuple[list[torch.Tensor], int] | None:
@@ -213,9 +216,14 @@ class ShmTransport:
         self._regions.append((views[self.rank].data_ptr(), nbytes, views, region))
         return views[self.rank].view(dtype)
 
-    def all_reduce(self, tensor: torch.Tensor, bucket: int | None = None) -> ShmWork:
-        """Sum ``tensor`` over the group, in place, asynchronously; ``bucket`` labels errors."""
-        return self._submit(ALL_REDUCE, tensor, bucket)
+    supports_divisor = True  # all_reduce(..., divisor=d) averages in the same pass over memory
+
+    def all_reduce(self, tensor: torch.Tensor, bucket: int | None = None, *, divisor: float | None = None) -> ShmWork:
+        """Sum ``tensor`` over the group, in place, asynchronously; ``bucket`` labels errors. With ``divisor`` the
+        result is the sum divided by it (bitwise what dividing afterwards gives), at no extra pass over memory."""
+        if divisor is not None and not (isinstance(divisor, (int, float)) and divisor > 0):
+            raise ValueError(f"all_reduce: divisor must be a positive number, got {divisor!r}")
+        return self._submit(ALL_REDUCE, tensor, bucket, divisor=divisor)
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         """Copy rank ``src``'s ``tensor`` into every rank's, in place (after the collectives queued before it)."""

@@ -38,6 +38,7 @@ class Engine:
         self.chunk_bytes, self.direct_bytes, self.areas = chunk_bytes, direct_bytes, areas
         self._views: dict[torch.dtype, list] = {}
         self._scratch = torch.empty(chunk_bytes // 2, dtype=torch.float32)  # a chunk of half values, widened
+        self._divisor = None  # of the collective being run: its sums are divided while the chunk is in cache
         # Parity: a rank rewrites descriptor seq % 2 only after the first step of seq + 1 completed, which its peers
         # publish only once they have checked collective seq.
         self._desc = [[(segment.line(r, ctypes.c_uint32, _DESC + 16 * b),
@@ -64,17 +65,25 @@ class Engine:
             acc.copy_(parts[0])
             for p in parts[1:]:
                 acc.add_(p)
+            if self._divisor is not None:
+                acc.div_(self._divisor)
             out.copy_(acc)
             return
         if any(p.data_ptr() == out.data_ptr() for p in parts[2:]):  # in place into rank >= 2's own copy
             acc = parts[0] + parts[1]
             for p in parts[2:]:
                 acc.add_(p)
+            if self._divisor is not None:
+                acc.div_(self._divisor)
             out.copy_(acc)
             return
         torch.add(parts[0], parts[1], out=out)  # two half operands are added in float32 and rounded once
         for p in parts[2:]:
             out.add_(p)
+        if self._divisor is not None:
+            # The same operations as summing the whole tensor and dividing it afterwards (the same bits), without
+            # another pass over memory: this shard was just written and is still in cache.
+            out.div_(self._divisor)
 
     def _check(self, seq: int, kind: int, numel: int, place: int, describe: Callable) -> None:
         # After the first step of a collective every peer has announced it: catch a mismatch instead of summing
@@ -91,9 +100,11 @@ class Engine:
                     "shapes and dtypes, in the same order")
 
     def run(self, op: int, flat: torch.Tensor | None, seq: int, bucket: int | None, src: int = 0,
-            shared: tuple[list[torch.Tensor], int] | None = None) -> None:
+            shared: tuple[list[torch.Tensor], int] | None = None, divisor: float | None = None) -> None:
         """Collective number ``seq``; ``shared``: (every rank's copy of ``flat``, by rank, and where it lies) for
-        a tensor in memory from :meth:`ShmTransport.allocate`, summed in place without a copy into the ring."""
+        a tensor in memory from :meth:`ShmTransport.allocate`, summed in place without a copy into the ring;
+        ``divisor``: an all-reduce's sum is divided by it (an average)."""
+        self._divisor = divisor
         numel = 0 if flat is None else flat.numel()
         kind = op | (0 if flat is None else DTYPES.index(flat.dtype) + 1) << 4 | src << 12
         place = shared[1] if shared is not None else 0

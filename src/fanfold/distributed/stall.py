@@ -265,8 +265,10 @@ class InspectedTransport:
         instance = store.add(f"instances/{rank}", 1)
         self.inspector = StallInspector(dist.PrefixStore(f"{instance}/", store), rank, world_size, timeout)
 
-    def all_reduce(self, tensor: torch.Tensor, bucket: int | None = None) -> Any:
-        return self.inspector.run("all_reduce", bucket, lambda: self.inner.all_reduce(tensor, bucket=bucket))
+    def all_reduce(self, tensor: torch.Tensor, bucket: int | None = None, **kwargs: Any) -> Any:
+        # kwargs: a transport's own options (ShmTransport's divisor), passed through only when given
+        return self.inspector.run("all_reduce", bucket,
+                                  lambda: self.inner.all_reduce(tensor, bucket=bucket, **kwargs))
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> Any:
         return self.inspector.run(f"broadcast(src={src})", None, lambda: self.inner.broadcast(tensor, src))
