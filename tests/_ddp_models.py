@@ -97,3 +97,18 @@ def single_process_grads(kind: str, micro_steps: int = 1) -> list[torch.Tensor]:
         x, y = batch(kind, step)
         loss_fn(kind, model(x), y).backward()
     return [p.grad.clone() for p in model.parameters()]
+
+
+def train_ddp(ddp: nn.Module, model: nn.Module, kind: str, steps: int) -> list[torch.Tensor]:
+    """``steps`` SGD steps of ``ddp`` (wrapping ``model``) on this rank's shard of each global batch; the final
+    parameters."""
+    import torch.distributed as dist
+
+    r, n = dist.get_rank(), dist.get_world_size()
+    opt = optimizer(model)
+    for step in range(steps):
+        x, y = batch(kind, step)
+        opt.zero_grad()
+        loss_fn(kind, ddp(shard(x, r, n)), shard(y, r, n)).backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]

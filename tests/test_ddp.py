@@ -5,7 +5,7 @@ import torch
 import fanfold
 from fanfold.distributed import TorchTransport, init_process_group, rank, world_size
 
-from _ddp_models import MODELS, batch, loss_fn, optimizer, shard, single_process, single_process_grads
+from _ddp_models import MODELS, batch, loss_fn, optimizer, shard, single_process, single_process_grads, train_ddp
 
 TINY = dict(bucket_cap_mb=0.002, first_bucket_cap_mb=0.001)  # several buckets even for these small models
 
@@ -55,16 +55,9 @@ def _reordered(flip):
 
 
 def _train(kind, steps, **kwargs):
-    r, n = rank(), world_size()
     model = MODELS[kind]()
     ddp = fanfold.DDP(model, **kwargs)
-    opt = optimizer(model)
-    for step in range(steps):
-        x, y = batch(kind, step)
-        opt.zero_grad()
-        loss_fn(kind, ddp(shard(x, r, n)), shard(y, r, n)).backward()
-        opt.step()
-    return ddp, [p.detach().clone() for p in model.parameters()]
+    return ddp, train_ddp(ddp, model, kind, steps)
 
 
 def _equivalence():

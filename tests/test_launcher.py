@@ -6,6 +6,7 @@ crashing rank (its traceback on the console, non-zero exit, every worker and gra
 """
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import signal
@@ -20,6 +21,8 @@ import pytest
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 from fanfold import launcher
+
+from _net import listening_addresses
 
 TIMEOUT = 240  # the CPU is shared with other test runs: generous, never relied on
 
@@ -60,24 +63,7 @@ PROBE = textwrap.dedent("""
     from datetime import timedelta
     import torch, torch.distributed as dist
 
-    def listening(pid):
-        inodes = set()
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            try:
-                link = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
-            if link.startswith("socket:["):
-                inodes.add(link[8:-1])
-        found = []
-        for table in ("tcp", "tcp6"):
-            with open(f"/proc/net/{table}") as f:
-                for line in f.readlines()[1:]:
-                    cols = line.split()
-                    if cols[3] == "0A" and cols[9] in inodes:  # 0A: LISTEN
-                        found.append(cols[1].split(":")[0])
-        return found
-
+    {listening_source}
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     t = torch.tensor([dist.get_rank() + 1.0])
     dist.all_reduce(t)
@@ -86,7 +72,7 @@ PROBE = textwrap.dedent("""
     report = {"argv": sys.argv, "sum": t.item(), "threads": torch.get_num_threads(),
               "env": {k: os.environ.get(k) for k in keys},
               # the worker's own sockets (gloo) and its parent's, the agent hosting the store
-              "listening": listening(os.getpid()) + listening(os.getppid())}
+              "listening": listening_addresses(os.getpid()) + listening_addresses(os.getppid())}
     with open(f"rank{dist.get_rank()}.attempt{attempt}.json", "w") as f:
         json.dump(report, f)
     if attempt == "0" and dist.get_rank() == 1:
@@ -97,7 +83,7 @@ PROBE = textwrap.dedent("""
 def test_env_contract_args_threads_loopback_and_restart(tmp_path):
     import torch
 
-    (tmp_path / "probe.py").write_text(PROBE)
+    (tmp_path / "probe.py").write_text(PROBE.replace("{listening_source}\n", inspect.getsource(listening_addresses)))
     script_args = ["--lr", "0.1", "-n", "5", "--nnodes=3", "-m", "x y", "--", "last"]
     res = _run(tmp_path, "--max-restarts", "1", "probe.py", *script_args)  # no -n: the default
     assert res.returncode == 0, res.stderr

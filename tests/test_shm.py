@@ -19,7 +19,7 @@ from fanfold.distributed import free_port
 from fanfold.distributed.shm import ShmTimeoutError, ShmTransport, host_key, select_transport
 from fanfold.distributed.shm_segment import SHM_DIR, leftover_segments, pid_namespace
 
-from _ddp_models import MODELS, batch, loss_fn, optimizer, shard, single_process
+from _ddp_models import MODELS, single_process, train_ddp
 
 CHUNK = 64 << 10  # small chunks: many chunk edges and both algorithms (direct below 16 KB) at cheap sizes
 # elements: 1 .. 64 MB of float32, odd lengths, each side of the 16 KB / 64 KB edges
@@ -85,6 +85,30 @@ def _sums():
             for x in xs[2:]:
                 expect += x.to(wide)
             out["dtypes"][str(dtype)] = (_digest(y), torch.equal(y, expect.to(dtype)))
+        # divisor=: the average, bitwise the rank-order sum divided afterwards (ring, both algorithms, and in place)
+        region = t.allocate(3 * CHUNK, torch.float32)
+        out["divided"] = []
+        for tr, size, where in ((t, 5, None), (big, 5, None), (t, 3 * CHUNK // 2 + 1, None),
+                                (big, (1 << 20) + 3, None), (t, 3 * CHUNK // 2 + 1, 1)):
+            xs = [_inputs(size, q) for q in range(n)]
+            y = xs[r].clone() if where is None else region[where:where + size].copy_(xs[r])
+            tr.all_reduce(y, divisor=n).wait()
+            expect = xs[0] + xs[1]
+            for x in xs[2:]:
+                expect += x
+            out["divided"].append(torch.equal(y, expect / n))
+        # reduce_into: the same average, written into private tensors (in place from every copy, or after a ring)
+        for tr, size, where in ((t, 7, None), (t, 3 * CHUNK // 2 + 1, None), (t, 3 * CHUNK // 2 + 1, 1),
+                                (t, 2 * CHUNK + 5, 0)):
+            xs = [_inputs(size, q) for q in range(n)]
+            y = xs[r].clone() if where is None else region[where:where + size].copy_(xs[r])
+            cut = [size // 3, size // 3 + 1, size - 2 * (size // 3) - 1]  # pieces of odd lengths
+            outs = [torch.full((c,), -1.0) for c in cut]
+            tr.reduce_into(y, outs, divisor=n).wait()
+            expect = xs[0] + xs[1]
+            for x in xs[2:]:
+                expect += x
+            out["divided"].append(torch.equal(torch.cat(outs), expect / n))
         base = torch.arange(40.0).view(4, 10) * (r + 1)  # a non-contiguous view: only its elements change
         t.all_reduce(base[:, ::3]).wait()
         out["strided"] = base
@@ -131,6 +155,7 @@ def test_all_reduce_exact_fixed_order_and_bitwise_equal(nprocs):
     for dtype, (digest, exact) in out[0]["dtypes"].items():
         assert exact, dtype
         assert all(o["dtypes"][dtype][0] == digest for o in out), dtype
+    assert all(all(o["divided"]) for o in out), [o["divided"] for o in out]
     for key, (digest, exact, rest_untouched) in out[0]["shared"].items():
         assert exact and rest_untouched, key
         assert all(o["shared"][key] == (digest, True, True) for o in out), key
@@ -322,23 +347,31 @@ def test_select_transport(api):
         assert "{0: 'shm', 1: 'torch'}" in o["disagree"]
 
 
-def _train(kind, transport, steps, hook=None):
-    r, n = dist.get_rank(), dist.get_world_size()
-    model = MODELS[kind]()
-    ddp = fanfold.DDP(model, transport=transport, bucket_cap_mb=0.002, first_bucket_cap_mb=0.001)
+class WithSpare(torch.nn.Module):
+    """The test MLP plus a layer it never uses: with find_unused_parameters its .grad must stay None."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = MODELS["mlp"]()
+        self.spare = torch.nn.Linear(64, 64)
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def _train(kind, transport, steps, hook=None, **kwargs):
+    model = WithSpare() if kind == "spare" else MODELS[kind]()
+    ddp = fanfold.DDP(model, transport=transport, bucket_cap_mb=0.002, first_bucket_cap_mb=0.001, **kwargs)
     if hook is not None:
         from fanfold.distributed import comm_hooks
 
         ddp.register_comm_hook(None, getattr(comm_hooks, hook))
-    opt = optimizer(model)
-    for step in range(steps):
-        x, y = batch(kind, step)
-        opt.zero_grad()
-        loss_fn(kind, ddp(shard(x, r, n)), shard(y, r, n)).backward()
-        opt.step()
+    params = train_ddp(ddp, model, "mlp" if kind == "spare" else kind, steps)
+    if kind == "spare":
+        assert model.spare.weight.grad is None and model.spare.bias.grad is None
     # After the first backward the buckets are rebuilt in memory the shm transport's peers read (allocate).
     shared = [getattr(ddp.transport, "_shared", lambda f: None)(f) is not None for f in ddp.reducer.flats]
-    return type(ddp.transport.inner).__name__, [p.detach().clone() for p in model.parameters()], shared
+    return type(ddp.transport.inner).__name__, params, shared
 
 
 def _trainings(transport):
@@ -346,6 +379,8 @@ def _trainings(transport):
     runs = {"mlp": _train("mlp", transport, STEPS)}
     if transport == "shm":  # small chunks: the small buckets are summed in place (allocate), not in the ring
         runs["in place"] = _train("mlp", ShmTransport(timeout=60, chunk_bytes=4096), STEPS)
+        # and with parameters that get no gradient (the average then goes to fresh tensors, or nowhere)
+        runs["spare"] = _train("spare", ShmTransport(timeout=60, chunk_bytes=4096), STEPS, find_unused_parameters=True)
         runs["lm"] = _train("lm", transport, STEPS)
         runs["bf16"] = _train("mlp", transport, STEPS, "bf16_compress_hook")
     return runs
@@ -363,7 +398,10 @@ def test_ddp_training_equivalent_on_both_transports():
     for a, b, c, o in zip(shm[0]["mlp"][1], torch_[0]["mlp"][1], shm[0]["in place"][1], oracle):
         assert torch.equal(a, b) and torch.equal(a, c)  # two ranks: a + b either way, so bitwise what gloo gives
         torch.testing.assert_close(a, o, rtol=1e-5, atol=1e-6)
-    for run in ("mlp", "in place", "lm", "bf16"):
+    spare = shm[0]["spare"][1]
+    assert all(torch.equal(a, c) for a, c in zip(spare, shm[0]["in place"][1]))  # the MLP's, bitwise
+    assert torch.equal(spare[-2], WithSpare().spare.weight.detach())  # never used: never changed
+    for run in ("mlp", "in place", "spare", "lm", "bf16"):
         assert all(torch.equal(a, b) for a, b in zip(shm[0][run][1], shm[1][run][1])), run
     for a, o in zip(shm[0]["lm"][1], single_process("lm", STEPS)):
         torch.testing.assert_close(a, o, rtol=1e-5, atol=1e-6)

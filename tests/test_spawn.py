@@ -8,6 +8,8 @@ import torch.distributed as dist
 
 import fanfold
 
+from _net import listening_addresses
+
 
 def _env_and_sum():
     dist.init_process_group("gloo", timeout=__import__("datetime").timedelta(seconds=20))
@@ -32,31 +34,11 @@ def _die_hard():
     time.sleep(30)
 
 
-def _listening_addresses(pid):
-    """Local addresses (hex, /proc/net byte order) of the TCP sockets in LISTEN state that process ``pid`` holds."""
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            link = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:["):
-            inodes.add(link[8:-1])
-    found = []
-    for table in ("tcp", "tcp6"):
-        with open(f"/proc/net/{table}") as f:
-            for line in f.readlines()[1:]:
-                cols = line.split()
-                if cols[3] == "0A" and cols[9] in inodes:  # 0A: LISTEN
-                    found.append(cols[1].split(":")[0])
-    return found
-
-
 def _listening_after_init():
     dist.init_process_group("gloo", timeout=__import__("datetime").timedelta(seconds=20))
     t = torch.ones(1)
     dist.all_reduce(t)  # gloo's pairs are connected: its listeners exist now
-    return _listening_addresses(os.getpid()), t.item()
+    return listening_addresses(os.getpid()), t.item()
 
 
 def _pid_alive(pid):
@@ -80,9 +62,9 @@ def test_everything_listens_on_loopback_only():
     """The store is hosted by the launching process on 127.0.0.1; workers are its clients; gloo stays on lo."""
     from fanfold.distributed.spawn import loopback_store
 
-    before = set(_listening_addresses(os.getpid()))
+    before = set(listening_addresses(os.getpid()))
     store, _ = loopback_store(10.0)
-    assert set(_listening_addresses(os.getpid())) - before == {"0100007F"}  # 127.0.0.1 in /proc's byte order
+    assert set(listening_addresses(os.getpid())) - before == {"0100007F"}  # 127.0.0.1 in /proc's byte order
     del store
     out = fanfold.launch(_listening_after_init, nprocs=2, timeout=60)
     assert [o[1] for o in out] == [2.0, 2.0]

@@ -26,7 +26,7 @@ def unwrap_module(module: nn.Module) -> nn.Module:
     while True:
         inner = getattr(module, "_orig_mod", None)  # torch.compile's OptimizedModule
         if not isinstance(inner, nn.Module):
-            inner = getattr(module, "module", None)
+            inner = module._modules.get("module")  # not getattr: DataParallel's attribute fall-through
             wrapper = isinstance(module, (nn.DataParallel, nn.parallel.DistributedDataParallel)) or \
                 type(module).__module__.startswith("fanfold.")
             if not (wrapper and isinstance(inner, nn.Module)):

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._prefixes import unwrap_module
 from ._utils import DeviceLike, accelerator_type, default_device_ids, normalize_device, normalize_devices
 from .parallel_apply import WorkerPool, parallel_apply
 from .parallel_backward import parallel_apply_backward
@@ -206,13 +207,4 @@ def unwrap(module: nn.Module) -> nn.Module:
     ``torch.compile`` wrappers, however deeply nested."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"unwrap: expected an nn.Module, got {type(module).__name__}")
-    while True:
-        inner = getattr(module, "_orig_mod", None)  # torch.compile's OptimizedModule
-        if not isinstance(inner, nn.Module):
-            wrapper = isinstance(module, (DataParallel, nn.DataParallel, nn.parallel.DistributedDataParallel)) or (
-                type(module).__module__.startswith("fanfold.")  # fanfold's other wrappers keep the model in .module
-            )
-            inner = module._modules.get("module") if wrapper else None
-            if not isinstance(inner, nn.Module):
-                return module
-        module = inner
+    return unwrap_module(module)

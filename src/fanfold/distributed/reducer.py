@@ -9,7 +9,8 @@ After the first synchronised backward the buckets are rebuilt from the order in 
 ready, and rank 0's order is broadcast so that every rank builds the same buckets.
 
 The end of backward (a callback queued on the autograd engine by the first hook of a backward) launches what is
-left, waits for every bucket in order and writes the averaged gradients back. A parameter that got no gradient
+left, waits for every bucket in order and writes the averaged gradients back -- unless the transport already wrote
+them into ``.grad`` (``reduce_into``: the default hook, ``.grad`` not a bucket view, the shm transport). A parameter that got no gradient
 either contributes zeros (``find_unused_parameters=True``; a bitmap all-reduce tells whether some rank used it,
 and a parameter no rank used keeps ``grad=None`` as in one process) or makes every bucket still launch before a
 RuntimeError names it, so the peers are not left waiting on a collective that never comes.
@@ -67,6 +68,7 @@ class Reducer:
         self.backward_seen = False  # a hook fired since DDP last looked (buffers may be re-synced safely)
         self.on_first_ready: Callable[[], None] | None = None  # DDP's join announcement, before any bucket launch
         self.rebuilt = False
+        self._shadowing = False
         self.last_ready_order: list[int] = []
         self._used = [False] * len(self.params)  # got a gradient since the last synchronisation (no_sync included)
         self._build(None)
@@ -114,7 +116,13 @@ class Reducer:
             self._workspaces[key] = self._bucket_memory(flat.numel(), dtype, flat.device)
         return self._workspaces[key]
 
+    @property
+    def _into(self) -> bool:
+        return self.hook is allreduce_hook and not self.as_view and \
+            bool(getattr(self.transport, "supports_reduce_into", False))
+
     def _reset(self) -> None:
+        self._temps: dict[int, torch.Tensor] = {}  # reduce_into's outputs for parameters without a usable .grad
         self._ready = [False] * len(self.params)
         self._order: list[int] = []
         self._left = [len(m) for m in self.buckets]
@@ -172,6 +180,18 @@ class Reducer:
 
     def _launch(self, b: int) -> None:
         members = self.buckets[b]
+        if self._into:
+            # The default hook on a transport that can write the average straight into private tensors: each
+            # .grad receives it (or a fresh tensor, for a parameter without one), so nothing is copied out at the
+            # end. The same choice on every rank: it depends on settings only, never on this rank's gradients.
+            outs = []
+            for i in members:
+                g = None if self._shadowing else self.params[i].grad  # a joined rank's own .grad stays as it is
+                if g is None or g is self._views[i] or not g.is_contiguous() or g.dtype != self.flats[b].dtype:
+                    g = self._temps[i] = torch.empty_like(self._views[i])
+                outs.append(g)
+            self._futures[b] = self.transport.reduce_into(self.flats[b], outs, bucket=b, divisor=self.divisor)
+            return
         bucket = GradBucket(b, self.flats[b], [self.params[i] for i in members], [self._views[i] for i in members],
                             b == len(self.buckets) - 1, self.divisor, self.all_reduce, self._workspace)
         self._futures[b] = self.hook(self.hook_state, bucket)
@@ -212,7 +232,15 @@ class Reducer:
             if used is not None and used[i] == 0:
                 continue  # no rank used it: leave .grad as a single process would (None)
             view = self._views[i]
-            if self.as_view:
+            if self._into:
+                temp = self._temps.get(i)
+                if temp is not None:  # the parameter had no usable .grad: the average went to a fresh tensor
+                    if p.grad is None:
+                        p.grad = temp
+                    else:
+                        p.grad.copy_(temp)
+                # else: .grad holds the average already
+            elif self.as_view:
                 p.grad = view
             elif p.grad is None:
                 p.grad = view.clone()
@@ -257,8 +285,12 @@ class Reducer:
         """Issue the collectives of one synchronised backward with zero gradients (a rank that has joined)."""
         for flat in self.flats:
             flat.zero_()
-        for b in range(len(self.buckets)):
-            self._launch(b)
+        self._shadowing = True
+        try:
+            for b in range(len(self.buckets)):
+                self._launch(b)
+        finally:
+            self._shadowing = False
         if self.find_unused:
             self.all_reduce(torch.zeros(len(self.params), dtype=torch.float32, device=self.flats[0].device)).wait()
         self._wait_all()

@@ -32,7 +32,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from .shm_engine import ALL_REDUCE, BARRIER, BROADCAST, DTYPES, OPS, SHARED_ALL_REDUCE, Engine
+from .shm_engine import ALL_REDUCE, BARRIER, BROADCAST, DTYPES, OPS, REDUCE_INTO, SHARED_ALL_REDUCE, Engine
 from .shm_segment import SHM_DIR, Segment, ShmTimeoutError, pid_namespace
 from .stall import ENV_VAR as STALL_ENV_VAR, resolve_stall_timeout
 from .transport import ENV_VAR
@@ -79,6 +79,13 @@ def _flat(tensor: torch.Tensor, what: str) -> tuple[torch.Tensor, Callable[[], N
         return t.view(-1), None
     flat = t.contiguous().view(-1)
     return flat, lambda: t.copy_(flat.view_as(t))
+
+
+def _split_into(flat: torch.Tensor, outs: list[torch.Tensor]) -> None:
+    offset = 0
+    for out in outs:
+        out.copy_(flat[offset: offset + out.numel()])
+        offset += out.numel()
 
 
 def _serve(requests: queue.SimpleQueue, engine: Engine) -> None:
@@ -162,8 +169,12 @@ class ShmTransport:
         self._finalizer = weakref.finalize(self, _stop, self._requests, self._thread, self._segment, self._regions)
 
     def _submit(self, op: int, tensor: torch.Tensor | None, bucket: int | None = None, src: int = 0,
-                divisor: float | None = None) -> ShmWork:
+                divisor: float | None = None, outs: list[torch.Tensor] | None = None) -> ShmWork:
         flat, finish = _flat(tensor, OPS[op]) if tensor is not None else (None, None)
+        if outs is not None:  # reduce_into: the result goes to outs, whichever algorithm runs
+            if finish is not None or op != ALL_REDUCE:
+                raise ValueError("reduce_into needs a contiguous tensor")
+            finish = lambda: _split_into(flat, outs)  # noqa: E731 - replaced below when the sum writes outs itself
         if self.world_size == 1:
             if divisor is not None:
                 tensor.div_(divisor)
@@ -173,12 +184,14 @@ class ShmTransport:
         # Small tensors (up to a quarter chunk) take the ring even from shared memory: one synchronisation, not 3.
         shared = self._shared(flat) if op == ALL_REDUCE and finish is None and self._regions and \
             flat.numel() * flat.element_size() > self._chunk_bytes // 4 else None
-        if shared is not None:
+        if shared is not None and outs is not None and self.world_size <= 3:
+            op, finish = REDUCE_INTO, None
+        elif shared is not None:
             op = SHARED_ALL_REDUCE
         fut = torch.futures.Future()
         with self._lock:  # numbering and queueing together: the FIFO order is the numbering order
             self._seq += 1
-            self._requests.put((fut, tensor, finish, (op, flat, self._seq, bucket, src, shared, divisor)))
+            self._requests.put((fut, tensor, finish, (op, flat, self._seq, bucket, src, shared, divisor, outs)))
         return ShmWork(fut)
 
     def _shared(self, flat: torch.Tensor) -> tuple[list[torch.Tensor], int] | None:
@@ -217,6 +230,7 @@ class ShmTransport:
         return views[self.rank].view(dtype)
 
     supports_divisor = True  # all_reduce(..., divisor=d) averages in the same pass over memory
+    supports_reduce_into = True  # reduce_into(tensor, outs): the result lands in private tensors
 
     def all_reduce(self, tensor: torch.Tensor, bucket: int | None = None, *, divisor: float | None = None) -> ShmWork:
         """Sum ``tensor`` over the group, in place, asynchronously; ``bucket`` labels errors. With ``divisor`` the
@@ -224,6 +238,23 @@ class ShmTransport:
         if divisor is not None and not (isinstance(divisor, (int, float)) and divisor > 0):
             raise ValueError(f"all_reduce: divisor must be a positive number, got {divisor!r}")
         return self._submit(ALL_REDUCE, tensor, bucket, divisor=divisor)
+
+    def reduce_into(self, tensor: torch.Tensor, outs: list[torch.Tensor], bucket: int | None = None, *,
+                    divisor: float | None = None) -> ShmWork:
+        """All-reduce contiguous ``tensor`` into ``outs`` (contiguous tensors of its dtype whose lengths add up to
+        its length, in order); what ``tensor`` holds afterwards is unspecified. For memory from :meth:`allocate` up to 3
+        ranks, each rank sums straight from every copy into ``outs``: the fewest bytes moved (DDP's buckets when
+        ``.grad`` is not a view of them). Otherwise an all_reduce in place, then a copy into ``outs``."""
+        if divisor is not None and not (isinstance(divisor, (int, float)) and divisor > 0):
+            raise ValueError(f"reduce_into: divisor must be a positive number, got {divisor!r}")
+        outs = [o.view(-1) for o in outs]
+        if sum(o.numel() for o in outs) != tensor.numel() or any(o.dtype != tensor.dtype for o in outs):
+            raise ValueError(f"reduce_into: outs must add up to the tensor's {tensor.numel()} {tensor.dtype} "
+                             f"elements, got {[(o.numel(), o.dtype) for o in outs]}")
+        if self.world_size == 1:
+            _split_into(tensor.view(-1) if divisor is None else tensor.view(-1) / divisor, outs)
+            return _completed(tensor)
+        return self._submit(ALL_REDUCE, tensor, bucket, divisor=divisor, outs=outs)
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         """Copy rank ``src``'s ``tensor`` into every rank's, in place (after the collectives queued before it)."""

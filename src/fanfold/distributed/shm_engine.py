@@ -13,12 +13,13 @@ import torch
 
 from .shm_segment import Segment
 
-__all__ = ["Engine", "DTYPES", "OPS", "ALL_REDUCE", "BROADCAST", "BARRIER", "SHARED_ALL_REDUCE"]
+__all__ = ["Engine", "DTYPES", "OPS", "ALL_REDUCE", "BROADCAST", "BARRIER", "SHARED_ALL_REDUCE", "REDUCE_INTO"]
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.int16,
           torch.int8, torch.uint8]
-ALL_REDUCE, BROADCAST, BARRIER, SHARED_ALL_REDUCE = 1, 2, 3, 4
-OPS = {ALL_REDUCE: "all_reduce", BROADCAST: "broadcast", BARRIER: "barrier", SHARED_ALL_REDUCE: "all_reduce"}
+ALL_REDUCE, BROADCAST, BARRIER, SHARED_ALL_REDUCE, REDUCE_INTO = 1, 2, 3, 4, 5
+OPS = {ALL_REDUCE: "all_reduce", BROADCAST: "broadcast", BARRIER: "barrier", SHARED_ALL_REDUCE: "all_reduce",
+       REDUCE_INTO: "all_reduce"}
 _DESC = 16  # in a rank's line, two descriptors (kind u32, numel u64) of its current collective, by seq parity
 _WHERE = 48  # then, by seq parity, where a shared all_reduce's tensor lies (region << 40 | byte offset; u64)
 
@@ -61,29 +62,19 @@ class Engine:
     def _sum(self, parts: list[torch.Tensor], out: torch.Tensor) -> None:
         # Rank order, every time: the bits depend only on the inputs, not on which rank sums or how fast it is.
         if out.dtype in (torch.bfloat16, torch.float16) and len(parts) > 2:
-            acc = self._scratch[: out.numel()]
-            acc.copy_(parts[0])
-            for p in parts[1:]:
-                acc.add_(p)
-            if self._divisor is not None:
-                acc.div_(self._divisor)
-            out.copy_(acc)
-            return
-        if any(p.data_ptr() == out.data_ptr() for p in parts[2:]):  # in place into rank >= 2's own copy
-            acc = parts[0] + parts[1]
-            for p in parts[2:]:
-                acc.add_(p)
-            if self._divisor is not None:
-                acc.div_(self._divisor)
-            out.copy_(acc)
-            return
-        torch.add(parts[0], parts[1], out=out)  # two half operands are added in float32 and rounded once
-        for p in parts[2:]:
-            out.add_(p)
+            acc, rest = self._scratch[: out.numel()].copy_(parts[0]), parts[1:]  # several halves: in float32
+        elif any(p.data_ptr() == out.data_ptr() for p in parts[2:]):
+            acc, rest = parts[0] + parts[1], parts[2:]  # into rank >= 2's own copy: read it before writing it
+        else:
+            acc, rest = torch.add(parts[0], parts[1], out=out), parts[2:]  # two halves: float32, rounded once
+        for p in rest:
+            acc.add_(p)
         if self._divisor is not None:
-            # The same operations as summing the whole tensor and dividing it afterwards (the same bits), without
-            # another pass over memory: this shard was just written and is still in cache.
-            out.div_(self._divisor)
+            # Summing the whole tensor and dividing it afterwards would give the same bits, at another pass over
+            # memory: here the shard was just written and is still in cache.
+            acc.div_(self._divisor)
+        if acc is not out:
+            out.copy_(acc)
 
     def _check(self, seq: int, kind: int, numel: int, place: int, describe: Callable) -> None:
         # After the first step of a collective every peer has announced it: catch a mismatch instead of summing
@@ -100,10 +91,12 @@ class Engine:
                     "shapes and dtypes, in the same order")
 
     def run(self, op: int, flat: torch.Tensor | None, seq: int, bucket: int | None, src: int = 0,
-            shared: tuple[list[torch.Tensor], int] | None = None, divisor: float | None = None) -> None:
+            shared: tuple[list[torch.Tensor], int] | None = None, divisor: float | None = None,
+            outs: list[torch.Tensor] | None = None) -> None:
         """Collective number ``seq``; ``shared``: (every rank's copy of ``flat``, by rank, and where it lies) for
         a tensor in memory from :meth:`ShmTransport.allocate`, summed in place without a copy into the ring;
-        ``divisor``: an all-reduce's sum is divided by it (an average)."""
+        ``divisor``: an all-reduce's sum is divided by it (an average); ``outs`` (REDUCE_INTO of a shared tensor):
+        private tensors, in order, that receive the result instead of ``flat``."""
         self._divisor = divisor
         numel = 0 if flat is None else flat.numel()
         kind = op | (0 if flat is None else DTYPES.index(flat.dtype) + 1) << 4 | src << 12
@@ -125,6 +118,9 @@ class Engine:
             return
         if op == SHARED_ALL_REDUCE:
             self._shared_all_reduce(shared[0], cap, describe, (seq, kind, numel, place))
+            return
+        if op == REDUCE_INTO:
+            self._reduce_into(shared[0], outs, cap, describe, (seq, kind, numel, place))
             return
         chunks = [flat[i * cap:][:cap] for i in range(count)]
         if op == ALL_REDUCE and cap * flat.element_size() > self.direct_bytes:
@@ -216,6 +212,26 @@ class Engine:
             fetch(j)
         # A peer may still be copying this rank's shards: the caller must not touch the tensor before they are done.
         self.seg.wait_all(self.seg.arrive(), describe(count - 1))
+
+
+    def _reduce_into(self, parts: list[torch.Tensor], outs: list[torch.Tensor], cap: int, describe: Callable,
+                     check: tuple) -> None:
+        # Every rank sums every element from all copies, in rank order, straight into its own private outputs (the
+        # parameters' .grad): nothing is written back into shared memory, nothing fetched, nothing copied out
+        # afterwards. Per rank that is N reads and one write per element, against the in-place algorithm's shard
+        # sum, fetch and the caller's copy out: fewer bytes up to 3 ranks (the transport uses it only there).
+        start = self.seg.arrive()  # this rank's copy is complete: peers may read it
+        self.seg.wait_all(start, describe(0))
+        self._check(*check, describe(0))
+        offset = 0
+        for out in outs:
+            m = out.numel()
+            for lo in range(0, m, cap):  # chunk by chunk: the division finds its chunk in cache
+                hi = min(m, lo + cap)
+                self._sum([p[offset + lo: offset + hi] for p in parts], out[lo:hi])
+            offset += m
+        # A peer may still be reading this rank's copy: the caller must not rewrite it before they are done.
+        self.seg.wait_all(self.seg.arrive(), describe(max(0, -(-offset // cap) - 1)))
 
 
 def _describe_kind(kind: int, numel: int) -> str:
