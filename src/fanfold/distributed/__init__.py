@@ -1,7 +1,8 @@
 """fanfold.distributed: one process per replica on torch.distributed process groups.
 
 Layers: env (the torchrun contract) <- buckets <- reducer <- ddp; every collective of the reducer and of DDP goes
-through one transport object (transport.py: torch.distributed; shm.py: shared memory); comm_hooks say how a bucket
+through one transport object (transport.py: torch.distributed; shm.py over shm_engine.py and shm_segment.py: shared
+memory, chosen by shm_select.py), wrapped by the stall inspector (stall.py, progress.py); comm_hooks say how a bucket
 is reduced, join.py how ranks with fewer batches shadow the others; spawn starts local workers from Python.
 """
 from .comm_hooks import allreduce_hook, bf16_compress_hook, fp16_compress_hook

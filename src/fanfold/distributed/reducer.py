@@ -23,22 +23,9 @@ import torch
 
 from .buckets import assign_buckets, bucket_caps, rebuild_order
 from .comm_hooks import GradBucket, allreduce_hook
+from .transport import DividedWork
 
 __all__ = ["Reducer"]
-
-
-class _Divided:
-    """A transport's handle whose ``wait()`` also divides the tensor (once)."""
-
-    def __init__(self, handle: Any, tensor: torch.Tensor, divisor: float):
-        self._handle, self._tensor, self._divisor = handle, tensor, divisor
-
-    def wait(self, *args: Any, **kwargs: Any) -> Any:
-        result = self._handle.wait(*args, **kwargs)
-        if self._divisor is not None:
-            self._tensor.div_(self._divisor)
-            self._divisor = None
-        return result
 
 
 class Reducer:
@@ -204,7 +191,7 @@ class Reducer:
             return self.transport.all_reduce(tensor, bucket=bucket)
         if getattr(self.transport, "supports_divisor", False):
             return self.transport.all_reduce(tensor, bucket=bucket, divisor=divisor)
-        return _Divided(self.transport.all_reduce(tensor, bucket=bucket), tensor, divisor)
+        return DividedWork(self.transport.all_reduce(tensor, bucket=bucket), tensor, divisor)
 
     # ---- end of backward ------------------------------------------------------------------------------------
     def _finalize(self) -> None:

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["TorchTransport", "resolve_transport", "all_gather_rows", "all_gather_bytes", "ENV_VAR"]
+__all__ = ["TorchTransport", "DividedWork", "resolve_transport", "all_gather_rows", "all_gather_bytes", "ENV_VAR"]
 
 ENV_VAR = "FANFOLD_TRANSPORT"
 
@@ -61,13 +61,28 @@ class TorchTransport:
         return f"TorchTransport(rank={self.rank}, world_size={self.world_size}, backend={dist.get_backend(self.group)})"
 
 
+class DividedWork:
+    """A transport's handle whose ``wait()`` also divides the tensor by ``divisor`` (once): an average from a
+    transport without ``supports_divisor``."""
+
+    def __init__(self, handle: Any, tensor: torch.Tensor, divisor: float):
+        self._handle, self._tensor, self._divisor = handle, tensor, divisor
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        result = self._handle.wait(*args, **kwargs)
+        if self._divisor is not None:
+            self._tensor.div_(self._divisor)
+            self._divisor = None
+        return result
+
+
 def resolve_transport(transport: Any = None, group: Any = None) -> Any:
     """The transport named by ``transport``: None -> ``$FANFOLD_TRANSPORT``, else "shm" when every rank shares this
     host and the CPU (``shm.select_transport``, collective), else "torch"; "torch" -> TorchTransport; "shm" -> the
     shared-memory transport; any object with ``all_reduce``/``broadcast``/``barrier`` -> used as is."""
     source = "transport"
     if transport is None:
-        from .shm import select_transport  # collective: every rank gets the same answer
+        from .shm_select import select_transport  # collective: every rank gets the same answer
 
         transport, source = select_transport(group), ENV_VAR
     if isinstance(transport, str):
