@@ -116,7 +116,8 @@ def main() -> int:
     if args.check and main_process:
         replay = make_model(args.seed)
         assert torch.equal(flat(replay), start)
-        train(replay, args.steps, args.lr, args.batch_size * world, 0, 1, args.seed, teacher, torch.device("cpu"), False)
+        train(replay, args.steps, args.lr, args.batch_size * world, 0, 1, args.seed, teacher, torch.device("cpu"),
+              False)
         if not torch.allclose(mine, flat(replay), rtol=1e-4, atol=1e-5):
             gap = (mine - flat(replay)).abs().max().item()
             failures.append(f"parameters differ from the single-process replay by up to {gap:.3g}")

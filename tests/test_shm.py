@@ -109,6 +109,8 @@ def _sums():
             for x in xs[2:]:
                 expect += x
             out["divided"].append(torch.equal(torch.cat(outs), expect / n))
+            if where is not None and n <= 3:  # summed from every copy: nothing written back into shared memory
+                out["divided"].append(torch.equal(y, xs[r]))
         base = torch.arange(40.0).view(4, 10) * (r + 1)  # a non-contiguous view: only its elements change
         t.all_reduce(base[:, ::3]).wait()
         out["strided"] = base
@@ -371,7 +373,11 @@ def _train(kind, transport, steps, hook=None, **kwargs):
         assert model.spare.weight.grad is None and model.spare.bias.grad is None
     # After the first backward the buckets are rebuilt in memory the shm transport's peers read (allocate).
     shared = [getattr(ddp.transport, "_shared", lambda f: None)(f) is not None for f in ddp.reducer.flats]
-    return type(ddp.transport.inner).__name__, params, shared
+    # reduce_into from every rank's copy leaves each bucket holding this rank's own gradients (the averages went
+    # to .grad); any path that all-reduces the bucket itself leaves the averages there.
+    r = ddp.reducer
+    into = any(p.grad is not None and not torch.equal(v, p.grad) for p, v in zip(r.params, r._views))
+    return type(ddp.transport.inner).__name__, params, shared, into
 
 
 def _trainings(transport):
@@ -398,6 +404,11 @@ def test_ddp_training_equivalent_on_both_transports():
     for a, b, c, o in zip(shm[0]["mlp"][1], torch_[0]["mlp"][1], shm[0]["in place"][1], oracle):
         assert torch.equal(a, b) and torch.equal(a, c)  # two ranks: a + b either way, so bitwise what gloo gives
         torch.testing.assert_close(a, o, rtol=1e-5, atol=1e-6)
+    # the in-place paths wrote the averages straight into .grad; the default 1 MiB chunks keep these small
+    # buckets in the ring (a quarter chunk or less), and the torch transport and the bf16 hook reduce the buckets
+    into = [[s[run][3] for run in ("mlp", "in place", "spare", "bf16")] for s in shm]
+    assert into == [[False, True, True, False]] * 2
+    assert not torch_[0]["mlp"][3]
     spare = shm[0]["spare"][1]
     assert all(torch.equal(a, c) for a, c in zip(spare, shm[0]["in place"][1]))  # the MLP's, bitwise
     assert torch.equal(spare[-2], WithSpare().spare.weight.detach())  # never used: never changed

@@ -7,13 +7,14 @@ gives a tensor of the buffer's size holding the *averaged* gradient. ``bucket.al
 issues the all-reduce through the DDP's transport, so a hook works on every transport and its collectives are
 labelled with the bucket index; with ``divisor`` it is an average (the shm transport divides each shard while it is
 in cache, other transports after the wait). ``bucket.divisor`` is what to divide by (the world size, or the number
-of ranks still active inside ``join(divide_by_initial_world_size=False)``). Hooks written for torch's DDP that call ``dist.all_reduce``
-themselves also work on the torch transport, since the reducer accepts torch futures.
+of ranks still active inside ``join(divide_by_initial_world_size=False)``). Hooks written for torch's DDP that call
+``dist.all_reduce`` themselves also work on the torch transport, since the reducer accepts torch futures.
 
 The compression hooks cast to the narrow type (fp16 divides first, so that it cannot overflow on the sum; bf16 has
 fp32's range and lets the all-reduce average), all-reduce in it and cast the result back into the fp32 buffer: half
-the bytes on the wire, about 3 (bf16) or 4-5 (fp16) significant digits kept. The narrow copy is the bucket's ``workspace(dtype)``, kept from step to step in memory
-that the transport sums in place when it has such memory (``ShmTransport.allocate``).
+the bytes on the wire, about 3 (bf16) or 4-5 (fp16) significant digits kept. The narrow copy is the bucket's
+``workspace(dtype)``, kept from step to step in memory that the transport sums in place when it has such memory
+(``ShmTransport.allocate``).
 """
 from __future__ import annotations
 

@@ -10,10 +10,10 @@ ready, and rank 0's order is broadcast so that every rank builds the same bucket
 
 The end of backward (a callback queued on the autograd engine by the first hook of a backward) launches what is
 left, waits for every bucket in order and writes the averaged gradients back -- unless the transport already wrote
-them into ``.grad`` (``reduce_into``: the default hook, ``.grad`` not a bucket view, the shm transport). A parameter that got no gradient
-either contributes zeros (``find_unused_parameters=True``; a bitmap all-reduce tells whether some rank used it,
-and a parameter no rank used keeps ``grad=None`` as in one process) or makes every bucket still launch before a
-RuntimeError names it, so the peers are not left waiting on a collective that never comes.
+them into ``.grad`` (``reduce_into``: the default hook, ``.grad`` not a bucket view, the shm transport). A parameter
+that got no gradient either contributes zeros (``find_unused_parameters=True``; a bitmap all-reduce tells whether
+some rank used it, and a parameter no rank used keeps ``grad=None`` as in one process) or makes every bucket still
+launch before a RuntimeError names it, so the peers are not left waiting on a collective that never comes.
 """
 from __future__ import annotations
 
@@ -215,11 +215,12 @@ class Reducer:
             self.all_reduce(used).wait()
             used = used.tolist()
         self._wait_all()
+        into = self._into
         for i, p in enumerate(self.params):
             if used is not None and used[i] == 0:
                 continue  # no rank used it: leave .grad as a single process would (None)
             view = self._views[i]
-            if self._into:
+            if into:
                 temp = self._temps.get(i)
                 if temp is not None:  # the parameter had no usable .grad: the average went to a fresh tensor
                     if p.grad is None:

@@ -169,10 +169,11 @@ class ShmTransport:
     def _submit(self, op: int, tensor: torch.Tensor | None, bucket: int | None = None, src: int = 0,
                 divisor: float | None = None, outs: list[torch.Tensor] | None = None) -> ShmWork:
         flat, finish = _flat(tensor, OPS[op]) if tensor is not None else (None, None)
+        contiguous = finish is None
         if outs is not None:  # reduce_into: the result goes to outs, whichever algorithm runs
-            if finish is not None or op != ALL_REDUCE:
+            if not contiguous or op != ALL_REDUCE:
                 raise ValueError("reduce_into needs a contiguous tensor")
-            finish = lambda: _split_into(flat, outs)  # noqa: E731 - replaced below when the sum writes outs itself
+            finish = lambda: _split_into(flat, outs)  # noqa: E731 - dropped below when the sum writes outs itself
         if self.world_size == 1:
             if divisor is not None:
                 tensor.div_(divisor)
@@ -180,7 +181,7 @@ class ShmTransport:
         if not self._finalizer.alive:
             raise RuntimeError(f"rank {self.rank}: {OPS[op]} on a closed ShmTransport")
         # Small tensors (up to a quarter chunk) take the ring even from shared memory: one synchronisation, not 3.
-        shared = self._shared(flat) if op == ALL_REDUCE and finish is None and self._regions and \
+        shared = self._shared(flat) if op == ALL_REDUCE and contiguous and self._regions and \
             flat.numel() * flat.element_size() > self._chunk_bytes // 4 else None
         if shared is not None and outs is not None and self.world_size <= 3:
             op, finish = REDUCE_INTO, None
