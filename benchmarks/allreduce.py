@@ -6,9 +6,11 @@
 Each rank all-reduces a float32 tensor of each size (bytes) several times; the figure is the median over
 repetitions of the slowest rank. algbw = size / time; busbw = algbw * 2 (n - 1) / n (the bytes each rank moves in a
 ring or reduce-scatter/all-gather, NCCL's convention), so it compares with the copy ceiling: one tensor copy of
-``size`` bytes per rank, all ranks copying at once. "shm" all-reduces an ordinary tensor (copied into the
-transport's ring); "shm in place" one in memory from ``ShmTransport.allocate``, which every rank reads directly
-(what DDP's buckets use after the first backward). The CPU columns are the median CPU time one operation cost
+``size`` bytes per rank, all ranks copying at once. "shm" all-reduces an ordinary (private) tensor with the
+transport's defaults: above a quarter chunk each rank sums its shard from the peers' own memory (process_vm_readv)
+and copies the other shards from theirs, where the machine allows it (what DDP's gradients take); "shm ring" the
+same tensor without peer reads (copied into the transport's ring of shared areas); "shm in place" one in memory from
+``ShmTransport.allocate``, which every rank reads directly. The CPU columns are the median CPU time one operation cost
 rank 0's process (all threads): the transport's own cost, less sensitive than wall time to other load on the machine.
 Prints a markdown table; writes a PNG plot (``--plot``).
 """
@@ -60,7 +62,8 @@ def _time(fn, reps: int) -> tuple[float, float]:
 def _rank_main(sizes: list[int], chunk_bytes: int) -> dict:
     dist.init_process_group("gloo", timeout=timedelta(seconds=600))
     shm = ShmTransport(timeout=120, chunk_bytes=chunk_bytes)
-    out = {}
+    ring = ShmTransport(timeout=120, chunk_bytes=chunk_bytes, peer_read=False)
+    out = {"peer read": shm.supports_reduce_tensors}
     for size in sizes:
         x = torch.ones(size // 4)
         y = torch.empty_like(x)
@@ -70,11 +73,13 @@ def _rank_main(sizes: list[int], chunk_bytes: int) -> dict:
         out[size] = {
             "gloo": _time(lambda: dist.all_reduce(x), reps),
             "shm": _time(lambda: shm.all_reduce(x).wait(), reps),
+            "shm ring": _time(lambda: ring.all_reduce(x).wait(), reps),
             "shm in place": _time(lambda: shm.all_reduce(z).wait(), reps),
             "copy": _time(lambda: y.copy_(x), reps),
         }
         del x, y, z
     shm.close()
+    ring.close()
     return out
 
 
@@ -94,19 +99,19 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.time()
     res = fanfold.launch(_rank_main, sizes, _parse_size(args.chunk_bytes), nprocs=n, timeout=3600)[0]
     factor = 2 * (n - 1) / n
-    print(f"all_reduce, float32, {n} ranks x 1 thread, torch {torch.__version__}, {os.cpu_count()} CPUs "
-          f"({time.time() - t0:.0f} s)\n")
-    print("| size | gloo busbw GB/s | shm busbw GB/s | shm/gloo | shm in place busbw GB/s | in place/gloo | copy GB/s "
-          "| gloo CPU ms | shm CPU ms | in place CPU ms |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print(f"all_reduce, float32, {n} ranks x 1 thread, torch {torch.__version__}, {os.cpu_count()} CPUs, peer reads "
+          f"{'on' if res['peer read'] else 'NOT ALLOWED here (shm = ring)'} ({time.time() - t0:.0f} s)\n")
+    print("| size | gloo busbw GB/s | shm busbw GB/s | shm/gloo | ring busbw GB/s | ring/gloo | in place busbw GB/s "
+          "| in place/gloo | copy GB/s | gloo CPU ms | shm CPU ms | ring CPU ms | in place CPU ms |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     rows = []
     for size in sizes:
         r = res[size]
-        g, m, z, c = (size / r[k][0] / 1e9 for k in ("gloo", "shm", "shm in place", "copy"))
-        rows.append((size, g * factor, m * factor, z * factor, c))
-        print(f"| {_human(size)} | {g * factor:.2f} | {m * factor:.2f} | {m / g:.1f}x | {z * factor:.2f} | "
-              f"{z / g:.1f}x | {c:.1f} | {r['gloo'][1] * 1e3:.2f} | {r['shm'][1] * 1e3:.2f} | "
-              f"{r['shm in place'][1] * 1e3:.2f} |")
+        g, m, w, z, c = (size / r[k][0] / 1e9 for k in ("gloo", "shm", "shm ring", "shm in place", "copy"))
+        rows.append((size, g * factor, m * factor, w * factor, z * factor, c))
+        print(f"| {_human(size)} | {g * factor:.2f} | {m * factor:.2f} | {m / g:.1f}x | {w * factor:.2f} | "
+              f"{w / g:.1f}x | {z * factor:.2f} | {z / g:.1f}x | {c:.1f} | {r['gloo'][1] * 1e3:.2f} | "
+              f"{r['shm'][1] * 1e3:.2f} | {r['shm ring'][1] * 1e3:.2f} | {r['shm in place'][1] * 1e3:.2f} |")
     if args.plot:
         import matplotlib
 
@@ -115,9 +120,10 @@ def main(argv: list[str] | None = None) -> None:
 
         fig, ax = plt.subplots(figsize=(7, 4.2))
         xs = [row[0] for row in rows]
-        for i, label in ((1, "gloo (busbw)"), (2, "fanfold shm (busbw)"), (3, "fanfold shm, in place (busbw)"),
-                         (4, "tensor copy (ceiling)")):
-            ax.plot(xs, [row[i] for row in rows], marker="o", label=label, linestyle="--" if i == 4 else "-")
+        for i, label in ((1, "gloo (busbw)"), (2, "fanfold shm: private tensor, peer reads (busbw)"),
+                         (3, "fanfold shm: private tensor, ring (busbw)"),
+                         (4, "fanfold shm: tensor from allocate, in place (busbw)"), (5, "tensor copy (ceiling)")):
+            ax.plot(xs, [row[i] for row in rows], marker="o", label=label, linestyle="--" if i == 5 else "-")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xticks(xs, [_human(x) for x in xs], rotation=45, fontsize=8)
@@ -125,7 +131,7 @@ def main(argv: list[str] | None = None) -> None:
         ax.set_ylabel("GB/s")
         ax.set_title(f"all_reduce bandwidth, {n} ranks on one host")
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
+        ax.legend(fontsize=7)
         fig.tight_layout()
         os.makedirs(os.path.dirname(args.plot) or ".", exist_ok=True)
         fig.savefig(args.plot, dpi=110)

@@ -83,6 +83,10 @@ def _wrap(row: str, model: nn.Module, transport: str | None, hook: str | None) -
 
             ddp.register_comm_hook(dist.group.WORLD, torch_bf16_hook)
         return ddp
+    if transport == "shm-no-peer-read":
+        from fanfold.distributed.shm import ShmTransport
+
+        transport = ShmTransport(peer_read=False)
     ddp = fanfold.DistributedDataParallel(model, **({"transport": transport} if transport else {}))
     if hook == "bf16":
         ddp.register_comm_hook(None, fanfold.distributed.bf16_compress_hook)
@@ -160,7 +164,8 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (allocator, bucket rebuild)")
     p.add_argument("--quick", action="store_true", help="2 runs x 3 steps, 1 warm-up: checks the set-up only")
     p.add_argument("--transport", default=None,
-                   help="passed to fanfold DDP: torch (gloo, as torch DDP) or shm (default: fanfold's own choice)")
+                   help="passed to fanfold DDP: torch (gloo, as torch DDP) or shm (default: fanfold's own choice); "
+                        "shm-no-peer-read: shm without reading the peers' memory (gradients copied into shared memory)")
     p.add_argument("--hook", choices=["bf16"], default=None, help="bf16 gradient compression in both DDPs")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per launch before giving up")
     args = p.parse_args()

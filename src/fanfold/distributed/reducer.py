@@ -90,7 +90,8 @@ class Reducer:
         # A transport that offers memory its peers can read (ShmTransport.allocate) all-reduces a bucket there
         # in place, without copying it into its own buffers. Taken once, for the buckets rebuilt after the first
         # backward, as every rank rebuilds the same buckets at the same point (allocate is collective).
-        allocate = getattr(self.transport, "allocate", None) if self.rebuilt and device.type == "cpu" else None
+        take = self.rebuilt and device.type == "cpu" and not self._direct  # direct: buckets never hold data
+        allocate = getattr(self.transport, "allocate", None) if take else None
         flat = allocate(numel, dtype) if callable(allocate) else None
         return flat if flat is not None else torch.zeros(numel, dtype=dtype, device=device)
 
@@ -102,6 +103,13 @@ class Reducer:
             flat = self.flats[b]
             self._workspaces[key] = self._bucket_memory(flat.numel(), dtype, flat.device)
         return self._workspaces[key]
+
+    @property
+    def _direct(self) -> bool:
+        # The default hook on a transport that all-reduces the gradients where autograd left them (ShmTransport
+        # reading its peers' memory): no copy into the bucket at all.
+        return self.hook is allreduce_hook and not self.as_view and \
+            bool(getattr(self.transport, "supports_reduce_tensors", False))
 
     @property
     def _into(self) -> bool:
@@ -143,7 +151,8 @@ class Reducer:
                 self.on_first_ready()
         if self._ready[i]:
             return
-        self._copy_in(i, p)
+        if not self._direct:
+            self._copy_in(i, p)
         self._ready[i] = True
         self._order.append(i)
         b = self._loc[i][0]
@@ -167,6 +176,22 @@ class Reducer:
 
     def _launch(self, b: int) -> None:
         members = self.buckets[b]
+        if self._direct:
+            # Each .grad is all-reduced where it is; a parameter without a usable one contributes zeros or a
+            # contiguous copy through a fresh tensor, which _finalize hands back.
+            tensors = []
+            for i in members:
+                g = None if self._shadowing else self.params[i].grad  # a joined rank's own .grad stays as it is
+                if g is None:
+                    g = self._temps[i] = torch.zeros_like(self._views[i])
+                elif not g.is_contiguous() or g.dtype != self.flats[b].dtype or g.device.type != "cpu":
+                    g = self._temps[i] = torch.empty_like(self._views[i]).copy_(g)
+                tensors.append(g)
+            # Only the last bucket waits for the peers to finish reading this rank's gradients: every earlier
+            # bucket's readers are done by then, and nothing changes a gradient before the end of backward.
+            self._futures[b] = self.transport.reduce_tensors(tensors, bucket=b, divisor=self.divisor,
+                                                             settle=b == len(self.buckets) - 1)
+            return
         if self._into:
             # The default hook on a transport that can write the average straight into private tensors: each
             # .grad receives it (or a fresh tensor, for a parameter without one), so nothing is copied out at the
@@ -197,8 +222,10 @@ class Reducer:
     def _finalize(self) -> None:
         self.last_ready_order = list(self._order)  # this rank's, for inspection; rank 0's decides the rebuild
         missing = [i for i, r in enumerate(self._ready) if not r]
+        direct = self._direct
         for i in missing:  # contribute what the parameter holds (no_sync accumulation) or zeros
-            self._copy_in(i, self.params[i])
+            if not direct:
+                self._copy_in(i, self.params[i])
             self._left[self._loc[i][0]] = 0
         self._launch_ready()
         if missing and not self.find_unused:
@@ -215,7 +242,7 @@ class Reducer:
             self.all_reduce(used).wait()
             used = used.tolist()
         self._wait_all()
-        into = self._into
+        into = self._into or direct
         for i, p in enumerate(self.params):
             if used is not None and used[i] == 0:
                 continue  # no rank used it: leave .grad as a single process would (None)
@@ -241,8 +268,11 @@ class Reducer:
         self.expect_sync = False
 
     def _wait_all(self) -> None:
+        direct = self._direct
         for b, fut in enumerate(self._futures):
             result = fut.wait()
+            if direct:
+                continue  # the results are in .grad (or the temporaries) already
             if isinstance(result, (list, tuple)):  # a torch future of a c10d work yields [tensor]
                 result = result[0]
             if isinstance(result, torch.Tensor) and result is not self.flats[b]:

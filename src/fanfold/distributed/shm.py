@@ -30,7 +30,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from .shm_engine import ALL_REDUCE, BARRIER, BROADCAST, DTYPES, OPS, REDUCE_INTO, SHARED_ALL_REDUCE, Engine
+from .shm_engine import (ALL_REDUCE, BARRIER, BROADCAST, DTYPES, OPS, REDUCE_INTO, REDUCE_TENSORS, SHARED_ALL_REDUCE,
+                         Engine)
+from .shm_peer import TABLE_BYTES, probe
 from .shm_segment import Segment, ShmTimeoutError, pid_namespace
 from .shm_select import group_store, host_key, select_transport
 from .stall import ENV_VAR as STALL_ENV_VAR, resolve_stall_timeout
@@ -134,7 +136,7 @@ class ShmTransport:
     """
 
     def __init__(self, group: Any = None, timeout: float | timedelta | None = None, *, chunk_bytes: int = 1 << 20,
-                 direct_bytes: int | None = None):
+                 direct_bytes: int | None = None, peer_read: bool | None = None):
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("ShmTransport needs an initialised process group: call "
                                "fanfold.distributed.init_process_group() first (under `fanfold run` or fanfold.launch)")
@@ -148,19 +150,28 @@ class ShmTransport:
         self._seq, self._lock, self._chunk_bytes = 0, threading.Lock(), chunk_bytes
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = self._segment = None
+        self.supports_reduce_tensors = False  # reduce_tensors reads the peers' memory (probed below)
         self._regions: list[tuple[int, int, list[torch.Tensor], Segment]] = []  # from allocate(), see _shared
         if self.world_size > 1:
             store = group_store(group, "shm", self.rank)
             store.set(f"pidns/{self.rank}", pid_namespace())
             areas = 8 if self.world_size <= 3 else 4
-            self._segment = Segment(store, self.rank, self.world_size, areas * (self.world_size + 1) * chunk_bytes,
+            ring = areas * (self.world_size + 1) * chunk_bytes
+            self._segment = Segment(store, self.rank, self.world_size, ring + self.world_size * TABLE_BYTES,
                                     self.timeout, check_pids=False)
+            # Collective whatever this rank's peer_read: every rank takes the probe's steps.
+            self.supports_reduce_tensors = probe(self._segment, self.rank, self.world_size, peer_read is not False)
+            if peer_read and not self.supports_reduce_tensors:
+                self._segment.close()
+                raise RuntimeError(f"rank {self.rank}: ShmTransport(peer_read=True), but some rank of the group "
+                                   "may not read its peers' memory (process_vm_readv: ptrace rights, seccomp)")
             # Liveness checks by pid only make sense when every rank sees the same pids.
             spaces = {store.get(f"pidns/{r}") for r in range(self.world_size)}
             self._segment.check_pids = len(spaces) == 1 and b"" not in spaces
             if direct_bytes is None:  # up to 3 ranks, summing everything on every rank moves fewer bytes
                 direct_bytes = chunk_bytes if self.world_size <= 3 else 64 << 10
-            engine = Engine(self._segment, self.rank, self.world_size, chunk_bytes, direct_bytes, areas)
+            tables = self._segment.data[ring:] if self.supports_reduce_tensors else None
+            engine = Engine(self._segment, self.rank, self.world_size, chunk_bytes, direct_bytes, areas, tables)
             self._thread = threading.Thread(target=_serve, args=(self._requests, engine), daemon=True,
                                             name=f"fanfold-shm-rank{self.rank}")
             self._thread.start()
@@ -181,16 +192,19 @@ class ShmTransport:
         if not self._finalizer.alive:
             raise RuntimeError(f"rank {self.rank}: {OPS[op]} on a closed ShmTransport")
         # Small tensors (up to a quarter chunk) take the ring even from shared memory: one synchronisation, not 3.
-        shared = self._shared(flat) if op == ALL_REDUCE and contiguous and self._regions and \
-            flat.numel() * flat.element_size() > self._chunk_bytes // 4 else None
+        big = op == ALL_REDUCE and contiguous and flat.numel() * flat.element_size() > self._chunk_bytes // 4
+        shared = self._shared(flat) if big and self._regions else None
         if shared is not None and outs is not None and self.world_size <= 3:
             op, finish = REDUCE_INTO, None
         elif shared is not None:
             op = SHARED_ALL_REDUCE
+        targets = outs  # the engine's: reduce_into's outputs, or the tensors that a peer-read all-reduce sums
+        if shared is None and big and self.supports_reduce_tensors:  # private memory the peers can read: no copy
+            op, targets = REDUCE_TENSORS, [flat]  # into the ring; reduce_into's outs are filled by `finish`
         fut = torch.futures.Future()
         with self._lock:  # numbering and queueing together: the FIFO order is the numbering order
             self._seq += 1
-            self._requests.put((fut, tensor, finish, (op, flat, self._seq, bucket, src, shared, divisor, outs)))
+            self._requests.put((fut, tensor, finish, (op, flat, self._seq, bucket, src, shared, divisor, targets)))
         return ShmWork(fut)
 
     def _shared(self, flat: torch.Tensor) -> tuple[list[torch.Tensor], int] | None:
@@ -254,6 +268,42 @@ class ShmTransport:
             _split_into(tensor.view(-1) if divisor is None else tensor.view(-1) / divisor, outs)
             return _completed(tensor)
         return self._submit(ALL_REDUCE, tensor, bucket, divisor=divisor, outs=outs)
+
+    def reduce_tensors(self, tensors: list[torch.Tensor], bucket: int | None = None, *,
+                       divisor: float | None = None, settle: bool = True) -> ShmWork:
+        """All-reduce each of ``tensors`` (contiguous CPU tensors of one dtype, laid end to end as one logical
+        tensor) in place. Where every rank may read its peers' memory (``supports_reduce_tensors``, probed at
+        start-up) nothing is copied into shared memory: each rank sums its shard from the peers' own tensors and
+        copies the other shards from theirs (DDP's gradients, straight from autograd). Otherwise the tensors are
+        concatenated, all-reduced and copied back. The tensors must not change until the handle's wait returns; with
+        ``settle=False`` (every rank alike), not until a later collective of this transport has returned either: the
+        handle completes once this rank has its result, while peers may still be copying from its tensors (one
+        synchronisation less; DDP's reducer settles only its last bucket)."""
+        if divisor is not None and not (isinstance(divisor, (int, float)) and divisor > 0):
+            raise ValueError(f"reduce_tensors: divisor must be a positive number, got {divisor!r}")
+        tensors = list(tensors)
+        for k, t in enumerate(tensors):
+            _flat(t, f"reduce_tensors (tensor {k})")
+            if not t.is_contiguous() or t.dtype != tensors[0].dtype or t.is_complex():
+                raise ValueError(f"reduce_tensors: tensor {k} must be a contiguous real tensor of "
+                                 f"{tensors[0].dtype}, like tensor 0; got {t.dtype}, contiguous={t.is_contiguous()}")
+        spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), k)
+                       for k, t in enumerate(tensors) if t.numel())
+        for (_, end, j), (start, _, k) in zip(spans, spans[1:]):
+            if start < end:  # summed in place shard by shard: two names for one memory would corrupt both
+                raise ValueError(f"reduce_tensors: tensors {min(j, k)} and {max(j, k)} overlap in memory")
+        if not tensors or self.world_size == 1 or not self.supports_reduce_tensors:
+            flat = torch.cat([t.view(-1) for t in tensors]) if tensors else torch.empty(0)
+            return self.reduce_into(flat, tensors, bucket, divisor=divisor) if tensors else _completed(tensors)
+        if not self._finalizer.alive:
+            raise RuntimeError(f"rank {self.rank}: reduce_tensors on a closed ShmTransport")
+        fut = torch.futures.Future()
+        with self._lock:
+            self._seq += 1
+            self._requests.put((fut, tensors, None,
+                                (REDUCE_TENSORS, tensors[0].view(-1), self._seq, bucket, 0, None, divisor, tensors,
+                                 bool(settle))))
+        return ShmWork(fut)
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         """Copy rank ``src``'s ``tensor`` into every rank's, in place (after the collectives queued before it)."""

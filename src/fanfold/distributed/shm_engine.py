@@ -11,15 +11,17 @@ from typing import Any, Callable
 
 import torch
 
+from .shm_peer import PeerReader
 from .shm_segment import Segment
 
-__all__ = ["Engine", "DTYPES", "OPS", "ALL_REDUCE", "BROADCAST", "BARRIER", "SHARED_ALL_REDUCE", "REDUCE_INTO"]
+__all__ = ["Engine", "DTYPES", "OPS", "ALL_REDUCE", "BROADCAST", "BARRIER", "SHARED_ALL_REDUCE", "REDUCE_INTO",
+           "REDUCE_TENSORS"]
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.int16,
           torch.int8, torch.uint8]
-ALL_REDUCE, BROADCAST, BARRIER, SHARED_ALL_REDUCE, REDUCE_INTO = 1, 2, 3, 4, 5
+ALL_REDUCE, BROADCAST, BARRIER, SHARED_ALL_REDUCE, REDUCE_INTO, REDUCE_TENSORS = 1, 2, 3, 4, 5, 6
 OPS = {ALL_REDUCE: "all_reduce", BROADCAST: "broadcast", BARRIER: "barrier", SHARED_ALL_REDUCE: "all_reduce",
-       REDUCE_INTO: "all_reduce"}
+       REDUCE_INTO: "all_reduce", REDUCE_TENSORS: "all_reduce"}
 _DESC = 16  # in a rank's line, two descriptors (kind u32, numel u64) of its current collective, by seq parity
 _WHERE = 48  # then, by seq parity, where a shared all_reduce's tensor lies (region << 40 | byte offset; u64)
 
@@ -34,12 +36,15 @@ class Engine:
     """
 
     def __init__(self, segment: Segment, rank: int, world_size: int, chunk_bytes: int, direct_bytes: int,
-                 areas: int):
+                 areas: int, tables: torch.Tensor | None = None):
+        """``tables``: the peer-read tables' memory in the segment, when every rank may read its peers' memory
+        (op REDUCE_TENSORS, ``shm_peer.py``); None otherwise."""
         self.seg, self.rank, self.n = segment, rank, world_size
         self.chunk_bytes, self.direct_bytes, self.areas = chunk_bytes, direct_bytes, areas
         self._views: dict[torch.dtype, list] = {}
         self._scratch = torch.empty(chunk_bytes // 2, dtype=torch.float32)  # a chunk of half values, widened
         self._divisor = None  # of the collective being run: its sums are divided while the chunk is in cache
+        self._peer = None if tables is None else PeerReader(segment, rank, world_size, tables, chunk_bytes, self._sum)
         # Parity: a rank rewrites descriptor seq % 2 only after the first step of seq + 1 completed, which its peers
         # publish only once they have checked collective seq.
         self._desc = [[(segment.line(r, ctypes.c_uint32, _DESC + 16 * b),
@@ -83,7 +88,9 @@ class Engine:
             theirs = tuple(v.value for v in self._desc[p][seq & 1])
             if theirs != (kind, numel, place):
                 what = _describe_kind(*theirs[:2])
-                if theirs[:2] == (kind, numel):  # a shared all_reduce of another place in the buckets' memory
+                if theirs[:2] == (kind, numel) and kind & 15 == REDUCE_TENSORS:
+                    what += f" as {theirs[2]} tensors (rank {self.rank}: {place})"
+                elif theirs[:2] == (kind, numel):  # a shared all_reduce of another place in the buckets' memory
                     what += f" at {theirs[2] & ((1 << 40) - 1)} bytes into region {theirs[2] >> 40}"
                 raise RuntimeError(
                     f"fanfold shm transport: rank {self.rank} is in {describe()[0]} but rank {p} is in "
@@ -92,15 +99,17 @@ class Engine:
 
     def run(self, op: int, flat: torch.Tensor | None, seq: int, bucket: int | None, src: int = 0,
             shared: tuple[list[torch.Tensor], int] | None = None, divisor: float | None = None,
-            outs: list[torch.Tensor] | None = None) -> None:
+            outs: list[torch.Tensor] | None = None, settle: bool = True) -> None:
         """Collective number ``seq``; ``shared``: (every rank's copy of ``flat``, by rank, and where it lies) for
         a tensor in memory from :meth:`ShmTransport.allocate`, summed in place without a copy into the ring;
         ``divisor``: an all-reduce's sum is divided by it (an average); ``outs`` (REDUCE_INTO of a shared tensor):
-        private tensors, in order, that receive the result instead of ``flat``."""
+        private tensors, in order, that receive the result instead of ``flat``; REDUCE_TENSORS: ``outs`` are private
+        tensors all-reduced in place by reading the peers' memory (``flat`` is the first of them); ``settle``: see
+        :meth:`PeerReader.run`."""
         self._divisor = divisor
-        numel = 0 if flat is None else flat.numel()
+        numel = sum(t.numel() for t in outs) if op == REDUCE_TENSORS else 0 if flat is None else flat.numel()
         kind = op | (0 if flat is None else DTYPES.index(flat.dtype) + 1) << 4 | src << 12
-        place = shared[1] if shared is not None else 0
+        place = len(outs) if op == REDUCE_TENSORS else shared[1] if shared is not None else 0
         d = self._desc[self.rank][seq & 1]
         d[0].value, d[1].value, d[2].value = kind, numel, place
         cap = self.chunk_bytes // (flat.element_size() if flat is not None else 1)
@@ -118,6 +127,9 @@ class Engine:
             return
         if op == SHARED_ALL_REDUCE:
             self._shared_all_reduce(shared[0], cap, describe, (seq, kind, numel, place))
+            return
+        if op == REDUCE_TENSORS:
+            self._peer.run(outs, describe, lambda: self._check(seq, kind, numel, place, describe(0)), settle)
             return
         if op == REDUCE_INTO:
             self._reduce_into(shared[0], outs, cap, describe, (seq, kind, numel, place))

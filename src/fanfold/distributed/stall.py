@@ -274,6 +274,10 @@ class InspectedTransport:
         return self.inspector.run("all_reduce", bucket,
                                   lambda: self.inner.reduce_into(tensor, outs, bucket=bucket, **kwargs))
 
+    def reduce_tensors(self, tensors: list, bucket: int | None = None, **kwargs: Any) -> Any:
+        return self.inspector.run("all_reduce", bucket,
+                                  lambda: self.inner.reduce_tensors(tensors, bucket=bucket, **kwargs))
+
     def broadcast(self, tensor: torch.Tensor, src: int) -> Any:
         return self.inspector.run(f"broadcast(src={src})", None, lambda: self.inner.broadcast(tensor, src))
 
