@@ -156,6 +156,18 @@ def _sums():
                         expect += xs[q][k]
                     exact = exact and torch.equal(ys[k], expect if divisor is None else expect / divisor)
                 out["tensors"].append((_digest(torch.cat(ys)), exact))
+        # compress=: the compression hooks' bits (cast -- fp16 after dividing --, all-reduce, cast back), rounded
+        # where each rank reads the values; checked against that recipe through the ring
+        out["compress"] = []
+        for narrow_type in (torch.bfloat16, torch.float16):
+            xs = [[_inputs(m, q + 3 * k) * 100 for k, m in enumerate([5, 3 * CHUNK // 2 + 1])] for q in range(n)]
+            ys = [x.clone() for x in xs[r]]
+            peer.reduce_tensors(ys, divisor=n, compress=narrow_type).wait()
+            first = torch.cat(xs[r]) / (n if narrow_type == torch.float16 else 1)
+            narrow = first.to(narrow_type)
+            t.all_reduce(narrow, divisor=None if narrow_type == torch.float16 else n).wait()
+            out["compress"].append((torch.equal(torch.cat(ys), narrow.float()),
+                                    not torch.equal(narrow.float(), first)))  # really rounded
         b = torch.full((CHUNK // 4 * 3 + 1,), float(r))  # several chunks, from a rank that is not 0
         t.broadcast(b, src=n - 1)
         out["broadcast"] = b.unique().tolist()
@@ -188,6 +200,7 @@ def test_all_reduce_exact_fixed_order_and_bitwise_equal(nprocs):
         assert all(o["shared"][key] == (digest, True, True) for o in out), key
     assert len({o["peer read"] for o in out}) == 1  # every rank takes the same path
     assert all(all(o["peer sizes"]) for o in out)  # bitwise the ring's sums (checked above)
+    assert all(o["compress"] == [(True, True)] * 2 for o in out), [o["compress"] for o in out]
     for k, (digest, exact) in enumerate(out[0]["tensors"]):
         assert exact and all(o["tensors"][k] == (digest, True) for o in out), k
     scale = sum(range(1, nprocs + 1))
@@ -453,7 +466,11 @@ def _trainings(transport):
         runs["spare direct"] = _train("spare", transport, STEPS, find_unused_parameters=True)
         runs["ring"] = _train("mlp", ShmTransport(timeout=60, peer_read=False), STEPS)
         runs["lm"] = _train("lm", transport, STEPS)
-        runs["bf16"] = _train("mlp", transport, STEPS, "bf16_compress_hook")
+        # the compression hooks: rounded where the peers' gradients are read, or through the hook on the bucket
+        for hook in ("bf16", "fp16"):
+            runs[hook] = _train("mlp", transport, STEPS, f"{hook}_compress_hook")
+            runs[f"{hook} hook"] = _train("mlp", ShmTransport(timeout=60, peer_read=False), STEPS,
+                                          f"{hook}_compress_hook")
     return runs
 
 
@@ -467,7 +484,8 @@ def test_ddp_training_equivalent_on_both_transports():
     paths = {run: (all(s[run][2]), s[run][3], s[run][4]) for s in shm for run in s}  # shared, into, direct
     assert paths == {"mlp": (False, True, True), "in place": (True, True, False), "spare": (True, True, False),
                      "spare direct": (False, True, True), "ring": (True, False, False), "lm": (False, True, True),
-                     "bf16": (True, False, False)}, paths
+                     "bf16": (False, True, True), "bf16 hook": (True, False, False), "fp16": (False, True, True),
+                     "fp16 hook": (True, False, False)}, paths
     assert not any(torch_[0]["mlp"][2]) and not torch_[0]["mlp"][3] and not torch_[0]["mlp"][4]
     oracle = single_process("mlp", STEPS)
     for a, b, c, d, o in zip(shm[0]["mlp"][1], torch_[0]["mlp"][1], shm[0]["in place"][1], shm[0]["ring"][1],
@@ -485,5 +503,8 @@ def test_ddp_training_equivalent_on_both_transports():
         assert all(torch.equal(a, b) for a, b in zip(shm[0][run][1], shm[1][run][1])), run
     for a, o in zip(shm[0]["lm"][1], single_process("lm", STEPS)):
         torch.testing.assert_close(a, o, rtol=1e-5, atol=1e-6)
-    for a, o in zip(shm[0]["bf16"][1], oracle):
-        torch.testing.assert_close(a, o, rtol=0.05, atol=0.02)
+    for hook in ("bf16", "fp16"):
+        for a, b, o in zip(shm[0][hook][1], shm[0][f"{hook} hook"][1], oracle):
+            assert torch.equal(a, b), hook  # the same bits on both paths
+            torch.testing.assert_close(a, o, rtol=0.05, atol=0.02)
+        assert not all(torch.equal(a, c) for a, c in zip(shm[0][hook][1], shm[0]["mlp"][1]))  # really rounded

@@ -10,7 +10,8 @@ ready, and rank 0's order is broadcast so that every rank builds the same bucket
 
 The end of backward (a callback queued on the autograd engine by the first hook of a backward) launches what is
 left, waits for every bucket in order and writes the averaged gradients back -- unless the transport already wrote
-them into ``.grad`` (``reduce_into``: the default hook, ``.grad`` not a bucket view, the shm transport). A parameter
+them into ``.grad`` (the default hook, ``.grad`` not a bucket view, the shm transport: ``reduce_tensors`` sums the
+``.grad`` tensors where they are, without filling the bucket at all; else ``reduce_into``). A parameter
 that got no gradient either contributes zeros (``find_unused_parameters=True``; a bitmap all-reduce tells whether
 some rank used it, and a parameter no rank used keeps ``grad=None`` as in one process) or makes every bucket still
 launch before a RuntimeError names it, so the peers are not left waiting on a collective that never comes.
@@ -22,10 +23,13 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .buckets import assign_buckets, bucket_caps, rebuild_order
-from .comm_hooks import GradBucket, allreduce_hook
+from .comm_hooks import GradBucket, allreduce_hook, bf16_compress_hook, fp16_compress_hook
 from .transport import DividedWork
 
 __all__ = ["Reducer"]
+
+# The hooks whose result the reducer can have a transport compute straight into .grad: hook -> compression dtype
+_BUILT_IN = {allreduce_hook: None, bf16_compress_hook: torch.bfloat16, fp16_compress_hook: torch.float16}
 
 
 class Reducer:
@@ -43,6 +47,7 @@ class Reducer:
     ):
         pairs = [(p, n) for p, n in zip(params, names) if p.requires_grad]
         self.params = [p for p, _ in pairs]
+        self._fp32 = all(p.dtype == torch.float32 for p in self.params)  # what the compressing transports take
         self.names = [n for _, n in pairs]
         self.transport = transport
         self.first_cap, self.cap = bucket_caps(bucket_cap_mb, first_bucket_cap_mb)
@@ -106,9 +111,10 @@ class Reducer:
 
     @property
     def _direct(self) -> bool:
-        # The default hook on a transport that all-reduces the gradients where autograd left them (ShmTransport
-        # reading its peers' memory): no copy into the bucket at all.
-        return self.hook is allreduce_hook and not self.as_view and \
+        # The built-in hooks on a transport that all-reduces the gradients where autograd left them (ShmTransport
+        # reading its peers' memory): no copy into the bucket at all; the compression hooks' bits come from
+        # rounding where the values are read (reduce_tensors(compress=)).
+        return self.hook in _BUILT_IN and not self.as_view and (_BUILT_IN[self.hook] is None or self._fp32) and \
             bool(getattr(self.transport, "supports_reduce_tensors", False))
 
     @property
@@ -189,8 +195,10 @@ class Reducer:
                 tensors.append(g)
             # Only the last bucket waits for the peers to finish reading this rank's gradients: every earlier
             # bucket's readers are done by then, and nothing changes a gradient before the end of backward.
+            narrow = _BUILT_IN[self.hook]
             self._futures[b] = self.transport.reduce_tensors(tensors, bucket=b, divisor=self.divisor,
-                                                             settle=b == len(self.buckets) - 1)
+                                                             settle=b == len(self.buckets) - 1,
+                                                             **({} if narrow is None else {"compress": narrow}))
             return
         if self._into:
             # The default hook on a transport that can write the average straight into private tensors: each

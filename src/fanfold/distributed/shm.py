@@ -13,7 +13,9 @@ chunk, fewest bytes moved), or rank r sums shard r into a result area that every
 float32 operations, so every rank gets the same bits, run after run; bf16/fp16 are summed in float32 and rounded
 once. A tensor in memory from :meth:`ShmTransport.allocate` (every rank maps every rank's copy) skips the ring:
 each rank sums its shard of each chunk from all copies into its own, in the same rank order, and copies the other
-shards from the peers' copies -- no copy in, half the memory traffic; DDP's reducer keeps its buckets there.
+shards from the peers' copies -- no copy in, half the memory traffic. Private tensors (a plain all_reduce above a
+quarter chunk, :meth:`ShmTransport.reduce_tensors`: DDP's gradients) skip the copy too where every rank may read its
+peers' memory (``process_vm_readv``, probed at start-up; ``shm_peer.py``).
 Requests run in FIFO order on one background thread per transport, so a reducer keeps several buckets in
 flight while backward runs; every wait for a peer is bounded by ``timeout``.
 """
@@ -270,7 +272,8 @@ class ShmTransport:
         return self._submit(ALL_REDUCE, tensor, bucket, divisor=divisor, outs=outs)
 
     def reduce_tensors(self, tensors: list[torch.Tensor], bucket: int | None = None, *,
-                       divisor: float | None = None, settle: bool = True) -> ShmWork:
+                       divisor: float | None = None, settle: bool = True,
+                       compress: torch.dtype | None = None) -> ShmWork:
         """All-reduce each of ``tensors`` (contiguous CPU tensors of one dtype, laid end to end as one logical
         tensor) in place. Where every rank may read its peers' memory (``supports_reduce_tensors``, probed at
         start-up) nothing is copied into shared memory: each rank sums its shard from the peers' own tensors and
@@ -278,7 +281,11 @@ class ShmTransport:
         concatenated, all-reduced and copied back. The tensors must not change until the handle's wait returns; with
         ``settle=False`` (every rank alike), not until a later collective of this transport has returned either: the
         handle completes once this rank has its result, while peers may still be copying from its tensors (one
-        synchronisation less; DDP's reducer settles only its last bucket)."""
+        synchronisation less; DDP's reducer settles only its last bucket). ``compress`` (torch.bfloat16 or
+        torch.float16, float32 tensors): the result is bitwise what the compression hooks give (cast to it --
+        float16 after dividing by ``divisor`` --, all-reduce, cast back); with peer reads every rank rounds the values
+        as it reads them, so compression costs no extra pass over memory (and saves none: the bytes it would save
+        are a copy's, not a link's)."""
         if divisor is not None and not (isinstance(divisor, (int, float)) and divisor > 0):
             raise ValueError(f"reduce_tensors: divisor must be a positive number, got {divisor!r}")
         tensors = list(tensors)
@@ -292,9 +299,23 @@ class ShmTransport:
         for (_, end, j), (start, _, k) in zip(spans, spans[1:]):
             if start < end:  # summed in place shard by shard: two names for one memory would corrupt both
                 raise ValueError(f"reduce_tensors: tensors {min(j, k)} and {max(j, k)} overlap in memory")
+        if compress is not None and (compress not in (torch.bfloat16, torch.float16) or
+                                     any(t.dtype != torch.float32 for t in tensors)):
+            raise ValueError(f"reduce_tensors: compress must be torch.bfloat16 or torch.float16, for float32 tensors; "
+                             f"got {compress} for {tensors[0].dtype if tensors else 'no'} tensors")
+        # float16 overflows on the sum of a few large gradients: it divides first (as fp16_compress_hook does)
+        pre = divisor if compress == torch.float16 else None
+        if pre is not None:
+            divisor = None
         if not tensors or self.world_size == 1 or not self.supports_reduce_tensors:
-            flat = torch.cat([t.view(-1) for t in tensors]) if tensors else torch.empty(0)
-            return self.reduce_into(flat, tensors, bucket, divisor=divisor) if tensors else _completed(tensors)
+            if not tensors:
+                return _completed(tensors)
+            flat = torch.cat([t.view(-1) for t in tensors])
+            if compress is None:
+                return self.reduce_into(flat, tensors, bucket, divisor=divisor)
+            narrow = (flat if pre is None else flat.div_(pre)).to(compress)
+            work = self.all_reduce(narrow, bucket, divisor=divisor)
+            return ShmWork(work.get_future().then(lambda _: _split_into(narrow, tensors)))
         if not self._finalizer.alive:
             raise RuntimeError(f"rank {self.rank}: reduce_tensors on a closed ShmTransport")
         fut = torch.futures.Future()
@@ -302,7 +323,7 @@ class ShmTransport:
             self._seq += 1
             self._requests.put((fut, tensors, None,
                                 (REDUCE_TENSORS, tensors[0].view(-1), self._seq, bucket, 0, None, divisor, tensors,
-                                 bool(settle))))
+                                 bool(settle), None if compress is None else (compress, pre))))
         return ShmWork(fut)
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:

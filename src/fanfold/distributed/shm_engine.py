@@ -7,6 +7,7 @@ handles and selection). An :class:`Engine` runs on the transport's thread only.
 from __future__ import annotations
 
 import ctypes
+import math
 from typing import Any, Callable
 
 import torch
@@ -77,7 +78,13 @@ class Engine:
         if self._divisor is not None:
             # Summing the whole tensor and dividing it afterwards would give the same bits, at another pass over
             # memory: here the shard was just written and is still in cache.
-            acc.div_(self._divisor)
+            # By a power of two (2, 4, 8 ranks) a multiplication by the inverse is exact, so it gives the division's
+            # bits, and CPUs divide several times slower than they multiply (~6x for float32 here).
+            d = self._divisor
+            if math.frexp(d)[0] == 0.5:
+                acc.mul_(1.0 / d)
+            else:
+                acc.div_(d)
         if acc is not out:
             out.copy_(acc)
 
@@ -99,16 +106,18 @@ class Engine:
 
     def run(self, op: int, flat: torch.Tensor | None, seq: int, bucket: int | None, src: int = 0,
             shared: tuple[list[torch.Tensor], int] | None = None, divisor: float | None = None,
-            outs: list[torch.Tensor] | None = None, settle: bool = True) -> None:
+            outs: list[torch.Tensor] | None = None, settle: bool = True, compress: tuple | None = None) -> None:
         """Collective number ``seq``; ``shared``: (every rank's copy of ``flat``, by rank, and where it lies) for
         a tensor in memory from :meth:`ShmTransport.allocate`, summed in place without a copy into the ring;
         ``divisor``: an all-reduce's sum is divided by it (an average); ``outs`` (REDUCE_INTO of a shared tensor):
         private tensors, in order, that receive the result instead of ``flat``; REDUCE_TENSORS: ``outs`` are private
-        tensors all-reduced in place by reading the peers' memory (``flat`` is the first of them); ``settle``: see
-        :meth:`PeerReader.run`."""
+        tensors all-reduced in place by reading the peers' memory (``flat`` is the first of them); ``settle`` and
+        ``compress`` (dtype, pre_divisor): see :meth:`PeerReader.run`."""
         self._divisor = divisor
         numel = sum(t.numel() for t in outs) if op == REDUCE_TENSORS else 0 if flat is None else flat.numel()
         kind = op | (0 if flat is None else DTYPES.index(flat.dtype) + 1) << 4 | src << 12
+        if compress is not None:  # ranks that round to different types must not sum: part of what is checked
+            kind |= (DTYPES.index(compress[0]) + 1) << 24
         place = len(outs) if op == REDUCE_TENSORS else shared[1] if shared is not None else 0
         d = self._desc[self.rank][seq & 1]
         d[0].value, d[1].value, d[2].value = kind, numel, place
@@ -129,7 +138,8 @@ class Engine:
             self._shared_all_reduce(shared[0], cap, describe, (seq, kind, numel, place))
             return
         if op == REDUCE_TENSORS:
-            self._peer.run(outs, describe, lambda: self._check(seq, kind, numel, place, describe(0)), settle)
+            self._peer.run(outs, describe, lambda: self._check(seq, kind, numel, place, describe(0)), settle,
+                           *(compress or ()))
             return
         if op == REDUCE_INTO:
             self._reduce_into(shared[0], outs, cap, describe, (seq, kind, numel, place))
@@ -247,11 +257,13 @@ class Engine:
 
 
 def _describe_kind(kind: int, numel: int) -> str:
-    op, dtype, src = kind & 15, (kind >> 4) & 255, kind >> 12
+    op, dtype, src, narrow = kind & 15, (kind >> 4) & 255, (kind >> 12) & 0xFFF, (kind >> 24) & 15
     name = OPS.get(op, f"an unknown collective ({kind})")
     if op == BARRIER:
         return name
     what = f"{name} of {numel} {str(DTYPES[dtype - 1]).replace('torch.', '')}" if 0 < dtype <= len(DTYPES) else name
+    if 0 < narrow <= len(DTYPES):
+        what += f" rounded to {str(DTYPES[narrow - 1]).replace('torch.', '')}"
     return what + (f" from rank {src}" if op == BROADCAST else "")
 
 

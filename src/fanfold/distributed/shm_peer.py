@@ -111,14 +111,34 @@ class PeerReader:
         self._tables = [data[p * TABLE_BYTES:][:TABLE_BYTES].view(torch.int64).view(-1, 2) for p in range(world_size)]
         self._fn = _readv_fn()
         self._bufs = torch.empty((world_size, chunk_bytes), dtype=torch.uint8)
+        self._narrow: torch.Tensor | None = None  # compress: every rank's chunk and the result, rounded
+        self._compress: torch.dtype | None = None
+        self._pre: float | None = None
 
-    def run(self, tensors: list[torch.Tensor], describe: Callable, check: Callable[[], None], settle: bool) -> None:
+    def run(self, tensors: list[torch.Tensor], describe: Callable, check: Callable[[], None], settle: bool,
+            compress: torch.dtype | None = None, pre_divisor: float | None = None) -> None:
         """All-reduce ``tensors`` in place. ``settle``: return only once no peer reads them any more; otherwise
-        peers may still be copying this rank's shard until this rank's next collective has waited for them."""
+        peers may still be copying this rank's shard until this rank's next collective has waited for them.
+        ``compress`` (float32 tensors only): every rank's values are divided by ``pre_divisor`` (if given) and
+        rounded to that dtype, summed as the other algorithms sum it, and the result rounded to it -- the bits
+        of the compression hooks' cast, all-reduce and cast back, rounded where the data is read."""
+        self._compress, self._pre = compress, pre_divisor
         rows = self._tables[0].shape[0]
         for s in range(0, max(1, len(tensors)), rows):  # rounds of at most a table's worth of tensors
             last = s + rows >= len(tensors)
             self._round(tensors[s: s + rows], describe, check if s == 0 else None, settle or not last)
+
+    def _reduce_chunk(self, parts: list[torch.Tensor], own: torch.Tensor) -> None:
+        if self._compress is None:
+            self._sum(parts, own)
+            return
+        m = own.numel()
+        if self._narrow is None or self._narrow.dtype != self._compress:
+            self._narrow = torch.empty((self.n + 1, self.chunk_bytes // 4), dtype=self._compress)
+        narrow = [self._narrow[i][:m].copy_(p if self._pre is None else p / self._pre) for i, p in enumerate(parts)]
+        result = self._narrow[self.n][:m]
+        self._sum(narrow, result)
+        own.copy_(result)
 
     def _round(self, tensors: list[torch.Tensor], describe: Callable, check: Callable[[], None] | None,
                settle: bool) -> None:
@@ -159,7 +179,7 @@ class PeerReader:
                     self._read(p, [(buf.data_ptr() + off - x, raddr, m)
                                    for raddr, off, m in _pieces(tables[p], offsets[p], x, y)], describe(steps))
                     parts.append(buf[: y - x].view(own.dtype))
-                self._sum(parts, own)
+                self._reduce_chunk(parts, own)
                 steps += 1
         done = seg.arrive()  # this rank's shard holds the result
         seg.wait_all(done, describe(steps))

@@ -15,7 +15,10 @@ collective) can stand in without touching the reducer. A transport has:
 Optional, announced by class attributes so that the reducer can rely on them: ``supports_divisor`` --
 ``all_reduce(tensor, bucket=None, divisor=d)`` leaves the sum divided by ``d``; ``supports_reduce_into`` --
 ``reduce_into(tensor, outs, bucket=None, divisor=None) -> handle`` writes the result into the private tensors
-``outs`` (which split ``tensor``'s length, in order) instead. Without them the reducer divides and copies itself.
+``outs`` (which split ``tensor``'s length, in order) instead; ``supports_reduce_tensors`` (may be an instance
+attribute) -- ``reduce_tensors(tensors, bucket=None, divisor=None, settle=True) -> handle`` all-reduces a list of
+contiguous tensors in place (the reducer then never copies gradients into a bucket). Without them the reducer
+divides and copies itself.
 
 Small exchanges of structured data are built from ``all_reduce`` alone (:func:`all_gather_rows`), summing rows that
 only their owner fills, in float32 with values below 2**24 so that the sum is exact on every transport.
