@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 import fanfold
 from fanfold.distributed import free_port
+from fanfold.distributed import shm_peer
 from fanfold.distributed.shm import ShmTimeoutError, ShmTransport, host_key, select_transport
 from fanfold.distributed.shm_segment import SHM_DIR, leftover_segments, pid_namespace
 
@@ -305,6 +306,10 @@ def _misuse():
         y = torch.full((100,), float(r + 1))
         t.reduce_tensors([y[:30], y[30:]]).wait()
         out["fallback"] = (t.supports_reduce_tensors, y.unique().tolist())
+    denied = OSError(1, "Operation not permitted")  # what ptrace rules or seccomp answer on one rank
+    with mock.patch("fanfold.distributed.shm_peer._copy", side_effect=denied if r == 1 else shm_peer._copy):
+        with ShmTransport(timeout=30) as t:
+            out["denied"] = t.supports_reduce_tensors
     if r == 0:
         with pytest.raises(RuntimeError, match="peer_read=True"):
             ShmTransport(timeout=30, peer_read=True)
@@ -327,7 +332,7 @@ def test_misuse_is_named(api):
             "torch.float32" in o["dtype"] and "tensor 0" in o["strided"], o
         assert f"rank {r} is in all_reduce of 10 float32 #1 (bucket 3)" in o["pieces"] and f"but rank {1 - r} is " \
             f"in all_reduce of 10 float32 as {1 + r} tensors (rank {r}: {2 - r})" in o["pieces"], o["pieces"]
-        assert o["fallback"] == (False, [3.0])
+        assert o["fallback"] == (False, [3.0]) and o["denied"] is False
 
 
 # --- a dead or absent peer: the others must raise a named error within the timeout --------------------------------

@@ -18,13 +18,14 @@ launch before a RuntimeError names it, so the peers are not left waiting on a co
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Sequence
 
 import torch
 
 from .buckets import assign_buckets, bucket_caps, rebuild_order
 from .comm_hooks import GradBucket, allreduce_hook, bf16_compress_hook, fp16_compress_hook
-from .transport import DividedWork
+from .transport import issue_all_reduce
 
 __all__ = ["Reducer"]
 
@@ -50,6 +51,7 @@ class Reducer:
         self._fp32 = all(p.dtype == torch.float32 for p in self.params)  # what the compressing transports take
         self.names = [n for _, n in pairs]
         self.transport = transport
+        self.all_reduce = functools.partial(issue_all_reduce, transport)  # every all-reduce of the reducer
         self.first_cap, self.cap = bucket_caps(bucket_cap_mb, first_bucket_cap_mb)
         self.find_unused = bool(find_unused_parameters)
         self.as_view = bool(gradient_as_bucket_view)
@@ -180,51 +182,37 @@ class Reducer:
             self._launch(self._next)
             self._next += 1
 
+    def _grads(self, b: int, fresh: Callable[[torch.Tensor, Any], torch.Tensor]) -> list[torch.Tensor]:
+        """Bucket ``b``'s .grad tensors where a transport can work on them in place (contiguous, the bucket's dtype,
+        CPU, not a bucket view); else ``fresh(view, grad)``, a temporary that _finalize hands back."""
+        out = []
+        for i in self.buckets[b]:
+            g, view = None if self._shadowing else self.params[i].grad, self._views[i]  # joined: its .grad stays
+            if g is None or g is view or not g.is_contiguous() or g.dtype != view.dtype or g.device.type != "cpu":
+                g = self._temps[i] = fresh(view, g)
+            out.append(g)
+        return out
+
     def _launch(self, b: int) -> None:
-        members = self.buckets[b]
+        # The same choice of path on every rank: it depends on settings only, never on this rank's gradients.
         if self._direct:
-            # Each .grad is all-reduced where it is; a parameter without a usable one contributes zeros or a
-            # contiguous copy through a fresh tensor, which _finalize hands back.
-            tensors = []
-            for i in members:
-                g = None if self._shadowing else self.params[i].grad  # a joined rank's own .grad stays as it is
-                if g is None:
-                    g = self._temps[i] = torch.zeros_like(self._views[i])
-                elif not g.is_contiguous() or g.dtype != self.flats[b].dtype or g.device.type != "cpu":
-                    g = self._temps[i] = torch.empty_like(self._views[i]).copy_(g)
-                tensors.append(g)
-            # Only the last bucket waits for the peers to finish reading this rank's gradients: every earlier
-            # bucket's readers are done by then, and nothing changes a gradient before the end of backward.
+            # Each .grad is all-reduced where it is (a parameter without one contributes zeros). Only the last
+            # bucket waits for the peers to finish reading this rank's gradients: every earlier bucket's readers
+            # are done by then, and nothing changes a gradient before the end of backward.
+            tensors = self._grads(b, lambda v, g: torch.zeros_like(v) if g is None else torch.empty_like(v).copy_(g))
             narrow = _BUILT_IN[self.hook]
             self._futures[b] = self.transport.reduce_tensors(tensors, bucket=b, divisor=self.divisor,
                                                              settle=b == len(self.buckets) - 1,
                                                              **({} if narrow is None else {"compress": narrow}))
-            return
-        if self._into:
-            # The default hook on a transport that can write the average straight into private tensors: each
-            # .grad receives it (or a fresh tensor, for a parameter without one), so nothing is copied out at the
-            # end. The same choice on every rank: it depends on settings only, never on this rank's gradients.
-            outs = []
-            for i in members:
-                g = None if self._shadowing else self.params[i].grad  # a joined rank's own .grad stays as it is
-                if g is None or g is self._views[i] or not g.is_contiguous() or g.dtype != self.flats[b].dtype:
-                    g = self._temps[i] = torch.empty_like(self._views[i])
-                outs.append(g)
+        elif self._into:  # the bucket (copied in) is averaged straight into .grad: nothing copied out at the end
+            outs = self._grads(b, lambda v, g: torch.empty_like(v))
             self._futures[b] = self.transport.reduce_into(self.flats[b], outs, bucket=b, divisor=self.divisor)
-            return
-        bucket = GradBucket(b, self.flats[b], [self.params[i] for i in members], [self._views[i] for i in members],
-                            b == len(self.buckets) - 1, self.divisor, self.all_reduce, self._workspace)
-        self._futures[b] = self.hook(self.hook_state, bucket)
-
-    def all_reduce(self, tensor: torch.Tensor, bucket: int | None = None, divisor: float | None = None) -> Any:
-        """The one place the reducer's all-reduces are issued (labelled with their bucket). ``divisor``: the
-        result is the sum divided by it -- by the transport in the same pass when it can (``supports_divisor``),
-        else by a division after the wait."""
-        if divisor is None:
-            return self.transport.all_reduce(tensor, bucket=bucket)
-        if getattr(self.transport, "supports_divisor", False):
-            return self.transport.all_reduce(tensor, bucket=bucket, divisor=divisor)
-        return DividedWork(self.transport.all_reduce(tensor, bucket=bucket), tensor, divisor)
+        else:
+            members = self.buckets[b]
+            bucket = GradBucket(b, self.flats[b], [self.params[i] for i in members],
+                                [self._views[i] for i in members], b == len(self.buckets) - 1, self.divisor,
+                                self.all_reduce, self._workspace)
+            self._futures[b] = self.hook(self.hook_state, bucket)
 
     # ---- end of backward ------------------------------------------------------------------------------------
     def _finalize(self) -> None:
@@ -238,11 +226,7 @@ class Reducer:
         self._launch_ready()
         if missing and not self.find_unused:
             self._wait_all()  # peers must not wait for buckets this rank never launched
-            if not self.rebuilt:
-                self._rebuild()
-            self._used = [False] * len(self.params)
-            self._reset()
-            self.expect_sync = False
+            self._end_step()
             raise RuntimeError(self._unused_message(missing))
         used = None
         if self.find_unused:
@@ -254,21 +238,17 @@ class Reducer:
         for i, p in enumerate(self.params):
             if used is not None and used[i] == 0:
                 continue  # no rank used it: leave .grad as a single process would (None)
-            view = self._views[i]
-            if into:
-                temp = self._temps.get(i)
-                if temp is not None:  # the parameter had no usable .grad: the average went to a fresh tensor
-                    if p.grad is None:
-                        p.grad = temp
-                    else:
-                        p.grad.copy_(temp)
-                # else: .grad holds the average already
+            view, temp = self._views[i], self._temps.get(i)
+            if into:  # .grad holds the average already, unless it had none usable: then a fresh tensor does
+                if temp is not None:
+                    p.grad = temp if p.grad is None else p.grad.copy_(temp)
             elif self.as_view:
                 p.grad = view
-            elif p.grad is None:
-                p.grad = view.clone()
             else:
-                p.grad.copy_(view)
+                p.grad = view.clone() if p.grad is None else p.grad.copy_(view)
+        self._end_step()
+
+    def _end_step(self) -> None:
         if not self.rebuilt:
             self._rebuild()
         self._used = [False] * len(self.params)
@@ -299,12 +279,10 @@ class Reducer:
     def _unused_message(self, missing: list[int]) -> str:
         names = [self.names[i] for i in missing]
         shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
-        return (
-            f"DistributedDataParallel (rank {self.transport.rank}): {len(names)} parameter(s) got no gradient in this "
-            f"backward: {shown}. Every parameter that requires grad must take part in the loss on every rank, or "
-            "pass find_unused_parameters=True to DistributedDataParallel (or set requires_grad=False on parameters "
-            "you never train)."
-        )
+        return (f"DistributedDataParallel (rank {self.transport.rank}): {len(names)} parameter(s) got no gradient in "
+                f"this backward: {shown}. Every parameter that requires grad must take part in the loss on every "
+                "rank, or pass find_unused_parameters=True to DistributedDataParallel (or set requires_grad=False on "
+                "parameters you never train).")
 
     # ---- join: mirror a step this rank does not take ---------------------------------------------------------
     def shadow_backward(self) -> None:

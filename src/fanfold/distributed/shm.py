@@ -37,35 +37,10 @@ from .shm_engine import (ALL_REDUCE, BARRIER, BROADCAST, DTYPES, OPS, REDUCE_INT
 from .shm_peer import TABLE_BYTES, probe
 from .shm_segment import Segment, ShmTimeoutError, pid_namespace
 from .shm_select import group_store, host_key, select_transport
+from .shm_thread import ShmWork, completed as _completed, serve as _serve, stop as _stop
 from .stall import ENV_VAR as STALL_ENV_VAR, resolve_stall_timeout
 
 __all__ = ["ShmTransport", "ShmWork", "ShmTimeoutError", "select_transport", "host_key"]
-
-
-class ShmWork:
-    """The handle of an asynchronous collective: ``wait()`` blocks until the tensor holds the result (or raises
-    the transport's error; the transport's timeout bounds it), ``get_future()`` gives a torch Future of the tensor."""
-
-    __slots__ = ("_future",)
-
-    def __init__(self, future: torch.futures.Future):
-        self._future = future
-
-    def wait(self, timeout: Any = None) -> bool:
-        self._future.wait()
-        return True
-
-    def is_completed(self) -> bool:
-        return self._future.done()
-
-    def get_future(self) -> torch.futures.Future:
-        return self._future
-
-
-def _completed(value: Any) -> ShmWork:
-    fut = torch.futures.Future()
-    fut.set_result(value)
-    return ShmWork(fut)
 
 
 def _flat(tensor: torch.Tensor, what: str) -> tuple[torch.Tensor, Callable[[], None] | None]:
@@ -88,41 +63,6 @@ def _split_into(flat: torch.Tensor, outs: list[torch.Tensor]) -> None:
     for out in outs:
         out.copy_(flat[offset: offset + out.numel()])
         offset += out.numel()
-
-
-def _serve(requests: queue.SimpleQueue, engine: Engine) -> None:
-    """The transport's thread: requests in FIFO order (every rank issues them in the same order). After a failure
-    the transport is unusable (the peers were told through the abort word); later requests get the same error."""
-    error = None
-    while True:
-        item = requests.get()
-        if item is None:
-            return
-        fut, value, finish, args = item
-        if error is not None:
-            fut.set_exception(RuntimeError(f"the shm transport failed earlier and cannot be used: {error}"))
-            continue
-        try:
-            engine.run(*args)
-            if finish is not None:
-                finish()
-        except BaseException as exc:  # noqa: BLE001 - every failure must reach the waiting caller
-            error = exc
-            engine.seg.abort(f"rank {engine.rank}: {type(exc).__name__}: {exc}")
-            fut.set_exception(exc)
-            continue
-        fut.set_result(value)
-
-
-def _stop(requests: queue.SimpleQueue, thread: threading.Thread, segment: Segment | None, regions: list) -> None:
-    if thread is not None and thread.is_alive():
-        requests.put(None)
-        thread.join(5.0)
-    if segment is not None and (thread is None or not thread.is_alive()):
-        segment.close()
-        for *_, region in regions:  # mappings still used by tensors stay until those go (Segment.close)
-            region.close()
-        regions.clear()
 
 
 class ShmTransport:

@@ -31,7 +31,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["TorchTransport", "DividedWork", "resolve_transport", "all_gather_rows", "all_gather_bytes", "ENV_VAR"]
+__all__ = ["TorchTransport", "DividedWork", "issue_all_reduce", "resolve_transport", "all_gather_rows",
+           "all_gather_bytes", "ENV_VAR"]
 
 ENV_VAR = "FANFOLD_TRANSPORT"
 
@@ -77,6 +78,17 @@ class DividedWork:
             self._tensor.div_(self._divisor)
             self._divisor = None
         return result
+
+
+def issue_all_reduce(transport: Any, tensor: torch.Tensor, bucket: int | None = None,
+                     divisor: float | None = None) -> Any:
+    """``transport.all_reduce`` of ``tensor`` labelled ``bucket``; with ``divisor`` the result is the sum divided by
+    it -- by the transport in its pass over memory where it can (``supports_divisor``), else after the wait."""
+    if divisor is None:
+        return transport.all_reduce(tensor, bucket=bucket)
+    if getattr(transport, "supports_divisor", False):
+        return transport.all_reduce(tensor, bucket=bucket, divisor=divisor)
+    return DividedWork(transport.all_reduce(tensor, bucket=bucket), tensor, divisor)
 
 
 def resolve_transport(transport: Any = None, group: Any = None) -> Any:
