@@ -20,7 +20,7 @@ from fanfold.distributed import shm_peer
 from fanfold.distributed.shm import ShmTimeoutError, ShmTransport, host_key, select_transport
 from fanfold.distributed.shm_segment import SHM_DIR, leftover_segments, pid_namespace
 
-from _ddp_models import MODELS, single_process, train_ddp
+from _ddp_models import MODELS, batch, loss_fn, optimizer, single_process, train_ddp
 
 CHUNK = 64 << 10  # small chunks: many chunk edges and both algorithms (direct below 16 KB) at cheap sizes
 # elements: 1 .. 64 MB of float32, odd lengths, each side of the 16 KB / 64 KB edges
@@ -513,3 +513,32 @@ def test_ddp_training_equivalent_on_both_transports():
             assert torch.equal(a, b), hook  # the same bits on both paths
             torch.testing.assert_close(a, o, rtol=0.05, atol=0.02)
         assert not all(torch.equal(a, c) for a, c in zip(shm[0][hook][1], shm[0]["mlp"][1]))  # really rounded
+
+
+def _three_rank_paths():
+    _init()
+    bare = dict(timeout=60, peer_read=False)
+    return {"peer": _train("mlp", "shm", STEPS), "ring": _train("mlp", ShmTransport(**bare), STEPS),
+            "bf16 peer": _train("mlp", "shm", STEPS, "bf16_compress_hook"),
+            "bf16 hook": _train("mlp", ShmTransport(**bare), STEPS, "bf16_compress_hook")}
+
+
+def test_ddp_three_ranks_every_path_agrees():
+    """3 ranks: the fixed order (r0 + r1) + r2 on every path, so the peer reads give the ring's bits, bf16 too."""
+    out = fanfold.launch(_three_rank_paths, nprocs=3, timeout=180)
+    assert [o["peer"][4] for o in out] == [True] * 3 and not any(o["ring"][4] for o in out)
+    for o in out:
+        for a, b, c, d in zip(o["peer"][1], o["ring"][1], out[0]["peer"][1], out[0]["bf16 peer"][1]):
+            assert torch.equal(a, b) and torch.equal(a, c)  # both paths, every rank
+        assert all(torch.equal(a, b) for a, b in zip(o["bf16 peer"][1], o["bf16 hook"][1]))
+        assert all(torch.equal(a, b) for a, b in zip(o["bf16 peer"][1], out[0]["bf16 peer"][1]))
+    # the oracle: one process on the 15 samples of each global batch of 16 that 3 ranks of 5 cover
+    model = MODELS["mlp"]()
+    opt = optimizer(model)
+    for step in range(STEPS):
+        x, y = batch("mlp", step)
+        opt.zero_grad()
+        loss_fn("mlp", model(x[:15]), y[:15]).backward()
+        opt.step()
+    for a, o in zip(out[0]["peer"][1], model.parameters()):
+        torch.testing.assert_close(a, o.detach(), rtol=1e-5, atol=1e-6)
