@@ -142,7 +142,7 @@ def _sums():
                                                    bool((rest == 7).all()))
         # reduce_tensors: private tensors all-reduced where they lie, each rank reading its peers' memory; sizes
         # from one element to 64 MB, odd lengths and edges, many tensors (several rounds of the address table)
-        out["tensors"] = []
+        out["tensors"], held = [], []
         for tr, sizes, settle in ((peer, [1], True), (peer, [3, 4097, 0, 5, 3 * CHUNK // 2 + 1], False),
                                   (big, [(4 << 20) + 5, 7, 1 << 20], True), (peer, [16 << 20], True),
                                   (peer, [1 + k % 3 for k in range(5000)], False)):
@@ -150,6 +150,9 @@ def _sums():
                 xs = [[_inputs(m, q + 7 * k) for k, m in enumerate(sizes)] for q in range(n)]
                 ys = [x.clone() for x in xs[r]]
                 tr.reduce_tensors(ys, bucket=1, divisor=divisor, settle=settle).wait()
+                # settle=False: peers may still be copying from these tensors until this transport's next
+                # collective; freeing them now would let the next case's tensors take their memory
+                held.append(ys)
                 exact = True
                 for k in range(len(sizes)):
                     expect = xs[0][k] + xs[1][k]
@@ -157,6 +160,8 @@ def _sums():
                         expect += xs[q][k]
                     exact = exact and torch.equal(ys[k], expect if divisor is None else expect / divisor)
                 out["tensors"].append((_digest(torch.cat(ys)), exact))
+        peer.barrier()  # every peer is done reading the unsettled tensors: they may go
+        del held
         # compress=: the compression hooks' bits (cast -- fp16 after dividing --, all-reduce, cast back), rounded
         # where each rank reads the values; checked against that recipe through the ring
         out["compress"] = []
