@@ -302,6 +302,7 @@ def _misuse():
             with pytest.raises(ValueError) as e:
                 t.reduce_tensors(tensors)
             out[name] = str(e.value)
+        out["peer read"] = t.supports_reduce_tensors  # without it the pieces are concatenated: nothing to refuse
         try:
             t.reduce_tensors([torch.ones(5), torch.ones(5)] if r == 0 else [torch.ones(10)], bucket=3).wait()
         except RuntimeError as e:
@@ -335,8 +336,9 @@ def test_misuse_is_named(api):
             o["shared mismatch"], o["shared mismatch"]
         assert "tensors 0 and 1 overlap" in o["overlap"] and "tensor 1 must be a contiguous real tensor of " \
             "torch.float32" in o["dtype"] and "tensor 0" in o["strided"], o
-        assert f"rank {r} is in all_reduce of 10 float32 #1 (bucket 3)" in o["pieces"] and f"but rank {1 - r} is " \
-            f"in all_reduce of 10 float32 as {1 + r} tensors (rank {r}: {2 - r})" in o["pieces"], o["pieces"]
+        if o["peer read"]:
+            assert f"rank {r} is in all_reduce of 10 float32 #1 (bucket 3)" in o["pieces"] and f"but rank {1 - r} " \
+                f"is in all_reduce of 10 float32 as {1 + r} tensors (rank {r}: {2 - r})" in o["pieces"], o["pieces"]
         assert o["fallback"] == (False, [3.0]) and o["denied"] is False
 
 
@@ -461,7 +463,8 @@ def _train(kind, transport, steps, hook=None, **kwargs):
     r = ddp.reducer
     into = any(p.grad is not None and not torch.equal(v, p.grad) for p, v in zip(r.params, r._views))
     direct = r._direct and not any(f.any() for f in r.flats)
-    return type(ddp.transport.inner).__name__, params, shared, into, direct
+    peer = bool(getattr(ddp.transport, "supports_reduce_tensors", False))
+    return type(ddp.transport.inner).__name__, params, shared, into, direct, peer
 
 
 def _trainings(transport):
@@ -492,10 +495,11 @@ def test_ddp_training_equivalent_on_both_transports():
     torch_ = fanfold.launch(_trainings, "torch", nprocs=2, timeout=180)
     assert [s["mlp"][0] for s in shm] == ["ShmTransport"] * 2 and torch_[0]["mlp"][0] == "TorchTransport"
     paths = {run: (all(s[run][2]), s[run][3], s[run][4]) for s in shm for run in s}  # shared, into, direct
-    assert paths == {"mlp": (False, True, True), "in place": (True, True, False), "spare": (True, True, False),
-                     "spare direct": (False, True, True), "ring": (True, False, False), "lm": (False, True, True),
-                     "bf16": (False, True, True), "bf16 hook": (True, False, False), "fp16": (False, True, True),
-                     "fp16 hook": (True, False, False)}, paths
+    peer = shm[0]["mlp"][5]  # whether this machine lets the ranks read each other's memory (else: fallbacks)
+    plain, hooked = ((False, True, True),) * 2 if peer else ((True, False, False),) * 2
+    assert paths == {"mlp": plain, "in place": (True, True, False), "spare": (True, True, False),
+                     "spare direct": plain, "ring": (True, False, False), "lm": plain, "bf16": hooked,
+                     "bf16 hook": (True, False, False), "fp16": hooked, "fp16 hook": (True, False, False)}, paths
     assert not any(torch_[0]["mlp"][2]) and not torch_[0]["mlp"][3] and not torch_[0]["mlp"][4]
     oracle = single_process("mlp", STEPS)
     for a, b, c, d, o in zip(shm[0]["mlp"][1], torch_[0]["mlp"][1], shm[0]["in place"][1], shm[0]["ring"][1],
@@ -518,6 +522,8 @@ def test_ddp_training_equivalent_on_both_transports():
             assert torch.equal(a, b), hook  # the same bits on both paths
             torch.testing.assert_close(a, o, rtol=0.05, atol=0.02)
         assert not all(torch.equal(a, c) for a, c in zip(shm[0][hook][1], shm[0]["mlp"][1]))  # really rounded
+    if not peer:  # all else held: only the peer-read path itself went untested here
+        pytest.xfail("this machine forbids process_vm_readv between sibling processes: DDP used the fallbacks")
 
 
 def _three_rank_paths():
@@ -531,7 +537,7 @@ def _three_rank_paths():
 def test_ddp_three_ranks_every_path_agrees():
     """3 ranks: the fixed order (r0 + r1) + r2 on every path, so the peer reads give the ring's bits, bf16 too."""
     out = fanfold.launch(_three_rank_paths, nprocs=3, timeout=180)
-    assert [o["peer"][4] for o in out] == [True] * 3 and not any(o["ring"][4] for o in out)
+    assert [o["peer"][4] for o in out] == [o["peer"][5] for o in out] and not any(o["ring"][4] for o in out)
     for o in out:
         for a, b, c, d in zip(o["peer"][1], o["ring"][1], out[0]["peer"][1], out[0]["bf16 peer"][1]):
             assert torch.equal(a, b) and torch.equal(a, c)  # both paths, every rank
@@ -547,3 +553,5 @@ def test_ddp_three_ranks_every_path_agrees():
         opt.step()
     for a, o in zip(out[0]["peer"][1], model.parameters()):
         torch.testing.assert_close(a, o.detach(), rtol=1e-5, atol=1e-6)
+    if not out[0]["peer"][5]:
+        pytest.xfail("this machine forbids process_vm_readv between sibling processes: DDP used the fallbacks")
