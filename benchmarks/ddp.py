@@ -11,6 +11,8 @@ torch DDP and fanfold DDP, 2 ranks x 1 thread, same optimizer and data. Every ra
 seed. A run is one fresh launch (``fanfold.launch``) of warm-up steps then ``--steps`` timed steps (forward,
 backward, SGD step); its time is the slowest rank's mean step time; the table shows the median over ``--runs``,
 with the rows interleaved within each run so that load from other programs falls on all of them alike.
+"CPU per step and process" is the CPU time of one rank's process (all its threads, so DDP's communication thread
+too) per timed step, averaged over the ranks: on cores that all compute, whatever the exchange costs shows there.
 Efficiency = samples/s / (ranks x threads x samples/s of 1 process x 1 thread): 1.0 is perfect scaling over the
 cores used; for the DDP rows it is the issue's 2-rank throughput / (2 x 1-rank throughput).
 """
@@ -94,8 +96,9 @@ def _wrap(row: str, model: nn.Module, transport: str | None, hook: str | None) -
 
 
 def one_run(row: str, model_name: str, warmup: int, steps: int, transport: str | None,
-            hook: str | None) -> tuple[float, int]:
-    """In each worker: mean seconds per timed step on this rank, and the model's parameter count."""
+            hook: str | None) -> tuple[float, int, float]:
+    """In each worker: mean seconds per timed step on this rank, the model's parameter count, and the CPU seconds
+    this rank's process (all its threads: DDP's communication included) used per timed step."""
     model, (x, y) = build(model_name)
     count = sum(p.numel() for p in model.parameters())
     sync = row in ("torch DDP", "fanfold DDP")
@@ -115,14 +118,15 @@ def one_run(row: str, model_name: str, warmup: int, steps: int, transport: str |
         step()
     if sync:
         dist.barrier()  # start the clock together; DDP keeps the ranks in step from here on
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for _ in range(steps):
         step()
-    return (time.perf_counter() - start) / steps, count
+    return (time.perf_counter() - start) / steps, count, (time.process_time() - cpu) / steps
 
 
 def measure(args: argparse.Namespace) -> dict:
     times: dict = {(m, r): [] for m in args.models for r in ROWS}
+    args.cpu = {(m, r): [] for m in args.models for r in ROWS}  # mean over ranks of CPU seconds per step
     # The parent computes nothing: workers are forked from it (one_run lives in __main__), and a fork after torch
     # has started its OpenMP pool can hang the child's own.
     for run in range(args.runs):
@@ -130,8 +134,9 @@ def measure(args: argparse.Namespace) -> dict:
             for row, (ranks, threads) in ROWS.items():
                 per_rank = fanfold.launch(one_run, row, model_name, args.warmup, args.steps, args.transport,
                                           args.hook, nprocs=ranks, threads=threads, timeout=args.timeout)
-                slowest = max(t for t, _ in per_rank)
+                slowest = max(t for t, *_ in per_rank)
                 times[model_name, row].append(slowest)
+                args.cpu[model_name, row].append(statistics.mean(c for *_, c in per_rank))
                 args.params[model_name] = per_rank[0][1]
                 print(f"run {run + 1}/{args.runs}  {model_name:3s}  {row:26s} {1e3 * slowest:8.1f} ms/step",
                       file=sys.stderr, flush=True)
@@ -141,8 +146,8 @@ def measure(args: argparse.Namespace) -> dict:
 def table(args: argparse.Namespace, times: dict) -> str:
     batch = {"mlp": 64, "lm": 8}
     unit = {"mlp": "samples", "lm": "sequences"}
-    lines = ["| model | row | ranks x threads | step (ms, median) | throughput (/s) | efficiency | fanfold / torch |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| model | row | ranks x threads | step (ms, median) | CPU per step and process (ms, median) | "
+             "throughput (/s) | efficiency | fanfold / torch |", "|---|---|---|---|---|---|---|---|"]
     for m in args.models:
         base = batch[m] / statistics.median(times[m, "1 process, 1 thread"])
         torch_t = statistics.median(times[m, "torch DDP"])
@@ -151,7 +156,8 @@ def table(args: argparse.Namespace, times: dict) -> str:
             rate = ranks * batch[m] / t
             ratio = f"**{t / torch_t:.3f}**" if row == "fanfold DDP" else ""
             name = f"{'MLP' if m == 'mlp' else 'LM'} {args.params[m] / 1e6:.1f}M"
-            lines.append(f"| {name} | {row} | {ranks} x {threads} | {1e3 * t:.1f} | {rate:.1f} {unit[m]} | "
+            cpu = 1e3 * statistics.median(args.cpu[m, row])
+            lines.append(f"| {name} | {row} | {ranks} x {threads} | {1e3 * t:.1f} | {cpu:.1f} | {rate:.1f} {unit[m]} | "
                          f"{rate / (ranks * threads * base):.2f} | {ratio} |")
     return "\n".join(lines)
 

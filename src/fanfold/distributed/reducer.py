@@ -65,6 +65,7 @@ class Reducer:
         self._shadowing = False
         self.last_ready_order: list[int] = []
         self._used = [False] * len(self.params)  # got a gradient since the last synchronisation (no_sync included)
+        self._choose_path()
         self._build(None)
         self._reset()
         self._handles = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.params)]
@@ -111,18 +112,16 @@ class Reducer:
             self._workspaces[key] = self._bucket_memory(flat.numel(), dtype, flat.device)
         return self._workspaces[key]
 
-    @property
-    def _direct(self) -> bool:
-        # The built-in hooks on a transport that all-reduces the gradients where autograd left them (ShmTransport
-        # reading its peers' memory): no copy into the bucket at all; the compression hooks' bits come from
-        # rounding where the values are read (reduce_tensors(compress=)).
-        return self.hook in _BUILT_IN and not self.as_view and (_BUILT_IN[self.hook] is None or self._fp32) and \
-            bool(getattr(self.transport, "supports_reduce_tensors", False))
-
-    @property
-    def _into(self) -> bool:
-        return self.hook is allreduce_hook and not self.as_view and \
-            bool(getattr(self.transport, "supports_reduce_into", False))
+    def _choose_path(self) -> None:
+        # Settings only (hook, gradient_as_bucket_view, dtypes, transport), so the same on every rank; decided here
+        # once rather than in every parameter's hook. _direct: the built-in hooks on a transport that all-reduces
+        # the gradients where autograd left them (ShmTransport reading its peers' memory): no copy into the bucket
+        # at all; the compression hooks' bits come from rounding where the values are read. _into: the default
+        # hook on a transport that writes a bucket's average straight into .grad.
+        t, hook, fp32 = self.transport, self.hook, self._fp32
+        self._direct = hook in _BUILT_IN and not self.as_view and (_BUILT_IN[hook] is None or fp32) and \
+            bool(getattr(t, "supports_reduce_tensors", False))
+        self._into = hook is allreduce_hook and not self.as_view and bool(getattr(t, "supports_reduce_into", False))
 
     def _reset(self) -> None:
         self._temps: dict[int, torch.Tensor] = {}  # reduce_into's outputs for parameters without a usable .grad
@@ -218,9 +217,8 @@ class Reducer:
     def _finalize(self) -> None:
         self.last_ready_order = list(self._order)  # this rank's, for inspection; rank 0's decides the rebuild
         missing = [i for i, r in enumerate(self._ready) if not r]
-        direct = self._direct
         for i in missing:  # contribute what the parameter holds (no_sync accumulation) or zeros
-            if not direct:
+            if not self._direct:
                 self._copy_in(i, self.params[i])
             self._left[self._loc[i][0]] = 0
         self._launch_ready()
@@ -234,7 +232,7 @@ class Reducer:
             self.all_reduce(used).wait()
             used = used.tolist()
         self._wait_all()
-        into = self._into or direct
+        into = self._into or self._direct
         for i, p in enumerate(self.params):
             if used is not None and used[i] == 0:
                 continue  # no rank used it: leave .grad as a single process would (None)
@@ -256,10 +254,9 @@ class Reducer:
         self.expect_sync = False
 
     def _wait_all(self) -> None:
-        direct = self._direct
         for b, fut in enumerate(self._futures):
             result = fut.wait()
-            if direct:
+            if self._direct:
                 continue  # the results are in .grad (or the temporaries) already
             if isinstance(result, (list, tuple)):  # a torch future of a c10d work yields [tensor]
                 result = result[0]
@@ -306,6 +303,7 @@ class Reducer:
         if not callable(hook):
             raise TypeError(f"hook must be callable as hook(state, bucket), got {hook!r}")
         self.hook, self.hook_state = hook, state
+        self._choose_path()
 
     def remove_hooks(self) -> None:
         for h in self._handles:

@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["probe", "reduce_tensors", "TABLE_BYTES"]
+__all__ = ["probe", "PeerReader", "TABLE_BYTES"]
 
 TABLE_BYTES = 64 << 10  # per rank: (address, bytes) pairs, 4096 tensors a round; longer lists take several rounds
 _IOV_MAX = 1024  # the kernel's limit on iovecs per call, on each side
