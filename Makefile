@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: run test demo bench clean
+.PHONY: run test lint demo bench clean
 
 $(STAMP): requirements.txt pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -18,11 +18,16 @@ run: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/fanfold demo --devices 3
 
-test: $(STAMP)
+test: lint
 	$(BIN)/python -m pytest -q
+
+# The layering (import-linter contracts in pyproject.toml) and ruff's lint; part of `make test`.
+lint: $(STAMP)
+	$(BIN)/lint-imports --no-cache
+	$(BIN)/ruff check src tests benchmarks examples
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/dp_overhead.py
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info
+	rm -rf $(VENV) build src/*.egg-info runs

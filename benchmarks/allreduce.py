@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 import fanfold
-from fanfold.distributed.shm import ShmTransport
+from fanfold.collectives import ShmTransport
 
 
 def _parse_size(text: str) -> int:
@@ -71,11 +71,11 @@ def _rank_main(sizes: list[int], chunk_bytes: int) -> dict:
         z.fill_(1.0)
         reps = max(5, min(200, (64 << 20) // size))
         out[size] = {
-            "gloo": _time(lambda: dist.all_reduce(x), reps),
-            "shm": _time(lambda: shm.all_reduce(x).wait(), reps),
-            "shm ring": _time(lambda: ring.all_reduce(x).wait(), reps),
-            "shm in place": _time(lambda: shm.all_reduce(z).wait(), reps),
-            "copy": _time(lambda: y.copy_(x), reps),
+            "gloo": _time(lambda x=x: dist.all_reduce(x), reps),
+            "shm": _time(lambda x=x: shm.all_reduce(x).wait(), reps),
+            "shm ring": _time(lambda x=x: ring.all_reduce(x).wait(), reps),
+            "shm in place": _time(lambda z=z: shm.all_reduce(z).wait(), reps),
+            "copy": _time(lambda x=x, y=y: y.copy_(x), reps),
         }
         del x, y, z
     shm.close()

@@ -86,7 +86,7 @@ def _wrap(row: str, model: nn.Module, transport: str | None, hook: str | None) -
             ddp.register_comm_hook(dist.group.WORLD, torch_bf16_hook)
         return ddp
     if transport == "shm-no-peer-read":
-        from fanfold.distributed.shm import ShmTransport
+        from fanfold.collectives import ShmTransport
 
         transport = ShmTransport(peer_read=False)
     ddp = fanfold.DistributedDataParallel(model, **({"transport": transport} if transport else {}))

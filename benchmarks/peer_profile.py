@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 import fanfold
+from fanfold.collectives import ShmTransport
 from fanfold.distributed import shm_peer
-from fanfold.distributed.shm import ShmTransport
 
 # the MLP's weight and bias sizes (elements), grouped as DDP's reducer buckets them after the first backward
 BUCKETS = [[2048 * 1000, 1000, 2048 * 2048, 2048], [2048 * 2048, 2048], [2048 * 2048, 2048, 1024 * 2048, 2048]]

@@ -19,9 +19,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import fanfold
+from fanfold._core.tree import first_difference, flatten
 from fanfold.distributed import init_process_group
-from fanfold.scatter_gather import gather, scatter, scatter_kwargs, split_sizes
-from fanfold._tree import first_difference, flatten
+from fanfold.parallel.scatter_gather import gather, scatter, scatter_kwargs, split_sizes
 
 # --- scatter / gather over random nested structures ----------------------------------------------------------------
 

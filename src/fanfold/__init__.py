@@ -1,16 +1,24 @@
 """fanfold: data parallelism for PyTorch. Fan the batch out over devices or processes, fold results and gradients back.
 
-Public names only; the README's API list mirrors ``__all__``.
+Public names only; the README's API list mirrors ``__all__``. The layers, top to bottom (each imports only those
+below it; checked by import-linter in ``make test``): ``cli`` > ``training`` > ``distributed`` | ``parallel`` >
+``collectives`` | ``launcher`` > ``_core``.
 """
-from .distributed.spawn import WorkerError, launch
 from .distributed.ddp import DDP, DistributedDataParallel
 from .distributed.stall import StallError
-from .checkpoint import CheckpointError, latest, load, save
-from . import data
-from .scatter_gather import gather, scatter, scatter_kwargs
-from .replicate import replicate
-from .parallel_apply import WorkerPool, parallel_apply
-from .data_parallel import DataParallel, data_parallel, unwrap
+from .launcher import WorkerError, launch, launch_script
+from .parallel import (
+                       DataParallel,
+                       WorkerPool,
+                       data_parallel,
+                       gather,
+                       parallel_apply,
+                       replicate,
+                       scatter,
+                       scatter_kwargs,
+                       unwrap,
+)
+from .training import CheckpointError, DistributedSampler, data, latest, load, save
 
 __version__ = "0.1.0"
 
@@ -25,6 +33,7 @@ __all__ = [
     "DataParallel",
     "unwrap",
     "launch",
+    "launch_script",
     "WorkerError",
     "DistributedDataParallel",
     "DDP",
@@ -33,5 +42,6 @@ __all__ = [
     "load",
     "latest",
     "CheckpointError",
+    "DistributedSampler",
     "data",
 ]

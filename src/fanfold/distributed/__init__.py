@@ -1,10 +1,14 @@
 """fanfold.distributed: one process per replica on torch.distributed process groups.
 
-Layers: env (the torchrun contract) <- buckets <- reducer <- ddp; every collective of the reducer and of DDP goes
-through one transport object (transport.py: torch.distributed; shm.py over shm_engine.py and shm_segment.py: shared
-memory, chosen by shm_select.py), wrapped by the stall inspector (stall.py, progress.py); comm_hooks say how a bucket
-is reduced, join.py how ranks with fewer batches shadow the others; spawn starts local workers from Python.
+Inside: env (the torchrun contract) <- buckets <- reducer <- ddp; every collective of the reducer and of DDP goes
+through one transport object of ``fanfold.collectives`` (torch.distributed or shared memory), wrapped by the stall
+inspector (stall.py, progress.py); comm_hooks say how a bucket is reduced, join.py how ranks with fewer batches
+shadow the others. Re-exports the launcher's ``launch`` and the transports for convenience.
+May import ``fanfold._core``, ``fanfold.collectives`` and ``fanfold.launcher``; never ``parallel``, ``training`` or
+the CLI.
 """
+from ..collectives import ShmTimeoutError, ShmTransport, TorchTransport, select_transport
+from ..launcher.spawn import WorkerError, free_port, launch
 from .comm_hooks import allreduce_hook, bf16_compress_hook, fp16_compress_hook
 from .ddp import DDP, DistributedDataParallel
 from .env import (
@@ -18,10 +22,7 @@ from .env import (
     rank,
     world_size,
 )
-from .spawn import WorkerError, free_port, launch
 from .stall import InspectedTransport, StallError
-from .shm import ShmTimeoutError, ShmTransport, select_transport
-from .transport import TorchTransport
 
 __all__ = [
     "launch",

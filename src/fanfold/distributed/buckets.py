@@ -10,7 +10,7 @@ gets a bucket of its own). The bucket list is ordered by when each bucket is exp
 """
 from __future__ import annotations
 
-from typing import Hashable, Sequence
+from collections.abc import Hashable, Sequence
 
 __all__ = ["MiB", "DEFAULT_CAP_MB", "FIRST_CAP_MB", "assign_buckets", "rebuild_order", "bucket_caps"]
 

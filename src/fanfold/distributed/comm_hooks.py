@@ -18,7 +18,8 @@ the bytes on the wire, about 3 (bf16) or 4-5 (fp16) significant digits kept. The
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -44,7 +45,7 @@ class Future:
     def done(self) -> bool:
         return self._done
 
-    def then(self, callback: Callable[["Future"], Any]) -> "Future":
+    def then(self, callback: Callable[[Future], Any]) -> Future:
         return Future(lambda: callback(_completed(self)))
 
 

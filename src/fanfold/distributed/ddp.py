@@ -13,17 +13,19 @@ from __future__ import annotations
 import hashlib
 import json
 import warnings
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
 
-from .._utils import normalize_device
+from .._core.devices import normalize_device
+from ..collectives.select import resolve_transport
+from ..collectives.transport import all_gather_bytes, all_gather_rows
 from .join import BACKWARD, FORWARD, JoinState
 from .reducer import Reducer
 from .stall import inspected
-from .transport import all_gather_bytes, all_gather_rows, resolve_transport
 
 __all__ = ["DistributedDataParallel", "DDP"]
 

@@ -10,7 +10,8 @@ lowest rank among the last active ones are broadcast, so that every rank ends wi
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

@@ -19,13 +19,14 @@ launch before a RuntimeError names it, so the peers are not left waiting on a co
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
+from ..collectives.transport import issue_all_reduce
 from .buckets import assign_buckets, bucket_caps, rebuild_order
 from .comm_hooks import GradBucket, allreduce_hook, bf16_compress_hook, fp16_compress_hook
-from .transport import issue_all_reduce
 
 __all__ = ["Reducer"]
 

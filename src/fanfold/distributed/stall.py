@@ -23,19 +23,19 @@ import socket
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from ..collectives.timeouts import DEFAULT_STALL_TIMEOUT, ENV_VAR, resolve_stall_timeout
 from .progress import Collective, Publisher, caller_line, process_gone, read_progress
 
 __all__ = ["StallError", "InspectedTransport", "StallInspector", "inspected", "resolve_stall_timeout",
            "DEFAULT_STALL_TIMEOUT"]
 
-DEFAULT_STALL_TIMEOUT = 300.0
-ENV_VAR = "FANFOLD_STALL_TIMEOUT"
 _MAX_PENDING = 64
 _HINT = (
     "Every rank must issue the same collectives in the same order: the same number of steps, each with one "
@@ -51,22 +51,6 @@ class StallError(RuntimeError):
     def __init__(self, message: str, *, rank: int, seq: int, kind: str, bucket: int | None, missing: list[int]):
         super().__init__(message)
         self.rank, self.seq, self.kind, self.bucket, self.missing = rank, seq, kind, bucket, missing
-
-
-def resolve_stall_timeout(timeout: float | timedelta | None = None) -> float:
-    """Seconds to wait for a collective: ``timeout`` if given, else ``$FANFOLD_STALL_TIMEOUT``, else 300."""
-    source = "stall_timeout"
-    if timeout is None:
-        timeout, source = os.environ.get(ENV_VAR, DEFAULT_STALL_TIMEOUT), ENV_VAR
-    if isinstance(timeout, timedelta):
-        timeout = timeout.total_seconds()
-    try:
-        seconds = float(timeout)
-    except (TypeError, ValueError):
-        raise ValueError(f"{source} must be a number of seconds, got {timeout!r}") from None
-    if not seconds > 0:
-        raise ValueError(f"{source} must be positive, got {timeout!r}")
-    return seconds
 
 
 class _Timeout(Exception):

@@ -1,0 +1,76 @@
+"""Device normalisation: the bottom layer every fanfold module builds on.
+
+A device may be given as an accelerator index (``0``), a string (``"cuda:1"``, ``"cpu"``) or a ``torch.device`` of
+any type. Everything above this file works with ``torch.device`` objects only, normalised so that two spellings of
+the same device compare equal (``"cpu:0"`` and ``"cpu"``; ``"cuda"`` and ``"cuda:<current>"``). Repeating a device
+(``["cpu", "cpu"]``) is allowed: it means several replicas on that device.
+
+No CUDA-only assumptions: the accelerator type comes from ``torch.accelerator`` (cuda, xpu, mps, ...).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Union
+
+import torch
+
+DeviceLike = Union[int, str, torch.device]  # noqa: UP007 (an alias evaluated at run time on Python 3.10)
+
+
+def accelerator_type() -> str | None:
+    """The current accelerator's device type (``"cuda"``, ``"xpu"``, ...), or None on a CPU-only machine."""
+    if not torch.accelerator.is_available():
+        return None
+    acc = torch.accelerator.current_accelerator()
+    return None if acc is None else acc.type
+
+
+def normalize_device(device: DeviceLike) -> torch.device:
+    """Return ``device`` as a ``torch.device`` with a canonical index.
+
+    An int ``i`` means index ``i`` of the current accelerator (``cuda:i`` on a machine without one, as torch does,
+    so that device ids can be written before a GPU is present). An accelerator device without an index gets the
+    current index; a CPU device loses its index (there is only one CPU device).
+    """
+    if isinstance(device, bool) or not isinstance(device, (int, str, torch.device)):
+        raise TypeError(f"a device must be an int, a str or a torch.device, got {type(device).__name__}: {device!r}")
+    if isinstance(device, int):
+        if device < 0:
+            raise ValueError(f"a device index must be >= 0, got {device}")
+        return torch.device(accelerator_type() or "cuda", device)
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"not a device: {device!r} ({e})") from None
+    if dev.type == "cpu":
+        return torch.device("cpu")
+    if dev.index is None and dev.type == accelerator_type():
+        return torch.device(dev.type, torch.accelerator.current_device_index())
+    return dev
+
+
+def normalize_devices(devices: Iterable[DeviceLike], name: str = "device_ids") -> list[torch.device]:
+    """Normalise every device of ``devices``; ``name`` is the argument named in error messages."""
+    if isinstance(devices, (int, str, torch.device)):
+        raise TypeError(f"{name} must be a list of devices, got a single device {devices!r}")
+    out = []
+    for i, d in enumerate(devices):
+        try:
+            out.append(normalize_device(d))
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"{name}[{i}]: {e}") from None
+    if not out:
+        raise ValueError(f"{name} is empty: give at least one device (e.g. [0] or ['cpu'])")
+    return out
+
+
+def default_device_ids() -> list[int]:
+    """Every accelerator index of this machine, or [] on a CPU-only machine."""
+    if accelerator_type() is None:
+        return []
+    return list(range(torch.accelerator.device_count()))
+
+
+def same_device(a: torch.device, b: torch.device) -> bool:
+    """True when the tensors on ``a`` and ``b`` live on the same device (spelling differences ignored)."""
+    return normalize_device(a) == normalize_device(b)

@@ -1,0 +1,33 @@
+"""The ``fanfold`` command: an argparse hub that only dispatches to subcommands.
+
+Each subcommand lives in its own module, which provides ``add_arguments(parser)`` and ``main(args) -> int``:
+``demo``, ``run`` and ``train``, each in ``fanfold.cli.<name>``. Nothing imports this module.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+
+# name -> (module, one-line help); modules are imported only when the parser is built.
+_COMMANDS = {
+    "demo": ("fanfold.cli.demo", "the DataParallel tutorial: per-replica batch sizes on N devices (CPU replicas too)"),
+    "run": ("fanfold.cli.run", "launch N worker processes of a script (torchrun's contract, tracebacks shown)"),
+    "train": ("fanfold.cli.train", "the main job: data-parallel CNN training on the digits dataset"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fanfold", description="Data parallelism for PyTorch, done right.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (module, help_) in _COMMANDS.items():
+        p = sub.add_parser(name, help=help_, description=help_)
+        mod = importlib.import_module(module)
+        mod.add_arguments(p)
+        p.set_defaults(_main=mod.main)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args._main(args) or 0)
+

@@ -1,0 +1,86 @@
+"""``fanfold demo``: the classic DataParallel tutorial, on GPUs or on CPU replicas.
+
+A ``Linear(5, 2)`` runs on ``RandomDataset(5, 100)`` in batches of 30; the model prints the size of the chunk each
+replica sees, the loop prints the size of the whole batch it gets back::
+
+    fanfold demo --devices 3      # 3 GPUs if there are, else 3 CPU replicas
+      In Model: input size torch.Size([10, 5]) output size torch.Size([10, 2])    (x3)
+    Outside: input size torch.Size([30, 5]) output_size torch.Size([30, 2])
+
+Replicas run concurrently; every line goes through ``tqdm.write`` (one locked write per line), so lines from
+different replicas never interleave and the progress bar stays below them. The order of the "In Model" lines of
+one step may change from run to run.
+"""
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+from tqdm import tqdm
+
+from .._core.devices import default_device_ids, normalize_device
+from ..parallel.data_parallel import DataParallel
+
+
+class RandomDataset(Dataset):
+    """``length`` random vectors of ``size`` features."""
+
+    def __init__(self, size: int, length: int) -> None:
+        self.data = torch.randn(length, size)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self.data[index]
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+
+class Model(nn.Module):
+    """The tutorial's model: one linear layer that reports the sizes it sees."""
+
+    def __init__(self, input_size: int, output_size: int, write: Callable[[str], None] = print) -> None:
+        super().__init__()
+        self.fc = nn.Linear(input_size, output_size)
+        self.write = write
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        output = self.fc(input)
+        self.write(f"  In Model: input size {input.size()} output size {output.size()}")
+        return output
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--devices", type=int, default=None,
+                        help="replicas: N accelerators if there are at least N, else N CPU replicas "
+                             "(default: every accelerator, or 2 CPU replicas)")
+    parser.add_argument("--batch-size", type=int, default=30)
+    parser.add_argument("--data-size", type=int, default=100, help="rows in the random dataset")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def _device_ids(n: int | None) -> list:
+    accelerators = default_device_ids()
+    if n is None:
+        return accelerators or ["cpu", "cpu"]
+    if n < 1:
+        raise SystemExit(f"fanfold demo: --devices must be >= 1, got {n}")
+    return accelerators[:n] if len(accelerators) >= n else ["cpu"] * n
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.batch_size < 1 or args.data_size < 1:
+        raise SystemExit("fanfold demo: --batch-size and --data-size must be >= 1")
+    torch.manual_seed(args.seed)
+    device_ids = _device_ids(args.devices)
+    device = normalize_device(device_ids[0])
+    loader = DataLoader(RandomDataset(5, args.data_size), batch_size=args.batch_size, shuffle=True)
+    tqdm.write(f"Let's use {len(device_ids)} device(s): {', '.join(map(str, device_ids))}")
+    model = DataParallel(Model(5, 2, write=tqdm.write).to(device), device_ids=device_ids)
+    for data in tqdm(loader, desc="demo", unit="batch"):
+        input = data.to(device)
+        output = model(input)
+        tqdm.write(f"Outside: input size {input.size()} output_size {output.size()}")
+    return 0

@@ -1,0 +1,40 @@
+"""``fanfold run``: the command-line face of ``fanfold.launcher.launch_script`` (torchrun's flags, tracebacks shown)."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..launcher.agent import launch_script
+
+__all__ = ["add_arguments", "main"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-n", "--nproc-per-node", "--nproc_per_node", type=int, default=None, metavar="N",
+                        help="worker processes on this node (default: one per GPU, or 2 without one)")
+    parser.add_argument("--nnodes", default="1", help="number of nodes, N or MIN:MAX (default 1)")
+    parser.add_argument("--node-rank", "--node_rank", type=int, default=0,
+                        help="this node's rank (read by --rdzv-backend static only)")
+    parser.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default=None, metavar="HOST:PORT",
+                        help="rendezvous of a multi-node job (default: single node, on 127.0.0.1)")
+    parser.add_argument("--rdzv-backend", "--rdzv_backend", default="c10d",
+                        help="torch rendezvous backend of a multi-node job: c10d (default), static, etcd")
+    parser.add_argument("--rdzv-id", "--rdzv_id", default="none",
+                        help="job id, the same on every node of a multi-node job")
+    parser.add_argument("--max-restarts", "--max_restarts", type=int, default=0, metavar="K",
+                        help="restart all workers up to K times after a failure (default 0)")
+    parser.add_argument("-m", "--module", action="store_true", help="run the target as a module (python -m)")
+    parser.add_argument("script", help="the training script (or module with -m)")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="passed to the script untouched")
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        return launch_script(
+            [args.script, *args.script_args], nproc_per_node=args.nproc_per_node, nnodes=args.nnodes,
+            node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint, rdzv_backend=args.rdzv_backend,
+            rdzv_id=args.rdzv_id, max_restarts=args.max_restarts, module=args.module,
+        )
+    except ValueError as exc:
+        print(f"fanfold run: error: {exc}", file=sys.stderr)
+        return 2

@@ -1,0 +1,77 @@
+"""Where the shared-memory transport may be used: :func:`select_transport` (the same answer on every rank) and the
+host identity it compares (:func:`host_key`); :func:`group_store` gives each transport-like object its own key
+space in the process group's store.
+
+Layer: beside ``shm.py`` (the transport), used by it and by ``transport.resolve_transport``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .shm.host import host_key
+from .shm.transport import ShmTransport
+from .store import group_store
+from .transport import TorchTransport
+
+__all__ = ["select_transport", "resolve_transport", "ENV_VAR"]
+
+ENV_VAR = "FANFOLD_TRANSPORT"
+
+
+def select_transport(group: Any = None, transport: str | None = None, device: Any = None) -> str:
+    """"torch" or "shm" for ``group``, the same answer on every rank (collective: every rank calls it).
+
+    ``transport`` (or ``$FANFOLD_TRANSPORT`` when None) forces a choice; ranks that ask for different ones get a
+    ValueError naming them. Unforced: "shm" when every rank sees the same kernel and /dev/shm (compared through
+    the store), the group's backend is gloo, the tensors live on the CPU (``device``; when None: no CUDA here) and
+    the machine is x86-64 (the segment's ordering relies on its total store order); "torch" otherwise.
+    """
+    source = "transport"
+    if transport is None:
+        transport, source = os.environ.get(ENV_VAR) or None, ENV_VAR
+    if transport not in (None, "torch", "shm"):
+        raise ValueError(f"{source} must be 'torch' or 'shm', got {transport!r}")
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("choosing a transport needs an initialised process group: call "
+                           "fanfold.distributed.init_process_group() first (under `fanfold run` or fanfold.launch)")
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    store = group_store(group, "select", rank)
+    local = platform.machine().lower() in ("x86_64", "amd64") and "nccl" not in dist.get_backend(group) and (
+        torch.device(device).type == "cpu" if device is not None else not torch.cuda.is_available())
+    store.set(str(rank), json.dumps([transport, host_key(), local]))
+    store.wait([str(r) for r in range(world_size)])  # bounded by the store's (the process group's) timeout
+    views = [json.loads(store.get(str(r))) for r in range(world_size)]
+    asked = {r: v[0] for r, v in enumerate(views)}
+    if len(set(asked.values())) > 1:
+        raise ValueError(f"ranks ask for different transports (by rank, {source}): {asked}")
+    if transport is not None:
+        return transport
+    same_host = len({v[1] for v in views}) == 1
+    return "shm" if same_host and all(v[2] for v in views) else "torch"
+
+
+def resolve_transport(transport: Any = None, group: Any = None) -> Any:
+    """The transport named by ``transport``: None -> ``$FANFOLD_TRANSPORT``, else "shm" when every rank shares this
+    host and the CPU (``shm.select_transport``, collective), else "torch"; "torch" -> TorchTransport; "shm" -> the
+    shared-memory transport; any object with ``all_reduce``/``broadcast``/``barrier`` -> used as is."""
+    source = "transport"
+    if transport is None:
+        transport, source = select_transport(group), ENV_VAR
+    if isinstance(transport, str):
+        if transport == "torch":
+            return TorchTransport(group)
+        if transport == "shm":
+            return ShmTransport(group)
+        raise ValueError(f"{source} must be 'torch', 'shm' or a transport object, got {transport!r}")
+    missing = [m for m in ("all_reduce", "broadcast", "barrier") if not callable(getattr(transport, m, None))]
+    missing += [a for a in ("rank", "world_size") if not isinstance(getattr(transport, a, None), int)]
+    if missing:
+        raise TypeError(f"transport {transport!r} lacks {missing} of the transport interface (all_reduce, broadcast, "
+                        "barrier, rank, world_size)")
+    return transport

@@ -1,0 +1,208 @@
+"""All-reduce of private tensors by reading the peers' memory directly (Linux cross-memory attach,
+``process_vm_readv``): nothing is copied into shared memory first.
+
+Layer: used by ``shm_engine.py`` (op REDUCE_TENSORS), with the segment of ``shm_segment.py`` for the bounded waits
+and one table area per rank; the transport (``shm.py``) runs :func:`probe` at start-up.
+
+Why: the other algorithms need every rank's data in shared memory, and the gradients autograd produces are private
+allocations, so each rank first copies all of them into the segment (a read and a write of every byte) before
+anything is summed. Here each rank only publishes where its tensors lie. Rank r then sums shard r of their logical
+concatenation from every rank's memory, in rank order with the same float32 operations as the other algorithms
+(the same bits), into its own tensors, and at last copies the other shards from their owners' tensors straight into
+its own: about half the memory traffic of copy-in plus sum. The peers' pieces land in a buffer that stays in cache,
+where the sum (and the division of an average) reads them.
+
+Permission: reading another process needs ptrace rights over it (same user, and Yama's ptrace_scope 0 or
+CAP_SYS_PTRACE for siblings; seccomp profiles may forbid the call). :func:`probe` tries a real read of every peer,
+and the transport takes this path only if every rank succeeded.
+"""
+from __future__ import annotations
+
+import bisect
+import ctypes
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["probe", "PeerReader", "TABLE_BYTES"]
+
+TABLE_BYTES = 64 << 10  # per rank: (address, bytes) pairs, 4096 tensors a round; longer lists take several rounds
+_IOV_MAX = 1024  # the kernel's limit on iovecs per call, on each side
+_PROBE_ADDR, _PROBE_OK = 64, 72  # offsets in a rank's segment line (0-63: counter, pid, collective descriptors)
+
+
+class _Iovec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+def _readv_fn() -> Any:
+    fn = ctypes.CDLL(None, use_errno=True).process_vm_readv
+    fn.restype = ctypes.c_ssize_t
+    fn.argtypes = [ctypes.c_int, ctypes.POINTER(_Iovec), ctypes.c_ulong, ctypes.POINTER(_Iovec), ctypes.c_ulong,
+                   ctypes.c_ulong]
+    return fn
+
+
+def _copy(fn: Any, pid: int, pieces: list[tuple[int, int, int]]) -> None:
+    """Copy (local address, remote address, bytes) pieces from process ``pid``; raises OSError on a short read."""
+    for s in range(0, len(pieces), _IOV_MAX):
+        batch = pieces[s: s + _IOV_MAX]
+        local = (_Iovec * len(batch))(*[(a, n) for a, _, n in batch])
+        remote = (_Iovec * len(batch))(*[(b, n) for _, b, n in batch])
+        want = sum(n for *_, n in batch)
+        got = fn(pid, local, len(batch), remote, len(batch), 0)
+        if got != want:
+            err = ctypes.get_errno() if got < 0 else 0
+            raise OSError(err, f"process_vm_readv from pid {pid} copied {got} of {want} bytes"
+                               + (f": {os.strerror(err)}" if err else ""))
+
+
+def _pieces(table: list[tuple[int, int]], starts: list[int], lo: int, hi: int):
+    """(address, logical offset, bytes) of the parts of ``table`` (address, bytes pairs laid end to end; ``starts``
+    their logical offsets) that cover logical bytes [lo, hi)."""
+    k = bisect.bisect_right(starts, lo) - 1
+    while lo < hi:
+        addr, n = table[k]
+        start = starts[k]
+        take = min(hi, start + n) - lo
+        if take > 0:
+            yield addr + lo - start, lo, take
+            lo += take
+        k += 1
+
+
+def _offsets(table: list[tuple[int, int]]) -> list[int]:
+    starts, at = [], 0
+    for _, n in table:
+        starts.append(at)
+        at += n
+    return starts
+
+
+def probe(seg: Any, rank: int, world_size: int, enabled: bool = True) -> bool:
+    """Collective: whether every rank can read every peer's memory (and has ``enabled`` it). Publishes a word's
+    address in this rank's line, reads each peer's word, publishes the outcome; takes two steps of ``seg``."""
+    word = ctypes.c_uint64(0x5EED0000 ^ os.getpid())
+    seg.line(rank, ctypes.c_uint64, _PROBE_ADDR).value = ctypes.addressof(word)
+    seg.wait_all(seg.arrive(), lambda: ("the peer-read probe", 0, None))
+    ok = enabled
+    try:
+        fn = _readv_fn()
+        for p in range(world_size):
+            if p != rank and ok:
+                got = ctypes.c_uint64(0)
+                _copy(fn, seg.pid(p), [(ctypes.addressof(got), seg.line(p, ctypes.c_uint64, _PROBE_ADDR).value, 8)])
+                ok = ok and got.value == 0x5EED0000 ^ seg.pid(p)
+    except (OSError, AttributeError):  # EPERM, ENOSYS, another pid namespace (ESRCH), no such libc function
+        ok = False
+    seg.line(rank, ctypes.c_uint32, _PROBE_OK).value = 1 if ok else 2
+    seg.wait_all(seg.arrive(), lambda: ("the peer-read probe", 0, None))  # peers are done reading `word` too
+    return all(seg.line(p, ctypes.c_uint32, _PROBE_OK).value == 1 for p in range(world_size))
+
+
+class PeerReader:
+    """The algorithm, on the transport's thread: the tables in ``data`` (a uint8 tensor of world_size x
+    TABLE_BYTES in the segment), ``chunk_bytes`` the unit read from a peer at a time."""
+
+    def __init__(self, seg: Any, rank: int, world_size: int, data: torch.Tensor, chunk_bytes: int,
+                 summer: Callable[[list[torch.Tensor], torch.Tensor], None]):
+        self.seg, self.rank, self.n, self.chunk_bytes, self._sum = seg, rank, world_size, chunk_bytes, summer
+        self._tables = [data[p * TABLE_BYTES:][:TABLE_BYTES].view(torch.int64).view(-1, 2) for p in range(world_size)]
+        self._fn = _readv_fn()
+        self._bufs = torch.empty((world_size, chunk_bytes), dtype=torch.uint8)
+        self._narrow: torch.Tensor | None = None  # compress: every rank's chunk and the result, rounded
+        self._compress: torch.dtype | None = None
+        self._pre: float | None = None
+
+    def run(self, tensors: list[torch.Tensor], describe: Callable, check: Callable[[], None], settle: bool,
+            compress: torch.dtype | None = None, pre_divisor: float | None = None) -> None:
+        """All-reduce ``tensors`` in place. ``settle``: return only once no peer reads them any more; otherwise
+        peers may still be copying this rank's shard until this rank's next collective has waited for them.
+        ``compress`` (float32 tensors only): every rank's values are divided by ``pre_divisor`` (if given) and
+        rounded to that dtype, summed as the other algorithms sum it, and the result rounded to it -- the bits
+        of the compression hooks' cast, all-reduce and cast back, rounded where the data is read."""
+        self._compress, self._pre = compress, pre_divisor
+        rows = self._tables[0].shape[0]
+        for s in range(0, max(1, len(tensors)), rows):  # rounds of at most a table's worth of tensors
+            last = s + rows >= len(tensors)
+            self._round(tensors[s: s + rows], describe, check if s == 0 else None, settle or not last)
+
+    def _reduce_chunk(self, parts: list[torch.Tensor], own: torch.Tensor) -> None:
+        if self._compress is None:
+            self._sum(parts, own)
+            return
+        m = own.numel()
+        if self._narrow is None or self._narrow.dtype != self._compress:
+            self._narrow = torch.empty((self.n + 1, self.chunk_bytes // 4), dtype=self._compress)
+        narrow = [self._narrow[i][:m].copy_(p if self._pre is None else p / self._pre) for i, p in enumerate(parts)]
+        result = self._narrow[self.n][:m]
+        self._sum(narrow, result)
+        own.copy_(result)
+
+    def _round(self, tensors: list[torch.Tensor], describe: Callable, check: Callable[[], None] | None,
+               settle: bool) -> None:
+        seg, rank, n = self.seg, self.rank, self.n
+        mine = [(t.data_ptr(), t.numel() * t.element_size()) for t in tensors]
+        if mine:
+            self._tables[rank][: len(mine)] = torch.tensor(mine, dtype=torch.int64)
+        start = seg.arrive()  # the table is written and the tensors hold this rank's values: peers may read
+        seg.wait_all(start, describe(0))
+        if check is not None:
+            check()
+        # Every rank passes the same number of tensors in a round (checked with the collective's descriptor), but
+        # only the total length has to agree: each table is walked with its own offsets.
+        tables = [mine if p == rank else [tuple(r) for r in self._tables[p][: len(mine)].tolist()] for p in range(n)]
+        offsets = [_offsets(t) for t in tables]
+        starts, total = offsets[rank], sum(nb for _, nb in mine)
+        for p in range(n):
+            theirs = sum(nb for _, nb in tables[p])
+            if theirs != total:
+                raise RuntimeError(f"fanfold shm transport: rank {p} all-reduces {theirs} bytes where rank {rank} "
+                                   f"has {total}, in {describe(0)()[0]}")
+        size = tensors[0].element_size() if tensors else 1
+        per = -(-total // n // 64) * 64  # shard edges on cache lines: no two writers share one
+        shards = [(min(total, p * per), min(total, (p + 1) * per)) for p in range(n)]
+        lo, hi = shards[rank]
+        steps = 0
+        for k, (addr, nb) in enumerate(mine):  # phase 1: this rank's shard, summed from every rank's memory
+            a, b = max(lo, starts[k]), min(hi, starts[k] + nb)
+            for x in range(a, b, self.chunk_bytes):
+                y = min(b, x + self.chunk_bytes)
+                own = tensors[k].view(-1)[(x - starts[k]) // size: (y - starts[k]) // size]
+                parts = []
+                for p in range(n):
+                    if p == rank:
+                        parts.append(own)
+                        continue
+                    buf = self._bufs[p]
+                    self._read(p, [(buf.data_ptr() + off - x, raddr, m)
+                                   for raddr, off, m in _pieces(tables[p], offsets[p], x, y)], describe(steps))
+                    parts.append(buf[: y - x].view(own.dtype))
+                self._reduce_chunk(parts, own)
+                steps += 1
+        done = seg.arrive()  # this rank's shard holds the result
+        seg.wait_all(done, describe(steps))
+        for p in range(n):  # phase 2: the other shards, from their owners' tensors straight into this rank's
+            plo, phi = shards[p]
+            if p == rank or phi <= plo:
+                continue
+            pieces = []
+            for laddr, off, m in _pieces(mine, starts, plo, phi):
+                for raddr, roff, rm in _pieces(tables[p], offsets[p], off, off + m):
+                    pieces.append((laddr + roff - off, raddr, rm))
+            self._read(p, pieces, describe(steps))
+        # Peers may still be reading this rank's shard. This rank's table may be rewritten already (every peer
+        # had read it before it summed its shard), but the tensors must not change before the peers are done: a
+        # peer arrives at the next step only then, and any later wait of this rank for it implies that step.
+        end = seg.arrive()
+        if settle:
+            seg.wait_all(end, describe(steps))
+
+    def _read(self, p: int, pieces: list[tuple[int, int, int]], describe: Callable) -> None:
+        try:
+            _copy(self._fn, self.seg.pid(p), pieces)
+        except OSError as exc:
+            raise RuntimeError(f"fanfold shm transport: rank {self.rank} could not read rank {p}'s memory in "
+                               f"{describe()[0]}: {exc}") from exc

@@ -1,0 +1,210 @@
+"""DataParallel and data_parallel(): scatter -> replicate -> parallel_apply -> gather, in one process.
+
+A drop-in for ``torch.nn.DataParallel`` (change one import) that also runs several replicas on the CPU
+(``device_ids=["cpu", "cpu"]``). Each of the four verbs is a one-line method over the free function of the same name,
+so a subclass can swap one step. Beyond torch:
+
+- ``state_dict()`` has the bare module's keys (no ``module.`` prefix) at any nesting depth, also when a DataParallel
+  is a sub-block of a bigger model; ``load_state_dict`` accepts both prefixed and unprefixed keys.
+- reading an attribute the wrapper lacks falls through to the wrapped module (``dp.fc``, ``dp.hidden_size``);
+  setting one sets it on the wrapper, as for any module.
+- ``weights=[3, 1]`` splits batches in proportion (unequal devices), ``chunk_sizes=[...]`` splits them explicitly.
+- CPU replicas also run their backward concurrently, in the worker threads (``parallel_backward.py``; autograd
+  alone would run them one after the other on the caller's thread). ``parallel_backward=False`` keeps autograd's
+  way, which supports double backward (``create_graph=True``); the default refuses it with a message saying so.
+
+What a forward with several replicas keeps (as in torch): replicas are discarded after the forward, so attributes
+they set are lost, and buffer updates are kept from the first replica on the module's device only: BatchNorm's
+running statistics end up updated from the first chunk of the batch. Parameters are shared (same device) or copied
+differentiably, so gradients always reach the original module. With one device the module itself runs.
+
+Layer: ``scatter_gather`` / ``replicate`` / ``parallel_apply`` / ``parallel_backward`` <- ``data_parallel``.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from itertools import chain
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._core.devices import DeviceLike, accelerator_type, default_device_ids, normalize_device, normalize_devices
+from .._core.prefixes import unwrap_module
+from .parallel_apply import WorkerPool, parallel_apply
+from .parallel_backward import parallel_apply_backward
+from .replicate import replicate
+from .scatter_gather import gather, scatter_kwargs
+
+
+def _accept_unprefixed(module: DataParallel, state_dict: dict, prefix: str, *_: Any) -> None:
+    """load_state_dict pre-hook: give the keys saved without ``module.`` (by our ``state_dict``) the prefix back."""
+    expected = set(module.module.state_dict(keep_vars=True))
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        rest = key[len(prefix):]
+        if rest.startswith("module.") and rest[len("module."):] in expected:
+            continue  # already prefixed (a torch.nn.DataParallel checkpoint, or state_dict(prefixed))
+        state_dict[prefix + "module." + rest] = state_dict.pop(key)
+
+
+def _on_device(inputs: tuple, kwargs: dict, device: torch.device) -> bool:
+    """True when every argument is a plain tensor already on ``device`` (the one-device fast path)."""
+    return all(type(x) is torch.Tensor and x.device == device for x in chain(inputs, kwargs.values()))
+
+
+class DataParallel(nn.Module):
+    """Run ``module`` on several devices of one process, splitting each batch along ``dim``.
+
+    ``device_ids``: accelerator indices, strings or ``torch.device`` objects, repeats allowed (``["cpu"] * 4`` is four
+    CPU replicas); default: every accelerator, or none on a CPU-only machine (then the module simply runs).
+    ``output_device``: where outputs are gathered (default ``device_ids[0]``). The module's parameters and buffers
+    must be on ``device_ids[0]``. ``parallel_backward``: with several CPU replicas, run their backward in the
+    worker threads (default) rather than serially on the caller's thread.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        device_ids: Sequence[DeviceLike] | None = None,
+        output_device: DeviceLike | None = None,
+        dim: int = 0,
+        weights: Sequence[float] | None = None,
+        chunk_sizes: Sequence[int] | None = None,
+        parallel_backward: bool = True,
+    ) -> None:
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(
+                f"DataParallel wraps an nn.Module (your model), got {type(module).__module__}."
+                f"{type(module).__qualname__}. Optimizers and LR schedulers need no wrapping: create them on the "
+                "wrapped model's parameters (model.parameters()) and use them unchanged."
+            )
+        if isinstance(dim, bool) or not isinstance(dim, int):
+            raise TypeError(f"dim must be an int, got {type(dim).__name__}: {dim!r}")
+        if weights is not None and chunk_sizes is not None:
+            raise ValueError("DataParallel: give weights or chunk_sizes, not both")
+        self.module = module
+        self.dim = dim
+        self.weights = None if weights is None else list(weights)
+        self.chunk_sizes = None if chunk_sizes is None else list(chunk_sizes)
+        self.parallel_backward = bool(parallel_backward)
+        self._pool: WorkerPool | None = None  # started on the first forward with several replicas
+        self.register_load_state_dict_pre_hook(_accept_unprefixed)
+        if device_ids is None:
+            device_ids = default_device_ids()
+            if not device_ids:  # CPU-only machine and no devices asked for: run the module as it is, as torch does
+                self.device_ids: list[torch.device] = []
+                self.output_device = self.src_device_obj = None
+                return
+        self.device_ids = normalize_devices(device_ids, "device_ids")
+        for i, d in enumerate(self.device_ids):
+            if d.type not in ("cpu", "meta") and d.type != accelerator_type():
+                raise ValueError(
+                    f"device_ids[{i}] is {d}, but this machine has no {d.type} device; for CPU replicas give "
+                    f"device_ids=['cpu'] * {len(self.device_ids)}, or leave device_ids out to run the module as it is"
+                )
+        if self.weights is not None and len(self.weights) != len(self.device_ids):
+            raise ValueError(f"DataParallel: {len(self.weights)} weights for {len(self.device_ids)} device_ids")
+        self.src_device_obj = self.device_ids[0]
+        self.output_device = self.src_device_obj if output_device is None else normalize_device(output_device)
+        if len(self.device_ids) == 1:
+            self.module.to(self.src_device_obj)
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if not self.device_ids:
+            return self.module(*inputs, **kwargs)
+        self._check_placement()
+        if not inputs and not kwargs:
+            return self.module()
+        if len(self.device_ids) == 1 and _on_device(inputs, kwargs, self.src_device_obj):
+            return self.module(*inputs, **kwargs)  # scattering onto one device would only copy the tensors
+        inputs, kwargs = self.scatter(inputs, kwargs, self.device_ids)
+        if len(self.device_ids) == 1:
+            return self.module(*inputs[0], **kwargs[0])
+        replicas = self.replicate(self.module, self.device_ids[: len(inputs)])
+        outputs = self.parallel_apply(replicas, inputs, kwargs)
+        return self.gather(outputs, self.output_device)
+
+    def _check_placement(self) -> None:
+        # runs every forward (the module may have been moved since), so it walks the dicts directly: a third of
+        # the cost of parameters() + buffers(); names are looked up only on failure
+        src = self.src_device_obj
+        for m in self.module.modules():
+            for t in chain(m._parameters.values(), m._buffers.values()):
+                if t is None or t.device == src:
+                    continue
+                name = next(n for n, x in chain(self.module.named_parameters(), self.module.named_buffers()) if x is t)
+                raise RuntimeError(
+                    f"DataParallel: the module's parameters and buffers must be on device_ids[0] = "
+                    f"{self.src_device_obj}, but {name} is on {t.device}; move the module first "
+                    f"(module.to({str(self.src_device_obj)!r}))"
+                )
+
+    def scatter(self, inputs: tuple, kwargs: dict, device_ids: Sequence[DeviceLike]) -> tuple[tuple, tuple]:
+        return scatter_kwargs(inputs, kwargs, device_ids, self.dim, self.chunk_sizes, weights=self.weights)
+
+    def replicate(self, module: nn.Module, device_ids: Sequence[DeviceLike]) -> list[nn.Module]:
+        return replicate(module, device_ids, not torch.is_grad_enabled())
+
+    def parallel_apply(self, replicas: Sequence[nn.Module], inputs: Sequence, kwargs: Sequence[dict]) -> list:
+        if self._pool is None:
+            self._pool = WorkerPool()
+        devices = self.device_ids[: len(replicas)]
+        if (self.parallel_backward and len(replicas) > 1 and torch.is_grad_enabled()
+                and not torch.is_inference_mode_enabled() and all(d.type == "cpu" for d in devices)):
+            # autograd would run the CPU replicas' backward serially on the caller's thread: run it in the workers
+            return parallel_apply_backward(replicas, inputs, kwargs, devices, self._pool)
+        return parallel_apply(replicas, inputs, kwargs, devices, pool=self._pool)
+
+    def gather(self, outputs: Sequence, output_device: DeviceLike) -> Any:
+        return gather(outputs, output_device, dim=self.dim)
+
+    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
+        # A parent module calls child.state_dict(destination=, prefix=, keep_vars=) on each child, so answering
+        # for the wrapped module here drops "module." at any nesting depth (the version metadata recorded under
+        # this prefix is then the wrapped module's own).
+        return self.module.state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            modules = self.__dict__.get("_modules")  # absent while unpickling
+            if name == "module" or not modules or "module" not in modules:
+                raise
+            try:
+                return getattr(modules["module"], name)
+            except AttributeError:
+                raise AttributeError(f"neither DataParallel nor the module it wraps "
+                                     f"({type(modules['module']).__name__}) has an attribute {name!r}") from None
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_pool"] = None  # threads are not copied or pickled; a copy starts its own
+        return state
+
+
+def data_parallel(
+    module: nn.Module,
+    inputs: Any,
+    device_ids: Sequence[DeviceLike] | None = None,
+    output_device: DeviceLike | None = None,
+    dim: int = 0,
+    module_kwargs: dict[str, Any] | None = None,
+) -> Any:
+    """One data-parallel forward of ``module`` on ``inputs`` (a tuple of positional arguments, or one argument).
+
+    The same as ``DataParallel(module, device_ids, output_device, dim)(*inputs, **module_kwargs)``: replica threads
+    live for this call only; keep a ``DataParallel`` to reuse them.
+    """
+    if not isinstance(inputs, tuple):
+        inputs = () if inputs is None else (inputs,)
+    return DataParallel(module, device_ids, output_device, dim)(*inputs, **(module_kwargs or {}))
+
+
+def unwrap(module: nn.Module) -> nn.Module:
+    """The user's model inside any DataParallel / DistributedDataParallel (fanfold's or torch's) and
+    ``torch.compile`` wrappers, however deeply nested."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"unwrap: expected an nn.Module, got {type(module).__name__}")
+    return unwrap_module(module)

@@ -1,0 +1,238 @@
+"""parallel_apply: run one replica per device concurrently on a persistent pool of worker threads.
+
+``WorkerPool`` owns the threads: worker i always runs replica i (its thread-local state, like the current CUDA device
+or its intra-op thread count, stays put between calls), threads are daemons started on first use and stopped when
+the pool is closed or garbage-collected. ``DataParallel`` keeps one pool for its lifetime, so no thread is started
+per forward. The free function ``parallel_apply(..., pool=None)`` has nowhere to keep threads between calls without
+a global, so it starts a short-lived pool for that call and stops it after; pass ``pool=`` to reuse threads.
+
+Thread-local state is carried from the caller into each worker: grad mode, inference mode, autocast (enabled,
+dtype, cache) for the replica's device type, and on an accelerator the current device and stream.
+
+Intra-op threads: ``torch.set_num_threads`` sets the OpenMP thread count of the *calling thread* (plus a process-wide
+default that threads not yet initialised pick up). So each worker sets its own count, by default
+``max(1, torch.get_num_threads() // number_of_replicas)``, so that N CPU replicas do not each start the caller's
+full OpenMP team (2 replicas x 2 threads on 2 cores is slower than either alone); the caller then restores the
+process-wide default. Its own count is never changed.
+
+An exception in a replica is re-raised in the caller, after every worker has finished, as the same exception type
+(RuntimeError if that type cannot be built from a message) naming the replica index and device, chained to the
+original (``__cause__``), whose traceback shows the replica's frames. The pool stays usable.
+Layer: ``replicate`` <- ``parallel_apply`` <- ``data_parallel``.
+"""
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.utils.rnn import PackedSequence
+
+from .._core.devices import DeviceLike, accelerator_type, normalize_device
+from .._core.tree import flatten
+
+
+def _work(tasks: queue.SimpleQueue) -> None:
+    """A worker thread's loop: run ``(index, fn, threads, done)`` items until a None arrives."""
+    while True:
+        item = tasks.get()
+        if item is None:
+            return
+        index, fn, threads, done = item
+        del item  # hold no reference to a replica or its output while idle
+        changed = False
+        # get_num_threads first: it runs torch's lazy per-thread initialisation, which would otherwise later
+        # overwrite the count set here with the process-wide default
+        if threads and torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+            changed = True
+        try:
+            done.put((index, True, fn(), changed))
+        except BaseException as exc:  # the caller must hear from every worker, whatever happens
+            done.put((index, False, exc, changed))
+        del fn
+
+
+def _stop(queues: list) -> None:
+    for q in queues:
+        q.put(None)
+
+
+class WorkerPool:
+    """Daemon worker threads, one per replica, reused across calls; ``threads_per_worker`` intra-op threads each."""
+
+    def __init__(self, threads_per_worker: int | None = None) -> None:
+        if threads_per_worker is not None and (not isinstance(threads_per_worker, int) or threads_per_worker < 1):
+            raise ValueError(f"threads_per_worker must be an int >= 1 or None, got {threads_per_worker!r}")
+        self.threads_per_worker = threads_per_worker
+        self._queues: list[queue.SimpleQueue] = []
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        # the threads hold only their queues, never the pool, so an unreferenced pool is collected and stops them
+        self._finalizer = weakref.finalize(self, _stop, self._queues)
+
+    def _grow(self, n: int) -> None:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("WorkerPool: the pool is closed")
+            while len(self._threads) < n:
+                q: queue.SimpleQueue = queue.SimpleQueue()
+                t = threading.Thread(target=_work, args=(q,), name=f"fanfold-replica-{len(self._threads)}", daemon=True)
+                t.start()
+                self._queues.append(q)
+                self._threads.append(t)
+
+    def run(self, fns: Sequence[Callable[[], Any]]) -> list[tuple[bool, Any]]:
+        """Run ``fns[i]`` on worker i, wait for all; ``(True, result)`` or ``(False, exception)`` per fn."""
+        self._grow(len(fns))
+        caller_threads = torch.get_num_threads()
+        threads = self.threads_per_worker or max(1, caller_threads // max(1, len(fns)))
+        done: queue.SimpleQueue = queue.SimpleQueue()
+        for i, fn in enumerate(fns):
+            self._queues[i].put((i, fn, threads, done))
+        results: list = [None] * len(fns)
+        restore = False
+        for _ in fns:
+            i, ok, value, changed = done.get()
+            results[i] = (ok, value)
+            restore |= changed
+        if restore:
+            torch.set_num_threads(caller_threads)  # the process-wide default a worker's set_num_threads changed
+        return results
+
+    def close(self) -> None:
+        """Stop the threads (they finish the task at hand); further use raises."""
+        with self._lock:
+            self._closed = True
+        self._finalizer()
+
+    def __enter__(self) -> WorkerPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _first_tensor_device(obj: Any) -> torch.device | None:
+    for _, leaf in flatten(obj)[0]:
+        if isinstance(leaf, PackedSequence):
+            leaf = leaf.data
+        if isinstance(leaf, torch.Tensor):
+            return leaf.device
+    return None
+
+
+def _infer_device(module: nn.Module, args: tuple, kwargs: dict) -> torch.device:
+    device = _first_tensor_device((args, kwargs))
+    if device is None:
+        device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    return device
+
+
+def _autocast_state(device_type: str) -> tuple | None:
+    try:
+        if not torch.is_autocast_enabled(device_type):
+            return None
+        return torch.get_autocast_dtype(device_type), torch.is_autocast_cache_enabled()
+    except RuntimeError:  # a device type autocast does not know
+        return None
+
+
+def _caller_state(devices: list[torch.device]) -> dict:
+    """The caller's thread-local state a worker must reproduce."""
+    state = {
+        "grad": torch.is_grad_enabled(),
+        "inference": torch.is_inference_mode_enabled(),
+        "autocast": {d.type: _autocast_state(d.type) for d in devices},
+        "streams": {},
+    }
+    accelerator = accelerator_type()
+    for d in devices:
+        if d.type == accelerator and d not in state["streams"]:
+            state["streams"][d] = torch.accelerator.current_stream(d)
+    return state
+
+
+def _call(module: nn.Module, args: tuple, kwargs: dict, device: torch.device, state: dict) -> Any:
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.set_grad_enabled(state["grad"]))
+        if state["inference"]:
+            stack.enter_context(torch.inference_mode())
+        autocast = state["autocast"][device.type]
+        if autocast is not None:
+            stack.enter_context(torch.autocast(device.type, dtype=autocast[0], cache_enabled=autocast[1]))
+        if device in state["streams"]:  # an accelerator: its current device and stream, as in the caller
+            stack.enter_context(torch.accelerator.device_index(device.index))
+            stack.enter_context(state["streams"][device])
+        return module(*args, **kwargs)
+
+
+def _reraise(index: int, device: torch.device, exc: BaseException) -> None:
+    if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit: as they are
+        raise exc
+    message = f"in replica {index} on device {device}: {type(exc).__name__}: {exc}"
+    try:
+        err = type(exc)(message)
+    except Exception:
+        err = RuntimeError(message)
+    raise err from exc
+
+
+def parallel_apply(
+    modules: Sequence[nn.Module],
+    inputs: Sequence[Any],
+    kwargs_tup: Sequence[dict[str, Any]] | None = None,
+    devices: Sequence[DeviceLike] | None = None,
+    *,
+    pool: WorkerPool | None = None,
+) -> list[Any]:
+    """``modules[i](*inputs[i], **kwargs_tup[i])`` on ``devices[i]`` for every i, concurrently; the outputs in order.
+
+    ``inputs[i]`` is a tuple/list of positional arguments or a single argument. ``devices[i]`` defaults to the
+    device of the first tensor of replica i's arguments (else of its parameters, else the CPU). One module runs
+    inline in the caller's thread. Without ``pool``, a pool is started for this call only.
+    """
+    n = len(modules)
+    if len(inputs) != n:
+        raise ValueError(f"parallel_apply: {n} modules but {len(inputs)} inputs; give one input per module")
+    if kwargs_tup is None:
+        kwargs_tup = [{}] * n
+    elif len(kwargs_tup) != n:
+        raise ValueError(f"parallel_apply: {n} modules but {len(kwargs_tup)} kwargs_tup; give one dict per module")
+    if devices is not None and len(devices) != n:
+        raise ValueError(f"parallel_apply: {n} modules but {len(devices)} devices; give one device per module")
+    if n == 0:
+        return []
+    args = [tuple(x) if isinstance(x, (list, tuple)) else (x,) for x in inputs]
+    kwargs = [{} if k is None else k for k in kwargs_tup]
+    if devices is None:
+        devs = [_infer_device(m, a, k) for m, a, k in zip(modules, args, kwargs)]
+    else:
+        devs = [normalize_device(d) for d in devices]
+    state = _caller_state(devs)
+    if n == 1:
+        try:
+            return [_call(modules[0], args[0], kwargs[0], devs[0], state)]
+        except Exception as exc:
+            _reraise(0, devs[0], exc)
+
+    fns = [
+        # default arguments bind this iteration's values (a closure would see the loop's last ones)
+        lambda m=m, a=a, k=k, d=d: _call(m, a, k, d, state)
+        for m, a, k, d in zip(modules, args, kwargs, devs)
+    ]
+    if pool is None:
+        with WorkerPool() as short_lived:
+            results = short_lived.run(fns)
+    else:
+        results = pool.run(fns)
+    for i, (ok, value) in enumerate(results):
+        if not ok:
+            _reraise(i, devs[i], value)
+    return [value for _, value in results]

@@ -1,0 +1,285 @@
+"""parallel_apply_backward: run CPU replicas forward AND backward concurrently, on the same worker pool.
+
+Autograd's engine runs every CPU node on the thread that called ``backward()``, so replicas run by ``parallel_apply``
+go forward concurrently but backward one after the other on the caller's thread, each weight gradient as a separate
+half-batch product, and the engine then adds up the replicas' gradients of each shared parameter. Here one autograd
+Function, ``_Replicas``, spans all replicas:
+
+- forward: worker i runs replica i under ``enable_grad`` on *detached* copies of its tensor arguments and of the
+  module's parameters (aliases: the memory is shared, no copy), so each replica builds its own graph, whose leaves
+  are its own. The Function's outputs are the replicas' output tensors, detached.
+- backward: worker i runs ``torch.autograd.grad`` on its own graph (intra-op threads per worker as in
+  ``parallel_apply``), for its arguments and every parameter; then the parameters' gradients are summed across
+  replicas, each parameter by one worker, in place into replica 0's gradient where that tensor is owned by nobody
+  else; the Function returns the sums and the arguments' gradients. The engine accumulates the sums into ``.grad``
+  exactly as for the bare module, so ``backward()``, ``autograd.grad``, hooks on parameters (run once, on the sum)
+  and gradient accumulation behave alike.
+
+Leaves a replica reaches that are neither an argument nor a parameter (a tensor kept as a plain attribute) are found
+by walking each replica's graph after forward and become inputs of the Function too, so their gradients are kept.
+The replicas' graphs are saved with ``save_for_backward``: a second backward after ``retain_graph=True`` works, and
+without it the engine frees them after the first one, as for any graph. Double backward (``create_graph=True``) is
+not supported (the replicas' graphs start at detached arguments) and raises; ``DataParallel(...,
+parallel_backward=False)`` uses the plain ``parallel_apply`` path, whose graph supports it.
+Layer: ``parallel_apply`` <- ``parallel_backward`` <- ``data_parallel``.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd import Function
+from torch.nn.utils.rnn import PackedSequence
+
+from .._core.tree import flatten, unflatten
+from .parallel_apply import WorkerPool, _call, _caller_state, _reraise
+
+# from this many elements in all, the replicas' gradients are summed by the workers, not the caller
+_SPREAD_SUM_NUMEL = 1 << 20
+
+
+def _tensor(leaf: Any) -> torch.Tensor | None:
+    """The tensor a leaf carries (a PackedSequence's data), or None."""
+    if isinstance(leaf, PackedSequence):
+        return leaf.data
+    return leaf if isinstance(leaf, torch.Tensor) else None
+
+
+def _with_tensor(leaf: Any, tensor: torch.Tensor) -> Any:
+    if isinstance(leaf, PackedSequence):
+        return PackedSequence(tensor, leaf.batch_sizes, leaf.sorted_indices, leaf.unsorted_indices)
+    return tensor
+
+
+def _leaves_of(outputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors accumulated into (``AccumulateGrad`` nodes) reachable from ``outputs``' graph."""
+    seen, leaves = set(), []
+    stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if isinstance(variable, torch.Tensor):
+            leaves.append(variable)
+        stack.extend(n for n, _ in node.next_functions)
+    return leaves
+
+
+def _alias_parameters(replicas: Sequence[nn.Module]) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
+    """Give each replica its own leaf for every parameter that requires grad, sharing the parameter's memory.
+
+    The replicas' graphs then end at these leaves, not at the parameters: hooks on a parameter run once, on the
+    summed gradient, as for the bare module, and never in a worker. Returns the parameters and, per replica, its
+    leaves in the same order. A parameter used under two names (tied weights) gets one leaf per replica.
+    """
+    params: dict[int, torch.Tensor] = {}
+    for r in replicas:
+        for p in r.parameters():
+            if p.requires_grad:
+                params.setdefault(id(p), p)
+    per_replica = []
+    for r in replicas:
+        alias = {k: p.detach().requires_grad_(True) for k, p in params.items()}
+        for m in r.modules():
+            for key, p in list(m._parameters.items()):
+                if p is not None and id(p) in alias:
+                    # a replica's parameters are its own dict (_replicate_for_data_parallel); as a plain attribute,
+                    # set through setattr so that modules caching their weights (nn.LSTM) see the leaf
+                    del m._parameters[key]
+                    setattr(m, key, alias[id(p)])
+        per_replica.append(list(alias.values()))
+    return list(params.values()), per_replica
+
+
+def _run(pool: WorkerPool, fns: list, devices: list) -> list:
+    results = pool.run(fns)
+    for i, (ok, value) in enumerate(results):
+        if not ok:
+            _reraise(i, devices[i], value)
+    return [value for _, value in results]
+
+
+def _sum_into_first(grads: list, owned: bool) -> torch.Tensor | None:
+    present = [g for g in grads if g is not None]
+    if not present:
+        return None
+    total = present[0] if owned else present[0].clone()
+    for g in present[1:]:
+        total.add_(g)
+    return total
+
+
+class _Replicas(Function):
+    """``_Replicas.apply(plan, *tensors)``: see the module docstring; ``plan`` carries everything but tensors."""
+
+    @staticmethod
+    def forward(ctx, plan: dict, *tensors: torch.Tensor) -> tuple:
+        ctx.set_materialize_grads(False)
+        ctx.plan = plan
+        outs = plan.pop("outputs")  # computed before apply (see parallel_apply_backward): the replicas' graphs
+        ctx.save_for_backward(*outs)
+        non_diff = [o.detach() for o in outs]
+        result = tuple(non_diff)
+        ctx.mark_non_differentiable(*[r for r, o in zip(result, outs) if not o.requires_grad])
+        return result
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None) -> tuple:
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "DataParallel: double backward (create_graph=True) through CPU replicas that run backward in "
+                "parallel is not supported; create the model with DataParallel(..., parallel_backward=False)"
+            )
+        plan = ctx.plan
+        outs = ctx.saved_tensors  # raises autograd's own error on a second backward without retain_graph
+        n = len(plan["devices"])
+        fns = []
+        for i in range(n):
+            lo, hi = plan["output_slices"][i]
+            pairs = [(o, g) for o, g in zip(outs[lo:hi], grads[lo:hi]) if g is not None and o.requires_grad]
+            targets = plan["leaves"][i]
+
+            def work(pairs=pairs, targets=targets):
+                if not pairs or not targets:
+                    return [None] * len(targets)
+                return list(torch.autograd.grad([o for o, _ in pairs], targets, [g for _, g in pairs],
+                                                retain_graph=True, allow_unused=True))
+            fns.append(work)
+        per_replica = _run(plan["pool"], fns, plan["devices"])
+
+        # replica 0's gradient of a shared tensor becomes the sum if nothing else holds its memory: autograd may
+        # pass an incoming gradient through unchanged, or give two leaves the same tensor
+        foreign = {g.untyped_storage().data_ptr() for g in grads if g is not None and g.layout == torch.strided}
+        counts: dict[int, int] = {}
+        for g in per_replica[0]:
+            if g is not None and g.layout == torch.strided:
+                p = g.untyped_storage().data_ptr()
+                counts[p] = counts.get(p, 0) + 1
+
+        def owned(g: torch.Tensor) -> bool:
+            # dense and contiguous over its whole storage (a weight's gradient comes back as a .t().t() view of
+            # its own); sparse gradients (nn.Embedding(sparse=True)) are summed out of place
+            if g.layout != torch.strided:
+                return False
+            storage = g.untyped_storage()
+            return (g.is_contiguous() and storage.nbytes() == g.numel() * g.element_size()
+                    and storage.data_ptr() not in foreign and counts[storage.data_ptr()] == 1)
+
+        # leaves[i][k] for k < len(shared_tensors): replica i's stand-in for shared_tensors[k] (a parameter, ...)
+        shared_tensors = plan["shared_tensors"]
+        sums: list = [None] * len(shared_tensors)
+        order = sorted(range(len(shared_tensors)), key=lambda k: -shared_tensors[k].numel())
+        groups = [order[w::n] for w in range(n)]  # the biggest tensors spread over the workers
+
+        def add(group):
+            def run():
+                for k in group:
+                    gs = [per_replica[i][k] for i in range(n)]
+                    sums[k] = _sum_into_first(gs, gs[0] is not None and owned(gs[0]))
+            return run
+        if sum(t.numel() for t in shared_tensors) >= _SPREAD_SUM_NUMEL:
+            _run(plan["pool"], [add(g) for g in groups], plan["devices"])
+        else:  # small: waking the workers again would cost more than the additions
+            add(order)()
+
+        result: list = [None] * plan["num_inputs"]
+        for k, position in enumerate(plan["shared_positions"]):
+            result[position] = sums[k]
+        for i in range(n):
+            for index, position in plan["own"][i]:
+                result[position] = per_replica[i][index]
+        return (None, *result)
+
+
+def parallel_apply_backward(
+    modules: Sequence[nn.Module],
+    inputs: Sequence[tuple],
+    kwargs_tup: Sequence[dict],
+    devices: Sequence[torch.device],
+    pool: WorkerPool,
+) -> list[Any]:
+    """Like ``parallel_apply`` (same arguments, already normalised), with the replicas' backward also run by the
+    workers, concurrently. For CPU replicas sharing their parameters (``replicate`` onto the module's own device)."""
+    devices = list(devices)
+    n = len(modules)
+    params, aliases = _alias_parameters(modules)
+    state = _caller_state(devices)
+    state["grad"] = True
+    # every replica's tensor arguments, detached: leaves of that replica's own graph
+    arg_leaves, spec = flatten((list(inputs), list(kwargs_tup)))
+    originals: list[torch.Tensor] = []
+    detached_leaves = []
+    own_by_id: dict[int, int] = {}
+    for _, leaf in arg_leaves:
+        t = _tensor(leaf)
+        if t is not None and t.requires_grad:
+            d = t.detach().requires_grad_(True)
+            own_by_id[id(d)] = len(originals)
+            originals.append(t)
+            detached_leaves.append(_with_tensor(leaf, d))
+        else:
+            detached_leaves.append(leaf)
+    ins, kws = unflatten(spec, detached_leaves)
+
+    def replica(module: nn.Module, args: tuple, kwargs: dict, device: torch.device) -> Any:
+        # the replica gets a clone of each detached leaf, so that it may modify its arguments in place (as the bare
+        # module may a non-leaf input; autograd forbids that on a leaf); made here, by the worker, concurrently
+        with torch.enable_grad():
+            leaves, s = flatten((args, kwargs))
+            args, kwargs = unflatten(s, [_with_tensor(v, _tensor(v).clone()) if id(_tensor(v)) in own_by_id else v
+                                         for _, v in leaves])
+        return _call(module, args, kwargs, device, state)
+
+    fns = [lambda m=m, a=a, k=k, d=d: replica(m, a, k, d) for m, a, k, d in zip(modules, ins, kws, devices)]
+    outputs = _run(pool, fns, devices)
+
+    flat_outputs, out_specs, out_leaves, slices = [], [], [], []
+    for out in outputs:
+        leaves, s = flatten(out, "output")
+        out_specs.append(s)
+        out_leaves.append(leaves)
+        lo = len(flat_outputs)
+        flat_outputs.extend(t for t in (_tensor(v) for _, v in leaves) if t is not None)
+        slices.append((lo, len(flat_outputs)))
+
+    # the Function's inputs: every argument that requires grad, the parameters, then every other leaf the graphs
+    # reach; what each replica differentiates: its arguments and its aliases of the parameters
+    shared_tensors: list[torch.Tensor] = list(params)
+    shared_index = {id(p): k for k, p in enumerate(shared_tensors)}
+    own: list[list] = [[] for _ in range(n)]
+    own_lists: list[list[torch.Tensor]] = [[] for _ in range(n)]
+    alias_ids = {id(a) for replica_aliases in aliases for a in replica_aliases}
+    for i in range(n):
+        lo, hi = slices[i]
+        for leaf in _leaves_of(flat_outputs[lo:hi]):
+            if id(leaf) in own_by_id:
+                own_lists[i].append(leaf)
+            elif id(leaf) not in alias_ids and id(leaf) not in shared_index:
+                shared_index[id(leaf)] = len(shared_tensors)
+                shared_tensors.append(leaf)
+    num_originals = len(originals)
+    leaves_per_replica = []
+    for i in range(n):
+        leaves_per_replica.append(aliases[i] + shared_tensors[len(params):] + own_lists[i])
+        own[i] = [(len(shared_tensors) + j, own_by_id[id(t)]) for j, t in enumerate(own_lists[i])]
+    plan = {
+        "devices": devices,
+        "pool": pool,
+        "outputs": flat_outputs,
+        "output_slices": slices,
+        "leaves": leaves_per_replica,
+        "shared_tensors": shared_tensors,
+        "shared_positions": [num_originals + k for k in range(len(shared_tensors))],
+        "own": own,
+        "num_inputs": num_originals + len(shared_tensors),
+    }
+    results = _Replicas.apply(plan, *originals, *shared_tensors)
+    it = iter(results)
+    rebuilt = []
+    for leaves, s in zip(out_leaves, out_specs):
+        rebuilt.append(unflatten(s, [v if _tensor(v) is None else _with_tensor(v, next(it)) for _, v in leaves]))
+    return rebuilt

@@ -1,0 +1,118 @@
+"""replicate(network, devices, detach=False): one cheap replica of a module per device, for one forward pass.
+
+A replica is a shallow copy of every submodule (a new module object whose ``__dict__`` is a copy of the original's,
+made by the module's own ``_replicate_for_data_parallel`` hook, which e.g. ``nn.LSTM`` overrides to copy its flat
+weight list), linked to the replicas of its children. No weights are copied where none need to be:
+
+- parameters: a replica on a parameter's own device uses the original ``Parameter`` object itself (gradients
+  accumulate straight into ``.grad``); on any other device it gets a copy made by the differentiable ``Broadcast``
+  (one copy per distinct device, shared by the replicas there), whose backward sums the replicas' gradients back
+  onto the original. With ``detach=True`` replicas get detached tensors instead: no gradient flows back.
+- buffers: the first replica on a buffer's device shares the original buffer, so in-place updates made there
+  (BatchNorm's running statistics) are kept, as in ``torch.nn.DataParallel`` where device[0]'s replica shares
+  storage with the module; every other replica gets its own copy (even on the same device, so that replicas running
+  concurrently never write the same buffer), and what it writes is discarded with the replica.
+
+Attributes a replica sets during forward are set on the replica and discarded with it.
+Layer: ``functions`` / ``comm`` <- ``replicate`` <- ``data_parallel``.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TypeVar
+
+import torch
+from torch import nn
+
+from .._core.devices import DeviceLike, normalize_devices
+from . import comm
+from .functions import Broadcast
+
+M = TypeVar("M", bound=nn.Module)
+
+
+def _check_replicable(network: nn.Module) -> None:
+    # a ScriptModule's children are compiled code: they cannot be re-linked to Python replicas
+    for m in network.modules():
+        if isinstance(m, torch.jit.ScriptModule) and any(
+                not isinstance(c, torch.jit.ScriptModule) for c in m.modules()):
+            name = next(n for n, x in network.named_modules() if x is m) or "the network"
+            raise RuntimeError(f"replicate: cannot replicate {name}: a ScriptModule with Python submodules")
+
+
+def _param_copies(params: list[torch.Tensor], devices: list[torch.device], detach: bool) -> list[list[torch.Tensor]]:
+    """``out[j][k]``: what replica j uses for ``params[k]``."""
+    out: list[list] = [list(params) if not detach else [p.detach() for p in params] for _ in devices]
+    by_source: dict[torch.device, list[int]] = {}
+    for k, p in enumerate(params):
+        by_source.setdefault(p.device, []).append(k)
+    for source, ks in by_source.items():
+        targets = list(dict.fromkeys(d for d in devices if d != source))  # distinct, in order
+        if not targets:
+            continue
+        tensors = [params[k] for k in ks]
+        if detach:
+            copies = [comm.broadcast(t.detach(), targets) for t in tensors]  # copies[k][i]
+            flat = [copies[k][i] for i in range(len(targets)) for k in range(len(ks))]
+        else:
+            flat = Broadcast.apply(targets, *tensors)  # device-major: flat[i * len(ks) + k]
+        where = {d: i for i, d in enumerate(targets)}
+        for j, d in enumerate(devices):
+            if d in where:
+                i = where[d]
+                for n, k in enumerate(ks):
+                    out[j][k] = flat[i * len(ks) + n]
+    return out
+
+
+def _buffer_copies(buffers: list[torch.Tensor], devices: list[torch.device], detach: bool) -> list[list[torch.Tensor]]:
+    """``out[j][k]``: replica j's own copy of ``buffers[k]`` (the original for the first replica on its device)."""
+    out: list[list] = [[None] * len(buffers) for _ in devices]
+    for k, b in enumerate(buffers):
+        owner = next((j for j, d in enumerate(devices) if d == b.device), None)
+        others = [d for j, d in enumerate(devices) if j != owner]
+        if not others:
+            copies = []
+        elif b.requires_grad and not detach:
+            copies = list(Broadcast.apply(others, b))
+        else:
+            copies = comm.broadcast(b.detach(), others)
+        it = iter(copies)
+        for j in range(len(devices)):
+            out[j][k] = b if j == owner else next(it)
+    return out
+
+
+def replicate(network: M, devices: Sequence[DeviceLike], detach: bool = False) -> list[M]:
+    """One replica of ``network`` per entry of ``devices`` (a device may repeat: ``["cpu", "cpu"]``)."""
+    if not isinstance(network, nn.Module):
+        raise TypeError(f"replicate: network must be an nn.Module, got {type(network).__name__}")
+    devs = normalize_devices(devices, "devices")
+    _check_replicable(network)
+
+    modules = list(network.modules())
+    params = list(network.parameters())
+    buffers = list(network.buffers())
+    param_copies = _param_copies(params, devs, detach)
+    buffer_copies = _buffer_copies(buffers, devs, detach)
+    param_index = {id(p): k for k, p in enumerate(params)}
+    buffer_index = {id(b): k for k, b in enumerate(buffers)}
+    module_index = {id(m): i for i, m in enumerate(modules)}
+
+    replicas = []
+    for j in range(len(devs)):
+        copies = [m._replicate_for_data_parallel() for m in modules]
+        for m, r in zip(modules, copies):
+            for key, child in m._modules.items():
+                r._modules[key] = None if child is None else copies[module_index[id(child)]]
+            for key, p in m._parameters.items():
+                if p is None:
+                    r._parameters[key] = None
+                    continue
+                # through setattr, so that modules caching their weights (nn.LSTM's _flat_weights) see the copy;
+                # a Parameter is registered as one, a copy (not a leaf) becomes a plain attribute, as in torch
+                setattr(r, key, param_copies[j][param_index[id(p)]])
+            for key, b in m._buffers.items():
+                r._buffers[key] = None if b is None else buffer_copies[j][buffer_index[id(b)]]
+        replicas.append(copies[0])
+    return replicas

@@ -1,0 +1,264 @@
+"""Portable, safe, atomic checkpoints: ``save(path, state)`` / ``load(path, state)`` with exact resume.
+
+``state`` maps names to live objects (modules, optimizers, LR schedulers, samplers: anything with ``state_dict`` /
+``load_state_dict``) and plain values (``{"model": m, "optimizer": o, "step": 120}``). The file is a dict of those
+names plus ``"__fanfold__"`` (format version, world size, entry kinds, every rank's RNG states), written by
+``torch.save`` and closed by a checksum footer (``_safe_file``); it loads with ``torch.load(weights_only=True)``.
+Sits on top of the layers; wrappers and key prefixes are ``_prefixes``'s business.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import warnings
+from collections import OrderedDict
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .._core.prefixes import drop_orig_mod, unwrap_module
+from .keys import match_keys, unwrap_state_dict
+from .rng import get_rng_state, set_rng_state
+from .safe_file import META, CheckpointError, has_footer, read_verified, write_atomic
+
+__all__ = ["save", "load", "latest", "unwrap_module", "unwrap_state_dict", "CheckpointError"]
+
+VERSION = 1
+_LEAVES = (bool, int, float, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
+
+
+def _plain(x: Any, where: str) -> Any:
+    """``x`` as weights-only-loadable containers with CPU tensors; TypeError naming the path otherwise."""
+    if isinstance(x, torch.Tensor):
+        if type(x) not in (torch.Tensor, nn.Parameter):
+            raise TypeError(f"{where}: tensor subclass {type(x).__qualname__} cannot be saved in a checkpoint")
+        t = x.detach().cpu()
+        # A view would drag its whole storage into the file.
+        if t.layout == torch.strided and t.untyped_storage().nbytes() > t.numel() * t.element_size():
+            t = t.clone()
+        return t
+    if type(x) in (dict, OrderedDict):
+        return type(x)((k if type(k) in _LEAVES else _plain(k, where), _plain(v, f"{where}[{k!r}]"))
+                       for k, v in x.items())
+    if type(x) in (list, tuple):
+        return type(x)(_plain(v, f"{where}[{i}]") for i, v in enumerate(x))
+    if type(x) in _LEAVES:  # exact types: subclasses (numpy scalars, enums) would need their class on load
+        return x
+    raise TypeError(f"{where}: {type(x).__module__}.{type(x).__qualname__} cannot be saved: a checkpoint holds only "
+                    f"tensors and dict/list/tuple/str/int/float/bool/None, so that loading it never runs pickled code")
+
+
+def _stateful(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+def _check_state(state: Any) -> None:
+    if not isinstance(state, Mapping):
+        raise TypeError(f"state must map names to objects or values, got {type(state).__name__}")
+    for name in state:
+        if not isinstance(name, str) or name == META:
+            raise ValueError(f"state: invalid entry name {name!r} (names are str, {META!r} is reserved)")
+
+
+def _dist() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _payload(state: Mapping[str, Any], rngs: list, world: int) -> dict:
+    payload: dict[str, Any] = {}
+    kinds = {}
+    for name, obj in state.items():
+        if isinstance(obj, nn.Module):
+            # Known wrappers are gone; a compiled submodule's `_orig_mod` goes too. Other prefixes are the model's
+            # own names (a user's container with a `module` attribute) and stay, for a plain load_state_dict.
+            sd = unwrap_module(obj).state_dict()
+            kinds[name], data = "module", OrderedDict(zip(drop_orig_mod(list(sd)), sd.values()))
+        elif _stateful(obj):
+            kinds[name], data = "object", obj.state_dict()
+        else:
+            kinds[name], data = "value", obj
+        payload[name] = _plain(data, f"state[{name!r}]")
+    payload[META] = _plain({"version": VERSION, "world_size": world, "kinds": kinds, "rng": rngs,
+                            "torch": str(torch.__version__)}, META)
+    return payload
+
+
+def save(path: str | os.PathLike, state: Mapping[str, Any]) -> None:
+    """Write ``state`` to ``path``: rank 0 only, atomically, tensors on CPU, with every rank's RNG states.
+
+    Collective when a process group is initialised: every rank calls it; the ranks' RNG states are gathered to
+    rank 0, which writes a temporary file in the same directory, fsyncs it, renames it over ``path`` and fsyncs the
+    directory; no rank returns before the file is in place. Wrappers (DataParallel, DDP, ``torch.compile``) are
+    unwrapped, so the model's keys carry no prefix. A value that is not a tensor or plain container raises
+    TypeError naming it (on rank 0; the other ranks raise RuntimeError naming rank 0).
+    """
+    path = Path(path)
+    _check_state(state)
+    rank, world = _dist()
+    rngs: list | None = [get_rng_state()]
+    if world > 1:
+        gathered = [None] * world if rank == 0 else None
+        dist.gather_object(rngs[0], gathered, dst=0)
+        rngs = gathered
+    error = None
+    if rank == 0:
+        try:
+            write_atomic(path, _payload(state, rngs, world))
+        except BaseException as exc:  # the other ranks must hear about it rather than wait for the file
+            error = exc
+    if world > 1:
+        status = [None if error is None else f"{type(error).__name__}: {error}"]
+        dist.broadcast_object_list(status, src=0)  # the barrier: rank 0 sends only once the rename is done
+        if status[0] is not None and rank != 0:
+            raise RuntimeError(f"rank {rank}: rank 0 failed to write checkpoint {path}: {status[0]}")
+    if error is not None:
+        raise error
+
+
+def _check_optimizer(path: Path, name: str, saved: Any, live: torch.optim.Optimizer) -> None:
+    # torch checks this too, but only after the model may already have been loaded: check before touching anything.
+    if not (isinstance(saved, Mapping) and isinstance(saved.get("param_groups"), list) and "state" in saved):
+        raise CheckpointError(f"{path}: entry {name!r} is not an optimizer state dict")
+    want = [len(g["params"]) for g in live.param_groups]
+    got = [len(g.get("params", ())) if isinstance(g, Mapping) else -1 for g in saved["param_groups"]]
+    if want != got:
+        raise CheckpointError(f"{path}: entry {name!r}: the optimizer has parameter groups of sizes {want}, "
+                              f"the checkpoint {got}")
+
+
+def _plan(path: Path, payload: Any, state: Mapping[str, Any], strict: bool):
+    """Every check, no side effect: (loads to do, plain values to return, the ranks' RNG states or None)."""
+    if not isinstance(payload, dict):
+        raise CheckpointError(f"{path}: holds a {type(payload).__name__}, not a dict of named entries")
+    meta = payload.get(META)
+    entries = {k: v for k, v in payload.items() if k != META}
+    kinds: dict = {}
+    rngs = None
+    if meta is not None:
+        if not isinstance(meta, dict) or meta.get("version") != VERSION or not isinstance(meta.get("kinds"), dict):
+            raise CheckpointError(f"{path}: unknown fanfold checkpoint format {meta!r:.200}")
+        kinds, rngs = meta["kinds"], meta.get("rng")
+    elif entries and all(isinstance(v, torch.Tensor) for v in entries.values()):
+        # A bare state dict, as torch.save(model.state_dict()) writes it.
+        if len(state) != 1 or not isinstance(next(iter(state.values())), nn.Module):
+            raise CheckpointError(f"{path}: holds a bare module state dict; pass a state with exactly one module, "
+                                  f"e.g. {{'model': model}}")
+        entries = {next(iter(state)): entries}
+    missing = [n for n in state if n not in entries]
+    if missing and strict:
+        raise CheckpointError(f"{path}: has no entries {missing} (it holds {sorted(entries)})")
+    loads, restored = [], set()
+    for name, obj in state.items():
+        if name not in entries:
+            continue
+        kind, data = kinds.get(name), entries[name]
+        if _stateful(obj) and kind == "value":
+            raise CheckpointError(f"{path}: entry {name!r} was saved as a plain value, not from a {type(obj).__name__}")
+        if isinstance(obj, nn.Module):
+            target = unwrap_module(obj)
+            loads.append((name, target, match_keys(path, name, data, target.state_dict(), strict)))
+        elif _stateful(obj):
+            if isinstance(obj, torch.optim.Optimizer):
+                _check_optimizer(path, name, data, obj)
+            loads.append((name, obj, data))
+        else:
+            continue
+        restored.add(name)
+    plain = {n: v for n, v in entries.items() if n not in restored and (kinds.get(n, "value") == "value" or n in state)}
+    if rngs is not None and not (isinstance(rngs, list) and all(isinstance(r, dict) and isinstance(
+            r.get("torch"), torch.Tensor) and isinstance(r.get("python"), list) for r in rngs)):
+        raise CheckpointError(f"{path}: malformed RNG states")
+    return loads, plain, rngs
+
+
+def _apply(path: Path, loads: list, rng_state: dict | None) -> None:
+    before = get_rng_state()
+    # Modules and optimizers were checked in full; other objects (schedulers, samplers) can only be tried, so they
+    # go first and, with the generators, are rolled back if one of them refuses its state.
+    others = [(n, o, d) for n, o, d in loads if not isinstance(o, (nn.Module, torch.optim.Optimizer))]
+    done: list = []
+    try:
+        if rng_state is not None:
+            try:
+                set_rng_state(rng_state)
+            except Exception as exc:
+                raise CheckpointError(f"{path}: its RNG states cannot be restored: {exc}") from None
+        for name, obj, data in others:
+            done.append((obj, copy.deepcopy(obj.state_dict())))
+            try:
+                obj.load_state_dict(data)
+            except Exception as exc:
+                raise CheckpointError(f"{path}: entry {name!r} refused by {type(obj).__name__}: {exc}") from None
+    except CheckpointError:
+        for obj, snapshot in reversed(done):
+            obj.load_state_dict(snapshot)
+        set_rng_state(before)
+        raise
+    for name, obj, data in loads:
+        if isinstance(obj, nn.Module):
+            obj.load_state_dict(data, strict=False)  # match_keys already enforced `strict` and the shapes
+        elif isinstance(obj, torch.optim.Optimizer):
+            obj.load_state_dict(data)
+
+
+def load(path: str | os.PathLike, state: Mapping[str, Any], *, strict: bool = True, rng: bool = True) -> dict:
+    """Restore ``state``'s live objects in place from ``path``; return the checkpoint's plain values.
+
+    Objects (modules, optimizers, schedulers, samplers) get their saved state; modules through any wrapper, with
+    ``module.`` / ``_orig_mod.`` / ``_forward_module.`` prefixes reconciled on both sides. The returned dict holds
+    every plain value of the checkpoint (e.g. ``{"step": 120}``) plus the saved data of names that ``state`` maps to
+    plain placeholders. With ``strict`` every name of ``state`` and every model key must be in the file. With
+    ``rng`` each rank restores its own saved RNG states if the world size is the one that saved; on another world
+    size they are left alone with a warning (model, optimizer and fanfold samplers still load). Files written by
+    plain ``torch.save`` load too (no checksum to check). Collective when a process group is initialised.
+
+    Raises :class:`CheckpointError` naming the file (corrupted, truncated, pickled code, no fit) before any live
+    object or generator changed; on every rank if any rank failed.
+    """
+    path = Path(path)
+    _check_state(state)
+    rank, world = _dist()
+    error = plan = None
+    try:
+        payload, _ = read_verified(path)
+        plan = _plan(path, payload, state, strict)
+    except (CheckpointError, OSError) as exc:
+        error = exc
+    except Exception as exc:  # a well-formed file whose entries have the wrong shape of data
+        error = CheckpointError(f"{path}: malformed checkpoint ({type(exc).__name__}: {exc})")
+    if world > 1:
+        errors = [None] * world
+        dist.all_gather_object(errors, None if error is None else f"{type(error).__name__}: {error}")
+        failed = [r for r, e in enumerate(errors) if e is not None]
+        if failed and error is None:
+            raise CheckpointError(f"rank {rank}: {path} not loaded: rank {failed[0]} failed: {errors[failed[0]]}")
+    if error is not None:
+        raise error
+    loads, plain, rngs = plan
+    rng_state = None
+    if rng and rngs is not None:
+        if len(rngs) == world:
+            rng_state = rngs[rank]
+        else:
+            warnings.warn(f"{path} was saved by {len(rngs)} ranks, this run has {world}: RNG states not restored "
+                          f"(model, optimizer and samplers were)", stacklevel=2)
+    _apply(path, loads, rng_state)
+    return plain
+
+
+def latest(directory: str | os.PathLike, pattern: str = "*.pt") -> Path | None:
+    """The most recently written complete fanfold checkpoint in ``directory`` matching ``pattern``, or None."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return None
+    files = [p for p in directory.glob(pattern) if p.is_file() and not p.name.startswith(".")]
+    for p in sorted(files, key=lambda p: p.stat().st_mtime_ns, reverse=True):
+        if has_footer(p):
+            return p
+    return None

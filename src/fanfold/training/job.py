@@ -1,0 +1,204 @@
+"""The main job's worker: a small CNN learns scikit-learn's digits, data-parallel, one process per rank.
+
+Layer: ``fanfold.training`` (top of the library; ``fanfold.cli.train`` parses the flags, starts the workers through
+``fanfold.launcher`` and calls :func:`run_worker` in each). Each worker uses fanfold's own pieces only:
+``init_process_group``, ``DistributedDataParallel``, ``DistributedSampler`` (exact resume; ``even=False`` for the
+evaluation) and ``save``/``load`` (atomic, per-rank RNG). It is also the README's training-loop pattern, for real.
+
+Same seed, same parameters, bitwise: one torch thread per rank, the data order is a function of (seed, epoch) only,
+the gradient sum over ranks is the same every run, and the checkpoint holds everything the next step depends on.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from tqdm import tqdm
+
+from ..distributed.ddp import DistributedDataParallel
+from ..distributed.env import destroy_process_group, init_process_group
+from .checkpoint import load, save
+from .data import DistributedSampler, gather_evaluation
+
+CHECKPOINT = "checkpoint.pt"
+# 1797 digits = 1440 to train + 357 held out: 1440 splits evenly over 2, 3, 4, 5, 6 or 8 ranks, so training needs no
+# padding (every sample once an epoch), while 357 is odd and shows the exact evaluation count.
+TEST_SIZE = 357
+SPLIT_SEED = 0  # the split never depends on --seed: runs with different seeds are evaluated on the same samples
+# Hyperparameters a checkpoint is bound to: resuming with other values would not continue the same run.
+_RUN_KEYS = ("epochs", "batch_size", "lr", "seed")
+
+
+def digits():
+    """(train, test) TensorDatasets of (image 1x8x8 in [0, 1], label, sample id); the split is fixed."""
+    from sklearn.datasets import load_digits
+
+    raw = load_digits()
+    images = torch.tensor(raw.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    labels = torch.tensor(raw.target, dtype=torch.long)
+    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(SPLIT_SEED))
+    test, train = order[:TEST_SIZE], order[TEST_SIZE:]
+    # ids are positions within each split: the ledger and the evaluation count them
+    return tuple(TensorDataset(images[i], labels[i], torch.arange(len(i))) for i in (train, test))
+
+
+def make_model():
+    """Two 3x3 convolutions and two linear layers: ~38k parameters, > 0.97 test accuracy in a few seconds.
+
+    The dropout draws from each rank's torch generator: the checkpoint's per-rank RNG states keep a resume exact.
+    """
+
+    return nn.Sequential(
+        nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(),
+        nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+        nn.Linear(32 * 4 * 4, 64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 10),
+    )
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    """One rank: build, maybe resume, train, checkpoint, evaluate exactly; rank 0 reports and plots."""
+    torch.set_num_threads(1)  # one thread per rank: fixed reduction order inside each op, no oversubscription
+    dev = init_process_group(timeout=120.0)  # the local accelerator when there is one, else the CPU
+    if dev.type == "cuda":
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = Path(args.out)
+    ckpt = out / CHECKPOINT
+    if args.batch_size % world:
+        raise ValueError(f"--batch-size {args.batch_size} does not split evenly over {world} processes")
+
+    train_set, test_set = digits()
+    torch.manual_seed(args.seed)  # the same initial weights on every rank (DDP broadcasts rank 0's anyway)
+    model = DistributedDataParallel(make_model().to(dev))
+    sampler = DistributedSampler(train_set, shuffle=True, seed=args.seed)
+    # Its own generator: a DataLoader draws a seed at every iter(), and a resumed epoch is one iter() more, so
+    # drawing from the global generator would shift the dropout masks after a resume.
+    loader = DataLoader(train_set, batch_size=args.batch_size // world, sampler=sampler, generator=torch.Generator())
+    steps_per_epoch = len(loader)
+    total = args.epochs * steps_per_epoch
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=1e-4)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=total)
+    run = {k: getattr(args, k) for k in _RUN_KEYS}
+    state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "sampler": sampler,
+             "step": 0, "losses": [], "run": run}
+    # After a restart by the launcher the workers start afresh: the checkpoint, if any, is where they left off.
+    # (The parent refused a --out that already held one unless --resume was given.)
+    if ckpt.exists():
+        state.update(load(ckpt, state))
+        if state["run"] != run:
+            diff = {k: (state["run"][k], run[k]) for k in run if state["run"].get(k) != run[k]}
+            raise ValueError(f"{ckpt} belongs to a run with other settings (saved, given): {diff}")
+    step, losses = state["step"], state["losses"]
+    ledger = _ledger(out, rank, world, step) if args.ledger else None
+
+    def checkpoint() -> None:
+        save(ckpt, {**state, "step": step, "losses": losses})
+
+    model.train()
+    while step < total:
+        epoch = step // steps_per_epoch
+        bar = tqdm(total=steps_per_epoch, initial=step % steps_per_epoch, disable=rank != 0, unit="step",
+                   desc=f"epoch {epoch + 1}/{args.epochs}", mininterval=0.5, dynamic_ncols=True)
+        start, seen = time.perf_counter(), 0
+        for x, y, ids in loader:  # the sampler resumes mid-epoch by itself and moves on to the next epoch
+            loss = F.cross_entropy(model(x.to(dev)), y.to(dev))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+            step += 1
+            mean = loss.detach().clone()
+            dist.all_reduce(mean)  # the curve shows the global batch's loss, not rank 0's share
+            losses.append(mean.item() / world)
+            if ledger:
+                print(step, epoch, *ids.tolist(), file=ledger, flush=True)
+            if step % steps_per_epoch == 0 or (args.checkpoint_every and step % args.checkpoint_every == 0):
+                checkpoint()
+            if step == args.kill_at_step and rank == world - 1:
+                _kill_once(out, step)
+            seen += len(ids) * world
+            bar.set_postfix({"loss": f"{losses[-1]:.4f}",
+                             "samples/s": f"{seen / (time.perf_counter() - start):.0f}"}, refresh=False)
+            bar.update()
+        bar.close()
+        if step % steps_per_epoch:
+            raise RuntimeError(f"rank {rank}: the sampler ended epoch {epoch} after step {step}, "
+                               f"not on a multiple of {steps_per_epoch} steps")
+    if ledger:
+        ledger.close()
+
+    correct, count = _evaluate(model, test_set, dev)
+    if rank == 0:
+        accuracy = correct / count
+        print(f"test accuracy: {accuracy:.4f} ({correct}/{count} held-out digits, each counted once)", flush=True)
+        (out / "metrics.json").write_text(json.dumps({"test_accuracy": accuracy, "test_samples": count,
+                                                      "steps": step, "world_size": world}) + "\n")
+        _plot(losses, steps_per_epoch, accuracy, out / "loss.png")
+    dist.barrier()
+    destroy_process_group()
+    return 0
+
+
+def _evaluate(model, test_set, dev) -> tuple[int, int]:
+    """Every held-out sample exactly once: ``even=False`` pads nothing, the gather puts each result in its place."""
+
+
+    sampler = DistributedSampler(test_set, shuffle=False, even=False)
+    model.eval()
+    hits = []
+    with torch.no_grad():
+        for x, y, _ in DataLoader(test_set, batch_size=256, sampler=sampler):
+            hits.append(model(x.to(dev)).argmax(1) == y.to(dev))
+    results = gather_evaluation(torch.cat(hits), sampler)
+    if len(results) != len(test_set):
+        raise RuntimeError(f"evaluation counted {len(results)} samples, the held-out split has {len(test_set)}")
+    return int(results.sum()), len(results)
+
+
+def _ledger(out: Path, rank: int, world: int, step: int):
+    """Rank's record of the sample ids it trained on, one line per step; lines after ``step`` are rolled back.
+
+    Those steps were lost with the killed run and are trained again, so they are recorded again. Rank 0 also rolls
+    back the records of ranks that a run resumed on fewer processes no longer has.
+    """
+    paths = [out / f"ledger-rank{rank}.txt"]
+    if rank == 0:
+        paths += [p for p in out.glob("ledger-rank*.txt") if int(p.stem.removeprefix("ledger-rank")) >= world]
+    for path in paths:
+        if path.exists():
+            kept = [ln for ln in path.read_text().splitlines() if ln.split() and int(ln.split()[0]) <= step]
+            path.write_text("".join(ln + "\n" for ln in kept))
+    return paths[0].open("a")
+
+
+def _kill_once(out: Path, step: int) -> None:
+    """Test hook: die as a crash would (SIGKILL, no clean-up), once per run directory."""
+    marker = out / f"killed-at-step-{step}"
+    if not marker.exists():
+        marker.touch()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _plot(losses: list[float], steps_per_epoch: int, accuracy: float, path: Path) -> None:
+    from matplotlib.figure import Figure  # no pyplot: no global figure state, the Agg canvas renders the PNG
+
+    fig = Figure(figsize=(7, 4), layout="constrained")
+    ax = fig.subplots()
+    steps = range(1, len(losses) + 1)
+    ax.plot(steps, losses, lw=0.8, alpha=0.5, label="global batch loss")
+    per_epoch = [sum(losses[i:i + steps_per_epoch]) / len(losses[i:i + steps_per_epoch])
+                 for i in range(0, len(losses), steps_per_epoch)]
+    ax.plot([steps_per_epoch * (e + 1) for e in range(len(per_epoch))], per_epoch, "o-", label="epoch mean")
+    ax.set_yscale("log")
+    ax.set(xlabel="optimizer step", ylabel="cross-entropy", title=f"digits CNN: test accuracy {accuracy:.4f}")
+    ax.legend()
+    fig.savefig(path, dpi=120)

@@ -1,0 +1,210 @@
+"""`fanfold run`: real launcher processes on scripts written to tmp_path, plus the report and argument logic.
+
+Each launch costs a few seconds (torch import), so one launch checks many things: the env contract, pass-through
+arguments, the default -n, the threads per worker, the loopback-only listeners and a restart; another checks a
+crashing rank (its traceback on the console, non-zero exit, every worker and grandchild gone).
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from argparse import ArgumentParser
+from pathlib import Path
+
+import pytest
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+from _net import listening_addresses
+from fanfold.cli import run as run_cli
+from fanfold.launcher import agent as launcher
+
+TIMEOUT = 240  # the CPU is shared with other test runs: generous, never relied on
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    for var in ("OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "RANK", "WORLD_SIZE"):
+        env.pop(var, None)
+    return env
+
+
+def _run(tmp_path: Path, *argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fanfold", "run", *argv], cwd=tmp_path, env=_env(),
+                          capture_output=True, text=True, timeout=TIMEOUT)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return True
+    return state in ("Z", "X")  # a zombie has exited; only its parent's wait is missing
+
+
+def _wait_gone(pids: list[int], seconds: float = 30.0) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if not _gone(p)]
+        if not alive:
+            return []
+        time.sleep(0.2)
+    return alive
+
+
+PROBE = textwrap.dedent("""
+    import json, os, sys
+    from datetime import timedelta
+    import torch, torch.distributed as dist
+
+    {listening_source}
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    t = torch.tensor([dist.get_rank() + 1.0])
+    dist.all_reduce(t)
+    attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+    keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")
+    report = {"argv": sys.argv, "sum": t.item(), "threads": torch.get_num_threads(),
+              "env": {k: os.environ.get(k) for k in keys},
+              # the worker's own sockets (gloo) and its parent's, the agent hosting the store
+              "listening": listening_addresses(os.getpid()) + listening_addresses(os.getppid())}
+    with open(f"rank{dist.get_rank()}.attempt{attempt}.json", "w") as f:
+        json.dump(report, f)
+    if attempt == "0" and dist.get_rank() == 1:
+        raise RuntimeError("planned failure of rank 1")
+""")
+
+
+def test_env_contract_args_threads_loopback_and_restart(tmp_path):
+    import torch
+
+    (tmp_path / "probe.py").write_text(PROBE.replace("{listening_source}\n", inspect.getsource(listening_addresses)))
+    script_args = ["--lr", "0.1", "-n", "5", "--nnodes=3", "-m", "x y", "--", "last"]
+    res = _run(tmp_path, "--max-restarts", "1", "probe.py", *script_args)  # no -n: the default
+    assert res.returncode == 0, res.stderr
+    n = torch.cuda.device_count() or 2
+    threads = max(1, len(os.sched_getaffinity(0)) // n)
+    for attempt in (0, 1):
+        reports = [json.loads((tmp_path / f"rank{r}.attempt{attempt}.json").read_text()) for r in range(n)]
+        assert len({r["env"]["MASTER_PORT"] for r in reports}) == 1
+        for rank, rep in enumerate(reports):
+            assert rep["argv"] == ["probe.py", *script_args]
+            assert rep["sum"] == n * (n + 1) / 2
+            assert rep["env"] == {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(n),
+                                  "LOCAL_WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1",
+                                  "MASTER_PORT": reports[0]["env"]["MASTER_PORT"], "OMP_NUM_THREADS": str(threads)}
+            assert rep["threads"] == threads
+            # 127.0.0.1 in /proc/net/tcp's byte order; nothing on 0.0.0.0 or ::
+            assert rep["listening"] and set(rep["listening"]) == {"0100007F"}, rep["listening"]
+    assert "RuntimeError: planned failure of rank 1" in res.stderr  # attempt 0's traceback, then the restart
+
+
+CRASH = textwrap.dedent("""
+    import os, subprocess, sys, time
+    rank = os.environ["RANK"]
+
+    def crash_here():
+        raise ValueError(f"boom from rank {rank}")
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    with open(f"pid{rank}.tmp", "w") as f:
+        f.write(f"{os.getpid()} {child.pid}")
+    os.rename(f"pid{rank}.tmp", f"pid{rank}")
+    while not all(os.path.exists(f"pid{r}") for r in range(int(os.environ["WORLD_SIZE"]))):
+        time.sleep(0.05)
+    if rank == "1":
+        crash_here()
+    time.sleep(300)
+""")
+
+
+def test_crashing_rank_shows_its_traceback_and_leaves_no_process(tmp_path):
+    (tmp_path / "crash.py").write_text(CRASH)
+    res = _run(tmp_path, "-n", "3", "crash.py")
+    assert res.returncode == 1
+    report = res.stderr[res.stderr.index("fanfold run: rank 1 "):]
+    assert "failed with exit code 1" in report.splitlines()[0]
+    assert 'line 6, in crash_here' in report and "ValueError: boom from rank 1" in report
+    assert "ChildFailedError" not in res.stderr
+    pids = [int(p) for r in range(3) for p in (tmp_path / f"pid{r}").read_text().split()]
+    assert _wait_gone(pids) == []
+
+
+SLEEPER = textwrap.dedent("""
+    import os, time
+    with open(f"pid{os.environ['RANK']}", "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(300)
+""")
+
+
+def test_killed_launcher_takes_its_workers_along(tmp_path):
+    (tmp_path / "sleeper.py").write_text(SLEEPER)
+    proc = subprocess.Popen([sys.executable, "-m", "fanfold", "run", "-n", "2", "sleeper.py"], cwd=tmp_path,
+                            env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while not all((tmp_path / f"pid{r}").exists() for r in range(2)):
+            assert proc.poll() is None and time.monotonic() < deadline, "the workers never started"
+            time.sleep(0.1)
+        time.sleep(0.2)  # let both pid files be written in full
+        pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(2)]
+        proc.send_signal(signal.SIGKILL)  # the agent gets no chance to stop anything
+        proc.wait(30)
+        assert _wait_gone(pids) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+
+
+def _failure(tmp_path: Path, rank: int, exitcode: int, message: str | None = None, time_ns: int = 0) -> ProcessFailure:
+    path = tmp_path / f"error{rank}.json"
+    if message is not None:
+        info = {"py_callstack": f"Traceback (most recent call last):\n{message}\n", "timestamp": "1700000000",
+                "time_ns": time_ns}
+        path.write_text(json.dumps({"message": {"message": message, "extraInfo": info}}))
+    return ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=exitcode, error_file=str(path))
+
+
+def test_report_names_the_first_failure_by_time_not_by_rank(tmp_path):
+    # Same second: ProcessFailure's own timestamps tie; the shim's nanoseconds decide. SIGTERMed ranks are listed.
+    err = ChildFailedError("x", {
+        0: _failure(tmp_path, 0, 1, "RuntimeError: connection closed by peer", time_ns=2_000),
+        1: _failure(tmp_path, 1, 3, "ValueError: the real cause", time_ns=1_000),
+        2: _failure(tmp_path, 2, -int(signal.SIGTERM)),
+    })
+    text = launcher.format_failure(err)
+    assert text.splitlines()[0] == "fanfold run: rank 1 (local rank 1, pid 1001) failed with exit code 3"
+    assert "ValueError: the real cause" in text
+    assert "also rank 0 (local rank 0, pid 1000) failed with exit code 1: RuntimeError: connection closed" in text
+    assert text.splitlines()[-1] == "fanfold run: stopped the other workers (ranks [2])"
+    assert launcher._exit_code(err) == 3
+    killed = ChildFailedError("x", {0: _failure(tmp_path, 0, -int(signal.SIGKILL))})
+    assert "killed by signal SIGKILL" in launcher.format_failure(killed)
+    assert launcher._exit_code(killed) == 128 + int(signal.SIGKILL)
+
+
+def test_arguments_pass_through_and_bad_values_are_named(tmp_path):
+    parser = ArgumentParser()
+    run_cli.add_arguments(parser)
+    args = parser.parse_args(["-n", "4", "--max-restarts", "2", "train.py", "--lr", "0.1", "-n", "5", "-m", "-h"])
+    assert (args.nproc_per_node, args.max_restarts, args.module, args.script) == (4, 2, False, "train.py")
+    assert args.script_args == ["--lr", "0.1", "-n", "5", "-m", "-h"]
+    assert parser.parse_args(["-m", "pkg.mod"]).module
+    script = tmp_path / "s.py"
+    script.write_text("")
+    with pytest.raises(ValueError, match="script not found: 'missing.py'"):
+        launcher.launch_script(["missing.py"])
+    with pytest.raises(ValueError, match="nproc_per_node"):
+        launcher.launch_script([str(script)], nproc_per_node=0)
+    with pytest.raises(ValueError, match="nnodes"):
+        launcher.launch_script([str(script)], nnodes="2:1")
+    with pytest.raises(ValueError, match="rdzv_endpoint"):
+        launcher.launch_script([str(script)], nnodes="2")
+    assert launcher.threads_per_worker(10_000) == 1

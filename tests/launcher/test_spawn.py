@@ -1,0 +1,95 @@
+"""fanfold.launch: results by rank, the torchrun env contract, failures named by rank, bounded time, no orphans."""
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fanfold
+from _net import listening_addresses
+
+
+def _env_and_sum():
+    dist.init_process_group("gloo", timeout=__import__("datetime").timedelta(seconds=20))
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), t.item(), torch.get_num_threads(), os.getpid()
+
+
+def _fail_on_rank1():
+    if os.environ["RANK"] == "1":
+        raise ValueError("boom from the test")
+    time.sleep(30)
+
+
+def _sleep_forever():
+    time.sleep(600)
+
+
+def _die_hard():
+    if os.environ["RANK"] == "0":
+        os._exit(7)
+    time.sleep(30)
+
+
+def _listening_after_init():
+    dist.init_process_group("gloo", timeout=__import__("datetime").timedelta(seconds=20))
+    t = torch.ones(1)
+    dist.all_reduce(t)  # gloo's pairs are connected: its listeners exist now
+    return listening_addresses(os.getpid()), t.item()
+
+
+def _pid_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_results_by_rank_and_collective():
+    out = fanfold.launch(_env_and_sum, nprocs=3, timeout=60)
+    assert [o[:2] for o in out] == [(0, 3), (1, 3), (2, 3)]
+    assert all(o[2] == 6.0 for o in out)  # 1 + 2 + 3 through a real gloo all_reduce
+    assert all(o[3] == 1 for o in out)
+    assert not any(_pid_alive(o[4]) for o in out)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads /proc/net/tcp (Linux)")
+def test_everything_listens_on_loopback_only():
+    """The store is hosted by the launching process on 127.0.0.1; workers are its clients; gloo stays on lo."""
+    from fanfold.launcher.spawn import loopback_store
+
+    before = set(listening_addresses(os.getpid()))
+    store, _ = loopback_store(10.0)
+    assert set(listening_addresses(os.getpid())) - before == {"0100007F"}  # 127.0.0.1 in /proc's byte order
+    del store
+    out = fanfold.launch(_listening_after_init, nprocs=2, timeout=60)
+    assert [o[1] for o in out] == [2.0, 2.0]
+    for addresses, _ in out:
+        assert addresses and set(addresses) == {"0100007F"}, addresses  # nothing on 0.0.0.0 or ::
+
+
+def test_failure_names_rank_and_traceback_and_kills_others():
+    t0 = time.monotonic()
+    with pytest.raises(fanfold.WorkerError, match=r"rank 1 of 2 failed: ValueError: boom from the test") as e:
+        fanfold.launch(_fail_on_rank1, nprocs=2, timeout=60)
+    assert e.value.rank == 1
+    assert "_fail_on_rank1" in str(e.value)  # the worker's own traceback
+    assert time.monotonic() - t0 < 20  # rank 0 (sleeping 30 s) was killed, not waited for
+
+
+def test_timeout_names_missing_ranks():
+    with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] of 2 still running after 2 s"):
+        fanfold.launch(_sleep_forever, nprocs=2, timeout=2)
+
+
+def test_worker_dying_without_result():
+    with pytest.raises(fanfold.WorkerError, match="rank 0 of 2 died with exit code 7"):
+        fanfold.launch(_die_hard, nprocs=2, timeout=60)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="nprocs"):
+        fanfold.launch(_sleep_forever, nprocs=0)

@@ -1,0 +1,82 @@
+"""comm (plain tensor moves) and functions (their autograd duals) on repeated CPU devices; torch ops are the oracle."""
+import pytest
+import torch
+from torch.autograd import gradcheck, gradgradcheck
+
+from fanfold.parallel import comm
+from fanfold.parallel.functions import Broadcast, Gather, ReduceAdd, Scatter
+
+CPU3 = ["cpu", "cpu", "cpu"]
+
+
+def test_broadcast_gives_independent_copies():
+    x = torch.randn(3, 2)
+    copies = comm.broadcast(x, CPU3)
+    assert len(copies) == 3 and all(torch.equal(c, x) for c in copies)
+    copies[0].add_(1)
+    assert torch.equal(copies[1], x) and not torch.equal(copies[0], x)
+
+
+def test_reduce_add_sums_in_order_onto_destination():
+    ts = [torch.randn(4) for _ in range(3)]
+    out = comm.reduce_add(ts, "cpu")
+    assert torch.equal(out, ts[0] + ts[1] + ts[2])
+    out.add_(1)
+    assert not torch.equal(out, ts[0] + ts[1] + ts[2]) and not any(t is out for t in ts)
+    with pytest.raises(ValueError, match=r"tensors\[1\] has shape \(3,\), tensors\[0\] has \(4,\)"):
+        comm.reduce_add([torch.zeros(4), torch.zeros(3)], "cpu")
+    with pytest.raises(ValueError, match="no tensors"):
+        comm.reduce_add([], "cpu")
+
+
+def test_scatter_and_gather_are_split_and_cat():
+    x = torch.randn(10, 3)
+    parts = comm.scatter(x, CPU3, [2, 5, 3], 0)
+    assert [p.shape[0] for p in parts] == [2, 5, 3]
+    assert all(torch.equal(p, e) for p, e in zip(parts, x.split([2, 5, 3])))
+    parts[0].zero_()
+    assert x[:2].abs().sum() > 0  # no view of the input
+    assert torch.equal(comm.gather(list(x.split([1, 2], 1)), "cpu", 1), x)
+    with pytest.raises(ValueError, match=r"chunk_sizes \[2, 5\] sum to 7, but the tensor has 10 along dim 0"):
+        comm.scatter(x, ["cpu", "cpu"], [2, 5], 0)
+    with pytest.raises(ValueError, match="2 chunk_sizes for 3 devices"):
+        comm.scatter(x, CPU3, [5, 5], 0)
+    with pytest.raises(ValueError, match="devices is empty"):
+        comm.broadcast(x, [])
+
+
+def _double(*shape):
+    return torch.randn(*shape, dtype=torch.float64, requires_grad=True)
+
+
+def test_functions_gradcheck():
+    a, b = _double(3, 2), _double(4)
+    assert gradcheck(lambda a, b: Broadcast.apply(CPU3, a, b), (a, b))
+    assert gradgradcheck(lambda a, b: Broadcast.apply(CPU3, a, b), (a, b))
+    assert gradcheck(lambda *ts: ReduceAdd.apply("cpu", *ts), (_double(3), _double(3), _double(3)))
+    assert gradgradcheck(lambda *ts: ReduceAdd.apply("cpu", *ts), (_double(3), _double(3)))
+    x = _double(7, 2)
+    assert gradcheck(lambda x: Scatter.apply(CPU3, [3, 0, 4], 0, x), (x,))
+    assert gradgradcheck(lambda x: Scatter.apply(CPU3, [3, 0, 4], 0, x), (x,))
+    assert gradcheck(lambda *ts: Gather.apply("cpu", 1, *ts), (_double(2, 1), _double(2, 3)))
+    assert gradgradcheck(lambda *ts: Gather.apply("cpu", 1, *ts), (_double(2, 1), _double(2, 3)))
+
+
+def test_duals_give_the_expected_gradients():
+    x = torch.randn(5, requires_grad=True)
+    copies = Broadcast.apply(CPU3, x)
+    sum(c * (i + 1) for i, c in enumerate(copies)).sum().backward()
+    assert torch.equal(x.grad, torch.full((5,), 6.0))  # ReduceAdd of 1, 2, 3
+
+    x.grad = None
+    parts = Scatter.apply(["cpu", "cpu"], [2, 3], 0, x)
+    (parts[0].sum() * 2 + parts[1].sum() * 3).backward()
+    assert torch.equal(x.grad, torch.tensor([2.0, 2, 3, 3, 3]))  # Gather of the chunk gradients
+
+
+def test_broadcast_of_a_frozen_tensor_does_not_require_grad():
+    w, buf = torch.randn(2, requires_grad=True), torch.randn(2)
+    outs = Broadcast.apply(["cpu", "cpu"], w, buf)
+    assert [o.requires_grad for o in outs] == [True, False, True, False]
+    (outs[0] + outs[2]).sum().backward()
+    assert torch.equal(w.grad, torch.full((2,), 2.0))

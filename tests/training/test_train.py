@@ -1,0 +1,137 @@
+"""`fanfold train` end to end: real launcher, real worker processes, a real SIGKILL.
+
+Runs shared by all tests (module fixture): an uninterrupted 2-rank reference; a 2-rank run whose last rank is
+SIGKILLed after step KILL (between checkpoints, so the steps since the last checkpoint are lost), then resumed with
+--resume on 2 ranks and, from a copy, on 1; a 2-rank run with --max-restarts 1 that the launcher restarts by itself
+after the same kill. The reference is the oracle: the 2-rank resumes must end with bitwise equal parameters and the
+same per-rank sample ledger; every ledger must show each training sample once per epoch.
+"""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import fanfold
+from fanfold import cli
+from fanfold.cli import train as train_cli
+from fanfold.training import job as train
+
+# The shared runs are set up in the first test: on a busy machine that takes minutes, more than the default 300 s.
+pytestmark = pytest.mark.timeout(900)
+EPOCHS, EVERY, KILL = 2, 10, 33  # the kill is in the middle of epoch 2, 3 steps after the checkpoint of step 30
+STEPS = 23  # an epoch: 1440 samples, global batch 64
+TRAIN_SIZE = 1797 - train.TEST_SIZE
+ARGS = ["--devices", "2", "--epochs", str(EPOCHS), "--checkpoint-every", str(EVERY), "--seed", "3", "--ledger"]
+
+
+def _train(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fanfold", "train", *ARGS, *argv],
+                          capture_output=True, text=True, timeout=240)
+
+
+def _ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    return proc
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train")
+    ref = _ok(_train("--out", str(root / "ref")))
+    killed = _train("--out", str(root / "resume"), "--kill-at-step", str(KILL))
+    saved_step = _load(root / "resume")[1]  # what the crash left behind, read before the resume overwrites it
+    shutil.copytree(root / "resume", root / "one")
+    one = _ok(_train("--out", str(root / "one"), "--resume", "--devices", "1"))
+    resumed = _ok(_train("--out", str(root / "resume"), "--resume"))
+    restarted = _ok(_train("--out", str(root / "restart"), "--kill-at-step", str(KILL), "--max-restarts", "1"))
+    return {"root": root, "ref": ref, "killed": killed, "saved_step": saved_step, "resumed": resumed,
+            "restarted": restarted, "one": one}
+
+
+def _load(out: Path) -> tuple[dict, int]:
+    """The checkpoint's model parameters and step, read back outside any process group."""
+    model = train.make_model()
+    plain = fanfold.load(out / train.CHECKPOINT, {"model": model, "step": 0}, rng=False)
+    return model.state_dict(), plain["step"]
+
+
+def _ledger(out: Path) -> dict[int, list[tuple[int, int, list[int]]]]:
+    """rank -> [(step, epoch, ids)] as the workers recorded them."""
+    ledger = {}
+    for path in sorted(out.glob("ledger-rank*.txt")):
+        rows = [list(map(int, ln.split())) for ln in path.read_text().splitlines()]
+        ledger[int(path.stem.removeprefix("ledger-rank"))] = [(r[0], r[1], r[2:]) for r in rows]
+    return ledger
+
+
+def _assert_exact_epochs(ledger) -> None:
+    assert [r[0] for r in ledger[0]] == list(range(1, EPOCHS * STEPS + 1)), "rank 0: steps missing or repeated"
+    for rank, rows in ledger.items():
+        assert [r[0] for r in rows] == list(range(1, len(rows) + 1)), f"rank {rank}: steps missing or repeated"
+    for epoch in range(EPOCHS):
+        ids = sorted(i for rows in ledger.values() for _, e, batch in rows if e == epoch for i in batch)
+        assert ids == list(range(TRAIN_SIZE)), f"epoch {epoch}: a sample was skipped or seen twice"
+
+
+def test_short_run_learns_and_writes_its_files(runs):
+    ref, out = runs["ref"], runs["root"] / "ref"
+    accuracy = float(re.search(r"test accuracy: ([0-9.]+) \((\d+)/(\d+)", ref.stdout).group(1))
+    assert accuracy >= 0.9, ref.stdout  # two epochs of one-cycle on 1440 digits (the default ten reach ~0.99)
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["test_samples"] == train.TEST_SIZE  # 357 over 2 ranks: no padded duplicate counted
+    assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert _load(out)[1] == EPOCHS * STEPS
+    assert len(re.findall(r"epoch 1/2:\s+0%", ref.stderr)) == 1  # one progress bar: rank 0's
+    _assert_exact_epochs(_ledger(out))
+
+
+def test_sigkill_then_resume_is_exact(runs):
+    killed = runs["killed"]
+    assert killed.returncode != 0, "the run with a SIGKILLed worker reported success"
+    assert runs["saved_step"] == KILL // EVERY * EVERY  # the kill lost the steps after the last checkpoint
+    ref, _ = _load(runs["root"] / "ref")
+    got, _ = _load(runs["root"] / "resume")
+    for name in ref:
+        assert torch.equal(ref[name], got[name]), f"{name} differs from the uninterrupted run"
+    ledger = _ledger(runs["root"] / "resume")
+    _assert_exact_epochs(ledger)
+    assert ledger == _ledger(runs["root"] / "ref")
+
+
+def test_max_restarts_recovers_from_sigkill_exactly(runs):
+    out = runs["root"] / "restart"
+    assert (out / f"killed-at-step-{KILL}").exists(), "the worker was never killed"
+    ref, _ = _load(runs["root"] / "ref")
+    got, _ = _load(out)
+    for name in ref:
+        assert torch.equal(ref[name], got[name]), f"{name} differs from the uninterrupted run"
+    ledger = _ledger(out)
+    _assert_exact_epochs(ledger)
+    assert ledger == _ledger(runs["root"] / "ref")
+
+
+def test_resume_on_another_world_size_trains_each_sample_once(runs):
+    # 2 ranks until the kill, then 1: the sampler re-splits the rest of the epoch; parameters may differ in the
+    # last bits (other sums), the data may not.
+    ledger = _ledger(runs["root"] / "one")
+    assert len(ledger[1]) == runs["saved_step"]  # rank 1's lost steps were rolled back with the checkpoint
+    _assert_exact_epochs(ledger)
+    assert "test accuracy" in runs["one"].stdout
+
+
+def test_bad_run_directory_is_refused(tmp_path, capsys):
+    parser = cli.build_parser()
+    assert cli.main(["train", "--out", str(tmp_path), "--resume"]) == 2
+    assert f"no checkpoint at {tmp_path / train.CHECKPOINT}" in capsys.readouterr().err
+    (tmp_path / train.CHECKPOINT).write_bytes(b"")
+    assert cli.main(["train", "--out", str(tmp_path)]) == 2
+    assert "already holds checkpoint.pt" in capsys.readouterr().err
+    assert train_cli.main(parser.parse_args(["train", "--devices", "3", "--batch-size", "64"])) == 2
+    assert "does not split evenly" in capsys.readouterr().err
