@@ -14,6 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .._core.devices import accelerator_type
+from .._core.group import require_initialized
 from .shm.host import host_key
 from .shm.transport import ShmTransport
 from .store import group_store
@@ -37,13 +39,11 @@ def select_transport(group: Any = None, transport: str | None = None, device: An
         transport, source = os.environ.get(ENV_VAR) or None, ENV_VAR
     if transport not in (None, "torch", "shm"):
         raise ValueError(f"{source} must be 'torch' or 'shm', got {transport!r}")
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError("choosing a transport needs an initialised process group: call "
-                           "fanfold.distributed.init_process_group() first (under `fanfold run` or fanfold.launch)")
+    require_initialized("choosing a transport")
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     store = group_store(group, "select", rank)
     local = platform.machine().lower() in ("x86_64", "amd64") and "nccl" not in dist.get_backend(group) and (
-        torch.device(device).type == "cpu" if device is not None else not torch.cuda.is_available())
+        torch.device(device).type == "cpu" if device is not None else accelerator_type() is None)
     store.set(str(rank), json.dumps([transport, host_key(), local]))
     store.wait([str(r) for r in range(world_size)])  # bounded by the store's (the process group's) timeout
     views = [json.loads(store.get(str(r))) for r in range(world_size)]

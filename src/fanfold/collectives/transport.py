@@ -30,6 +30,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .._core.group import require_initialized
+
 __all__ = ["TorchTransport", "DividedWork", "issue_all_reduce", "all_gather_rows", "all_gather_bytes"]
 
 
@@ -37,11 +39,7 @@ class TorchTransport:
     """The transport interface on a torch.distributed process group (``group=None``: the default group)."""
 
     def __init__(self, group: Any = None):
-        if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError(
-                "TorchTransport needs an initialised process group: call fanfold.distributed.init_process_group() "
-                "first (under `fanfold run` or fanfold.launch)"
-            )
+        require_initialized("TorchTransport")
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)

@@ -14,6 +14,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .._core.devices import accelerator_type
+from .._core.group import is_initialized, rank_world
+
 __all__ = [
     "init_process_group",
     "destroy_process_group",
@@ -27,14 +30,6 @@ __all__ = [
 ]
 
 _REQUIRED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-
-
-def _accelerator() -> str | None:
-    """The accelerator type this process can use ("cuda", "xpu", ...) or None on a CPU-only machine."""
-    acc = getattr(torch, "accelerator", None)
-    if acc is not None and acc.is_available():
-        return acc.current_accelerator().type
-    return "cuda" if torch.cuda.is_available() else None
 
 
 def _env_int(name: str) -> int:
@@ -69,7 +64,7 @@ def init_process_group(backend: str | None = None, timeout: timedelta | float = 
     r, n, lr = _env_int("RANK"), _env_int("WORLD_SIZE"), _env_int("LOCAL_RANK")
     if not 0 <= r < n:
         raise RuntimeError(f"RANK={r} is outside WORLD_SIZE={n}")
-    acc = _accelerator()
+    acc = accelerator_type()
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     dev = torch.device("cpu")
@@ -87,22 +82,18 @@ def init_process_group(backend: str | None = None, timeout: timedelta | float = 
 
 def destroy_process_group() -> None:
     """Leave the default process group; a no-op when none is initialised."""
-    if dist.is_available() and dist.is_initialized():
+    if is_initialized():
         dist.destroy_process_group()
-
-
-def is_initialized() -> bool:
-    return dist.is_available() and dist.is_initialized()
 
 
 def rank() -> int:
     """Global rank: from the process group, else $RANK, else 0."""
-    return dist.get_rank() if is_initialized() else int(os.environ.get("RANK", 0))
+    return rank_world()[0]
 
 
 def world_size() -> int:
     """Number of processes: from the process group, else $WORLD_SIZE, else 1."""
-    return dist.get_world_size() if is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+    return rank_world()[1]
 
 
 def local_rank() -> int:
@@ -123,7 +114,7 @@ def barrier() -> None:
 
 def device() -> torch.device:
     """This process's device: the local-rank accelerator when one is available, else the CPU."""
-    acc = _accelerator()
+    acc = accelerator_type()
     if acc is None:
         return torch.device("cpu")
     return torch.device(acc, local_rank())

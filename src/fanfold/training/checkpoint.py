@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .._core.group import rank_world
 from .._core.prefixes import drop_orig_mod, unwrap_module
 from .keys import match_keys, unwrap_state_dict
 from .rng import get_rng_state, set_rng_state
@@ -65,9 +66,7 @@ def _check_state(state: Any) -> None:
 
 
 def _dist() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+    return rank_world(from_env=False)  # a process with $RANK but no group saves alone
 
 
 def _payload(state: Mapping[str, Any], rngs: list, world: int) -> dict:

@@ -8,7 +8,6 @@ per-rank results of an evaluation pass back in dataset order, each sample once. 
 """
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator, Sized
 from typing import Any
 
@@ -16,13 +15,13 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
+from .._core.group import rank_world
+
 __all__ = ["DistributedSampler", "gather_evaluation"]
 
 
 def _world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    return rank_world()
 
 
 class DistributedSampler(Sampler[int]):
@@ -167,7 +166,7 @@ def gather_evaluation(values: torch.Tensor, sampler: DistributedSampler) -> torc
         raise TypeError(f"values must be a tensor with one row per sample, got {type(values).__name__}")
     if not isinstance(sampler, DistributedSampler):
         raise TypeError(f"sampler must be a fanfold.data.DistributedSampler, got {type(sampler).__name__}")
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    world = rank_world(from_env=False)[1]
     if world != sampler.num_replicas:
         raise ValueError(f"the sampler splits over {sampler.num_replicas} replicas, the process group has {world}")
     if not sampler._iterated:

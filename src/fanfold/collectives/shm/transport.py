@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..._core.group import require_initialized
 from ..store import group_store
 from ..timeouts import ENV_VAR as STALL_ENV_VAR
 from ..timeouts import resolve_stall_timeout
@@ -83,9 +84,7 @@ class ShmTransport:
 
     def __init__(self, group: Any = None, timeout: float | timedelta | None = None, *, chunk_bytes: int = 1 << 20,
                  direct_bytes: int | None = None, peer_read: bool | None = None):
-        if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError("ShmTransport needs an initialised process group: call "
-                               "fanfold.distributed.init_process_group() first (under `fanfold run` or fanfold.launch)")
+        require_initialized("ShmTransport")
         if chunk_bytes < 4096 or chunk_bytes % 4096:
             raise ValueError(f"chunk_bytes must be a positive multiple of 4096, got {chunk_bytes!r}")
         self.group = group
