@@ -70,7 +70,3 @@ def default_device_ids() -> list[int]:
         return []
     return list(range(torch.accelerator.device_count()))
 
-
-def same_device(a: torch.device, b: torch.device) -> bool:
-    """True when the tensors on ``a`` and ``b`` live on the same device (spelling differences ignored)."""
-    return normalize_device(a) == normalize_device(b)
