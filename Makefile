@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: run test demo bench clean
+.PHONY: run test demo bench conformance gpu-check clean
 
 $(STAMP): requirements.txt pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -23,6 +23,15 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/dp_overhead.py
+
+# torch's own DDP tests with torch's DDP and with fanfold's (CPU, gloo, 2 ranks) -> docs/conformance.md; not in `test`
+conformance: $(STAMP)
+	$(BIN)/python conformance/run.py
+
+# on a CUDA machine: the gpu-marked tests, then benchmarks/gpu.py -> docs/gpu.md
+gpu-check: $(STAMP)
+	$(BIN)/python -m pytest -q -m gpu
+	$(BIN)/python benchmarks/gpu.py
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info
