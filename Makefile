@@ -28,10 +28,9 @@ bench: $(STAMP)
 conformance: $(STAMP)
 	$(BIN)/python conformance/run.py
 
-# on a CUDA machine: the gpu-marked tests, then benchmarks/gpu.py -> docs/gpu.md
+# on a CUDA machine: the gpu-marked tests (pytest -m gpu), then benchmarks/gpu.py -> docs/gpu.md
 gpu-check: $(STAMP)
-	$(BIN)/python -m pytest -q -m gpu
-	$(BIN)/python benchmarks/gpu.py
+	$(BIN)/python benchmarks/gpu.py --with-tests
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info
