@@ -70,6 +70,24 @@ def _reason(test: str, torch_o: Outcome | None, fanfold_o: Outcome | None) -> st
     return "not investigated yet"
 
 
+HOW_TO_RUN = [
+    "- `make conformance` (`python conformance/run.py`): select, check the patching, run both ways, write this page. "
+    "`--only TEST ...` runs some tests; `--report-only` rewrites the page from the last results (after editing "
+    "`conformance/reasons.py`); `FANFOLD_TRANSPORT=torch make conformance` runs fanfold over gloo instead of shared "
+    "memory.",
+    "- Raw results and logs: `build/conformance/` (`torch.jsonl`, `fanfold.jsonl` with each test's traceback; "
+    "`*.log` with the ranks' output), not in git.",
+    "- Rank processes are forked from a forkserver that imported torch and the suite once (`--start-method "
+    "forkserver`, the default); `--start-method spawn` starts each rank as torch's own driver does, a fresh "
+    "interpreter per rank and test, which on 2 cores costs 5 to 15 s of imports per test, skipped ones included.",
+    "- Bounds: each test has `--timeout` seconds (150; torch's harness then terminates its ranks); the runner kills "
+    "the driver's whole process group 60 s after that, records a timeout and goes on with the next test in a new "
+    "driver. The driver runs in its own session and that group is killed when it ends: no rank outlives the run.",
+    "- Without GPUs most of the suite skips. On a machine with GPUs the same command runs the GPU tests with gloo; "
+    "torch's harness skips every test when there are fewer GPUs than ranks (2).",
+]
+
+
 def _md(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
@@ -144,6 +162,7 @@ def write_page(page: Path, meta: dict, selected: list[str], outcomes: dict[str, 
         out.append("None: every test has the same result with both.")
     out += ["", "## Every test", "", "| test | torch | fanfold |", "| --- | --- | --- |"]
     out += [f"| `{n}` | {_cell(t.get(n), why=True)} | {_cell(f.get(n))} |" for n in tests]
+    out += ["", "## How to run", "", *HOW_TO_RUN]
     failing = [n for n in tests if n in f and f[n].status in ("fail", "timeout")]
     if failing:
         out += ["", "## fanfold's errors, as the ranks raised them", ""]

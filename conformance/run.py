@@ -56,9 +56,11 @@ def _log_tail(log: Path, lines: int = 15) -> str:
     return "\n".join(log.read_text(errors="replace").splitlines()[-lines:]) if log.exists() else ""
 
 
-def run_tests(impl: str, tests: list[str], stem: Path, timeout: int, start_method: str) -> dict[str, Outcome]:
-    """Run ``tests`` with ``impl``'s DDP in as many driver processes as it takes, recording into ``stem``.jsonl
-    (and the drivers' output into ``stem``.log); one Outcome per test."""
+def run_tests(impl: str, tests: list[str], stem: Path, timeout: int, start_method: str, driver: Path = DRIVER,
+              grace: float = GRACE) -> dict[str, Outcome]:
+    """Run ``tests`` with ``impl``'s DDP in as many ``driver`` processes as it takes, recording into ``stem``.jsonl
+    (and the drivers' output into ``stem``.log); one Outcome per test. A test still running ``timeout + grace``
+    seconds after it started is recorded as a timeout and its driver's process group killed."""
     results, log = stem.with_suffix(".jsonl"), stem.with_suffix(".log")
     results.unlink(missing_ok=True)
     log.unlink(missing_ok=True)
@@ -67,7 +69,7 @@ def run_tests(impl: str, tests: list[str], stem: Path, timeout: int, start_metho
     env.setdefault("FANFOLD_STALL_TIMEOUT", "60")
     done: dict[str, Outcome] = {}
     while remaining := [t for t in tests if t not in done]:
-        cmd = [sys.executable, str(DRIVER), "--ddp", impl, "--results", str(results), "--timeout", str(timeout),
+        cmd = [sys.executable, str(driver), "--ddp", impl, "--results", str(results), "--timeout", str(timeout),
                "--start-method", start_method, *remaining]
         with open(log, "a") as log_file:
             proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
@@ -77,9 +79,9 @@ def run_tests(impl: str, tests: list[str], stem: Path, timeout: int, start_metho
             while proc.poll() is None:
                 time.sleep(1)
                 current, since = _progress(results, done, current, since)
-                if current is not None and time.monotonic() - since > timeout + GRACE:
+                if current is not None and time.monotonic() - since > timeout + grace:
                     _record(results, done, Outcome(current, "timeout", round(time.monotonic() - since),
-                                                   f"killed by the runner after {timeout + GRACE} s (the harness's "
+                                                   f"killed by the runner after {timeout + grace:g} s (the harness's "
                                                    f"own {timeout} s bound did not end it)"))
                     break
         finally:

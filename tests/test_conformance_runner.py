@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -91,6 +92,49 @@ def test_rank_processes_see_fanfolds_class(tmp_path):
     assert proc.returncode == 0 and len(outcome) == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert outcome[0]["test"] == "SelfCheck.test_ddp_names_in_rank"
     assert outcome[0]["status"] == "pass", outcome[0]["detail"]
+
+
+FAKE_DRIVER = textwrap.dedent('''
+    """Stands in for driver.py: "hang" starts a grandchild and sleeps, "crash" exits, any other test passes."""
+    import argparse, json, os, subprocess, sys, time
+    p = argparse.ArgumentParser()
+    for flag in ("--ddp", "--results", "--timeout", "--start-method"):
+        p.add_argument(flag)
+    p.add_argument("tests", nargs="+")
+    args = p.parse_args()
+    def write(record):
+        with open(args.results, "a") as f:
+            f.write(json.dumps(record) + "\\n")
+    for test in args.tests:
+        write({"test": test, "event": "start"})
+        if test == "hang":
+            child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+            open(os.environ["FAKE_PID_FILE"], "w").write(str(child.pid))
+            time.sleep(600)
+        if test == "crash":
+            print("dying now", flush=True)
+            os._exit(3)
+        write({"test": test, "status": "pass", "seconds": 0.0, "detail": ""})
+''')
+
+
+def test_runner_bounds_a_hanging_test_survives_a_crash_and_leaves_no_process(tmp_path, monkeypatch):
+    run = _load("run")
+    driver = tmp_path / "fake_driver.py"
+    driver.write_text(FAKE_DRIVER)
+    monkeypatch.setenv("FAKE_PID_FILE", str(tmp_path / "pid"))
+    outcomes = run.run_tests("fanfold", ["a", "hang", "crash", "b"], tmp_path / "fanfold", timeout=1,
+                             start_method="spawn", driver=driver, grace=1)
+    assert {n: o.status for n, o in outcomes.items()} == {"a": "pass", "hang": "timeout", "crash": "fail", "b": "pass"}
+    assert "killed by the runner" in outcomes["hang"].detail
+    assert "exited with 3" in outcomes["crash"].detail and "dying now" in outcomes["crash"].detail
+    grandchild = int((tmp_path / "pid").read_text())
+    with pytest.raises(ProcessLookupError):  # killed with the driver's process group, and reaped by init
+        for _ in range(50):
+            os.kill(grandchild, 0)
+            time.sleep(0.1)
+    recorded = [json.loads(line) for line in (tmp_path / "fanfold.jsonl").read_text().splitlines()]
+    assert [r["test"] for r in recorded if "status" in r] == ["a", "hang", "crash", "b"]
 
 
 HARNESS_REPORT = """Traceback (most recent call last):
