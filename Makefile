@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: run test lint demo bench clean
+.PHONY: run test lint demo bench conformance gpu-check clean
 
 $(STAMP): requirements.txt pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -24,10 +24,18 @@ test: lint
 # The layering (import-linter contracts in pyproject.toml) and ruff's lint; part of `make test`.
 lint: $(STAMP)
 	$(BIN)/lint-imports --no-cache
-	$(BIN)/ruff check src tests benchmarks examples
+	$(BIN)/ruff check src tests benchmarks examples conformance
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/dp_overhead.py
+
+# torch's own DDP tests with torch's DDP and with fanfold's (CPU, gloo, 2 ranks) -> docs/conformance.md; not in `test`
+conformance: $(STAMP)
+	$(BIN)/python conformance/run.py
+
+# on a CUDA machine: the gpu-marked tests (pytest -m gpu), then benchmarks/gpu.py -> docs/gpu.md
+gpu-check: $(STAMP)
+	$(BIN)/python benchmarks/gpu.py --with-tests
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info runs

@@ -1,0 +1,165 @@
+"""`make conformance`: torch's own DDP tests, with torch's DDP and then with fanfold's, into docs/conformance.md.
+
+    python conformance/run.py                       # select, run twice, write docs/conformance.md
+    python conformance/run.py --only test_ddp_logging_data_cpu test_DistributedDataParallelCPU
+    python conformance/run.py --report-only         # rewrite the page from the last run's results
+
+Selects the DDP-related tests of torch's ``DistributedTest._DistTestBase`` (``selection.py``), checks the patching
+from inside a rank process (``driver.py``'s ``SelfCheck``), then runs the list with ``driver.py --ddp torch`` and
+``driver.py --ddp fanfold`` (CPU, gloo, 2 ranks). Raw results and logs go to ``build/conformance/`` (not in git).
+
+Every test is bounded twice: by the harness (``--timeout``, it terminates the test's rank processes) and by this
+runner, which kills the driver's whole process group when a test overruns by a minute more, records a timeout and
+starts a new driver on the remaining tests. The driver runs in its own session and that process group is killed when
+the driver ends, so no rank process outlives the run.
+
+Layer: a tool beside the package: selection.py and driver.py below it, reasons.py (the investigated causes) and
+report.py (the page) beside it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from report import Outcome, write_page
+from selection import ddp_tests
+
+ROOT = Path(__file__).resolve().parents[1]
+DRIVER = Path(__file__).with_name("driver.py")
+GRACE = 60  # seconds the runner adds to the harness's own per-test bound before killing the driver
+SELF_CHECK = "SelfCheck.test_ddp_names_in_rank"
+
+
+def _records(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    lines = path.read_text().splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """Kill the driver's process group (its rank processes and multiprocessing helpers with it)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def _log_tail(log: Path, lines: int = 15) -> str:
+    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:]) if log.exists() else ""
+
+
+def run_tests(impl: str, tests: list[str], stem: Path, timeout: int, start_method: str, driver: Path = DRIVER,
+              grace: float = GRACE) -> dict[str, Outcome]:
+    """Run ``tests`` with ``impl``'s DDP in as many ``driver`` processes as it takes, recording into ``stem``.jsonl
+    (and the drivers' output into ``stem``.log); one Outcome per test. A test still running ``timeout + grace``
+    seconds after it started is recorded as a timeout and its driver's process group killed."""
+    results, log = stem.with_suffix(".jsonl"), stem.with_suffix(".log")
+    results.unlink(missing_ok=True)
+    log.unlink(missing_ok=True)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")])))
+    # the suite's process groups time out after 60 s (distributed_test.default_pg_timeout): the same for fanfold's
+    env.setdefault("FANFOLD_STALL_TIMEOUT", "60")
+    done: dict[str, Outcome] = {}
+    while remaining := [t for t in tests if t not in done]:
+        cmd = [sys.executable, str(driver), "--ddp", impl, "--results", str(results), "--timeout", str(timeout),
+               "--start-method", start_method, *remaining]
+        with open(log, "a") as log_file:
+            proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                                    start_new_session=True)
+        current, since = None, time.monotonic()
+        try:
+            while proc.poll() is None:
+                time.sleep(1)
+                current, since = _progress(results, done, current, since)
+                if current is not None and time.monotonic() - since > timeout + grace:
+                    _record(results, done, Outcome(current, "timeout", round(time.monotonic() - since),
+                                                   f"killed by the runner after {timeout + grace:g} s (the harness's "
+                                                   f"own {timeout} s bound did not end it)"))
+                    break
+        finally:
+            _kill_group(proc)
+        current, _ = _progress(results, done, current, since)
+        if current is not None and current not in done:  # the driver died inside a test
+            _record(results, done, Outcome(current, "fail", 0, f"the driver exited with {proc.returncode} inside "
+                                           f"this test; its log ends:\n{_log_tail(log)}"))
+        elif current is None and remaining == [t for t in tests if t not in done]:
+            raise RuntimeError(f"the {impl} driver ran no test (exit {proc.returncode}); its log {log} ends:\n"
+                               f"{_log_tail(log)}")
+    return done
+
+
+def _record(results: Path, done: dict[str, Outcome], outcome: Outcome) -> None:
+    """An outcome the runner decided (the driver could not write it): kept with the driver's."""
+    done[outcome.test] = outcome
+    with open(results, "a") as f:
+        f.write(json.dumps(outcome.as_record()) + "\n")
+
+
+def _progress(results: Path, done: dict[str, Outcome], current: str | None, since: float) -> tuple:
+    """Fold new records into ``done``; the test now running (None when none) and since when it runs."""
+    started = None
+    for r in _records(results):
+        if "event" in r:
+            started = r["test"]
+        elif r["test"] not in done:
+            done[r["test"]] = Outcome.from_record(r)
+    running = started if started is not None and started not in done else None
+    if running != current:
+        since = time.monotonic()
+    return running, since
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", nargs="+", metavar="TEST", help="run these tests instead of the whole selection")
+    parser.add_argument("--timeout", type=int, default=150, help="seconds per test (default 150)")
+    parser.add_argument("--start-method", choices=("forkserver", "spawn"), default="forkserver",
+                        help="how rank processes start (driver.py; default forkserver)")
+    parser.add_argument("--out", type=Path, default=ROOT / "build" / "conformance", help="raw results and logs")
+    parser.add_argument("--page", type=Path, default=ROOT / "docs" / "conformance.md")
+    parser.add_argument("--report-only", action="store_true", help="rewrite the page from the last results")
+    args = parser.parse_args(argv)
+    selected = ddp_tests()
+    tests = args.only or selected
+    unknown = sorted(set(tests) - set(selected))
+    if unknown:
+        raise SystemExit(f"not in the DDP selection: {unknown}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    runs = args.out / "runs.json"
+    if args.report_only:
+        if not runs.exists():
+            raise SystemExit(f"no results in {args.out}: run without --report-only first")
+        meta = json.loads(runs.read_text())
+    else:
+        meta = {"command": " ".join(["python", "conformance/run.py", *(argv if argv is not None else sys.argv[1:])]),
+                "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "tests": tests, "seconds": {},
+                "start_method": args.start_method, "transport": os.environ.get("FANFOLD_TRANSPORT") or "default"}
+        for impl in ("torch", "fanfold"):
+            check = run_tests(impl, [SELF_CHECK], args.out / f"selfcheck-{impl}", args.timeout, args.start_method)
+            if check[SELF_CHECK].status != "pass":
+                raise SystemExit(f"the self-check failed with {impl}'s DDP (see {args.out}/selfcheck-{impl}.log):\n"
+                                 f"{check[SELF_CHECK].detail}")
+        for impl in ("torch", "fanfold"):
+            t0 = time.monotonic()
+            outcomes = run_tests(impl, tests, args.out / impl, args.timeout, args.start_method)
+            meta["seconds"][impl] = round(time.monotonic() - t0)
+            print(f"{impl}: " + ", ".join(f"{s} {sum(o.status == s for o in outcomes.values())}"
+                                          for s in ("pass", "fail", "timeout", "skip")), flush=True)
+        runs.write_text(json.dumps(meta, indent=1))
+    outcomes = {impl: {r["test"]: Outcome.from_record(r) for r in _records(args.out / f"{impl}.jsonl") if "status" in r}
+                for impl in ("torch", "fanfold")}
+    write_page(args.page, meta, selected, outcomes)
+    print(f"wrote {args.page}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
