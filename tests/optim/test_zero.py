@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import fanfold
-from fanfold.optim.layout import pieces_of, plan_spaces
+from fanfold.optim.layout import pieces_of, plan_spaces, spans
 
 
 def _model():
@@ -39,6 +39,17 @@ def test_layout_equal_contiguous_slices_cover_every_element_once(world):
             assert [pc.offset for pc in pcs] == [sum(q.numel for q in pcs[:k]) for k in range(len(pcs))]
     for i, ranges in seen.items():
         assert sorted(ranges)[0][0] == 0 and sum(b - a for a, b in ranges) == max(params[i].numel(), 1)
+
+
+def test_spans_map_flat_ranges_to_parameter_elements():
+    params = [torch.zeros(3, 4), torch.zeros(0), torch.zeros(5), torch.zeros(7)]
+    space = plan_spaces(params, 2)[0]
+    numels = [p.numel() for p in params]
+    assert spans(space, numels, 10, 19) == [(0, 10, 12, 0), (2, 0, 5, 2), (3, 0, 2, 7)]
+    assert spans(space, numels, 24, 30) == []
+    for lo in range(24):
+        for hi in range(lo, 25):
+            assert sum(b - a for _, a, b, _ in spans(space, numels, lo, hi)) == hi - lo
 
 
 @pytest.mark.parametrize("cls,kw", [(torch.optim.SGD, dict(lr=0.1, momentum=0.9, nesterov=True)),

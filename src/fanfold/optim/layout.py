@@ -7,11 +7,12 @@ parameter inside one slice is a :class:`Piece`. Pure arithmetic, no collective; 
 """
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Piece", "Space", "plan_spaces", "pieces_of"]
+__all__ = ["Piece", "Space", "plan_spaces", "pieces_of", "spans"]
 
 
 @dataclass(frozen=True)
@@ -79,4 +80,18 @@ def pieces_of(spaces: list[Space], params: list[torch.Tensor], groups: list[int]
             a, b = max(lo, start), min(hi, start + params[i].numel())
             if a < b:
                 out.append(Piece(i, groups[i], s, a - start, b - start, a - lo))
+    return out
+
+
+def spans(space: Space, numels: list[int], lo: int, hi: int) -> list[tuple[int, int, int, int]]:
+    """The parameters under flat positions ``lo:hi`` of ``space``: ``(index, a, b, at)`` for parameter ``index``'s
+    flat elements ``a:b``, found at ``at`` from ``lo``."""
+    out = []
+    k = max(0, bisect_right(space.starts, lo) - 1)
+    while k < len(space.indices) and space.starts[k] < hi:
+        start, i = space.starts[k], space.indices[k]
+        a, b = max(lo, start), min(hi, start + numels[i])
+        if a < b:
+            out.append((i, a - start, b - start, a - lo))
+        k += 1
     return out

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .layout import Piece, pieces_of, plan_spaces
+from .layout import Piece, pieces_of, plan_spaces, spans
 from .shard_state import PieceState, assemble, cut
 
 __all__ = ["ZeroRedundancyOptimizer"]
@@ -23,12 +23,20 @@ __all__ = ["ZeroRedundancyOptimizer"]
 # torch optimizers whose update of one element depends on other elements of the same parameter (matrix
 # factorisations, line searches, sparse rows): a slice of a parameter would not step as the whole parameter does.
 _NOT_ELEMENTWISE = ("LBFGS", "SparseAdam", "Adafactor", "Muon")
+# Elements received per all-gather round after a step (all ranks' parts together): the step's extra memory.
+GATHER_ELEMENTS = 1 << 22
 
 
 def _rank_world(group: Any) -> tuple[int, int]:
     if group is None and not (dist.is_available() and dist.is_initialized()):
         return 0, 1
     return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _all_gather_single(out: torch.Tensor, send: torch.Tensor, group: Any) -> None:
+    # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single; older torch has only the first.
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, send, group=group)
 
 
 class ZeroRedundancyOptimizer(torch.optim.Optimizer):
@@ -147,18 +155,30 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def _gather_params(self) -> None:
+        """Every rank's updated slice to every rank, in rounds of at most ``GATHER_ELEMENTS`` received elements, so
+        that a step needs one bucket of extra memory rather than a copy of the model."""
         if self.world_size == 1:
             return
-        for s, space in enumerate(self._spaces):
-            send = torch.zeros(space.shard, dtype=space.dtype, device=space.device)
-            for pc, v in zip(self._pieces, self._views):
-                if pc.space == s:
-                    send[pc.offset:pc.offset + pc.numel].copy_(v)
-            out = torch.empty(space.shard * self.world_size, dtype=space.dtype, device=space.device)
-            dist.all_gather_into_tensor(out, send, group=self.process_group)
-            for i, start in zip(space.indices, space.starts):
-                p = self._params[i]
-                p.detach().view(-1).copy_(out[start:start + p.numel()])
+        n, numels = self.world_size, [p.numel() for p in self._params]
+        flat = [p.detach().view(-1) for p in self._params]
+        for space in self._spaces:
+            width = max(1, min(space.shard, -(-GATHER_ELEMENTS // n)))
+            send = torch.empty(width, dtype=space.dtype, device=space.device)
+            out = torch.empty(width * n, dtype=space.dtype, device=space.device)
+            for lo in range(0, space.shard, width):
+                w = min(width, space.shard - lo)
+                mine = self.rank * space.shard + lo
+                if mine + w > space.total:
+                    send.zero_()  # the last slices are padded to equal size
+                for i, a, b, at in spans(space, numels, mine, mine + w):
+                    send[at:at + b - a].copy_(flat[i][a:b])
+                _all_gather_single(out[:w * n], send[:w], self.process_group)
+                for q in range(n):
+                    if q == self.rank:
+                        continue  # stepped in place already
+                    base = q * space.shard + lo
+                    for i, a, b, at in spans(space, numels, base, base + w):
+                        flat[i][a:b].copy_(out[q * w + at:q * w + at + b - a])
 
     # ---- state ------------------------------------------------------------------------------------------------
     def _records(self) -> list[PieceState]:
