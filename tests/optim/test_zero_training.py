@@ -117,12 +117,27 @@ def _three_ranks(path):
     fanfold.optim.zero.GATHER_ELEMENTS = 999
     out = {name: _train_plain(name) for name in OPTS}
     out["resumed"] = _train_plain("adam", path)
+    out["tiny"] = _tiny(zero=True)
     wrong = torch.nn.Linear(4, 3 if dist.get_rank() == 2 else 2)
     try:
         fanfold.ZeroRedundancyOptimizer(wrong.parameters(), torch.optim.Adam)
     except ValueError as exc:
         out["mismatch"] = str(exc)
     return out
+
+
+def _tiny(zero):
+    """Two elements over three ranks: the last rank's slice is empty. (final parameter, state dict, pieces)"""
+    p = torch.nn.Parameter(torch.tensor([1.0, 2.0], dtype=torch.float64))
+    kw = dict(lr=0.5, momentum=0.9)
+    opt = fanfold.ZeroRedundancyOptimizer([p], torch.optim.SGD, **kw) if zero else torch.optim.SGD([p], **kw)
+    for k in range(2):
+        p.grad = torch.tensor([1.0, -3.0 + k], dtype=torch.float64)
+        opt.step()
+    if not zero:
+        return p.detach().clone(), opt.state_dict(), 1
+    opt.consolidate_state_dict(to=0)
+    return p.detach().clone(), opt.state_dict() if dist.get_rank() == 0 else None, len(opt._pieces)
 
 
 @pytest.fixture(scope="module")
@@ -199,3 +214,13 @@ def test_saved_sharded_state_loads_into_plain_torch_optimizer(two_ranks, checkpo
 def test_parameters_differing_between_ranks_raise_on_every_rank(three_ranks):
     for r, res in enumerate(three_ranks):
         assert "rank 2's parameters differ from rank 0's" in res.get("mismatch", ""), r
+
+
+def test_a_rank_with_an_empty_slice(three_ranks):
+    want, want_sd, _ = _tiny(zero=False)
+    assert [res["tiny"][2] for res in three_ranks] == [1, 1, 0]
+    for res in three_ranks:
+        torch.testing.assert_close(res["tiny"][0], want, rtol=0, atol=0)
+    got_sd = three_ranks[0]["tiny"][1]
+    assert got_sd["param_groups"] == want_sd["param_groups"]
+    torch.testing.assert_close(got_sd["state"][0]["momentum_buffer"], want_sd["state"][0]["momentum_buffer"])

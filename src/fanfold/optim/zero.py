@@ -62,7 +62,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                              f"it cannot step slices of parameters")
         if parameters_as_bucket_view:
             raise ValueError("ZeroRedundancyOptimizer: parameters_as_bucket_view=True is not supported; fanfold "
-                             "gathers every rank's slice into one flat buffer per dtype already")
+                             "writes the gathered slices straight into the parameters already")
         if overlap_with_ddp:
             raise ValueError("ZeroRedundancyOptimizer: overlap_with_ddp=True is not supported by fanfold")
         self._ready = False
