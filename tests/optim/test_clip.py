@@ -18,12 +18,13 @@ def _grads(seed):
 
 @pytest.mark.parametrize("norm_type", [2.0, 1.0, 3.0, -1.5, math.inf, -math.inf])
 @pytest.mark.parametrize("max_norm", [0.1, 1e6])
-def test_unsharded_and_sharded_equal_torch(norm_type, max_norm):
+@pytest.mark.parametrize("foreach", [None, True])
+def test_unsharded_and_sharded_equal_torch(norm_type, max_norm, foreach):
     want_m, plain_m, zero_m = _grads(0), _grads(0), _grads(0)
     want = torch.nn.utils.clip_grad_norm_(want_m.parameters(), max_norm, norm_type)
-    got = fanfold.clip_grad_norm_(plain_m.parameters(), max_norm, norm_type)
+    got = fanfold.clip_grad_norm_(plain_m.parameters(), max_norm, norm_type, foreach=foreach)
     opt = fanfold.ZeroRedundancyOptimizer(zero_m.parameters(), torch.optim.SGD, lr=0.1)
-    sharded = fanfold.clip_grad_norm_(opt, max_norm, norm_type)
+    sharded = fanfold.clip_grad_norm_(opt, max_norm, norm_type, foreach=foreach)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     torch.testing.assert_close(sharded, want, rtol=1e-12, atol=0)
     for a, b, c in zip(want_m.parameters(), plain_m.parameters(), zero_m.parameters()):

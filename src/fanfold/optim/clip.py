@@ -59,6 +59,13 @@ def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0, er
         raise RuntimeError(f"clip_grad_norm_: the total norm of order {norm_type} of the gradients is {total.item()} "
                            f"(non-finite); pass error_if_nonfinite=False to clip anyway")
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for g in grads:
-        g.mul_(coef.to(g.dtype))
+    if foreach:  # torch's meaning: one fused multiply per (dtype, device) instead of one per tensor
+        same: dict = {}
+        for g in grads:
+            same.setdefault((g.dtype, g.device), []).append(g)
+        for (dtype, device), gs in same.items():
+            torch._foreach_mul_(gs, coef.to(dtype=dtype, device=device))
+    else:
+        for g in grads:
+            g.mul_(coef.to(dtype=g.dtype, device=g.device))
     return total.to(grads[0].dtype) if grads else total
