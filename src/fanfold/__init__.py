@@ -1,12 +1,13 @@
 """fanfold: data parallelism for PyTorch. Fan the batch out over devices or processes, fold results and gradients back.
 
 Public names only; the README's API list mirrors ``__all__``. The layers, top to bottom (each imports only those
-below it; checked by import-linter in ``make test``): ``cli`` > ``training`` > ``distributed`` | ``parallel`` >
-``collectives`` | ``launcher`` > ``_core``.
+below it; checked by import-linter in ``make test``): ``cli`` > ``training`` > ``optim`` > ``distributed`` |
+``parallel`` > ``collectives`` | ``launcher`` > ``_core``.
 """
 from .distributed.ddp import DDP, DistributedDataParallel
 from .distributed.stall import StallError
 from .launcher import WorkerError, launch, launch_script
+from .optim import ZeroRedundancyOptimizer, clip_grad_norm_
 from .parallel import (
                        DataParallel,
                        WorkerPool,
@@ -44,4 +45,6 @@ __all__ = [
     "CheckpointError",
     "DistributedSampler",
     "data",
+    "ZeroRedundancyOptimizer",
+    "clip_grad_norm_",
 ]

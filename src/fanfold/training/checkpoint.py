@@ -93,13 +93,20 @@ def save(path: str | os.PathLike, state: Mapping[str, Any]) -> None:
 
     Collective when a process group is initialised: every rank calls it; the ranks' RNG states are gathered to
     rank 0, which writes a temporary file in the same directory, fsyncs it, renames it over ``path`` and fsyncs the
-    directory; no rank returns before the file is in place. Wrappers (DataParallel, DDP, ``torch.compile``) are
-    unwrapped, so the model's keys carry no prefix. A value that is not a tensor or plain container raises
-    TypeError naming it (on rank 0; the other ranks raise RuntimeError naming rank 0).
+    directory; no rank returns before the file is in place. A sharded optimizer (``consolidate_state_dict``) is
+    consolidated on rank 0 and saved whole, so that it resumes at any world size. Wrappers (DataParallel, DDP,
+    ``torch.compile``) are unwrapped, so the model's keys carry no prefix. A value that is not a tensor or plain
+    container raises TypeError naming it (on rank 0; the other ranks raise RuntimeError naming rank 0).
     """
     path = Path(path)
     _check_state(state)
     rank, world = _dist()
+    for obj in state.values():
+        # A sharded optimizer (fanfold's or torch's ZeroRedundancyOptimizer) gathers its whole state on rank 0 first;
+        # every rank does this, in the state's order, since it is a collective. The file then holds the plain torch
+        # format, which loads at any world size and into a plain optimizer.
+        if callable(getattr(obj, "consolidate_state_dict", None)):
+            obj.consolidate_state_dict(to=0)
     rngs: list | None = [get_rng_state()]
     if world > 1:
         gathered = [None] * world if rank == 0 else None

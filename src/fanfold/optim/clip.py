@@ -1,0 +1,71 @@
+"""``clip_grad_norm_`` over gradients sharded across ranks: torch's function when nothing is sharded.
+
+With shards, each rank holds a disjoint part of the gradients; every p-norm combines from per-rank partial sums
+(``sum |g|^p``; max for inf, min for -inf), one all-reduce of a scalar. torch's 0-"norm" counts the *tensors*
+with a non-zero gradient, which slices of tensors cannot tell: refused when sharded. Part of ``fanfold.optim``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .zero import ZeroRedundancyOptimizer
+
+__all__ = ["clip_grad_norm_"]
+
+
+def _partial(norms: list[torch.Tensor], p: float) -> torch.Tensor:
+    if p == math.inf:
+        return torch.stack(norms).max() if norms else torch.zeros((), dtype=torch.float64)
+    if p == -math.inf:
+        return torch.stack(norms).min() if norms else torch.full((), math.inf, dtype=torch.float64)
+    return torch.stack([n ** p for n in norms]).sum() if norms else torch.zeros((), dtype=torch.float64)
+
+
+def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                    foreach: bool | None = None, *, process_group: Any = None) -> torch.Tensor:
+    """Clip gradients to a total ``norm_type``-norm of at most ``max_norm``; return the total norm (before clipping).
+
+    ``parameters`` is what ``torch.nn.utils.clip_grad_norm_`` takes (and then this *is* torch's function), or a
+    :class:`ZeroRedundancyOptimizer`: the norm is then taken over the whole model from each rank's slice of the
+    (averaged) gradients, and only this rank's slice is scaled, which is all its step reads. With ``process_group``
+    the given tensors' gradients are this rank's disjoint shard of the model's. Sharded calls are collectives.
+    """
+    if isinstance(parameters, ZeroRedundancyOptimizer):
+        grads, group, world = parameters._shard_grads(), parameters.process_group, parameters.world_size
+    elif process_group is not None:
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        grads, group = [p.grad for p in params if p.grad is not None], process_group
+        world = dist.get_world_size(group)
+    else:
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
+    p = float(norm_type)
+    if p == 0:
+        raise ValueError("clip_grad_norm_: norm_type=0 is not supported over sharded gradients (torch's 0-norm counts "
+                         "whole tensors with a non-zero gradient, which a rank holding slices cannot count)")
+    # Per-rank partial sums travel in float64 so that every rank sends the same dtype whatever its shard holds.
+    norms = [torch.linalg.vector_norm(g, p).to(torch.float64).cpu() for g in grads]
+    total = _partial(norms, p)
+    if world > 1:
+        op = dist.ReduceOp.MAX if p == math.inf else dist.ReduceOp.MIN if p == -math.inf else dist.ReduceOp.SUM
+        total = total.to(grads[0].device if grads else total.device)
+        dist.all_reduce(total, op=op, group=group)
+    if p not in (math.inf, -math.inf):
+        total = total ** (1.0 / p)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(f"clip_grad_norm_: the total norm of order {norm_type} of the gradients is {total.item()} "
+                           f"(non-finite); pass error_if_nonfinite=False to clip anyway")
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    if foreach:  # torch's meaning: one fused multiply per (dtype, device) instead of one per tensor
+        same: dict = {}
+        for g in grads:
+            same.setdefault((g.dtype, g.device), []).append(g)
+        for (dtype, device), gs in same.items():
+            torch._foreach_mul_(gs, coef.to(dtype=dtype, device=device))
+    else:
+        for g in grads:
+            g.mul_(coef.to(dtype=g.dtype, device=g.device))
+    return total.to(grads[0].dtype) if grads else total

@@ -1,0 +1,267 @@
+"""``ZeroRedundancyOptimizer``: any torch optimizer, its state sharded over the ranks of a process group (ZeRO-1).
+
+Shards are contiguous equal slices of a flat view of all parameters (``layout``), not whole parameters, so every
+rank holds ``1/N`` of the state whatever the parameter sizes. Each rank's inner optimizer (``.optim``, an instance
+of ``optimizer_class``) steps 1-D views of its slice of the parameters, in place; the updated slices are then
+all-gathered so that every rank holds the whole model again. As with torch's ``ZeroRedundancyOptimizer`` the
+gradients must already be averaged over the ranks (DistributedDataParallel does that). Part of ``fanfold.optim``:
+imports ``torch.distributed`` and the layout and state helpers beside it.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .layout import Piece, pieces_of, plan_spaces, spans
+from .shard_state import PieceState, assemble, cut
+
+__all__ = ["ZeroRedundancyOptimizer"]
+
+# torch optimizers whose update of one element depends on other elements of the same parameter (matrix
+# factorisations, line searches, sparse rows): a slice of a parameter would not step as the whole parameter does.
+_NOT_ELEMENTWISE = ("LBFGS", "SparseAdam", "Adafactor", "Muon")
+# Elements received per all-gather round after a step (all ranks' parts together): the step's extra memory.
+GATHER_ELEMENTS = 1 << 22
+
+
+def _rank_world(group: Any) -> tuple[int, int]:
+    if group is None and not (dist.is_available() and dist.is_initialized()):
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _all_gather_single(out: torch.Tensor, send: torch.Tensor, group: Any) -> None:
+    # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single; older torch has only the first.
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, send, group=group)
+
+
+class ZeroRedundancyOptimizer(torch.optim.Optimizer):
+    """Wrap ``optimizer_class(params, **defaults)`` so that each rank of ``process_group`` keeps and steps only its
+    ``1/N`` slice of the flat parameters, then all-gathers the updated parameters.
+
+    Every rank constructs it with the same parameters (checked: shapes, dtypes and groups) and calls ``step``,
+    ``consolidate_state_dict`` and ``add_param_group`` together (they are collectives). Gradients are used as they
+    are: average them over the ranks first (DistributedDataParallel does). Without an initialised process group it
+    runs as one rank. ``state_dict()`` returns what ``optimizer_class`` over the same parameters would, after
+    ``consolidate_state_dict(to=this rank)``; ``load_state_dict`` takes such a state (from any world size, or from a
+    plain torch optimizer) and keeps this rank's slice.
+    """
+
+    def __init__(self, params: Iterable, optimizer_class: type, process_group: Any = None,
+                 parameters_as_bucket_view: bool = False, overlap_with_ddp: bool = False, **defaults: Any):
+        if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+            raise TypeError(f"ZeroRedundancyOptimizer: optimizer_class must be a torch.optim.Optimizer subclass "
+                            f"(e.g. torch.optim.Adam), got {optimizer_class!r}")
+        bad = [n for n in _NOT_ELEMENTWISE if getattr(torch.optim, n, None) is optimizer_class]
+        if bad:
+            raise ValueError(f"ZeroRedundancyOptimizer: {bad[0]} does not update each element independently, so "
+                             f"it cannot step slices of parameters")
+        if parameters_as_bucket_view:
+            raise ValueError("ZeroRedundancyOptimizer: parameters_as_bucket_view=True is not supported; fanfold "
+                             "writes the gathered slices straight into the parameters already")
+        if overlap_with_ddp:
+            raise ValueError("ZeroRedundancyOptimizer: overlap_with_ddp=True is not supported by fanfold")
+        self._ready = False
+        self.process_group = process_group
+        self.rank, self.world_size = _rank_world(process_group)
+        self.optimizer_class = optimizer_class
+        self._user_defaults = dict(defaults)
+        self._consolidated: dict | None = None
+        self._consolidated_to: int | None = None
+        super().__init__(params, defaults)
+        self._check_same_params()
+        self._build()
+        self.defaults = dict(self.optim.defaults)
+        self._ready = True
+
+    # ---- layout -----------------------------------------------------------------------------------------------
+    def _check_same_params(self) -> None:
+        mine = [(g, tuple(p.shape), str(p.dtype)) for g, group in enumerate(self.param_groups) for p in group["params"]]
+        if self.world_size == 1:
+            return
+        every: list = [None] * self.world_size
+        dist.all_gather_object(every, mine, group=self.process_group)
+        for r, theirs in enumerate(every):
+            if theirs != every[0]:
+                diff = next((i for i, (a, b) in enumerate(zip(theirs, every[0])) if a != b), min(len(theirs),
+                                                                                                  len(every[0])))
+                show = lambda fp: fp[diff] if diff < len(fp) else "nothing"  # noqa: E731
+                raise ValueError(f"ZeroRedundancyOptimizer: rank {r}'s parameters differ from rank 0's ({len(theirs)} "
+                                 f"vs {len(every[0])} parameters; parameter {diff} as (group, shape, dtype): "
+                                 f"{show(theirs)} on rank {r}, {show(every[0])} on rank 0); every rank must pass the "
+                                 f"same parameters")
+
+    def _build(self) -> None:
+        """(Re)compute this rank's pieces and a fresh inner optimizer over 1-D views of them."""
+        self._params = [p for g in self.param_groups for p in g["params"]]
+        groups = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
+        for i, p in enumerate(self._params):
+            if not p.is_contiguous():
+                raise ValueError(f"ZeroRedundancyOptimizer: parameter {i} (shape {tuple(p.shape)}) is not contiguous; "
+                                 f"its slices cannot be viewed in place")
+        self._spaces = plan_spaces(self._params, self.world_size)
+        self._pieces: list[Piece] = pieces_of(self._spaces, self._params, groups, self.rank)
+        self._views = [self._params[pc.index].detach().view(-1)[pc.start:pc.stop] for pc in self._pieces]
+        inner = [{**{k: v for k, v in g.items() if k != "params"},
+                  "params": [v for pc, v in zip(self._pieces, self._views) if pc.group == gi]}
+                 for gi, g in enumerate(self.param_groups)]
+        self.optim = self.optimizer_class(inner, **self._user_defaults)
+        for g, ig in zip(self.param_groups, self.optim.param_groups):
+            for k, v in ig.items():
+                g.setdefault(k, v)
+
+    def _sync_hyper(self) -> None:
+        # LR schedulers and users change self.param_groups; the inner optimizer must step with those values.
+        for g, ig in zip(self.param_groups, self.optim.param_groups):
+            ig.update({k: v for k, v in g.items() if k != "params"})
+
+    def _shard_grads(self) -> list[torch.Tensor]:
+        """Point each piece's ``.grad`` at its slice of the parameter's gradient; return those slices."""
+        grads = []
+        for pc, v in zip(self._pieces, self._views):
+            p = self._params[pc.index]
+            if p.grad is None:
+                v.grad = None
+                continue
+            if p.grad.is_sparse:
+                raise RuntimeError(f"ZeroRedundancyOptimizer: parameter {pc.index} has a sparse gradient")
+            if not p.grad.is_contiguous():
+                p.grad = p.grad.contiguous()
+            v.grad = p.grad.view(-1)[pc.start:pc.stop]
+            grads.append(v.grad)
+        return grads
+
+    # ---- the step -----------------------------------------------------------------------------------------------
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """Step this rank's slice with the inner optimizer, then all-gather the parameters (collective)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._sync_hyper()
+        self._shard_grads()
+        try:
+            self.optim.step()
+        finally:
+            for v in self._views:  # a view would keep the whole gradient alive after zero_grad
+                v.grad = None
+        self._gather_params()
+        self._consolidated = None
+        return loss
+
+    @torch.no_grad()
+    def _gather_params(self) -> None:
+        """Every rank's updated slice to every rank, in rounds of at most ``GATHER_ELEMENTS`` received elements, so
+        that a step needs one bucket of extra memory rather than a copy of the model."""
+        if self.world_size == 1:
+            return
+        n, numels = self.world_size, [p.numel() for p in self._params]
+        flat = [p.detach().view(-1) for p in self._params]
+        for space in self._spaces:
+            width = max(1, min(space.shard, -(-GATHER_ELEMENTS // n)))
+            send = torch.empty(width, dtype=space.dtype, device=space.device)
+            out = torch.empty(width * n, dtype=space.dtype, device=space.device)
+            for lo in range(0, space.shard, width):
+                w = min(width, space.shard - lo)
+                mine = self.rank * space.shard + lo
+                if mine + w > space.total:
+                    send.zero_()  # the last slices are padded to equal size
+                for i, a, b, at in spans(space, numels, mine, mine + w):
+                    send[at:at + b - a].copy_(flat[i][a:b])
+                _all_gather_single(out[:w * n], send[:w], self.process_group)
+                for q in range(n):
+                    if q == self.rank:
+                        continue  # stepped in place already
+                    base = q * space.shard + lo
+                    for i, a, b, at in spans(space, numels, base, base + w):
+                        flat[i][a:b].copy_(out[q * w + at:q * w + at + b - a])
+
+    # ---- state ------------------------------------------------------------------------------------------------
+    def _records(self) -> list[PieceState]:
+        return [PieceState(pc.index, pc.start, pc.stop, dict(self.optim.state.get(v, {})))
+                for pc, v in zip(self._pieces, self._views)]
+
+    def _full_state_everywhere(self) -> dict[int, dict]:
+        every: list = [self._records()]
+        if self.world_size > 1:
+            every = [None] * self.world_size
+            dist.all_gather_object(every, self._records(), group=self.process_group)
+        return assemble([r for rs in every for r in rs], self._params)
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gather every rank's slice of the state on rank ``to`` of the group (collective: call it on every rank)."""
+        if not isinstance(to, int) or not 0 <= to < self.world_size:
+            raise ValueError(f"consolidate_state_dict: to={to!r} is not a rank of the group (0..{self.world_size - 1})")
+        every: list | None = [self._records()]
+        if self.world_size > 1:
+            every = [None] * self.world_size if self.rank == to else None
+            dst = to if self.process_group is None else dist.get_global_rank(self.process_group, to)
+            dist.gather_object(self._records(), every, dst=dst, group=self.process_group)
+        self._consolidated = assemble([r for rs in every for r in rs], self._params) if self.rank == to else None
+        self._consolidated_to = to
+
+    def state_dict(self) -> dict[str, Any]:
+        """The whole optimizer state in torch's format, as ``optimizer_class`` over the same parameters returns it.
+        Needs ``consolidate_state_dict(to=<this rank>)`` on every rank since the last ``step``."""
+        if self._consolidated is None:
+            where = ("" if self._consolidated_to in (None, self.rank) else
+                     f" (it was last consolidated to rank {self._consolidated_to}, not this one)")
+            raise RuntimeError(f"ZeroRedundancyOptimizer.state_dict() on rank {self.rank}: the state is sharded; call "
+                               f"consolidate_state_dict(to={self.rank}) on every rank first, after the last step()"
+                               f"{where}")
+        groups, at = [], 0
+        for g in self.param_groups:
+            n = len(g["params"])
+            groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": list(range(at, at + n))})
+            at += n
+        return {"state": {i: dict(s) for i, s in self._consolidated.items()}, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load a whole state in torch's format (from ``state_dict()`` at any world size or a plain torch optimizer
+        over the same parameters); this rank keeps its slice. Not a collective."""
+        if not (isinstance(state_dict, Mapping) and "state" in state_dict
+                and isinstance(state_dict.get("param_groups"), list)):
+            raise ValueError("ZeroRedundancyOptimizer.load_state_dict: expected a dict with 'state' and "
+                             f"'param_groups', got {type(state_dict).__name__}")
+        saved = state_dict["param_groups"]
+        want, got = [len(g["params"]) for g in self.param_groups], [len(g["params"]) for g in saved]
+        if want != got:
+            raise ValueError(f"ZeroRedundancyOptimizer.load_state_dict: parameter groups of sizes {got} in the state, "
+                             f"{want} in this optimizer")
+        index = {pid: k for k, pid in enumerate(pid for g in saved for pid in g["params"])}
+        unknown = [pid for pid in state_dict["state"] if pid not in index]
+        if unknown:
+            raise ValueError(f"ZeroRedundancyOptimizer.load_state_dict: state for unknown parameter ids {unknown[:5]}")
+        for g, sg in zip(self.param_groups, saved):
+            g.update({k: v for k, v in sg.items() if k != "params"})
+        self._load_full({index[pid]: s for pid, s in state_dict["state"].items()})
+        self._consolidated = None
+
+    def _load_full(self, full: Mapping[int, dict]) -> None:
+        self._sync_hyper()
+        order = [pos for gi in range(len(self.param_groups)) for pos, pc in enumerate(self._pieces) if pc.group == gi]
+        ids = {pos: i for i, pos in enumerate(order)}
+        state = {ids[pos]: cut(full[pc.index], pc, self._params[pc.index])
+                 for pos, pc in enumerate(self._pieces) if pc.index in full}
+        groups, at = [], 0
+        for ig in self.optim.param_groups:
+            n = len(ig["params"])
+            groups.append({**{k: v for k, v in ig.items() if k != "params"}, "params": list(range(at, at + n))})
+            at += n
+        self.optim.load_state_dict({"state": state, "param_groups": groups})
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group; the flat layout changes, so the state is re-sharded (collective: call it on every rank)."""
+        if not self._ready:  # torch.optim.Optimizer.__init__ adds the constructor's groups through here
+            super().add_param_group(param_group)
+            return
+        full = self._full_state_everywhere()
+        super().add_param_group(param_group)
+        self._check_same_params()
+        self._build()
+        self._load_full(full)
+        self._consolidated = None
