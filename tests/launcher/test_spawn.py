@@ -120,3 +120,21 @@ def test_worker_dying_without_result():
 def test_bad_arguments():
     with pytest.raises(ValueError, match="nprocs"):
         fanfold.launch(_sleep_forever, nprocs=0)
+
+
+def test_forked_launch_refuses_a_parent_with_cuda_initialised(monkeypatch):
+    # A notebook function (here a lambda: not importable by name) is run in forked workers, which cannot use a CUDA
+    # context of their parent. Simulated on any machine: the check must come before any worker starts.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with pytest.raises(RuntimeError, match="CUDA is already initialised in this process.*Restart the kernel"):
+        fanfold.launch(lambda: 0, nprocs=2, timeout=10)
+
+
+def test_unimportable_function_with_spawn_is_refused_at_once():
+    with pytest.raises(ValueError, match=r"start_method='spawn' cannot find it.*leave start_method=None"):
+        fanfold.launch(lambda: 0, nprocs=2, timeout=10, start_method="spawn")
+
+
+def test_lambda_runs_in_forked_workers():
+    assert fanfold.launch(lambda k: int(os.environ["RANK"]) * k, 10, nprocs=2, timeout=60) == [0, 10]
