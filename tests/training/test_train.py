@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -56,10 +57,10 @@ def _train(*argv: str, kill_at: int | None = None) -> subprocess.CompletedProces
 
 
 def _advice(proc: subprocess.CompletedProcess) -> list[str]:
-    """The command after "continue with: " on the last line of stderr, split as a shell would (no quoting here)."""
+    """The command after "continue with: " on the last line of stderr, split as a shell would."""
     last = proc.stderr.strip().splitlines()[-1]
     assert "continue with: fanfold " in last, proc.stderr[-2000:]
-    return last.split("continue with: ", 1)[1].split()
+    return shlex.split(last.split("continue with: ", 1)[1])
 
 
 def _ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -87,9 +88,9 @@ def _settings(args: argparse.Namespace, ckpt: Path) -> None:
     if changed:
         given = " ".join(f"{_flag(k)} {getattr(args, k)}" for k in changed)
         was = ", ".join(f"{_flag(k)} {saved[k]}" for k in changed)
+        advice = f"fanfold train --out {shlex.quote(str(ckpt.parent))} --resume"
         raise ValueError(f"--resume: {ckpt} was trained with {was}; {given} would not continue that run. "
-                         f"Continue it with its own settings: fanfold train --out {ckpt.parent} --resume "
-                         f"(or start a new run with another --out)")
+                         f"Continue it with its own settings: {advice} (or start a new run with another --out)")
     for key in RUN_KEYS:
         setattr(args, key, saved[key])
 
@@ -112,10 +113,11 @@ def _launch(args: argparse.Namespace) -> int:
            "--checkpoint-every", str(args.checkpoint_every), "--devices", str(args.devices)]
     code = launch_script(cmd, nproc_per_node=args.devices, max_restarts=args.max_restarts, module=True)
     if code == 0:
-        print(f"fanfold train: wrote {ckpt} and {out / 'loss.png'}")
+        tidy = "" if args.out else " (runs/ keeps every run: `rm -r runs` removes them all)"
+        print(f"fanfold train: wrote {ckpt} and {out / 'loss.png'}{tidy}")
     elif ckpt.is_file():
         print(f"fanfold train: workers failed (exit code {code}); continue with: "
-              f"fanfold train --out {out} --resume", file=sys.stderr)
+              f"fanfold train --out {shlex.quote(str(out))} --resume", file=sys.stderr)
     else:
         print(f"fanfold train: workers failed (exit code {code}) before the first checkpoint", file=sys.stderr)
     return code
