@@ -127,12 +127,54 @@ def test_crashing_rank_shows_its_traceback_and_leaves_no_process(tmp_path):
     (tmp_path / "crash.py").write_text(CRASH)
     res = _run(tmp_path, "-n", "3", "crash.py")
     assert res.returncode == 1
-    report = res.stderr[res.stderr.index("fanfold run: rank 1 "):]
-    assert "failed with exit code 1" in report.splitlines()[0]
-    assert 'line 6, in crash_here' in report and "ValueError: boom from rank 1" in report
-    assert "ChildFailedError" not in res.stderr
+    pid = int((tmp_path / "pid1").read_text().split()[0])
+    # The whole of stderr: the report once, no torch agent log line, no second copy of the traceback.
+    assert res.stderr.splitlines() == [
+        f"fanfold run: rank 1 (local rank 1, pid {pid}) failed with exit code 1",
+        "Traceback of rank 1:",
+        "Traceback (most recent call last):",
+        '  File "crash.py", line 15, in <module>',
+        "    crash_here()",
+        '  File "crash.py", line 6, in crash_here',
+        '    raise ValueError(f"boom from rank {rank}")',
+        "ValueError: boom from rank 1",
+        "fanfold run: stopped the other workers (ranks [0, 2])",
+        "fanfold run: exit code 1",
+    ], res.stderr
     pids = [int(p) for r in range(3) for p in (tmp_path / f"pid{r}").read_text().split()]
     assert _wait_gone(pids) == []
+
+
+COLLATERAL = textwrap.dedent("""
+    import time
+    from datetime import timedelta
+    import torch, torch.distributed as dist
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    if dist.get_rank() == 1:
+        time.sleep(0.3)
+        raise ValueError("user error on rank 1")
+    dist.all_reduce(torch.ones(1))
+""")
+
+
+def test_peer_broken_by_the_failure_is_not_shown_as_its_cause(tmp_path):
+    (tmp_path / "collateral.py").write_text(COLLATERAL)
+    res = _run(tmp_path, "-n", "2", "collateral.py")
+    assert res.returncode == 1
+    lines = res.stderr.splitlines()
+    assert lines[0].startswith("fanfold run: rank 1 (local rank 1, pid ") and lines[0].endswith("exit code 1")
+    assert lines[1:3] == ["Traceback of rank 1:", "Traceback (most recent call last):"]
+    assert "ValueError: user error on rank 1" in lines
+    assert res.stderr.count("Traceback (most recent call last)") == 1
+    assert "GLHF" not in res.stderr and "Connection closed" not in res.stderr
+    # rank 0 either raised gloo's error after rank 1 (named by its type only) or was stopped by the agent
+    assert lines[-2] in ("fanfold run: rank 0 also failed, after rank 1 (RuntimeError)",
+                         "fanfold run: stopped the other workers (ranks [0])"), res.stderr
+    assert lines[-1] == "fanfold run: exit code 1"
+    verbose = _run(tmp_path, "-n", "2", "--verbose", "collateral.py")
+    assert verbose.returncode == 1
+    assert verbose.stderr.count("ValueError: user error on rank 1") >= 2  # as it happened, and in the report
+    assert any(ln[:1] in "WE" and "torch/distributed/elastic" in ln for ln in verbose.stderr.splitlines())
 
 
 SLEEPER = textwrap.dedent("""
@@ -182,8 +224,12 @@ def test_report_names_the_first_failure_by_time_not_by_rank(tmp_path):
     text = launcher.format_failure(err)
     assert text.splitlines()[0] == "fanfold run: rank 1 (local rank 1, pid 1001) failed with exit code 3"
     assert "ValueError: the real cause" in text
-    assert "also rank 0 (local rank 0, pid 1000) failed with exit code 1: RuntimeError: connection closed" in text
-    assert text.splitlines()[-1] == "fanfold run: stopped the other workers (ranks [2])"
+    assert text.splitlines()[-3:] == ["fanfold run: stopped the other workers (ranks [2])",
+                                      "fanfold run: rank 0 also failed, after rank 1 (RuntimeError)",
+                                      "fanfold run: exit code 3"]
+    assert "connection closed" not in text
+    assert "rank 0 also failed, after rank 1 (RuntimeError: connection closed by peer)" in launcher.format_failure(
+        err, verbose=True)
     assert launcher._exit_code(err) == 3
     killed = ChildFailedError("x", {0: _failure(tmp_path, 0, -int(signal.SIGKILL))})
     assert "killed by signal SIGKILL" in launcher.format_failure(killed)
@@ -199,7 +245,7 @@ def test_arguments_pass_through_and_bad_values_are_named(tmp_path):
     assert parser.parse_args(["-m", "pkg.mod"]).module
     script = tmp_path / "s.py"
     script.write_text("")
-    with pytest.raises(ValueError, match="script not found: 'missing.py'"):
+    with pytest.raises(ValueError, match="^script not found: 'missing.py'$"):
         launcher.launch_script(["missing.py"])
     with pytest.raises(ValueError, match="nproc_per_node"):
         launcher.launch_script([str(script)], nproc_per_node=0)

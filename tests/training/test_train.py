@@ -1,15 +1,21 @@
 """`fanfold train` end to end: real launcher, real worker processes, a real SIGKILL.
 
 Runs shared by all tests (module fixture): an uninterrupted 2-rank reference; a 2-rank run whose last rank is
-SIGKILLed after step KILL (between checkpoints, so the steps since the last checkpoint are lost), then resumed with
---resume on 2 ranks and, from a copy, on 1; a 2-rank run with --max-restarts 1 that the launcher restarts by itself
-after the same kill. The reference is the oracle: the 2-rank resumes must end with bitwise equal parameters and the
-same per-rank sample ledger; every ledger must show each training sample once per epoch.
+SIGKILLed after step KILL (between checkpoints, so the steps since the last checkpoint are lost), then resumed by
+running the advice it printed, exactly as printed, on 2 ranks and, from a copy, with --resume on 1; a 2-rank run
+with --max-restarts 1 that the launcher restarts by itself after the same kill. The reference is the oracle: the
+2-rank resumes must end with bitwise equal parameters and the same per-rank sample ledger; every ledger must show
+each training sample once per epoch.
+
+The kill and the per-rank sample ledger are no flags of fanfold's: tests/training/_faults/sitecustomize.py, put on
+the runs' PYTHONPATH here, wraps the workers' data loader when FANFOLD_TEST_LEDGER / FANFOLD_TEST_KILL_AT_STEP are set.
 """
 from __future__ import annotations
 
 import json
+import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -28,12 +34,33 @@ pytestmark = pytest.mark.timeout(900)
 EPOCHS, EVERY, KILL = 2, 10, 33  # the kill is in the middle of epoch 2, 3 steps after the checkpoint of step 30
 STEPS = 23  # an epoch: 1440 samples, global batch 64
 TRAIN_SIZE = 1797 - train.TEST_SIZE
-ARGS = ["--devices", "2", "--epochs", str(EPOCHS), "--checkpoint-every", str(EVERY), "--seed", "3", "--ledger"]
+ARGS = ["--devices", "2", "--epochs", str(EPOCHS), "--checkpoint-every", str(EVERY), "--seed", "3"]
+FAULTS = Path(__file__).parent / "_faults"
 
 
-def _train(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "fanfold", "train", *ARGS, *argv],
-                          capture_output=True, text=True, timeout=240)
+def _env(kill_at: int | None = None) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "OMP_NUM_THREADS")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(FAULTS), os.environ.get("PYTHONPATH")) if p)
+    env["FANFOLD_TEST_LEDGER"] = "1"
+    if kill_at is not None:
+        env["FANFOLD_TEST_KILL_AT_STEP"] = str(kill_at)
+    return env
+
+
+def _fanfold(argv: list[str], kill_at: int | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fanfold", *argv], capture_output=True, text=True, timeout=240,
+                          env=_env(kill_at))
+
+
+def _train(*argv: str, kill_at: int | None = None) -> subprocess.CompletedProcess:
+    return _fanfold(["train", *ARGS, *argv], kill_at)
+
+
+def _advice(proc: subprocess.CompletedProcess) -> list[str]:
+    """The command after "continue with: " on the last line of stderr, split as a shell would."""
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "continue with: fanfold " in last, proc.stderr[-2000:]
+    return shlex.split(last.split("continue with: ", 1)[1])
 
 
 def _ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
@@ -45,14 +72,15 @@ def _ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("train")
     ref = _ok(_train("--out", str(root / "ref")))
-    killed = _train("--out", str(root / "resume"), "--kill-at-step", str(KILL))
+    killed = _train("--out", str(root / "resume"), kill_at=KILL)
     saved_step = _load(root / "resume")[1]  # what the crash left behind, read before the resume overwrites it
     shutil.copytree(root / "resume", root / "one")
-    one = _ok(_train("--out", str(root / "one"), "--resume", "--devices", "1"))
-    resumed = _ok(_train("--out", str(root / "resume"), "--resume"))
-    restarted = _ok(_train("--out", str(root / "restart"), "--kill-at-step", str(KILL), "--max-restarts", "1"))
+    one = _ok(_fanfold(["train", "--out", str(root / "one"), "--resume", "--devices", "1"]))
+    advice = _advice(killed)
+    resumed = _ok(_fanfold(advice[1:]))  # the advice as printed: no settings repeated, the checkpoint's are used
+    restarted = _ok(_train("--out", str(root / "restart"), "--max-restarts", "1", kill_at=KILL))
     return {"root": root, "ref": ref, "killed": killed, "saved_step": saved_step, "resumed": resumed,
-            "restarted": restarted, "one": one}
+            "restarted": restarted, "one": one, "advice": advice}
 
 
 def _load(out: Path) -> tuple[dict, int]:
@@ -88,13 +116,17 @@ def test_short_run_learns_and_writes_its_files(runs):
     assert metrics["test_samples"] == train.TEST_SIZE  # 357 over 2 ranks: no padded duplicate counted
     assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert _load(out)[1] == EPOCHS * STEPS
-    assert len(re.findall(r"epoch 1/2:\s+0%", ref.stderr)) == 1  # one progress bar: rank 0's
+    # Not a terminal: no progress bar, one plain line an epoch from rank 0
+    assert re.findall(r"^epoch (\d)/2: step (\d+)/46, loss ", ref.stderr, re.M) == [("1", "23"), ("2", "46")]
+    assert "0%|" not in ref.stderr and "\r" not in ref.stderr
     _assert_exact_epochs(_ledger(out))
 
 
 def test_sigkill_then_resume_is_exact(runs):
     killed = runs["killed"]
     assert killed.returncode != 0, "the run with a SIGKILLed worker reported success"
+    assert runs["advice"] == ["fanfold", "train", "--out", str(runs["root"] / "resume"), "--resume"]
+    assert "killed by signal SIGKILL" in killed.stderr and killed.stderr.count("fanfold run: exit code") == 1
     assert runs["saved_step"] == KILL // EVERY * EVERY  # the kill lost the steps after the last checkpoint
     ref, _ = _load(runs["root"] / "ref")
     got, _ = _load(runs["root"] / "resume")
@@ -124,6 +156,21 @@ def test_resume_on_another_world_size_trains_each_sample_once(runs):
     assert len(ledger[1]) == runs["saved_step"]  # rank 1's lost steps were rolled back with the checkpoint
     _assert_exact_epochs(ledger)
     assert "test accuracy" in runs["one"].stdout
+
+
+def test_resume_with_changed_settings_is_refused_by_the_parent(runs, capsys):
+    out = runs["root"] / "ref"
+    before = (out / train.CHECKPOINT).stat().st_mtime_ns
+    assert cli.main(["train", "--out", str(out), "--resume", "--epochs", "3", "--seed", "3", "--lr", "0.5"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    # One message, from the parent, before any worker (a worker would have printed a progress line or a warning).
+    assert captured.err == (
+        f"fanfold train: error: --resume: {out / train.CHECKPOINT} was trained with --epochs 2, --lr 0.01; "
+        f"--epochs 3 --lr 0.5 would not continue that run. Continue it with its own settings: "
+        f"fanfold train --out {out} --resume (or start a new run with another --out)\n")
+    assert (out / train.CHECKPOINT).stat().st_mtime_ns == before
+    assert train.saved_settings(out / train.CHECKPOINT) == {"epochs": 2, "batch_size": 64, "lr": 0.01, "seed": 3}
 
 
 def test_bad_run_directory_is_refused(tmp_path, capsys):

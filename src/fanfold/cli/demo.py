@@ -8,7 +8,8 @@ replica sees, the loop prints the size of the whole batch it gets back::
     Outside: input size torch.Size([30, 5]) output_size torch.Size([30, 2])
 
 Replicas run concurrently; every line goes through ``tqdm.write`` (one locked write per line), so lines from
-different replicas never interleave and the progress bar stays below them. The order of the "In Model" lines of
+different replicas never interleave and the progress bar stays below them. The bar is drawn on a terminal only:
+written to a file or a pipe, the output is the demo's lines and nothing else. The order of the "In Model" lines of
 one step may change from run to run.
 """
 from __future__ import annotations
@@ -56,9 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--devices", type=int, default=None,
                         help="replicas: N accelerators if there are at least N, else N CPU replicas "
                              "(default: every accelerator, or 2 CPU replicas)")
-    parser.add_argument("--batch-size", type=int, default=30)
+    parser.add_argument("--batch-size", type=int, default=30, help="rows per step, split over the replicas")
     parser.add_argument("--data-size", type=int, default=100, help="rows in the random dataset")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seeds the data, the weights and the shuffle")
 
 
 def _device_ids(n: int | None) -> list:
@@ -79,7 +80,7 @@ def main(args: argparse.Namespace) -> int:
     loader = DataLoader(RandomDataset(5, args.data_size), batch_size=args.batch_size, shuffle=True)
     tqdm.write(f"Let's use {len(device_ids)} device(s): {', '.join(map(str, device_ids))}")
     model = DataParallel(Model(5, 2, write=tqdm.write).to(device), device_ids=device_ids)
-    for data in tqdm(loader, desc="demo", unit="batch"):
+    for data in tqdm(loader, desc="demo", unit="batch", disable=None):  # None: no bar unless stderr is a terminal
         input = data.to(device)
         output = model(input)
         tqdm.write(f"Outside: input size {input.size()} output_size {output.size()}")

@@ -1,8 +1,11 @@
-"""``fanfold run``: the command-line face of ``fanfold.launcher.launch_script`` (torchrun's flags, tracebacks shown)."""
+"""``fanfold run``: the command-line face of ``fanfold.launcher.launch_script`` (torchrun's flags, tracebacks shown).
+
+Errors name the flag as the user typed it, never an internal function; ``--verbose`` shows torch's agent log lines
+and every failed rank's traceback as it happens, instead of the one report at the end.
+"""
 from __future__ import annotations
 
 import argparse
-import sys
 
 from ..launcher.agent import launch_script
 
@@ -12,29 +15,39 @@ __all__ = ["add_arguments", "main"]
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-n", "--nproc-per-node", "--nproc_per_node", type=int, default=None, metavar="N",
                         help="worker processes on this node (default: one per GPU, or 2 without one)")
-    parser.add_argument("--nnodes", default="1", help="number of nodes, N or MIN:MAX (default 1)")
+    parser.add_argument("--nnodes", default="1", help="number of nodes, N or MIN:MAX")
     parser.add_argument("--node-rank", "--node_rank", type=int, default=0,
                         help="this node's rank (read by --rdzv-backend static only)")
     parser.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default=None, metavar="HOST:PORT",
                         help="rendezvous of a multi-node job (default: single node, on 127.0.0.1)")
     parser.add_argument("--rdzv-backend", "--rdzv_backend", default="c10d",
-                        help="torch rendezvous backend of a multi-node job: c10d (default), static, etcd")
+                        help="torch rendezvous backend of a multi-node job: c10d, static, etcd")
     parser.add_argument("--rdzv-id", "--rdzv_id", default="none",
                         help="job id, the same on every node of a multi-node job")
     parser.add_argument("--max-restarts", "--max_restarts", type=int, default=0, metavar="K",
-                        help="restart all workers up to K times after a failure (default 0)")
+                        help="restart all workers up to K times after a failure")
     parser.add_argument("-m", "--module", action="store_true", help="run the target as a module (python -m)")
-    parser.add_argument("script", help="the training script (or module with -m)")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="show torch's agent log lines and each failed rank's traceback as it happens")
+    # Optional for argparse: its own message would call the pass-through arguments required too.
+    parser.add_argument("script", nargs="?", help="the training script (or module with -m)")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="passed to the script untouched")
+    parser.set_defaults(_run_parser=parser)
 
 
 def main(args: argparse.Namespace) -> int:
+    parser = args._run_parser
+    if args.script is None:
+        parser.error("no script given: fanfold run [options] SCRIPT [ARGS...]")
+    if args.nproc_per_node is not None and args.nproc_per_node < 1:
+        parser.error(f"-n/--nproc-per-node must be >= 1, got {args.nproc_per_node}")
+    if args.max_restarts < 0:
+        parser.error(f"--max-restarts must be >= 0, got {args.max_restarts}")
     try:
         return launch_script(
             [args.script, *args.script_args], nproc_per_node=args.nproc_per_node, nnodes=args.nnodes,
             node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint, rdzv_backend=args.rdzv_backend,
-            rdzv_id=args.rdzv_id, max_restarts=args.max_restarts, module=args.module,
+            rdzv_id=args.rdzv_id, max_restarts=args.max_restarts, module=args.module, verbose=args.verbose,
         )
     except ValueError as exc:
-        print(f"fanfold run: error: {exc}", file=sys.stderr)
-        return 2
+        parser.error(str(exc))

@@ -6,46 +6,50 @@ The parent checks the flags and the run directory, then starts N workers through
 
     fanfold train                                   # 2 processes on a CPU-only machine, runs/<timestamp>/
     fanfold train --devices 4 --epochs 5 --out runs/a
-    fanfold train --out runs/a --resume             # continue from runs/a/checkpoint.pt, mid-epoch, exactly
+    fanfold train --out runs/a --resume             # continue from runs/a/checkpoint.pt, mid-epoch, exactly,
+                                                    # with the settings it was trained with
     fanfold train --max-restarts 2                  # a killed worker costs at most --checkpoint-every steps
 """
 from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
 
 from ..launcher.agent import default_nproc_per_node, launch_script
-from ..training.job import CHECKPOINT, run_worker
+from ..training.job import CHECKPOINT, RUN_DEFAULTS, RUN_KEYS, run_worker, saved_settings
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = RUN_DEFAULTS
+    saved = ", or the checkpoint's with --resume"
     parser.add_argument("--devices", type=int, default=None, metavar="N",
                         help="worker processes (default: one per GPU, or 2 on a CPU-only machine)")
-    parser.add_argument("--epochs", type=int, default=10, metavar="E",
-                        help="passes over the 1440 training digits (default 10)")
-    parser.add_argument("--batch-size", type=int, default=64, metavar="B",
-                        help="global batch size, split evenly over the processes (default 64)")
-    parser.add_argument("--lr", type=float, default=1e-2, help="peak learning rate of the one-cycle schedule")
-    parser.add_argument("--seed", type=int, default=0, help="seeds the initial weights, the dropout and the data order")
-    parser.add_argument("--out", default=None, metavar="DIR", help="run directory (default runs/<timestamp>)")
-    parser.add_argument("--resume", action="store_true", help=f"continue from --out/{CHECKPOINT}")
+    parser.add_argument("--epochs", type=int, default=None, metavar="E",
+                        help=f"passes over the 1440 training digits (default: {d['epochs']}{saved})")
+    parser.add_argument("--batch-size", type=int, default=None, metavar="B",
+                        help=f"global batch size, split evenly over the processes (default: {d['batch_size']}{saved})")
+    parser.add_argument("--lr", type=float, default=None,
+                        help=f"peak learning rate of the one-cycle schedule (default: {d['lr']}{saved})")
+    parser.add_argument("--seed", type=int, default=None,
+                        help=f"seeds the initial weights, the dropout and the data order (default: {d['seed']}{saved})")
+    parser.add_argument("--out", default=None, metavar="DIR", help="run directory (default: runs/<timestamp>)")
+    parser.add_argument("--resume", action="store_true",
+                        help=f"continue the run in --out from its {CHECKPOINT}, with its settings")
     parser.add_argument("--max-restarts", type=int, default=0, metavar="K",
                         help="restart all workers up to K times after a failure; they resume from the checkpoint")
     parser.add_argument("--checkpoint-every", type=int, default=50, metavar="STEPS",
                         help="also checkpoint every STEPS optimizer steps, not only at epoch ends (0: epoch ends)")
-    # Internal and test-only flags: the worker entry, the per-rank sample ledger, a SIGKILL after a given step.
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--ledger", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--kill-at-step", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # the workers' entry
 
 
 def main(args: argparse.Namespace) -> int:
     try:
-        _check(args)
         if args.worker:
+            _check(args)
             return run_worker(args)
         return _launch(args)
     except ValueError as exc:
@@ -67,31 +71,55 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError("--max-restarts and --checkpoint-every must be >= 0")
 
 
+def _flag(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+def _settings(args: argparse.Namespace, ckpt: Path) -> None:
+    """Fill the run settings not given: the defaults, or with --resume the checkpoint's; refuse changed ones here,
+    in the parent, before any worker starts (a changed setting would not continue the same run)."""
+    if not args.resume:
+        for key in RUN_KEYS:
+            if getattr(args, key) is None:
+                setattr(args, key, RUN_DEFAULTS[key])
+        return
+    saved = saved_settings(ckpt)
+    changed = [key for key in RUN_KEYS if getattr(args, key) is not None and getattr(args, key) != saved[key]]
+    if changed:
+        given = " ".join(f"{_flag(k)} {getattr(args, k)}" for k in changed)
+        was = ", ".join(f"{_flag(k)} {saved[k]}" for k in changed)
+        advice = f"fanfold train --out {shlex.quote(str(ckpt.parent))} --resume"
+        raise ValueError(f"--resume: {ckpt} was trained with {was}; {given} would not continue that run. "
+                         f"Continue it with its own settings: {advice} (or start a new run with another --out)")
+    for key in RUN_KEYS:
+        setattr(args, key, saved[key])
+
+
 def _launch(args: argparse.Namespace) -> int:
-    """The parent: check the run directory, then start the workers through the launcher and wait for them."""
-    if args.devices is None:
-        args.devices = default_nproc_per_node()
-        _check(args)
+    """The parent: check the run directory and settings, then start the workers through the launcher; wait."""
     out = Path(args.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S")))
     ckpt = out / CHECKPOINT
     if args.resume and not ckpt.is_file():
         raise ValueError(f"--resume: no checkpoint at {ckpt}")
     if not args.resume and ckpt.exists():
         raise ValueError(f"--out {out} already holds {CHECKPOINT}: pass --resume, or choose another --out")
+    _settings(args, ckpt)
+    if args.devices is None:
+        args.devices = default_nproc_per_node()
+    _check(args)
     out.mkdir(parents=True, exist_ok=True)
     cmd = ["fanfold.cli.train", "--worker", "--out", str(out), "--epochs", str(args.epochs),
            "--batch-size", str(args.batch_size), "--lr", repr(args.lr), "--seed", str(args.seed),
            "--checkpoint-every", str(args.checkpoint_every), "--devices", str(args.devices)]
-    if args.ledger:
-        cmd.append("--ledger")
-    if args.kill_at_step is not None:
-        cmd += ["--kill-at-step", str(args.kill_at_step)]
     code = launch_script(cmd, nproc_per_node=args.devices, max_restarts=args.max_restarts, module=True)
     if code == 0:
-        print(f"fanfold train: wrote {ckpt} and {out / 'loss.png'}")
-    else:
+        tidy = "" if args.out else " (runs/ keeps every run: `rm -r runs` removes them all)"
+        print(f"fanfold train: wrote {ckpt} and {out / 'loss.png'}{tidy}")
+    elif ckpt.is_file():
         print(f"fanfold train: workers failed (exit code {code}); continue with: "
-              f"fanfold train --out {out} --resume", file=sys.stderr)
+              f"fanfold train --out {shlex.quote(str(out))} --resume", file=sys.stderr)
+    else:
+        print(f"fanfold train: workers failed (exit code {code}) before the first checkpoint", file=sys.stderr)
     return code
 
 

@@ -116,6 +116,7 @@ def launch_script(
     max_restarts: int = 0,
     module: bool = False,
     extra_env: Mapping[str, str] | None = None,
+    verbose: bool = False,
 ) -> int:
     """Run ``python cmd[0] cmd[1:]`` (``python -m`` with ``module=True``) in ``nproc_per_node`` processes; wait.
 
@@ -123,6 +124,8 @@ def launch_script(
     traceback to stderr; no worker is left running. A single node (``nnodes="1"``, no ``rdzv_endpoint``) uses a
     rendezvous on 127.0.0.1; otherwise torch's ``rdzv_backend`` at ``rdzv_endpoint`` (``nnodes`` is "N" or
     "MIN:MAX", ``node_rank`` is read by the static backend only). ``extra_env`` is added to the workers' environment.
+    ``verbose`` shows torch's agent log lines and every failed rank's traceback as it happens; without it, one
+    report at the end: the rank that failed first, its traceback, the ranks stopped, the exit code.
     """
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -133,9 +136,9 @@ def launch_script(
 
     cmd = [str(c) for c in cmd]
     if not cmd:
-        raise ValueError("launch_script: cmd is empty; expected [script, *args]")
+        raise ValueError("no script given; expected a script path and its arguments")
     if not module and not os.path.isfile(cmd[0]):
-        raise ValueError(f"launch_script: script not found: {cmd[0]!r}")
+        raise ValueError(f"script not found: {cmd[0]!r}")
     if nproc_per_node is None:
         nproc_per_node = default_nproc_per_node()
     if not isinstance(nproc_per_node, int) or nproc_per_node < 1:
@@ -164,10 +167,12 @@ def launch_script(
         backend, endpoint, run_id = rdzv_backend, rdzv_endpoint, rdzv_id
         configs = {"rank": node_rank} if rdzv_backend == "static" else {}
     env.update(extra_env or {})
+    if verbose:
+        env["FANFOLD_VERBOSE"] = "1"
 
     shim = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker_shim.py")
     args = ["-u", shim, *(["-m"] if module else []), *cmd]
-    with tempfile.TemporaryDirectory(prefix="fanfold-run-") as logs, _environ(env):
+    with tempfile.TemporaryDirectory(prefix="fanfold-run-") as logs, _environ(env), _quiet_torch(not verbose):
         config = LaunchConfig(
             min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=nproc_per_node, run_id=run_id,
             rdzv_endpoint=endpoint, rdzv_backend=backend, rdzv_configs=configs, max_restarts=max_restarts,
@@ -177,12 +182,34 @@ def launch_script(
         try:
             elastic_launch(config, sys.executable)(*args)
         except ChildFailedError as err:
-            print(format_failure(err), file=sys.stderr, flush=True)
+            print(format_failure(err, verbose=verbose), file=sys.stderr, flush=True)
             return _exit_code(err)
         except SignalException as exc:
             print(f"fanfold run: stopped by {exc.sigval.name}; every worker was stopped", file=sys.stderr)
             return 128 + int(exc.sigval)
     return 0
+
+
+@contextlib.contextmanager
+def _quiet_torch(quiet: bool) -> Iterator[None]:
+    # torch's agent logs every SIGTERM it sends and every failure it sees (W/E lines) on loggers with levels of
+    # their own; the report at the end says the same once. Restored afterwards: this process may be a user's.
+    if not quiet:
+        yield
+        return
+    import logging
+
+    names = [n for n in list(logging.root.manager.loggerDict)
+             if n.startswith(("torch.distributed.elastic", "torch.distributed.launcher"))]
+    loggers = [logging.getLogger(n) for n in names]
+    saved = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, saved):
+            lg.setLevel(level)
 
 
 def _time_ns(failure) -> float:
@@ -202,8 +229,10 @@ def _describe(rank: int, failure) -> str:
     return f"rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) {how}"
 
 
-def format_failure(err) -> str:
-    """The report of a failed run: the rank that failed first with its full traceback, then the others in a line."""
+def format_failure(err, verbose: bool = False) -> str:
+    """The report of a failed run, once: the rank that failed first and its full traceback, the ranks stopped, the
+    ranks that failed after it (their error type only: usually the first failure's consequence, such as gloo's
+    "Connection closed by peer"; ``verbose`` adds their message), and the exit code."""
     rank, first = _root_cause(err)
     info = first.error_file_data.get("message")
     lines = [f"fanfold run: {_describe(rank, first)}"]
@@ -214,7 +243,7 @@ def format_failure(err) -> str:
         lines.append("no Python traceback: the process was killed (any output it left is above)")
     else:
         lines.append("no Python exception was raised (sys.exit or os._exit with that code; its output is above)")
-    stopped = []
+    stopped, after = [], []
     for other, failure in sorted(err.failures.items()):
         msg = failure.error_file_data.get("message")
         if other == rank:
@@ -222,9 +251,13 @@ def format_failure(err) -> str:
         if failure.exitcode == -signal.SIGTERM and not isinstance(msg, dict):
             stopped.append(other)  # the agent's own SIGTERM, sent when the first rank failed
         else:
-            why = f": {msg['message']}" if isinstance(msg, dict) else ""
-            lines.append(f"fanfold run: also {_describe(other, failure)}{why}")
-    lines.append(f"fanfold run: stopped the other workers{f' (ranks {stopped})' if stopped else ''}")
+            text = msg["message"] if isinstance(msg, dict) else ""
+            what = (text if verbose else text.split(":", 1)[0]) or _describe(other, failure).split(") ", 1)[1]
+            after.append(f"fanfold run: rank {other} also failed, after rank {rank} ({what})")
+    if stopped:
+        lines.append(f"fanfold run: stopped the other workers (ranks {stopped})")
+    lines += after
+    lines.append(f"fanfold run: exit code {_exit_code(err)}")
     return "\n".join(lines)
 
 

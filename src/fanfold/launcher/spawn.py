@@ -6,9 +6,11 @@ Sits beside the env contract (``fanfold.distributed.env``): each worker gets the
 is hosted by the launching process on a socket bound to 127.0.0.1 (workers connect to it as clients, as torchrun's
 workers connect to their agent's store), and gloo is pinned to the loopback interface: nothing listens elsewhere.
 
-Used by notebooks and by the test suite, so it must never hang: the whole run is bounded by ``timeout``; the first
-rank that raises (or dies) ends the run, the others are killed, and the error names the rank and carries its
-traceback. Workers start from a forkserver that has already imported torch (~0.3 s a rank instead of 5-15 s).
+Works from notebooks: a function defined in a cell cannot be pickled by reference, so its workers are forked
+(``_context``; docs/notebooks.md says why fork, and its limits). Used by the test suite too, so it must never hang:
+the whole run is bounded by ``timeout``; the rank that failed first (by its own clock, read before its process
+group is torn down) is the one reported, with its traceback, and the others are stopped. Importable functions start
+from a forkserver that has already imported torch (~0.3 s a rank instead of 5-15 s).
 """
 from __future__ import annotations
 
@@ -17,9 +19,11 @@ import os
 import pickle
 import signal
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from multiprocessing.connection import wait
 from typing import Any
 
@@ -68,6 +72,27 @@ def loopback_interface() -> str | None:
     return next((n for n in ("lo", "lo0") if n in names), None)
 
 
+@dataclass(frozen=True)
+class _Report:
+    """What a worker sends back: its result, or its failure with the moment it happened (to find the first)."""
+
+    ok: bool
+    value: Any = None
+    error: str = ""
+    traceback: str = ""
+    time_ns: int = 0
+
+
+def _send(conn, report: _Report, rank: int) -> None:
+    try:
+        data = pickle.dumps(report)  # plain pickle: tensors are copied, not shared through fds that die with us
+    except Exception as exc:
+        data = pickle.dumps(_Report(False, error=f"result of rank {rank} cannot be pickled: {exc}",
+                                    time_ns=time.time_ns()))
+    conn.send_bytes(data)
+    conn.close()
+
+
 def _worker(fn, args, rank: int, env: Mapping[str, str], threads: int, conn) -> None:
     os.environ.update(env)
     os.environ["RANK"] = os.environ["LOCAL_RANK"] = str(rank)
@@ -75,9 +100,13 @@ def _worker(fn, args, rank: int, env: Mapping[str, str], threads: int, conn) -> 
 
     torch.set_num_threads(threads)
     try:
-        payload = ("ok", fn(*args))
+        report = _Report(True, fn(*args))
     except BaseException as exc:  # report everything, KeyboardInterrupt included, then exit non-zero
-        payload = ("error", f"{type(exc).__name__}: {exc}", traceback.format_exc())
+        report = _Report(False, error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc(),
+                         time_ns=time.time_ns())
+        # Report before the process group is torn down: tearing it down is what makes the peers fail
+        # ("Connection closed by peer"), and their reports must not overtake this one.
+        _send(conn, report, rank)
     finally:
         import torch.distributed as dist
 
@@ -86,24 +115,52 @@ def _worker(fn, args, rank: int, env: Mapping[str, str], threads: int, conn) -> 
                 dist.destroy_process_group()
             except Exception:
                 pass
+    if report.ok:
+        _send(conn, report, rank)
+    os._exit(0 if report.ok else 1)
+
+
+def _by_reference(fn: Callable) -> bool:
+    """Whether a fresh process can find ``fn`` by its module and name, as spawn and forkserver need."""
+    if getattr(fn, "__module__", None) in (None, "__main__"):
+        return False  # a notebook cell's or a script's function: the new process has another __main__
     try:
-        data = pickle.dumps(payload)  # plain pickle: tensors are copied, not shared through fds that die with us
-    except Exception as exc:
-        data = pickle.dumps(("error", f"result of rank {rank} cannot be pickled: {exc}", ""))
-    conn.send_bytes(data)
-    conn.close()
-    os._exit(0 if payload[0] == "ok" else 1)
+        pickle.dumps(fn)
+    except Exception:  # a lambda, a nested function, a bound method of an unpicklable object
+        return False
+    return True
 
 
 def _context(fn: Callable, start_method: str | None):
     if start_method is None:
-        # A function defined in __main__ (a notebook, a script) cannot be found by a forkserver child.
-        start_method = "fork" if getattr(fn, "__module__", None) == "__main__" else "forkserver"
+        start_method = "forkserver" if _by_reference(fn) else "fork"
+    elif start_method != "fork" and not _by_reference(fn):
+        raise ValueError(f"fn {getattr(fn, '__qualname__', fn)!r} is defined in __main__ (a notebook or a script) or "
+                         f"is not a module-level function: start_method={start_method!r} cannot find it in the new "
+                         f"process; leave start_method=None (fork) or move fn into an importable module")
+    if start_method == "fork":
+        _check_fork_safe()
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
         # torch._dynamo: creating any torch.optim optimizer imports it (4-15 s here); pay that once, not per rank.
         ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.optim", "torch._dynamo", "fanfold"])
     return ctx
+
+
+def _check_fork_safe() -> None:
+    # A forked child inherits the parent's CUDA context in a state it cannot use ("Cannot re-initialize CUDA in
+    # forked subprocess"): refuse before starting anything, with what to do instead.
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        raise RuntimeError(
+            "fanfold.launch: CUDA is already initialised in this process, and the workers of a function defined in "
+            "a notebook (or __main__) are forked, which cannot use it. Restart the kernel and launch before any "
+            "CUDA call in it (no tensor .cuda()/.to('cuda') and no torch.cuda.* query that initialises it), or "
+            "move the function into a module so the workers start fresh")
+    if getattr(torch, "distributed", None) is not None and torch.distributed.is_available() \
+            and torch.distributed.is_initialized():
+        raise RuntimeError("fanfold.launch: a process group is initialised in this process; forked workers would "
+                           "inherit it: call torch.distributed.destroy_process_group() first")
 
 
 def _kill(procs: Sequence) -> None:
@@ -118,6 +175,93 @@ def _kill(procs: Sequence) -> None:
             p.join(2.0)
 
 
+_GRACE_S = 2.0  # after a first failure, how long the other ranks' reports are awaited to find the earliest
+
+
+@dataclass(frozen=True)
+class _Failure:
+    rank: int
+    report: _Report | None  # None: the process died without reporting
+    exitcode: int | None
+    seen_ns: int  # when the parent noticed it
+
+
+def _read(conn) -> _Report | None:
+    try:
+        return pickle.loads(conn.recv_bytes())
+    except (EOFError, OSError):
+        return None
+
+
+def _collect(procs: Sequence, conns: dict, timeout: float) -> dict[int, Any]:
+    """Wait for every rank's report; on a failure, raise :class:`WorkerError` naming the rank that failed first.
+
+    A rank's failure usually makes its peers fail too (gloo: "Connection closed by peer"), and the parent may read
+    those reports in any order; so after the first failure the others are awaited for a moment, and the one that
+    happened first (the worker's own clock, taken before it tore its process group down) is the one reported.
+    A rank that died without reporting is taken as the cause: nothing its peers do makes a process vanish.
+    """
+    nprocs = len(procs)
+    results: dict[int, Any] = {}
+    failures: dict[int, _Failure] = {}
+    pending = {c: r for c, r in conns.items()}
+    sentinels = {p.sentinel: r for r, p in enumerate(procs)}
+    deadline = time.monotonic() + timeout
+    grace_end = None
+    while len(results) + len(failures) < nprocs:
+        left = deadline - time.monotonic()
+        if grace_end is not None:
+            left = min(left, grace_end - time.monotonic())
+        if left <= 0:
+            break
+        for obj in wait(list(pending) + list(sentinels), timeout=left):
+            rank = sentinels.pop(obj, None)
+            if rank is not None:
+                recv = next((c for c, r in pending.items() if r == rank), None)
+                if recv is None or not recv.poll(0):
+                    if recv is not None:
+                        pending.pop(recv)
+                        procs[rank].join(5.0)
+                        failures[rank] = _Failure(rank, None, procs[rank].exitcode, time.time_ns())
+                    continue
+                obj = recv
+            if obj not in pending:
+                continue
+            rank = pending.pop(obj)
+            report = _read(obj)
+            if report is not None and report.ok:
+                results[rank] = report.value
+            else:
+                if report is None:
+                    procs[rank].join(5.0)
+                failures[rank] = _Failure(rank, report, procs[rank].exitcode, time.time_ns())
+        if failures and grace_end is None:
+            grace_end = time.monotonic() + _GRACE_S
+    if failures:
+        raise _first_failure(failures, [r for r in range(nprocs) if r not in results and r not in failures], nprocs)
+    if len(results) < nprocs:
+        missing = [r for r in range(nprocs) if r not in results]
+        raise TimeoutError(f"fanfold.launch: ranks {missing} of {nprocs} still running after {timeout:g} s")
+    return results
+
+
+def _first_failure(failures: dict[int, _Failure], running: list[int], nprocs: int) -> WorkerError:
+    first = min(failures.values(), key=lambda f: (f.report is not None, f.report.time_ns if f.report else f.seen_ns,
+                                                  f.rank))
+    if first.report is None:
+        head = f"rank {first.rank} of {nprocs} died with exit code {first.exitcode} before reporting"
+    else:
+        head = f"rank {first.rank} of {nprocs} failed: {first.report.error}\n{first.report.traceback.rstrip()}"
+    lines = [head]
+    if running:
+        lines.append(f"fanfold.launch: stopped the other workers (ranks {running})")
+    after = [f for f in failures.values() if f is not first]
+    for f in sorted(after, key=lambda f: f.rank):
+        what = f.report.error.split(":", 1)[0] if f.report else f"died with exit code {f.exitcode}"
+        lines.append(f"fanfold.launch: rank {f.rank} also failed, after rank {first.rank} ({what})")
+    return WorkerError("\n".join(lines), first.rank)
+
+
 def launch(
     fn: Callable[..., Any],
     *args: Any,
@@ -129,8 +273,11 @@ def launch(
 ) -> list:
     """Run ``fn(*args)`` in ``nprocs`` local processes with the torchrun environment; return the results by rank.
 
-    ``fn`` must be importable by name (a module-level function) unless it lives in ``__main__``, in which case
-    the workers are forked. Each worker uses ``threads`` intra-op threads. ``env`` adds environment variables.
+    A module-level function of an importable module starts from a forkserver that has imported torch. A function
+    the workers cannot import by name (defined in a notebook cell or in ``__main__``, a lambda, a closure) is run
+    in forked workers instead, which is how it works from Jupyter: the parent must not have initialised CUDA (a
+    clear ``RuntimeError`` says so) and the workers initialise the device themselves. Each worker uses
+    ``threads`` intra-op threads. ``env`` adds environment variables.
     Raises :class:`WorkerError` naming the first rank that failed, with its traceback, or :class:`TimeoutError`
     naming the ranks still running after ``timeout`` seconds; in every case no worker is left running.
     """
@@ -161,37 +308,7 @@ def launch(
             send.close()
             procs.append(p)
             conns[recv] = rank
-        results: dict[int, Any] = {}
-        deadline = time.monotonic() + timeout
-        sentinels = {p.sentinel: r for r, p in enumerate(procs)}
-        while len(results) < nprocs:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                missing = [r for r in range(nprocs) if r not in results]
-                raise TimeoutError(f"fanfold.launch: ranks {missing} of {nprocs} still running after {timeout:g} s")
-            for obj in wait(list(conns) + list(sentinels), timeout=left):
-                if obj in sentinels:
-                    rank = sentinels.pop(obj)
-                    recv = next((c for c, r in conns.items() if r == rank), None)
-                    if recv is None:
-                        continue  # its result was already read
-                    if not recv.poll(0):
-                        code = procs[rank].exitcode
-                        raise WorkerError(f"rank {rank} of {nprocs} died with exit code {code} before reporting", rank)
-                    obj = recv
-                if obj in conns:
-                    rank = conns.pop(obj)
-                    try:
-                        payload = pickle.loads(obj.recv_bytes())
-                    except EOFError:
-                        payload = None
-                    if payload is None:
-                        procs[rank].join(5.0)
-                        code = procs[rank].exitcode
-                        raise WorkerError(f"rank {rank} of {nprocs} died with exit code {code} before reporting", rank)
-                    if payload[0] != "ok":
-                        raise WorkerError(f"rank {rank} of {nprocs} failed: {payload[1]}\n{payload[2]}", rank)
-                    results[rank] = payload[1]
+        results = _collect(procs, conns, timeout)
         return [results[r] for r in range(nprocs)]
     finally:
         _kill(procs)

@@ -3,9 +3,10 @@
 Runs the user's script (or module, with ``-m``) as ``__main__`` exactly as ``python script.py args`` would (same
 ``sys.argv``, ``sys.path[0]`` = the script's folder), and adds three things torchrun leaves to the user:
 
-- an uncaught exception is printed as Python prints it, minus this shim's frames, and also written to the error
-  file the elastic agent names in ``TORCHELASTIC_ERROR_FILE`` (the JSON layout of torch's ``ErrorHandler``, read
-  back by ``ProcessFailure``), so the launcher can show which rank failed and its full traceback;
+- an uncaught exception is written to the error file the elastic agent names in ``TORCHELASTIC_ERROR_FILE`` (the
+  JSON layout of torch's ``ErrorHandler``, read back by ``ProcessFailure``), minus this shim's frames, so the
+  launcher can show which rank failed first and its full traceback, once; it is printed here as well only when the
+  launcher will not show it (a failure the agent restarts from, no error file) or with ``FANFOLD_VERBOSE=1``;
 - ``faulthandler`` is on, so a segfault still leaves a Python stack on stderr;
 - on Linux the worker is killed when the launcher dies, even by SIGKILL, so no worker outlives it; and when the
   worker ends, the processes it started in its process group (helpers, servers, pools) are stopped with it.
@@ -83,6 +84,17 @@ def _record(exc: BaseException, text: str) -> None:
         print(f"fanfold run: cannot write the error file {path}: {err}", file=sys.stderr)
 
 
+def _launcher_wont_show() -> bool:
+    # The launcher prints the traceback of the rank that failed first once the run has failed; a failure the agent
+    # restarts from is never reported by it, and --verbose (FANFOLD_VERBOSE) shows every rank's as it happens.
+    if not os.environ.get("TORCHELASTIC_ERROR_FILE") or os.environ.get("FANFOLD_VERBOSE") == "1":
+        return True
+    try:
+        return int(os.environ["TORCHELASTIC_RESTART_COUNT"]) < int(os.environ["TORCHELASTIC_MAX_RESTARTS"])
+    except (KeyError, ValueError):
+        return True
+
+
 def main(argv: list[str]) -> int:
     module = bool(argv) and argv[0] == "-m"
     if module:
@@ -105,8 +117,9 @@ def main(argv: list[str]) -> int:
         raise
     except BaseException as exc:  # KeyboardInterrupt too: the launcher reports it like any other failure
         text = "".join(traceback.format_exception(type(exc), exc, _user_frames(exc.__traceback__)))
-        sys.stderr.write(text)
-        sys.stderr.flush()
+        if _launcher_wont_show():
+            sys.stderr.write(text)
+            sys.stderr.flush()
         _record(exc, text)
         return 1
     finally:

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
+import sys
 import time
 from pathlib import Path
 
@@ -35,7 +34,16 @@ CHECKPOINT = "checkpoint.pt"
 TEST_SIZE = 357
 SPLIT_SEED = 0  # the split never depends on --seed: runs with different seeds are evaluated on the same samples
 # Hyperparameters a checkpoint is bound to: resuming with other values would not continue the same run.
-_RUN_KEYS = ("epochs", "batch_size", "lr", "seed")
+RUN_KEYS = ("epochs", "batch_size", "lr", "seed")
+RUN_DEFAULTS = {"epochs": 10, "batch_size": 64, "lr": 1e-2, "seed": 0}
+
+
+def saved_settings(ckpt: Path) -> dict:
+    """The run settings a checkpoint was trained with, read without touching any model, generator or group."""
+    saved = load(ckpt, {"run": {}}, rng=False).get("run")
+    if not isinstance(saved, dict) or set(saved) != set(RUN_KEYS):
+        raise ValueError(f"{ckpt} holds no run settings {list(RUN_KEYS)}: not written by fanfold train")
+    return saved
 
 
 def digits():
@@ -47,7 +55,7 @@ def digits():
     labels = torch.tensor(raw.target, dtype=torch.long)
     order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(SPLIT_SEED))
     test, train = order[:TEST_SIZE], order[TEST_SIZE:]
-    # ids are positions within each split: the ledger and the evaluation count them
+    # ids are positions within each split: the evaluation (and the tests' sample ledger) count them
     return tuple(TensorDataset(images[i], labels[i], torch.arange(len(i))) for i in (train, test))
 
 
@@ -87,18 +95,19 @@ def run_worker(args: argparse.Namespace) -> int:
     total = args.epochs * steps_per_epoch
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=1e-4)
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=total)
-    run = {k: getattr(args, k) for k in _RUN_KEYS}
+    run = {k: getattr(args, k) for k in RUN_KEYS}
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "sampler": sampler,
              "step": 0, "losses": [], "run": run}
     # After a restart by the launcher the workers start afresh: the checkpoint, if any, is where they left off.
-    # (The parent refused a --out that already held one unless --resume was given.)
+    # (The parent refused a --out that already held one unless --resume was given, and checked its settings.)
     if ckpt.exists():
+        if saved_settings(ckpt) != run:  # only if the file changed under us: the parent checked it
+            raise ValueError(f"{ckpt} belongs to a run with other settings than {run}")
         state.update(load(ckpt, state))
-        if state["run"] != run:
-            diff = {k: (state["run"][k], run[k]) for k in run if state["run"].get(k) != run[k]}
-            raise ValueError(f"{ckpt} belongs to a run with other settings (saved, given): {diff}")
     step, losses = state["step"], state["losses"]
-    ledger = _ledger(out, rank, world, step) if args.ledger else None
+    # A bar on a terminal; written to a file or a pipe, one plain line an epoch instead of glued bar fragments.
+    show = rank == 0
+    plain = show and not sys.stderr.isatty()
 
     def checkpoint() -> None:
         save(ckpt, {**state, "step": step, "losses": losses})
@@ -106,7 +115,7 @@ def run_worker(args: argparse.Namespace) -> int:
     model.train()
     while step < total:
         epoch = step // steps_per_epoch
-        bar = tqdm(total=steps_per_epoch, initial=step % steps_per_epoch, disable=rank != 0, unit="step",
+        bar = tqdm(total=steps_per_epoch, initial=step % steps_per_epoch, disable=plain or not show, unit="step",
                    desc=f"epoch {epoch + 1}/{args.epochs}", mininterval=0.5, dynamic_ncols=True)
         start, seen = time.perf_counter(), 0
         for x, y, ids in loader:  # the sampler resumes mid-epoch by itself and moves on to the next epoch
@@ -119,22 +128,19 @@ def run_worker(args: argparse.Namespace) -> int:
             mean = loss.detach().clone()
             dist.all_reduce(mean)  # the curve shows the global batch's loss, not rank 0's share
             losses.append(mean.item() / world)
-            if ledger:
-                print(step, epoch, *ids.tolist(), file=ledger, flush=True)
             if step % steps_per_epoch == 0 or (args.checkpoint_every and step % args.checkpoint_every == 0):
                 checkpoint()
-            if step == args.kill_at_step and rank == world - 1:
-                _kill_once(out, step)
             seen += len(ids) * world
             bar.set_postfix({"loss": f"{losses[-1]:.4f}",
                              "samples/s": f"{seen / (time.perf_counter() - start):.0f}"}, refresh=False)
             bar.update()
         bar.close()
+        if plain:
+            print(f"epoch {epoch + 1}/{args.epochs}: step {step}/{total}, loss {losses[-1]:.4f}, "
+                  f"{seen / (time.perf_counter() - start):.0f} samples/s", file=sys.stderr, flush=True)
         if step % steps_per_epoch:
             raise RuntimeError(f"rank {rank}: the sampler ended epoch {epoch} after step {step}, "
                                f"not on a multiple of {steps_per_epoch} steps")
-    if ledger:
-        ledger.close()
 
     correct, count = _evaluate(model, test_set, dev)
     if rank == 0:
@@ -162,30 +168,6 @@ def _evaluate(model, test_set, dev) -> tuple[int, int]:
     if len(results) != len(test_set):
         raise RuntimeError(f"evaluation counted {len(results)} samples, the held-out split has {len(test_set)}")
     return int(results.sum()), len(results)
-
-
-def _ledger(out: Path, rank: int, world: int, step: int):
-    """Rank's record of the sample ids it trained on, one line per step; lines after ``step`` are rolled back.
-
-    Those steps were lost with the killed run and are trained again, so they are recorded again. Rank 0 also rolls
-    back the records of ranks that a run resumed on fewer processes no longer has.
-    """
-    paths = [out / f"ledger-rank{rank}.txt"]
-    if rank == 0:
-        paths += [p for p in out.glob("ledger-rank*.txt") if int(p.stem.removeprefix("ledger-rank")) >= world]
-    for path in paths:
-        if path.exists():
-            kept = [ln for ln in path.read_text().splitlines() if ln.split() and int(ln.split()[0]) <= step]
-            path.write_text("".join(ln + "\n" for ln in kept))
-    return paths[0].open("a")
-
-
-def _kill_once(out: Path, step: int) -> None:
-    """Test hook: die as a crash would (SIGKILL, no clean-up), once per run directory."""
-    marker = out / f"killed-at-step-{step}"
-    if not marker.exists():
-        marker.touch()
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _plot(losses: list[float], steps_per_epoch: int, accuracy: float, path: Path) -> None:

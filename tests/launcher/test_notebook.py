@@ -1,0 +1,87 @@
+"""fanfold.launch from a real Jupyter kernel: a function defined in a notebook cell runs on 2 workers.
+
+The notebook is built here and executed by nbclient with ipykernel (test dependencies). Cell 1 defines a model and
+a training function (fanfold's DDP, 2 gloo ranks, each on half of a fixed batch); cell 2 launches it on 2 workers
+and prints the result; cell 3 trains the same model in the kernel's own process on the whole batch (the oracle) and
+prints whether both ranks match it; cell 4 launches a cell-defined function whose rank 1 raises, and prints the
+WorkerError. Cells cannot be pickled by reference, so this is the path a notebook user takes.
+"""
+from __future__ import annotations
+
+import pytest
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+pytest.importorskip("ipykernel")
+
+CELLS = [
+    '''
+import os, torch
+from torch import nn
+import fanfold
+from fanfold.distributed import init_process_group, destroy_process_group
+
+def make_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+
+def batch():
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)
+
+def train(steps):
+    init_process_group(timeout=60.0)
+    rank = int(os.environ["RANK"])
+    model = fanfold.DistributedDataParallel(make_model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = batch()
+    for _ in range(steps):
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x[rank * 4:(rank + 1) * 4]), y[rank * 4:(rank + 1) * 4]).backward()
+        opt.step()
+    destroy_process_group()
+    return [p.detach().clone() for p in model.module.parameters()]
+''',
+    '''
+results = fanfold.launch(train, 5, nprocs=2, timeout=90)
+print("workers:", len(results), "params:", [tuple(p.shape) for p in results[0]])
+''',
+    '''
+model = make_model()
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+x, y = batch()
+for _ in range(5):
+    opt.zero_grad()
+    nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+for rank in (0, 1):
+    same = all(torch.allclose(a, b, atol=1e-6) for a, b in zip(results[rank], model.parameters()))
+    print(f"rank {rank} matches one process:", same)
+print("cuda initialised in the kernel:", torch.cuda.is_initialized())
+''',
+    '''
+def broken():
+    if os.environ["RANK"] == "1":
+        raise ValueError("bad cell on rank 1")
+    return 0
+
+try:
+    fanfold.launch(broken, nprocs=2, timeout=60)
+except fanfold.WorkerError as e:
+    print("WorkerError rank", e.rank, "|", str(e).splitlines()[0])
+''',
+]
+
+
+@pytest.mark.timeout(120)
+def test_function_defined_in_a_notebook_runs_on_two_workers():
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(src.strip()) for src in CELLS]
+    client = nbclient.NotebookClient(nb, timeout=100, kernel_name="python3")  # the kernel inherits our environment
+    client.execute()
+    outputs = ["".join(o.get("text", "") for o in cell.outputs if o.get("output_type") == "stream")
+               for cell in nb.cells]
+    assert outputs[1] == "workers: 2 params: [(8, 4), (8,), (1, 8), (1,)]\n", outputs
+    assert outputs[2] == ("rank 0 matches one process: True\nrank 1 matches one process: True\n"
+                          "cuda initialised in the kernel: False\n"), outputs
+    assert outputs[3] == "WorkerError rank 1 | rank 1 of 2 failed: ValueError: bad cell on rank 1\n", outputs
