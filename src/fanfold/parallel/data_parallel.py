@@ -11,7 +11,7 @@ so a subclass can swap one step. Beyond torch:
 - ``weights=[3, 1]`` splits batches in proportion (unequal devices), ``chunk_sizes=[...]`` splits them explicitly.
 - CPU replicas also run their backward concurrently, in the worker threads (``parallel_backward.py``; autograd
   alone would run them one after the other on the caller's thread). ``parallel_backward=False`` keeps autograd's
-  way, which supports double backward (``create_graph=True``); the default refuses it with a message saying so.
+  way; double backward (``create_graph=True``) works with both, the default re-running the replicas' forward.
 
 What a forward with several replicas keeps (as in torch): replicas are discarded after the forward, so attributes
 they set are lost, and buffer updates are kept from the first replica on the module's device only: BatchNorm's
