@@ -2,8 +2,10 @@
 parameter gradients, parameters after SGD and Adam steps), and its robustness (errors, a killed worker, restarts,
 close). Every engine starts real processes: the models and batches are small."""
 import copy
+import multiprocessing
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -47,6 +49,17 @@ class FailsOnNegativeSum(nn.Module):
     def forward(self, x):
         if x.sum() < 0:
             raise ValueError(f"negative chunk of {len(x)} rows")
+        return self.fc(x)
+
+
+class Sleepy(nn.Module):
+    def __init__(self, seconds):
+        super().__init__()
+        self.fc = nn.Linear(2, 2)
+        self.seconds = seconds
+
+    def forward(self, x):
+        time.sleep(self.seconds)
         return self.fc(x)
 
 
@@ -190,6 +203,24 @@ def test_a_killed_worker_is_an_error_within_seconds_and_the_next_call_restarts()
             out.sum().backward()
         dp(x).sum().backward()
     finally:
+        dp.close()
+
+
+def test_ctrl_c_during_a_step_stops_the_workers_and_the_next_call_restarts():
+    dp = DataParallel(Sleepy(30.0), ["cpu"] * 2, engine="process")
+    x = torch.randn(4, 2)
+    timer = threading.Timer(3.0, os.kill, (os.getpid(), signal.SIGINT))
+    try:
+        timer.start()
+        start = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            dp(x)  # the replicas sleep for 30 s: the interrupt comes first (or during their start)
+        assert time.monotonic() - start < 20
+        assert not [p for p in multiprocessing.active_children() if p.name.startswith("fanfold-replica")]
+        dp.module.seconds = 0.0
+        torch.testing.assert_close(dp(x), dp.module(x), **TOL)
+    finally:
+        timer.cancel()
         dp.close()
 
 

@@ -13,6 +13,9 @@ so a subclass can swap one step. Beyond torch:
   alone would run them one after the other on the caller's thread). ``parallel_backward=False`` keeps autograd's
   way; double backward (``create_graph=True``) works with both, the default re-running the replicas' forward.
 
+- ``engine="process"``: CPU replicas in persistent worker processes sharing the module's memory
+  (``process_engine.py``), so that small operations do not serialise on the interpreter lock.
+
 What a forward with several replicas keeps (as in torch): replicas are discarded after the forward, so attributes
 they set are lost, and buffer updates are kept from the first replica on the module's device only: BatchNorm's
 running statistics end up updated from the first chunk of the batch. Parameters are shared (same device) or copied

@@ -169,7 +169,12 @@ class ProcessEngine:
                                 name=f"fanfold-replica-{i}", daemon=True)
                 with warnings.catch_warnings():  # the caller's hooks stay in the caller: the workers need none
                     warnings.filterwarnings("ignore", "backward hook .* will not be serialized")
-                    p.start()
+                    try:
+                        p.start()
+                    except Exception as exc:
+                        raise RuntimeError(f"DataParallel(engine='process'): cannot send the module to the worker "
+                                           f"of replica {i} ({type(exc).__name__}: {exc}); its attributes must be "
+                                           "picklable, or use engine='thread'") from exc
                 theirs.close()
                 procs.append(p)
                 conns.append(ours)
