@@ -249,6 +249,29 @@ def test_structure_change_restarts_close_stops_workers_and_shm_is_clean():
         assert set(os.listdir("/dev/shm")) - shm_before == set()
 
 
+def test_a_class_defined_in_main_is_forked_like_a_notebook_cell():
+    # a forkserver child cannot import a class of __main__ (a notebook cell); the engine forks such workers
+    cell_class = type("CellModel", (nn.Module,), {
+        "__init__": lambda self: (nn.Module.__init__(self), setattr(self, "fc", nn.Linear(3, 2)))[0],
+        "forward": lambda self, x: self.fc(x).tanh(),
+        "__module__": "__main__",
+    })
+    torch.manual_seed(0)
+    bare = cell_class()
+    dp = DataParallel(copy.deepcopy(bare), ["cpu"] * 2, engine="process")
+    x = torch.randn(6, 3)
+    try:
+        out = dp(x)
+        assert dp._processes._procs[0]._popen.method == "fork"
+        torch.testing.assert_close(out, bare(x), **TOL)
+        out.sum().backward()
+        bare(x).sum().backward()
+        for p, q in zip(bare.parameters(), dp.module.parameters(), strict=True):
+            torch.testing.assert_close(q.grad, p.grad, **TOL)
+    finally:
+        dp.close()
+
+
 def test_double_backward_is_refused_and_process_needs_cpu_devices():
     dp = DataParallel(nn.Linear(3, 1), ["cpu"] * 2, engine="process")
     x = torch.randn(4, 3, requires_grad=True)
