@@ -202,6 +202,15 @@ def test_a_killed_worker_is_an_error_within_seconds_and_the_next_call_restarts()
         with pytest.raises(RuntimeError, match="worker process of replica 0 died"):
             out.sum().backward()
         dp(x).sum().backward()
+        out = dp(x)  # the workers stopped, or restarted, between forward and backward: a clear error
+        dp.close()
+        with pytest.raises(RuntimeError, match="workers were stopped since this forward"):
+            out.sum().backward()
+        out = dp(x)
+        dp.module.weight = nn.Parameter(dp.module.weight.detach().clone())
+        dp(x)
+        with pytest.raises(RuntimeError, match="in replica 0 .*holds no graph of that forward"):
+            out.sum().backward()
     finally:
         dp.close()
 

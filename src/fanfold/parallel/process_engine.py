@@ -220,6 +220,9 @@ class ProcessEngine:
 
     def _exchange(self, msgs: list) -> list:
         """Send ``msgs[i]`` to worker i, gather the answers; a Failure is raised as the replica's exception."""
+        if len(self._procs) < len(msgs):
+            raise RuntimeError("DataParallel(engine='process'): the workers were stopped since this forward (close(), "
+                               "a dead worker or Ctrl-C); run the forward again")
         try:
             for conn, msg in zip(self._conns, msgs):
                 conn.send(msg)

@@ -114,6 +114,9 @@ def _forward(module: nn.Module, msg: Forward, graphs: dict, params: list) -> Out
 
 
 def _backward(msg: Backward, graphs: dict) -> Gradients:
+    if msg.step not in graphs:
+        raise RuntimeError("this worker holds no graph of that forward: the workers were restarted since (a "
+                           "structure change, a dead worker or close()); run the forward again")
     outs, targets, n_inputs = graphs[msg.step]  # kept (retain_graph) until the caller releases it
     pairs = [(o, g) for o, g in zip(outs, msg.grads) if g is not None and o.requires_grad]
     if pairs and targets:
