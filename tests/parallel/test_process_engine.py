@@ -141,6 +141,11 @@ def test_kwargs_nested_outputs_accumulation_and_hooks():
             torch.testing.assert_close(q.grad, p.grad, **TOL)
         assert len(calls) == 3  # the parameter hook ran once per backward, in the caller, on the summed gradient
         torch.testing.assert_close(sum(calls), dp.module.fc.weight.grad, **TOL)
+        workers = list(dp._processes._procs)
+        one_row = torch.randn(1, 4)  # fewer rows than replicas: the first worker alone, no restart
+        torch.testing.assert_close(dp(one_row, scale=torch.ones(1, 1))["y"], bare(one_row, scale=torch.ones(1, 1))["y"],
+                                   **TOL)
+        assert dp._processes._procs == workers
     finally:
         dp.close()
 

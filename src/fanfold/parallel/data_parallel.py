@@ -136,9 +136,8 @@ class DataParallel(nn.Module):
         if len(self.device_ids) == 1:
             return self.module(*inputs[0], **kwargs[0])
         if self.engine == "process":  # the replicas live in the worker processes
-            if self._processes is None or self._processes.num_replicas != len(inputs):
-                self.close()
-                self._processes = ProcessEngine(len(inputs))
+            if self._processes is None:  # a batch smaller than device_ids uses the first workers only
+                self._processes = ProcessEngine(len(self.device_ids))
             return self.gather(self._processes.apply(self.module, inputs, kwargs), self.output_device)
         replicas = self.replicate(self.module, self.device_ids[: len(inputs)])
         outputs = self.parallel_apply(replicas, inputs, kwargs)
