@@ -175,22 +175,54 @@ def test_autograd_grad_returns_gradients_and_leaves_grad_alone():
     assert all(p.grad is None for p in dp.module.parameters())
 
 
-def test_double_backward_is_refused_unless_parallel_backward_is_off():
+def _gradient_penalty_step(m, x):
+    """A WGAN-GP style step: loss plus the squared norm of d(output)/d(input), backward through both."""
+    x = x.clone().requires_grad_(True)
+    out = m(x)
+    (gx,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+    (out.pow(2).mean() + gx.pow(2).sum(1).sub(1).pow(2).mean()).backward()
+    return out
+
+
+@pytest.mark.filterwarnings("ignore:DataParallel. double backward")
+@pytest.mark.parametrize("parallel_backward", [True, False])
+def test_double_backward_gradient_penalty_matches_the_bare_module(parallel_backward):
     torch.manual_seed(0)
-    bare = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    bare = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Softplus(), nn.Linear(8, 1))
+    dp = DataParallel(copy.deepcopy(bare), ["cpu"] * 2, parallel_backward=parallel_backward)
     x = torch.randn(6, 4)
-    with pytest.raises(RuntimeError, match=r"double backward \(create_graph=True\).*parallel_backward=False"):
-        torch.autograd.grad(DataParallel(bare, ["cpu"] * 2)(x).sum(), list(bare.parameters()), create_graph=True)
+    for _ in range(2):  # the second step accumulates into existing .grad
+        expected = _gradient_penalty_step(bare, x)
+        got = _gradient_penalty_step(dp, x)
+        torch.testing.assert_close(got, expected, **TOL)
+        assert_same_grads(dp.module, bare)
+    # d2/dp through autograd.grad alone, with create_graph, too
+    g_bare = torch.autograd.grad(bare(x).pow(2).sum(), list(bare.parameters()), create_graph=True)
+    g_dp = torch.autograd.grad(dp(x).pow(2).sum(), list(dp.module.parameters()), create_graph=True)
+    hvp_bare = torch.autograd.grad(sum(g.pow(2).sum() for g in g_bare), list(bare.parameters()))
+    hvp_dp = torch.autograd.grad(sum(g.pow(2).sum() for g in g_dp), list(dp.module.parameters()))
+    for g, e in zip(hvp_dp, hvp_bare, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5)
 
-    def gradient_penalty(m):
-        g = torch.autograd.grad(m(x).sum(), list(m.parameters()) if m is bare else list(m.module.parameters()),
-                                create_graph=True)
-        sum(t.pow(2).sum() for t in g).backward()
 
+@pytest.mark.filterwarnings("ignore:DataParallel. double backward")
+def test_double_backward_keeps_batchnorm_statistics_and_refuses_dropout():
+    torch.manual_seed(0)
+    bare = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Tanh(), nn.Linear(6, 1))
+    dp = DataParallel(copy.deepcopy(bare), ["cpu"] * 2)
+    x = torch.randn(8, 4)
+    with pytest.warns(UserWarning, match="forward is run again on the caller's thread"):  # the slower path, announced
+        _gradient_penalty_step(dp, x)
     serial = DataParallel(copy.deepcopy(bare), ["cpu"] * 2, parallel_backward=False)
-    gradient_penalty(bare)
-    gradient_penalty(serial)
-    assert_same_grads(serial.module, bare)
+    _gradient_penalty_step(serial, x)
+    # the recomputation does not update the running statistics a second time
+    torch.testing.assert_close(dp.module[1].running_mean, serial.module[1].running_mean, **TOL)
+    assert int(dp.module[1].num_batches_tracked) == 1
+    assert_same_grads(dp.module, serial.module)
+
+    noisy = DataParallel(nn.Sequential(nn.Linear(4, 64), nn.Dropout(0.5), nn.Linear(64, 1)), ["cpu"] * 2)
+    with pytest.raises(RuntimeError, match=r"replica \d.*outputs changed.*parallel_backward=False"):
+        _gradient_penalty_step(noisy, x)
 
 
 def test_an_error_in_a_replica_backward_names_the_replica():

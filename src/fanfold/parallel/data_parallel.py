@@ -11,7 +11,10 @@ so a subclass can swap one step. Beyond torch:
 - ``weights=[3, 1]`` splits batches in proportion (unequal devices), ``chunk_sizes=[...]`` splits them explicitly.
 - CPU replicas also run their backward concurrently, in the worker threads (``parallel_backward.py``; autograd
   alone would run them one after the other on the caller's thread). ``parallel_backward=False`` keeps autograd's
-  way, which supports double backward (``create_graph=True``); the default refuses it with a message saying so.
+  way; double backward (``create_graph=True``) works with both, the default re-running the replicas' forward.
+
+- ``engine="process"``: CPU replicas in persistent worker processes sharing the module's memory
+  (``process_engine.py``), so that small operations do not serialise on the interpreter lock.
 
 What a forward with several replicas keeps (as in torch): replicas are discarded after the forward, so attributes
 they set are lost, and buffer updates are kept from the first replica on the module's device only: BatchNorm's
@@ -33,6 +36,7 @@ from .._core.devices import DeviceLike, accelerator_type, default_device_ids, no
 from .._core.prefixes import unwrap_module
 from .parallel_apply import WorkerPool, parallel_apply
 from .parallel_backward import parallel_apply_backward
+from .process_engine import ProcessEngine
 from .replicate import replicate
 from .scatter_gather import gather, scatter_kwargs
 
@@ -59,7 +63,9 @@ class DataParallel(nn.Module):
     CPU replicas); default: every accelerator, or none on a CPU-only machine (then the module simply runs).
     ``output_device``: where outputs are gathered (default ``device_ids[0]``). The module's parameters and buffers
     must be on ``device_ids[0]``. ``parallel_backward``: with several CPU replicas, run their backward in the
-    worker threads (default) rather than serially on the caller's thread.
+    worker threads (default) rather than serially on the caller's thread. ``engine``: ``"thread"`` (default) runs
+    the replicas in threads of this process; ``"process"`` (CPU replicas only) in persistent worker processes whose
+    parameters alias the module's, moved to shared memory (``process_engine.py``); ``close()`` stops either.
     """
 
     def __init__(
@@ -71,6 +77,7 @@ class DataParallel(nn.Module):
         weights: Sequence[float] | None = None,
         chunk_sizes: Sequence[int] | None = None,
         parallel_backward: bool = True,
+        engine: str = "thread",
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -88,6 +95,10 @@ class DataParallel(nn.Module):
         self.weights = None if weights is None else list(weights)
         self.chunk_sizes = None if chunk_sizes is None else list(chunk_sizes)
         self.parallel_backward = bool(parallel_backward)
+        if engine not in ("thread", "process"):
+            raise ValueError(f"DataParallel: engine must be 'thread' or 'process', got {engine!r}")
+        self.engine = engine
+        self._processes: ProcessEngine | None = None  # engine="process": started on the first forward
         self._pool: WorkerPool | None = None  # started on the first forward with several replicas
         self.register_load_state_dict_pre_hook(_accept_unprefixed)
         if device_ids is None:
@@ -109,6 +120,9 @@ class DataParallel(nn.Module):
         self.output_device = self.src_device_obj if output_device is None else normalize_device(output_device)
         if len(self.device_ids) == 1:
             self.module.to(self.src_device_obj)
+        if engine == "process" and any(d.type != "cpu" for d in self.device_ids):
+            raise ValueError(f"DataParallel: engine='process' runs CPU replicas only, got device_ids="
+                             f"{[str(d) for d in self.device_ids]}; use engine='thread' for accelerators")
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if not self.device_ids:
@@ -121,9 +135,22 @@ class DataParallel(nn.Module):
         inputs, kwargs = self.scatter(inputs, kwargs, self.device_ids)
         if len(self.device_ids) == 1:
             return self.module(*inputs[0], **kwargs[0])
+        if self.engine == "process":  # the replicas live in the worker processes
+            if self._processes is None:  # a batch smaller than device_ids uses the first workers only
+                self._processes = ProcessEngine(len(self.device_ids))
+            return self.gather(self._processes.apply(self.module, inputs, kwargs), self.output_device)
         replicas = self.replicate(self.module, self.device_ids[: len(inputs)])
         outputs = self.parallel_apply(replicas, inputs, kwargs)
         return self.gather(outputs, self.output_device)
+
+    def close(self) -> None:
+        """Stop the replicas' worker threads or processes now (garbage collection does it too)."""
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+        if self._processes is not None:
+            self._processes.close()
+            self._processes = None
 
     def _check_placement(self) -> None:
         # runs every forward (the module may have been moved since), so it walks the dicts directly: a third of
@@ -180,7 +207,7 @@ class DataParallel(nn.Module):
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        state["_pool"] = None  # threads are not copied or pickled; a copy starts its own
+        state["_pool"] = state["_processes"] = None  # threads and processes are not copied; a copy starts its own
         return state
 
 

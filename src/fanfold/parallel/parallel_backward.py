@@ -18,13 +18,16 @@ Function, ``_Replicas``, spans all replicas:
 Leaves a replica reaches that are neither an argument nor a parameter (a tensor kept as a plain attribute) are found
 by walking each replica's graph after forward and become inputs of the Function too, so their gradients are kept.
 The replicas' graphs are saved with ``save_for_backward``: a second backward after ``retain_graph=True`` works, and
-without it the engine frees them after the first one, as for any graph. Double backward (``create_graph=True``) is
-not supported (the replicas' graphs start at detached arguments) and raises; ``DataParallel(...,
-parallel_backward=False)`` uses the plain ``parallel_apply`` path, whose graph supports it.
+without it the engine frees them after the first one, as for any graph. Double backward (``create_graph=True``,
+a gradient penalty): the replicas' graphs start at detached arguments, so the backward runs each replica's forward
+again on the caller's thread, on the real arguments and parameters (as ``parallel_backward=False`` does, announced
+once by a warning), and differentiates that graph; buffers are left as the first forward set them, and outputs that
+changed (dropout drawing again) raise, pointing to ``parallel_backward=False``.
 Layer: ``parallel_apply`` <- ``parallel_backward`` <- ``data_parallel``.
 """
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -69,21 +72,23 @@ def _leaves_of(outputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return leaves
 
 
-def _alias_parameters(replicas: Sequence[nn.Module]) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
+def _alias_parameters(replicas: Sequence[nn.Module]) -> tuple[list[torch.Tensor], list[list[torch.Tensor]], list]:
     """Give each replica its own leaf for every parameter that requires grad, sharing the parameter's memory.
 
     The replicas' graphs then end at these leaves, not at the parameters: hooks on a parameter run once, on the
-    summed gradient, as for the bare module, and never in a worker. Returns the parameters and, per replica, its
-    leaves in the same order. A parameter used under two names (tied weights) gets one leaf per replica.
+    summed gradient, as for the bare module, and never in a worker. Returns the parameters, per replica its leaves
+    in the same order, and per replica the ``(module, name, parameter)`` swapped (to run it again on the real ones).
+    A parameter used under two names (tied weights) gets one leaf per replica.
     """
     params: dict[int, torch.Tensor] = {}
     for r in replicas:
         for p in r.parameters():
             if p.requires_grad:
                 params.setdefault(id(p), p)
-    per_replica = []
+    per_replica, restore = [], []
     for r in replicas:
         alias = {k: p.detach().requires_grad_(True) for k, p in params.items()}
+        restore.append([])
         for m in r.modules():
             for key, p in list(m._parameters.items()):
                 if p is not None and id(p) in alias:
@@ -91,8 +96,9 @@ def _alias_parameters(replicas: Sequence[nn.Module]) -> tuple[list[torch.Tensor]
                     # set through setattr so that modules caching their weights (nn.LSTM) see the leaf
                     del m._parameters[key]
                     setattr(m, key, alias[id(p)])
+                    restore[-1].append((m, key, p))
         per_replica.append(list(alias.values()))
-    return list(params.values()), per_replica
+    return list(params.values()), per_replica, restore
 
 
 def _run(pool: WorkerPool, fns: list, devices: list) -> list:
@@ -113,6 +119,46 @@ def _sum_into_first(grads: list, owned: bool) -> torch.Tensor | None:
     return total
 
 
+def _recompute_backward(plan: dict, outs: Sequence[torch.Tensor], grads: Sequence) -> list:
+    """The Function's gradients as a differentiable graph (double backward): each replica's forward is run again on
+    the caller's thread on the real arguments and parameters (as ``parallel_backward=False`` runs it), its buffers
+    left as they were, and its outputs checked against the first forward's (a random op, such as dropout, drawing
+    again would give the gradient of another function)."""
+    warnings.warn("DataParallel: double backward (create_graph=True) through CPU replicas: their forward is run "
+                  "again on the caller's thread to build a differentiable graph (slower; parallel_backward=False "
+                  "avoids the recomputation)", stacklevel=3)
+    recomputed = []
+    for i, (module, args, kwargs, device) in enumerate(zip(plan["modules"], plan["inputs"], plan["kwargs"],
+                                                            plan["devices"])):
+        for m, key, p in plan["restore"][i]:
+            setattr(m, key, p)
+        # the run writes into copies of the buffers (BatchNorm's statistics were updated by the first forward);
+        # swapped, not restored in place, because its graph may save them
+        kept = [(m, key, b) for m in module.modules() for key, b in m._buffers.items() if b is not None]
+        for m, key, b in kept:
+            m._buffers[key] = b.clone()
+        try:
+            out = _call(module, args, kwargs, device, plan["state"])
+        finally:
+            for m, key, b in kept:
+                m._buffers[key] = b
+        leaves, _ = flatten(out, "output")
+        recomputed.extend(t for t in (_tensor(v) for _, v in leaves) if t is not None)
+    for i, (start, stop) in enumerate(plan["output_slices"]):
+        for a, b in zip(outs[start:stop], recomputed[start:stop]):
+            if a.shape != b.shape or not torch.allclose(a.detach(), b.detach(), rtol=1e-4, atol=1e-5, equal_nan=True):
+                raise RuntimeError(
+                    f"DataParallel: double backward (create_graph=True) runs replica {i}'s forward again, and its "
+                    "outputs changed (a random op such as dropout?); create the model with "
+                    "DataParallel(..., parallel_backward=False) to keep the first forward's graph")
+    pairs = [(o, g) for o, g in zip(recomputed, grads) if g is not None and o.requires_grad]
+    targets = list(plan["originals"]) + list(plan["shared_tensors"])
+    if not pairs:
+        return [None] * len(targets)
+    return list(torch.autograd.grad([o for o, _ in pairs], targets, [g for _, g in pairs], create_graph=True,
+                                    allow_unused=True))
+
+
 class _Replicas(Function):
     """``_Replicas.apply(plan, *tensors)``: see the module docstring; ``plan`` carries everything but tensors."""
 
@@ -129,13 +175,10 @@ class _Replicas(Function):
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor | None) -> tuple:
-        if torch.is_grad_enabled():
-            raise RuntimeError(
-                "DataParallel: double backward (create_graph=True) through CPU replicas that run backward in "
-                "parallel is not supported; create the model with DataParallel(..., parallel_backward=False)"
-            )
         plan = ctx.plan
         outs = ctx.saved_tensors  # raises autograd's own error on a second backward without retain_graph
+        if torch.is_grad_enabled():  # create_graph=True: the replicas' graphs start at detached leaves
+            return (None, *_recompute_backward(plan, outs, grads))
         n = len(plan["devices"])
         fns = []
         for i in range(n):
@@ -206,7 +249,7 @@ def parallel_apply_backward(
     workers, concurrently. For CPU replicas sharing their parameters (``replicate`` onto the module's own device)."""
     devices = list(devices)
     n = len(modules)
-    params, aliases = _alias_parameters(modules)
+    params, aliases, restore = _alias_parameters(modules)
     state = _caller_state(devices)
     state["grad"] = True
     # every replica's tensor arguments, detached: leaves of that replica's own graph
@@ -276,6 +319,9 @@ def parallel_apply_backward(
         "shared_positions": [num_originals + k for k in range(len(shared_tensors))],
         "own": own,
         "num_inputs": num_originals + len(shared_tensors),
+        # to run the replicas again for a double backward (_recompute_backward)
+        "modules": list(modules), "inputs": list(inputs), "kwargs": list(kwargs_tup), "state": state,
+        "restore": restore, "originals": originals,
     }
     results = _Replicas.apply(plan, *originals, *shared_tensors)
     it = iter(results)

@@ -1,0 +1,281 @@
+"""ProcessEngine: ``DataParallel(..., engine="process")``'s replicas, one persistent worker process each (CPU).
+
+Threads running CPU replicas serialise on the interpreter lock for small operations; processes do not. The engine
+starts its workers on first use (``process_worker.worker_main``) after moving the user's parameters and buffers into
+shared memory in place (``share_memory_()``): the optimizer keeps stepping the same tensors and every worker sees
+them. The workers are restarted when the module's structure changes (a parameter or buffer replaced, moved, re-typed
+or its ``requires_grad`` flipped), after a worker died, and after Ctrl-C.
+
+The caller scatters the batch (``DataParallel.scatter``), sends each worker its chunk, and receives the outputs. One
+autograd Function, ``_Remote``, joins them to the caller's graph: its inputs are the chunks that require grad and the
+parameters that do, its outputs the workers' outputs. Its backward sends each worker the gradients of its outputs;
+the workers differentiate concurrently and return parameter gradients, which are summed in replica order and handed
+to autograd, so ``.grad`` accumulates (or is created) exactly as for the bare module and parameter hooks run once.
+
+Start method: a forkserver that has imported torch, or ``fork`` when a module's class is defined in ``__main__`` (a
+notebook cell; a forkserver child could not unpickle it): a forked child cannot use the OpenMP threads its parent
+has used, so then each worker runs one intra-op thread. Every wait is bounded and polls the workers: a dead worker
+is an error within a second or so, never a hang.
+Layer: ``process_worker`` <- ``process_engine`` <- ``data_parallel``.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+import warnings
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import wait
+from typing import Any
+
+import torch
+import torch.multiprocessing  # noqa: F401  (registers the reductions that send tensors through shared memory)
+from torch import nn
+from torch.autograd import Function
+
+from .._core.tree import flatten, unflatten
+from .parallel_backward import _tensor, _with_tensor
+from .process_worker import Backward, Failure, Forward, Gradients, Outputs, Ready, Stop, worker_main
+
+START_TIMEOUT = 120.0  # a forkserver's first start imports torch: slow on a loaded machine
+STEP_TIMEOUT = 600.0  # one forward or backward of one replica
+# a replica's exception is raised in the caller as the same type where it is one of these, else as RuntimeError
+_ERRORS = {e.__name__: e for e in (ValueError, TypeError, IndexError, KeyError, NotImplementedError)}
+
+
+class WorkerDied(RuntimeError):
+    """A replica's worker process ended without answering; the engine restarts its workers on the next call."""
+
+
+def _context(module: nn.Module) -> tuple[Any, bool]:
+    in_main = any(type(m).__module__ == "__main__" for m in module.modules())
+    if in_main or "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("fork"), True
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.multiprocessing", "fanfold"])
+    return ctx, False
+
+
+def _signature(module: nn.Module) -> list:
+    tensors = [*module.parameters(), *module.buffers()]
+    return [type(m) for m in module.modules()] + [
+        (id(t), t.data_ptr(), t.shape, t.dtype, t.requires_grad) for t in tensors]
+
+
+def _stop(procs: list, conns: list) -> None:
+    for c in conns:
+        try:
+            c.send(Stop())
+        except (OSError, ValueError):
+            pass
+    deadline = time.monotonic() + 3.0
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join(2.0)
+    for c in conns:
+        c.close()
+
+
+@dataclass
+class _Step:
+    """What ``_Remote`` needs: the engine, each replica's step number and its outputs' range."""
+
+    engine: ProcessEngine
+    steps: list[int]
+    slices: list[tuple[int, int]]
+    inputs: list[list[int]]  # per replica, positions among the Function's chunk inputs
+    num_chunks: int
+
+
+class _Token:
+    """Lives as long as the caller's graph node: when it goes, the workers may drop their graphs of that step."""
+
+    def __init__(self, engine: ProcessEngine, steps: list[int]) -> None:
+        self.engine, self.steps = weakref.ref(engine), steps
+
+    def __del__(self) -> None:
+        engine = self.engine()
+        if engine is not None:
+            engine._released.extend(self.steps)
+
+
+class _Remote(Function):
+    @staticmethod
+    def forward(ctx, step: _Step, outputs: list, *tensors: torch.Tensor) -> tuple:
+        ctx.set_materialize_grads(False)
+        ctx.step = step
+        ctx.token = _Token(step.engine, step.steps)
+        ctx.save_for_backward(torch.empty(0))  # so that autograd refuses a second backward without retain_graph
+        ctx.mark_non_differentiable(*[o for o in outputs if not (o.is_floating_point() or o.is_complex())])
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None) -> tuple:
+        ctx.saved_tensors  # noqa: B018  (raises autograd's own error on a second backward without retain_graph)
+        if torch.is_grad_enabled():
+            raise RuntimeError("DataParallel(engine='process'): double backward (create_graph=True) is not "
+                               "supported by the process engine; use engine='thread'")
+        step = ctx.step
+        msgs = [Backward(s, list(grads[lo:hi])) for s, (lo, hi) in zip(step.steps, step.slices)]
+        replies: list[Gradients] = step.engine._exchange(msgs)
+        chunk_grads: list = [None] * step.num_chunks
+        for reply, positions in zip(replies, step.inputs):
+            for pos, g in zip(positions, reply.inputs):
+                chunk_grads[pos] = g
+        sums: list = []
+        for k in range(len(replies[0].parameters)):
+            total = None
+            for reply in replies:  # replica order: the same sum every step
+                g = reply.parameters[k]
+                if g is not None:
+                    total = g if total is None else total.add_(g)
+            sums.append(total)
+        return (None, None, *chunk_grads, *sums)
+
+
+class ProcessEngine:
+    """The worker processes of one DataParallel; ``apply`` is its ``parallel_apply``. ``close()`` stops them."""
+
+    def __init__(self, num_replicas: int) -> None:
+        self.num_replicas = num_replicas
+        self._procs: list = []
+        self._conns: list = []
+        self._signature: list | None = None
+        self._step = 0
+        self._released: list[int] = []
+        self._finalizer: Any = None
+
+    def close(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer()  # runs _stop once
+        self._procs, self._conns, self._signature, self._finalizer = [], [], None, None
+
+    def _start(self, module: nn.Module) -> None:
+        self.close()
+        for t in [*module.parameters(), *module.buffers()]:
+            t.share_memory_()
+        ctx, forked = _context(module)
+        n = self.num_replicas
+        threads = 1 if forked else max(1, torch.get_num_threads() // n)
+        procs, conns = [], []
+        try:
+            for i in range(n):
+                ours, theirs = ctx.Pipe()
+                p = ctx.Process(target=worker_main, args=(i, module, theirs, threads, os.getpid()),
+                                name=f"fanfold-replica-{i}", daemon=True)
+                with warnings.catch_warnings():  # the caller's hooks stay in the caller: the workers need none
+                    warnings.filterwarnings("ignore", "backward hook .* will not be serialized")
+                    try:
+                        p.start()
+                    except Exception as exc:
+                        raise RuntimeError(f"DataParallel(engine='process'): cannot send the module to the worker "
+                                           f"of replica {i} ({type(exc).__name__}: {exc}); its attributes must be "
+                                           "picklable, or use engine='thread'") from exc
+                theirs.close()
+                procs.append(p)
+                conns.append(ours)
+            self._procs, self._conns = procs, conns
+            self._finalizer = weakref.finalize(self, _stop, procs, conns)
+            ready = self._receive(list(range(n)), START_TIMEOUT, "start")
+            if not all(isinstance(r, Ready) for r in ready):
+                raise RuntimeError(f"DataParallel(engine='process'): a worker failed to start: {ready}")
+        except BaseException:
+            _stop(procs, conns)
+            self._procs, self._conns, self._finalizer = [], [], None
+            raise
+        self._signature = _signature(module)
+
+    def _receive(self, indices: list[int], timeout: float, what: str) -> list:
+        """One message from each worker in ``indices``; bounded, and a dead worker is an error at once."""
+        replies: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout
+        while len(replies) < len(indices):
+            pending = [i for i in indices if i not in replies]
+            ready = wait([self._conns[i] for i in pending] + [self._procs[i].sentinel for i in pending],
+                         timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+            for i in pending:
+                if self._conns[i] in ready:
+                    try:
+                        replies[i] = self._conns[i].recv()
+                    except (EOFError, OSError):
+                        pass
+                if i not in replies and not self._procs[i].is_alive():
+                    code = self._procs[i].exitcode
+                    self.close()
+                    hint = "" if what != "start" else (
+                        " (its stderr says why; a script must start the engine under `if __name__ == '__main__':`, "
+                        "as for any multiprocessing start method but fork)")
+                    raise WorkerDied(f"DataParallel(engine='process'): the worker process of replica {i} died "
+                                     f"during {what} (exit code {code}){hint}; its workers are restarted on the "
+                                     "next call")
+            if len(replies) < len(indices) and time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError(f"DataParallel(engine='process'): replicas {pending} did not finish {what} "
+                                   f"within {timeout:.0f} s; the workers were stopped")
+        return [replies[i] for i in indices]
+
+    def _exchange(self, msgs: list) -> list:
+        """Send ``msgs[i]`` to worker i, gather the answers; a Failure is raised as the replica's exception."""
+        if len(self._procs) < len(msgs):
+            raise RuntimeError("DataParallel(engine='process'): the workers were stopped since this forward (close(), "
+                               "a dead worker or Ctrl-C); run the forward again")
+        try:
+            for conn, msg in zip(self._conns, msgs):
+                conn.send(msg)
+            replies = self._receive(list(range(len(msgs))), STEP_TIMEOUT, type(msgs[0]).__name__.lower())
+        except KeyboardInterrupt:
+            self.close()  # the workers may be mid-step: stop them; the next call starts fresh ones
+            raise
+        for reply in replies:
+            if isinstance(reply, Failure):
+                message = (f"in replica {reply.index} (engine='process'): {reply.kind}: {reply.message}\n\n"
+                           f"Traceback in the worker process:\n{reply.traceback}")
+                raise _ERRORS.get(reply.kind, RuntimeError)(message)
+        return replies
+
+    def apply(self, module: nn.Module, inputs: Sequence[tuple], kwargs: Sequence[dict]) -> list:
+        """``parallel_apply`` for the worker processes: one output per chunk, joined to the caller's graph."""
+        n = len(inputs)
+        for i, p in enumerate(self._procs):
+            if not p.is_alive():
+                code = p.exitcode
+                self.close()
+                raise WorkerDied(f"DataParallel(engine='process'): the worker process of replica {i} died since the "
+                                 f"last call (exit code {code}); its workers are restarted on the next call")
+        if not self._procs or _signature(module) != self._signature:
+            self._start(module)
+        grad = torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+        training = [m.training for m in module.modules()]
+        release, self._released = self._released, []
+        chunks: list[torch.Tensor] = []
+        positions: list[list[int]] = []
+        msgs = []
+        for i in range(n):
+            leaves, spec = flatten((tuple(inputs[i]), dict(kwargs[i])))
+            values = [v for _, v in leaves]
+            wanted = [k for k, v in enumerate(values) if _tensor(v) is not None and _tensor(v).requires_grad]
+            positions.append(list(range(len(chunks), len(chunks) + len(wanted))))
+            chunks.extend(_tensor(values[k]) for k in wanted)
+            sent = [v if _tensor(v) is None else _with_tensor(v, _tensor(v).detach()) for v in values]
+            self._step += 1
+            msgs.append(Forward(self._step, sent, spec, wanted if grad else [], grad, training, release))
+        replies: list[Outputs] = self._exchange(msgs)
+        flat, slices, rebuilt = [], [], []
+        for reply in replies:
+            lo = len(flat)
+            flat.extend(t for t in (_tensor(v) for v in reply.leaves) if t is not None)
+            slices.append((lo, len(flat)))
+        params = [p for p in module.parameters() if p.requires_grad]
+        if grad and (chunks or params):
+            step = _Step(self, [m.step for m in msgs], slices, positions, len(chunks))
+            joined = iter(_Remote.apply(step, flat, *chunks, *params))
+        else:
+            joined = iter(flat)
+        for reply in replies:
+            rebuilt.append(unflatten(reply.spec, [v if _tensor(v) is None else _with_tensor(v, next(joined))
+                                                  for v in reply.leaves]))
+        return rebuilt

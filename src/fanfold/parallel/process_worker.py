@@ -1,0 +1,165 @@
+"""One replica in its own process, for ``DataParallel(..., engine="process")``: the messages and the worker's loop.
+
+The worker holds the user's module as it arrived (forked, or unpickled by torch's reductions): its parameters and
+buffers alias the caller's shared memory, so an optimizer step in the caller is seen here at once. Each parameter that
+requires grad is replaced by a leaf of the worker's own sharing its memory (as ``parallel_backward`` does for threads),
+so the worker's graph ends at these leaves and the caller's hooks never run here. Replica 0 writes the module's
+buffers (BatchNorm's statistics), every other replica works on private copies refreshed from them at each forward:
+torch's DataParallel semantics. Tensors travel in the messages through torch's shared-memory reductions (a file
+descriptor per storage, nothing named in /dev/shm).
+
+A forward that records a graph keeps it under its ``step`` until the caller sends the gradients of its outputs
+(``Backward``) or says the caller's graph is gone (``Forward.release``). The worker exits on ``Stop``, when the caller's
+end of the pipe closes, or when the caller's process is gone (checked every second). Ctrl-C is the caller's: the
+worker ignores SIGINT and is stopped by the caller.
+Layer: ``parallel_backward`` (aliases) <- ``process_worker`` <- ``process_engine``.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._core.tree import Spec, flatten, unflatten
+from .parallel_backward import _alias_parameters, _tensor, _with_tensor
+
+
+@dataclass
+class Forward:
+    step: int
+    leaves: list  # the replica's flattened (args, kwargs), tensors detached
+    spec: Spec
+    differentiable: list[int]  # positions in ``leaves`` whose gradient the caller wants
+    grad: bool  # the caller's grad mode
+    training: list[bool]  # module.training of every submodule, in modules() order
+    release: list[int] = field(default_factory=list)  # steps whose graph the caller has dropped
+
+
+@dataclass
+class Backward:
+    step: int
+    grads: list  # one per output tensor, None where the caller has none
+
+
+@dataclass
+class Stop:
+    pass
+
+
+@dataclass
+class Ready:
+    index: int
+    pid: int
+
+
+@dataclass
+class Outputs:
+    leaves: list  # the output flattened, tensors detached
+    spec: Spec
+
+
+@dataclass
+class Gradients:
+    parameters: list  # one per parameter that requires grad (None where unused)
+    inputs: list  # one per ``Forward.differentiable`` position
+
+
+@dataclass
+class Failure:
+    index: int
+    kind: str  # the exception's type name
+    message: str
+    traceback: str
+
+
+def _private_buffers(module: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Give ``module`` private copies of its (shared) buffers; returns (shared, private) pairs to refresh them."""
+    pairs = []
+    for m in module.modules():
+        for key, b in list(m._buffers.items()):
+            if b is not None:
+                m._buffers[key] = b.clone()
+                pairs.append((b, m._buffers[key]))
+    return pairs
+
+
+def _detach(leaf: Any) -> Any:
+    t = _tensor(leaf)
+    return leaf if t is None else _with_tensor(leaf, t.detach())
+
+
+def _forward(module: nn.Module, msg: Forward, graphs: dict, params: list) -> Outputs:
+    for m, flag in zip(module.modules(), msg.training):
+        m.training = flag
+    leaves = list(msg.leaves)
+    inputs = []
+    for k in msg.differentiable:
+        t = _tensor(leaves[k]).requires_grad_(msg.grad)
+        inputs.append(t)
+        # a clone, so that the module may modify its argument in place as it may a non-leaf in the caller
+        leaves[k] = _with_tensor(leaves[k], t.clone() if msg.grad else t)
+    args, kwargs = unflatten(msg.spec, leaves)
+    with torch.set_grad_enabled(msg.grad):
+        out = module(*args, **kwargs)
+    out_leaves, spec = flatten(out, "output")
+    if msg.grad:
+        tensors = [t for t in (_tensor(v) for _, v in out_leaves) if t is not None]
+        graphs[msg.step] = (tensors, params + inputs, len(inputs))
+    return Outputs([_detach(v) for _, v in out_leaves], spec)
+
+
+def _backward(msg: Backward, graphs: dict) -> Gradients:
+    if msg.step not in graphs:
+        raise RuntimeError("this worker holds no graph of that forward: the workers were restarted since (a "
+                           "structure change, a dead worker or close()); run the forward again")
+    outs, targets, n_inputs = graphs[msg.step]  # kept (retain_graph) until the caller releases it
+    pairs = [(o, g) for o, g in zip(outs, msg.grads) if g is not None and o.requires_grad]
+    if pairs and targets:
+        grads = list(torch.autograd.grad([o for o, _ in pairs], targets, [g for _, g in pairs],
+                                         retain_graph=True, allow_unused=True))
+    else:
+        grads = [None] * len(targets)
+    split = len(targets) - n_inputs
+    return Gradients(grads[:split], grads[split:])
+
+
+def worker_main(index: int, module: nn.Module, conn: Any, threads: int, caller: int) -> None:
+    """The worker process's entry point: serve ``conn`` until told to stop or the caller is gone."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    torch.set_num_threads(threads)
+    _, aliases, _ = _alias_parameters([module])
+    refresh = _private_buffers(module) if index > 0 else []
+    graphs: dict = {}
+    conn.send(Ready(index, os.getpid()))
+    while True:
+        try:
+            while not conn.poll(1.0):
+                os.kill(caller, 0)  # raises once the caller's process is gone
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        if isinstance(msg, Stop):
+            return
+        try:
+            if isinstance(msg, Forward):
+                for step in msg.release:
+                    graphs.pop(step, None)
+                with torch.no_grad():
+                    for shared, private in refresh:
+                        private.copy_(shared)
+                reply: Any = _forward(module, msg, graphs, aliases[0])
+            else:
+                reply = _backward(msg, graphs)
+        except Exception as exc:
+            reply = Failure(index, type(exc).__name__, str(exc), traceback.format_exc())
+        del msg
+        try:
+            conn.send(reply)
+        except (EOFError, OSError):
+            return
+        del reply
