@@ -11,6 +11,8 @@ from .scatter_gather import gather, scatter, scatter_kwargs
 from .replicate import replicate
 from .parallel_apply import WorkerPool, parallel_apply
 from .data_parallel import DataParallel, data_parallel, unwrap
+from .pipeline import DistributedPipeline, Pipeline
+from . import pipeline
 
 __version__ = "0.1.0"
 
@@ -34,4 +36,7 @@ __all__ = [
     "latest",
     "CheckpointError",
     "data",
+    "Pipeline",
+    "DistributedPipeline",
+    "pipeline",
 ]
