@@ -6,8 +6,10 @@ micro-batch; a backward needs its own forward and the next stage's backward), no
 from __future__ import annotations
 
 import pytest
+import torch
 
 from fanfold.pipeline import Step, gpipe, one_f_one_b
+from fanfold.pipeline.p2p import decode, encode
 from fanfold.pipeline.schedule import clocked, stage_orders
 
 SIZES = [(s, m) for s in (1, 2, 3, 4) for m in (1, 2, 3, 5, 8)]
@@ -74,3 +76,28 @@ def test_deadlocks_and_incomplete_schedules_are_refused():
         stage_orders([[(0, 0, "F")]], 1, 1)
     with pytest.raises(ValueError, match="microbatches must be an int >= 1"):
         list(gpipe(2, 0))
+
+
+@pytest.mark.parametrize("kind,value", [
+    ("activation", torch.randn(3, 4)),
+    ("activation", (torch.randn(2, 5, 3), torch.zeros(2, 5, dtype=torch.bool))),
+    ("activation", [torch.arange(6).reshape(2, 3)] * 9),  # a header longer than the first message
+    ("grad", [torch.randn(2, 3, 4, 5, 6, 7), None, torch.randn(1, dtype=torch.float64)] * 4),
+], ids=["tensor", "tuple", "long-list", "grads-with-none"])
+def test_messages_between_processes_round_trip(kind, value):
+    header, payload = encode(kind, value)
+    sent = iter(payload)
+
+    def receive(shape, dtype):  # what the receiver allocates must be what was sent
+        t = next(sent)
+        assert (t.shape, t.dtype) == (shape, dtype)
+        return t.clone()
+
+    got = decode(kind, header, receive)
+    items = value if isinstance(value, (tuple, list)) else [value]
+    assert type(got) is (type(value) if kind == "activation" else list)
+    assert len(header) == max(header[0], 32)  # the first message has 32 slots; a longer header follows it
+    for a, b in zip(got if isinstance(got, (tuple, list)) else [got], items):
+        assert (a is None and b is None) or (torch.equal(a, b) and a.dtype == b.dtype)
+    with pytest.raises(TypeError, match="flat tuple/list of tensors"):
+        encode("activation", (torch.ones(1), "mask"))

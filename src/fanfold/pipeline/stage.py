@@ -6,15 +6,17 @@ order of steps; only the channel differs.
 
 Two modes. Connected (``Pipeline.forward``): a stage's input is the previous stage's output moved to its device, one
 autograd graph spans the stages, and a plain ``loss.backward()`` afterwards differentiates the whole model.
-Detached (training steps): each stage owns its graph. A received activation becomes a fresh leaf that requires grad
-(cloned, so a first layer may work in place as it could in the sequential model); forward keeps the stage's output;
-backward runs ``torch.autograd.backward(outputs, grads from the next stage)`` and sends the leaves' ``.grad`` back.
-The last stage applies ``loss_fn`` to each micro-batch and backpropagates ``weight_m * loss_m``, the weights making
-the sum equal to the loss of the whole batch, so ``.grad`` ends equal to the sequential model's.
+Detached (training steps): each stage owns its graph. A received activation becomes a fresh leaf that requires grad,
+and the stage runs on a copy of it (a first layer may then work in place, as it could in the sequential model);
+forward keeps the stage's output; backward runs ``torch.autograd.backward(outputs, grads from the next stage)`` and
+sends the leaves' ``.grad`` back. The last stage applies ``loss_fn`` to each micro-batch and backpropagates
+``weight_m * loss_m``, the weights making the sum the loss of the whole batch, so ``.grad`` ends equal to the
+sequential model's.
 
 Activation checkpointing (``"always"``; ``"except_last"``: all micro-batches but the last) uses torch's
-non-reentrant checkpoint. Its recomputation runs the stage's forward a second time, which would update BatchNorm's
-running statistics twice; the recomputation saves the stage's buffers before and restores them after.
+non-reentrant checkpoint, the copy of the input made inside the checkpointed function (checkpoint keeps its inputs
+for the recomputation). The recomputation runs the stage's forward a second time, which would update BatchNorm's
+running statistics twice; it saves the stage's buffers before and restores them after.
 """
 from __future__ import annotations
 
@@ -49,7 +51,8 @@ class StageSpec:
 
 @dataclass(frozen=True)
 class StepTime:
-    """When a step ran (``time.perf_counter()`` seconds), for timelines and the measured bubble."""
+    """When a step ran (``time.perf_counter()`` seconds), from the arrival of its inputs to its end: the time a
+    stage worked. For timelines and the measured bubble."""
 
     stage: int
     microbatch: int
@@ -113,6 +116,7 @@ class StageRun:
     loss: torch.Tensor | None = None
     timeline: list[StepTime] = field(default_factory=list)
     _leaves: dict[int, list] = field(default_factory=dict)
+    _started: float | None = None
 
     @property
     def first(self) -> bool:
@@ -123,12 +127,17 @@ class StageRun:
         return self.spec.index == self.spec.stages - 1
 
     def run(self, step: Step) -> None:
-        start = time.perf_counter()
+        self._started = None
         if step.phase == "F":
             self.forward(step.microbatch)
         else:
             self.backward(step.microbatch)
-        self.timeline.append(StepTime(step.stage, step.microbatch, step.phase, start, time.perf_counter()))
+        end = time.perf_counter()
+        self.timeline.append(StepTime(step.stage, step.microbatch, step.phase, self._started or end, end))
+
+    def _received(self) -> None:
+        # a step's time starts when its inputs are here: waiting for them is the bubble, not work
+        self._started = time.perf_counter()
 
     def _call(self, x: Any, m: int, own: bool) -> Any:
         """The stage on ``x``; ``own``: ``x`` holds this stage's own leaves, which it must not modify in place."""
@@ -160,6 +169,7 @@ class StageRun:
     def forward(self, m: int) -> None:
         s, device = self.spec.index, self.spec.device
         x = self.inputs[m] if self.first else self.channel.recv(s, s - 1, "activation", m)
+        self._received()
         if not self.train:
             out = self._call(x if self.first else map_tensors(x, lambda t: t.to(device)), m, own=False)
             if self.last:
@@ -184,9 +194,11 @@ class StageRun:
         s = self.spec.index
         out = self.outputs.pop(m)
         if self.last:
+            self._received()
             out.backward()
         else:
             grads = self.channel.recv(s, s + 1, "grad", m)
+            self._received()
             pairs = [(t, g.to(t.device)) for t, g in zip(tensor_leaves(out), grads)
                      if g is not None and t.requires_grad]
             if pairs:
