@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .activations import map_tensors, tensor_leaves
+
 __all__ = ["sequential_layers", "resolve_balance", "balance_by_parameters", "balance_by_time", "stage_modules"]
 
 
@@ -111,22 +113,9 @@ def _sync(tensors: Sequence[torch.Tensor]) -> None:
             return
 
 
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (tuple, list)):
-        return [t for x in obj for t in _tensors(x)]
-    return []
-
-
 def _detached(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor) and obj.is_floating_point():
-        return obj.detach().requires_grad_().clone()  # not a leaf: an in-place first op is allowed, as in the model
-    if isinstance(obj, torch.Tensor):
-        return obj.detach()
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_detached(x) for x in obj)
-    return obj
+    # not a leaf: a first layer working in place is allowed, as in the model
+    return map_tensors(obj, lambda t: t.detach().requires_grad_().clone() if t.is_floating_point() else t.detach())
 
 
 def balance_by_time(layers: Sequence[nn.Module], sample_input: Any, stages: int, repeat: int = 3) -> list[int]:
@@ -146,10 +135,10 @@ def balance_by_time(layers: Sequence[nn.Module], sample_input: Any, stages: int,
                 inp = _detached(x)
                 start = time.perf_counter()
                 out = layer(inp)
-                outs = [t for t in _tensors(out) if t.requires_grad]
+                outs = [t for t in tensor_leaves(out) if t.requires_grad]
                 if outs:
                     torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
-                _sync(_tensors(out))
+                _sync(tensor_leaves(out))
                 times.append(time.perf_counter() - start)
             costs.append(sorted(times[1:])[len(times[1:]) // 2])
             x = _detached(out)

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .activations import map_tensors, tensor_leaves
 from .channel import Channel
 from .schedule import Step
 
@@ -59,24 +60,6 @@ class StepTime:
     phase: str
     start: float
     end: float
-
-
-def tensor_leaves(obj: Any) -> list[torch.Tensor]:
-    """The tensors of an activation (a tensor or nested tuples/lists of them), in a fixed order."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (tuple, list)):
-        return [t for x in obj for t in tensor_leaves(x)]
-    return []
-
-
-def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
-    """``obj`` with every tensor replaced by ``fn(tensor)``, in the order of :func:`tensor_leaves`."""
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(map_tensors(x, fn) for x in obj)
-    return obj
 
 
 def _fresh(x: Any) -> Any:

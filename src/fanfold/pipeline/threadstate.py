@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+# (dtype, cache) of a device type where autocast is on: the state DataParallel carries into its workers too
+from ..parallel_apply import _autocast_state
+
 __all__ = ["ThreadState", "capture"]
 
 
@@ -39,18 +42,9 @@ class ThreadState:
             yield
 
 
-def _autocast(device_type: str) -> tuple[torch.dtype, bool] | None:
-    try:
-        if not torch.is_autocast_enabled(device_type):
-            return None
-        return torch.get_autocast_dtype(device_type), torch.is_autocast_cache_enabled()
-    except RuntimeError:  # a device type autocast does not know
-        return None
-
-
 def capture(devices: Sequence[torch.device], grad: bool | None = None) -> ThreadState:
     """The calling thread's state for stages on ``devices``; ``grad`` overrides its grad mode."""
-    casts = {d.type: _autocast(d.type) for d in devices}
+    casts = {d.type: _autocast_state(d.type) for d in devices}
     return ThreadState(
         grad=torch.is_grad_enabled() if grad is None else grad,
         inference=torch.is_inference_mode_enabled() and grad is None,
