@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 
 import pytest
 import torch
 from torch import nn
 from torch.testing import assert_close
+from torch.utils.checkpoint import set_checkpoint_early_stop
 
 import fanfold
 from _pipeline_models import MODELS, batch, grads, mlp, mse, sequential_step
@@ -288,3 +290,41 @@ def test_custom_schedules_are_checked():
         pipe.train_step(x, y, mse, schedule=deadlock)
     with pytest.raises(ValueError, match="never runs"):
         pipe.train_step(x, y, mse, schedule=lambda s, m: [[Step(0, 0, "F")]])
+
+
+class RecordingDropout(nn.Dropout):
+    """Dropout that keeps every mask it draws, forward and recomputation alike."""
+
+    def __init__(self, p: float):
+        super().__init__(p)
+        self.masks = []
+
+    def forward(self, x):
+        out = super().forward(x)
+        self.masks.append(out != 0)
+        return out
+
+
+def test_checkpointed_dropout_on_stages_sharing_a_generator_recomputes_the_same_masks():
+    """Two CPU stages share torch's CPU generator: run at the same time, one stage's draws would fall between the
+    other's forward and its recomputation. Such passes run on one thread, announced once."""
+    drops = [RecordingDropout(0.5), RecordingDropout(0.5)]
+    layers = [nn.Linear(8, 32), drops[0], nn.Linear(32, 32), drops[1], nn.Linear(32, 4)]
+    pipe = fanfold.Pipeline(layers, [2, 3], ["cpu", "cpu"], chunks=4, checkpoint="always")
+    x, y = torch.randn(16, 8), torch.randn(16, 4)
+    # without early stopping, a recomputation runs to the end of the stage, so every dropout records its mask
+    with pytest.warns(UserWarning, match="run one after the other") as caught, set_checkpoint_early_stop(False):
+        out = pipe(x)
+        out.sum().backward()
+        pipe.train_step(x, y, lambda o, t: ((o - t) ** 2).mean(), schedule="gpipe")
+    assert len(caught) == 1  # announced once per pipeline
+    for drop in drops:
+        # per pass (forward then backward, gpipe in train_step): 4 forwards, then 4 recomputations, each equal to
+        # the forward mask of its micro-batch
+        for forward, recomputed in ((drop.masks[0:4], drop.masks[4:8]), (drop.masks[8:12], drop.masks[12:16])):
+            assert all(any(torch.equal(r, f) for f in forward) for r in recomputed)
+            assert len({bytes(f.numpy()) for f in forward}) == 4  # the micro-batches did draw different masks
+    pipe.eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # eval mode draws nothing: the stages overlap again, without a warning
+        pipe(x)

@@ -14,6 +14,7 @@ overlap in both directions. Worker threads start once per Pipeline and are reuse
 from __future__ import annotations
 
 import itertools
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -46,6 +47,16 @@ def check_checkpoint(mode: Any) -> str:
     if mode not in CHECKPOINT_MODES:
         raise ValueError(f"checkpoint must be one of {list(CHECKPOINT_MODES)}, got {mode!r}")
     return mode
+
+
+_RANDOM = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+
+
+def _draws_random_numbers(module: nn.Module) -> bool:
+    """True if ``module`` holds a layer that draws random numbers in its current mode (dropout in training)."""
+    return any(m.training and ((isinstance(m, _RANDOM) and m.p > 0) or
+                               (isinstance(m, nn.MultiheadAttention) and m.dropout > 0))
+               for m in module.modules())
 
 
 def _default_device(layers: list[tuple[str, nn.Module]]) -> torch.device:
@@ -93,6 +104,7 @@ class Pipeline(nn.Module):
         for stage, device in zip(self._stages, self.devices):
             stage.to(device)
         self._pool: WorkerPool | None = None
+        self._warned_serial = False
         self.data_parallel_group = dist.group.WORLD if data_parallel_group == "world" else data_parallel_group
         if self.data_parallel_group is not None:
             broadcast_state(itertools.chain(self.parameters(), self.buffers()), self.data_parallel_group)
@@ -119,9 +131,30 @@ class Pipeline(nn.Module):
                          inputs=microbatches if s == 0 else None, **(last if s == n - 1 else {}))
                 for s, (stage, dev) in enumerate(zip(self._stages, self.devices))]
 
+    def _checkpointed_randomness_shared(self, grad: bool) -> bool:
+        """True when a checkpointed stage with random layers shares its device's generator with another stage.
+
+        Checkpointing saves the generator's state before a stage's forward and restores it for the recomputation,
+        which then draws the same dropout masks, unless another stage on a thread of its own drew from the same
+        generator in between (two CPU stages share torch's one CPU generator). The masks would then differ and the
+        gradients be wrong without a sign, so such passes run on one thread instead, with a warning.
+        """
+        if self.checkpoint == "never" or not grad or len(set(self.devices)) == len(self.devices):
+            return False
+        return any(self.devices.count(d) > 1 and _draws_random_numbers(stage)
+                   for stage, d in zip(self._stages, self.devices))
+
     def _execute(self, runs: list[StageRun], orders: list[list[Step]], channel: ThreadChannel,
                  state: ThreadState) -> None:
-        if len(runs) > 1 and runs[0].microbatches > 1:
+        serial = self._checkpointed_randomness_shared(state.grad)
+        if serial and not self._warned_serial:
+            self._warned_serial = True
+            warnings.warn(
+                f"Pipeline: checkpoint={self.checkpoint!r} with dropout in a stage that shares {self.devices} "
+                "devices' random generator with another stage: the stages run one after the other (on the caller's "
+                "thread) so that each recomputation draws the masks its forward drew. Use checkpoint='never', or "
+                "give such stages devices of their own, to run the stages at the same time", stacklevel=3)
+        if len(runs) > 1 and runs[0].microbatches > 1 and not serial:
             if self._pool is None:
                 self._pool = WorkerPool(threads_per_worker=self.threads_per_stage)
             run_threads(runs, orders, channel, state, self._pool)
