@@ -14,17 +14,23 @@ Run it (from the repository root):
     python examples/model_split.py                          # cpu + cuda:0 with a GPU, cpu + cpu without
     python examples/model_split.py --devices cpu cpu        # both stages on the CPU, one thread each
     python examples/model_split.py --schedule gpipe --chunks 8 --steps 100
+    fanfold run -n 2 examples/model_split.py                # one stage per process (DistributedPipeline)
 
-The task: predict each token's id modulo 10, with Adam. The script checks its own result and exits non-zero when a
+Under ``fanfold run -n 2`` (or torchrun) each process runs one stage: rank 0 the embedding on the first device,
+rank 1 the linear layer on the second, activations and gradients exchanged over gloo. The task: predict each
+token's id modulo 10, with Adam. The script checks its own result and exits non-zero when a
 check fails: the loss falls, and the trained weights equal those of the notes' hand-split model (fixed) trained on
 the same batches with a plain ``loss.backward()``.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -67,37 +73,63 @@ def main() -> int:
     parser.add_argument("--lr", type=float, default=0.05)
     args = parser.parse_args()
 
+    distributed = "RANK" in os.environ  # set by fanfold run / torchrun: one stage per process
+    if distributed:
+        # gloo: the CPU stage's activations travel through host memory; no device is pinned per rank (one GPU is
+        # enough: only rank 1 uses it)
+        dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+        if dist.get_world_size() != 2:
+            raise SystemExit(f"run with 2 processes (one per stage), not {dist.get_world_size()}")
+    main_process = not distributed or dist.get_rank() == 0
+
     torch.manual_seed(0)
     reference = HandSplit(torch.device(args.devices[1]))
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(1000, 10), nn.Linear(10, 10))  # the same weights, as a sequence of layers
-    pipe = fanfold.Pipeline(model, balance=[1, 1], devices=args.devices, chunks=args.chunks)
-    print(f"{pipe.devices[0]} + {pipe.devices[1]}, {args.chunks} micro-batches, {args.schedule}", flush=True)
+    if distributed:
+        rank = dist.get_rank()
+        pipe = fanfold.DistributedPipeline(model, balance=[1, 1], chunks=args.chunks, device=args.devices[rank])
+        where = "one stage per process"
+    else:
+        pipe = fanfold.Pipeline(model, balance=[1, 1], devices=args.devices, chunks=args.chunks)
+        where = "one process"
+    if main_process:
+        print(f"{args.devices[0]} + {args.devices[1]}, {args.chunks} micro-batches, {args.schedule}, {where}",
+              flush=True)
 
-    opt = torch.optim.Adam(pipe.parameters(), lr=args.lr)
+    opt = torch.optim.Adam(pipe.parameters(), lr=args.lr)  # under fanfold run: this rank's stage only
     ref_opt = torch.optim.Adam(reference.parameters(), lr=args.lr)
     losses = []
     for step in range(args.steps):
         tokens, target = batch(step, args.batch_size, 12)
         opt.zero_grad()
-        loss = pipe.train_step(tokens, target, loss_fn, schedule=args.schedule)  # both stages busy at once
+        # both stages busy at once; one stage per process, the first uses the tokens and the last the target
+        loss = pipe.train_step(tokens, target, loss_fn, schedule=args.schedule)
         opt.step()
         losses.append(loss.item())
         ref_opt.zero_grad()
         loss_fn(reference(tokens), target).backward()  # the hand-split model: one device at a time
         ref_opt.step()
-        if step % 20 == 0 or step == args.steps - 1:
+        if main_process and (step % 20 == 0 or step == args.steps - 1):
             print(f"step {step:3d}  loss {losses[-1]:.4f}", flush=True)
 
     failures = []
     if not losses[-1] < 0.5 * losses[0]:
         failures.append(f"the loss did not fall enough: {losses[0]:.4f} -> {losses[-1]:.4f}")
-    pairs = [(model[0].weight, reference.embedding.weight), (model[1].weight, reference.rnn.weight),
-             (model[1].bias, reference.rnn.bias)]
+    mine = {id(p) for p in pipe.parameters()}  # one stage per process: this rank trained its own layers only
+    pairs = [(a, b) for a, b in [(model[0].weight, reference.embedding.weight), (model[1].weight, reference.rnn.weight),
+                                 (model[1].bias, reference.rnn.bias)] if id(a) in mine]
     gap = max((a.detach().cpu() - b.detach().cpu()).abs().max().item() for a, b in pairs)
     if gap > 1e-4:
         failures.append(f"the weights differ from the hand-split model's by up to {gap:.3g}")
-    print("FAILED: " + "; ".join(failures) if failures else "ok")
+    failed = torch.tensor([float(len(failures))])
+    if distributed:
+        dist.all_reduce(failed)  # every rank learns the verdict, so all of them exit the same way
+        dist.destroy_process_group()
+    if failed.item() and not failures:
+        failures.append("another rank's check failed")
+    if main_process:
+        print("FAILED: " + "; ".join(failures) if failures else "ok")
     return 1 if failures else 0
 
 

@@ -38,10 +38,15 @@ def test_train_ddp_checks_itself(launch):
 MODEL_SPLIT = str(ROOT / "examples" / "model_split.py")
 
 
-def test_model_split_checks_itself_on_the_cpu():
-    res = _run(MODEL_SPLIT, "--devices", "cpu", "cpu", "--schedule", "gpipe", "--chunks", "3", "--steps", "40")
+@pytest.mark.parametrize("launch,where", [
+    ([], "one process"),
+    (["-m", "fanfold", "run", "-n", "2"], "one stage per process"),
+], ids=["one-process", "fanfold-run"])
+def test_model_split_checks_itself_on_the_cpu(launch, where):
+    res = _run(*launch, MODEL_SPLIT, "--devices", "cpu", "cpu", "--schedule", "gpipe", "--chunks", "3",
+               "--steps", "40")
     assert res.returncode == 0, res.stdout + res.stderr
-    assert res.stdout.startswith("cpu + cpu, 3 micro-batches, gpipe")
+    assert res.stdout.startswith(f"cpu + cpu, 3 micro-batches, gpipe, {where}")
     assert res.stdout.rstrip().endswith("ok")  # loss fell, weights equal the hand-split model's
 
 
