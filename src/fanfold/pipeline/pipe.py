@@ -105,6 +105,9 @@ class Pipeline(nn.Module):
             stage.to(device)
         self._pool: WorkerPool | None = None
         self._warned_serial = False
+        if isinstance(data_parallel_group, str) and data_parallel_group != "world":
+            raise ValueError(f'data_parallel_group must be a process group, "world" or None, '
+                             f'got {data_parallel_group!r}')
         self.data_parallel_group = dist.group.WORLD if data_parallel_group == "world" else data_parallel_group
         if self.data_parallel_group is not None:
             broadcast_state(itertools.chain(self.parameters(), self.buffers()), self.data_parallel_group)
@@ -150,10 +153,11 @@ class Pipeline(nn.Module):
         if serial and not self._warned_serial:
             self._warned_serial = True
             warnings.warn(
-                f"Pipeline: checkpoint={self.checkpoint!r} with dropout in a stage that shares {self.devices} "
-                "devices' random generator with another stage: the stages run one after the other (on the caller's "
-                "thread) so that each recomputation draws the masks its forward drew. Use checkpoint='never', or "
-                "give such stages devices of their own, to run the stages at the same time", stacklevel=3)
+                f"Pipeline: checkpoint={self.checkpoint!r}, and a stage with dropout shares its device (devices "
+                f"{[str(d) for d in self.devices]}) and so torch's random generator with another stage: the stages "
+                "run one after the other, on the caller's thread, so that each recomputation draws the masks its "
+                "forward drew. Use checkpoint='never', or give such stages devices of their own, to overlap them",
+                stacklevel=3)
         if len(runs) > 1 and runs[0].microbatches > 1 and not serial:
             if self._pool is None:
                 self._pool = WorkerPool(threads_per_worker=self.threads_per_stage)
