@@ -33,3 +33,26 @@ def test_train_ddp_checks_itself(launch):
     world = 2 if launch else 1
     assert f"{world} process(es)" in res.stdout
     assert res.stdout.rstrip().endswith("ok")  # loss fell, ranks agree, equal to the single-process replay
+
+
+MODEL_SPLIT = str(ROOT / "examples" / "model_split.py")
+
+
+@pytest.mark.parametrize("launch,where", [
+    ([], "one process"),
+    (["-m", "fanfold", "run", "-n", "2"], "one stage per process"),
+], ids=["one-process", "fanfold-run"])
+def test_model_split_checks_itself_on_the_cpu(launch, where):
+    res = _run(*launch, MODEL_SPLIT, "--devices", "cpu", "cpu", "--schedule", "gpipe", "--chunks", "3",
+               "--steps", "40")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.startswith(f"cpu + cpu, 3 micro-batches, gpipe, {where}")
+    assert res.stdout.rstrip().endswith("ok")  # loss fell, weights equal the hand-split model's
+
+
+@pytest.mark.gpu
+def test_model_split_runs_as_written_on_a_gpu():
+    res = _run(MODEL_SPLIT)  # the notes' placement: devices ["cpu", "cuda:0"]
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.startswith("cpu + cuda:0")
+    assert res.stdout.rstrip().endswith("ok")

@@ -1,24 +1,26 @@
 """fanfold: data parallelism for PyTorch. Fan the batch out over devices or processes, fold results and gradients back.
 
 Public names only; the README's API list mirrors ``__all__``. The layers, top to bottom (each imports only those
-below it; checked by import-linter in ``make test``): ``cli`` > ``training`` > ``optim`` > ``distributed`` |
-``parallel`` > ``collectives`` | ``launcher`` > ``_core``.
+below it; checked by import-linter in ``make test``): ``cli`` > ``training`` > ``optim`` | ``pipeline`` | ``nn`` >
+``distributed`` | ``parallel`` > ``collectives`` | ``launcher`` > ``_core``.
 """
+from . import pipeline
 from .distributed.ddp import DDP, DistributedDataParallel
 from .distributed.stall import StallError
 from .launcher import WorkerError, launch, launch_script
 from .optim import ZeroRedundancyOptimizer, clip_grad_norm_
 from .parallel import (
-                       DataParallel,
-                       WorkerPool,
-                       data_parallel,
-                       gather,
-                       parallel_apply,
-                       replicate,
-                       scatter,
-                       scatter_kwargs,
-                       unwrap,
+    DataParallel,
+    WorkerPool,
+    data_parallel,
+    gather,
+    parallel_apply,
+    replicate,
+    scatter,
+    scatter_kwargs,
+    unwrap,
 )
+from .pipeline import DistributedPipeline, Pipeline
 from .training import CheckpointError, DistributedSampler, data, latest, load, save
 
 __version__ = "0.1.0"
@@ -47,4 +49,7 @@ __all__ = [
     "data",
     "ZeroRedundancyOptimizer",
     "clip_grad_norm_",
+    "Pipeline",
+    "DistributedPipeline",
+    "pipeline",
 ]

@@ -1,0 +1,180 @@
+"""``DistributedPipeline``: one pipeline stage per process, and data parallelism over such pipelines.
+
+Top of ``fanfold.pipeline`` for several processes (``pipe.py`` is the one-process version; both drive the same
+``StageRun`` through the same schedules, only the channel differs: ``p2p.py``). Run under ``fanfold run -n N`` (or
+torchrun, or ``fanfold.launch``) after ``fanfold.distributed.init_process_group()``.
+
+Layout: with ``stages=S`` and N processes, N/S pipelines of S stages; consecutive ranks form a pipeline (rank r is
+stage ``r % S`` of pipeline ``r // S``), and the S-th ranks across pipelines (the replicas of one stage) form its
+data-parallel group. Every rank builds the whole model the same way (same code, same seed) and keeps only its own
+stage's layers. With more than one pipeline, the replicas start from data-parallel rank 0's weights, and after each
+training step their gradients are averaged over the replicas (``grads.py``), so N/S pipelines, each on its share of
+the batch, follow the trajectory of one pipeline (or one process) on the whole batch.
+"""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .._core.devices import DeviceLike, normalize_device
+from .grads import average_gradients, broadcast_state
+from .microbatch import batch_size, join, loss_weights, microbatch_sizes, split
+from .p2p import ProcessChannel
+from .partition import resolve_balance, sequential_layers, stage_modules
+from .pipe import check_checkpoint, check_chunks
+from .schedule import ScheduleFn, Step, resolve, stage_orders
+from .stage import StageRun, StageSpec, StepTime
+from .threadstate import capture
+
+__all__ = ["DistributedPipeline"]
+
+
+def _groups(world: int, stages: int, rank: int) -> tuple[Any, Any]:
+    """(this rank's pipeline group, its stage's data-parallel group); every rank creates every group, in order."""
+    pipelines = world // stages
+    if pipelines == 1:
+        return dist.group.WORLD, None
+    if stages == 1:
+        return None, dist.group.WORLD
+    mine_pipe = mine_dp = None
+    for p in range(pipelines):
+        g = dist.new_group([p * stages + s for s in range(stages)])
+        mine_pipe = g if p == rank // stages else mine_pipe
+    for s in range(stages):
+        g = dist.new_group([p * stages + s for p in range(pipelines)])
+        mine_dp = g if s == rank % stages else mine_dp
+    return mine_pipe, mine_dp
+
+
+class DistributedPipeline(nn.Module):
+    """This process's stage of ``module`` cut into ``stages`` stages (default: one per process).
+
+    ``balance``: layer counts per stage, ``"auto"`` or ``"profile"`` (rank 0's timing on ``sample_input`` decides
+    for all). ``device``: where this stage runs (default: where its layers are). ``chunks``, ``checkpoint``: as in
+    ``Pipeline``. The layers of the other stages are dropped from this process's pipeline (not from ``module``).
+    """
+
+    def __init__(self, module: nn.Sequential | Sequence[nn.Module], balance: Sequence[int] | str = "auto",
+                 chunks: int = 1, checkpoint: str = "never", *, stages: int | None = None,
+                 device: DeviceLike | None = None, sample_input: Any = None) -> None:
+        super().__init__()
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("DistributedPipeline needs a process group: start the script with `fanfold run -n N` "
+                               "(or torchrun, or fanfold.launch) and call fanfold.distributed.init_process_group()")
+        world, rank = dist.get_world_size(), dist.get_rank()
+        stages = world if stages is None else stages
+        if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1 or world % stages:
+            raise ValueError(f"stages must be an int >= 1 that divides the {world} processes, got {stages!r}")
+        self.chunks = check_chunks(chunks)
+        self.checkpoint = check_checkpoint(checkpoint)
+        layers = sequential_layers(module)
+        self.balance = self._agree(resolve_balance(balance, layers, stages, sample_input))
+        self.stage = rank % stages
+        self.num_stages = stages
+        self.data_parallel_rank, self.data_parallel_size = rank // stages, world // stages
+        start = sum(self.balance[:self.stage])
+        mine = layers[start:start + self.balance[self.stage]]
+        for name, layer in mine:
+            self.add_module(name, layer)
+        self._local = stage_modules(mine, [len(mine)])  # a list: the layers are registered above
+        if device is None:
+            device = next((t.device for t in itertools.chain(self.parameters(), self.buffers())), "cpu")
+        self.device = normalize_device(device)
+        self._local[0].to(self.device)
+        self.pipeline_group, self.data_parallel_group = _groups(world, stages, rank)
+        first = rank - self.stage
+        self.ranks = list(range(first, first + stages))
+        wire = torch.device("cpu") if dist.get_backend() == "gloo" else self.device
+        self._wire = wire
+        self._channel = ProcessChannel(self.ranks, wire)
+        if self.data_parallel_group is not None:
+            broadcast_state(itertools.chain(self.parameters(), self.buffers()), self.data_parallel_group)
+        self.last_timeline: list[StepTime] = []
+
+    def _agree(self, balance: list[int]) -> list[int]:
+        """Rank 0's balance on every rank (a timing profile differs from process to process)."""
+        t = torch.tensor(balance, dtype=torch.int64)
+        if dist.get_backend() != "gloo":
+            t = t.to(torch.accelerator.current_accelerator())
+        dist.broadcast(t, 0)
+        return t.tolist()
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+    def _broadcast(self, value: float, src_stage: int, dtype: torch.dtype) -> torch.Tensor:
+        t = torch.tensor([value], dtype=dtype, device=self._wire)
+        if self.num_stages > 1:
+            dist.broadcast(t, self.ranks[src_stage], group=self.pipeline_group)
+        return t[0]
+
+    def _microbatch_sizes(self, input: Any) -> list[int]:
+        if self.is_first:
+            if input is None:
+                raise ValueError(f"rank {dist.get_rank()} runs the first stage: give it the input (the others may "
+                                 "pass None)")
+            rows = batch_size(input, "input")
+        # the first stage alone holds the batch; every stage needs its number of micro-batches
+        rows = int(self._broadcast(rows if self.is_first else -1, 0, torch.int64).item())
+        return microbatch_sizes(rows, self.chunks)
+
+    def _run(self, run: StageRun, order: list[Step], grad: bool) -> None:
+        state = capture([self.device], grad=grad)
+        try:
+            with state.applied(self.device):
+                for step in order:
+                    run.run(step)
+        finally:
+            self._channel.finish()
+        self.last_timeline = run.timeline
+
+    def forward(self, input: Any = None) -> Any:
+        """Evaluation: the pipeline's output on the last stage (None on the others), without autograd."""
+        sizes = self._microbatch_sizes(input)
+        microbatches = split(input, sizes, self.device) if self.is_first else None
+        run = StageRun(StageSpec(self.stage, self.num_stages, self._local[0], self.device), self._channel,
+                       len(sizes), train=False, inputs=microbatches)
+        with torch.no_grad():
+            self._run(run, [Step(self.stage, m, "F") for m in range(len(sizes))], grad=False)
+        return join([run.outputs[m] for m in range(len(sizes))], self.device) if self.is_last else None
+
+    def train_step(self, input: Any = None, target: Any = None, loss_fn: Callable[..., torch.Tensor] | None = None,
+                   *, schedule: str | ScheduleFn = "1f1b", reduction: str = "mean") -> torch.Tensor:
+        """One pipeline's share of a training step: ``Pipeline.train_step``'s semantics, one stage per process.
+
+        ``input`` matters on the first stage, ``target`` on the last (pass None elsewhere). Returns the loss of this
+        pipeline's batch on every one of its ranks; with several pipelines, gradients are averaged over them.
+        """
+        if not callable(loss_fn):
+            raise TypeError(f"train_step needs loss_fn, a function (output, target) -> 0-dim loss, got {loss_fn!r}")
+        sizes = self._microbatch_sizes(input)
+        targets = None
+        if self.is_last and target is not None:
+            if batch_size(target, "target") != sum(sizes):
+                raise ValueError(f"target has {batch_size(target, 'target')} rows along dim 0 (rank "
+                                 f"{dist.get_rank()}) but the first stage's input has {sum(sizes)}")
+            targets = split(target, sizes, self.device)
+        run = StageRun(StageSpec(self.stage, self.num_stages, self._local[0], self.device, self.checkpoint),
+                       self._channel, len(sizes), train=True,
+                       inputs=split(input, sizes, self.device) if self.is_first else None,
+                       targets=targets, loss_fn=loss_fn, weights=loss_weights(sizes, reduction))
+        orders = stage_orders(resolve(schedule)(self.num_stages, len(sizes)), self.num_stages, len(sizes))
+        self._run(run, orders[self.stage], grad=True)
+        loss = self._broadcast(run.loss.item() if self.is_last else 0.0, self.num_stages - 1, torch.float64)
+        if self.data_parallel_group is not None:
+            average_gradients(self.parameters(), self.data_parallel_group)
+        return loss
+
+    def extra_repr(self) -> str:
+        return f"stage={self.stage} of {self.num_stages}, balance={self.balance}, device={self.device}, " \
+               f"chunks={self.chunks}, checkpoint={self.checkpoint!r}, pipelines={self.data_parallel_size}"

@@ -1,0 +1,160 @@
+"""Cut a sequential model into stages: the layers, the checks on ``balance``, and the automatic balances.
+
+Second from the bottom of ``fanfold.pipeline`` (above ``schedule``). A model is pipelined only if it is a sequence
+of layers: an ``nn.Sequential``, or a list/tuple/``nn.ModuleList`` of modules applied one after the other. Stage s
+takes ``balance[s]`` consecutive layers and keeps their names (``nn.Sequential`` of an ordered dict), so the
+pipeline's ``state_dict`` has the keys of the sequential model.
+
+``balance="auto"`` splits by parameter count; ``balance="profile"`` by a short timing of each layer's forward and
+backward on a sample batch. Both minimise the most expensive stage over contiguous splits (an exact dynamic
+programme), then, among equal splits, the largest number of layers in a stage.
+"""
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from .activations import map_tensors, tensor_leaves
+
+__all__ = ["sequential_layers", "resolve_balance", "balance_by_parameters", "balance_by_time", "stage_modules"]
+
+
+def sequential_layers(module: Any) -> list[tuple[str, nn.Module]]:
+    """The (name, layer) pairs of a sequential model; TypeError for anything that is not a sequence of modules."""
+    if isinstance(module, nn.Sequential):
+        layers = list(module.named_children())
+    elif isinstance(module, (list, tuple, nn.ModuleList)):
+        for i, layer in enumerate(module):
+            if not isinstance(layer, nn.Module):
+                raise TypeError(f"module[{i}] is a {type(layer).__name__}, not an nn.Module: a pipeline's layers "
+                                "must be modules")
+        layers = [(str(i), layer) for i, layer in enumerate(module)]
+    elif isinstance(module, nn.Module):
+        raise TypeError(
+            f"Pipeline needs a sequential model (nn.Sequential or a list of modules), got {type(module).__name__}: "
+            "its forward() could do anything with its children, so it cannot be cut into stages. Write it as "
+            "nn.Sequential(layer1, layer2, ...) (a layer may return a tuple of tensors for the next one)")
+    else:
+        raise TypeError(f"module must be an nn.Sequential or a list of modules, got {type(module).__name__}")
+    if not layers:
+        raise ValueError("module has no layers: nothing to pipeline")
+    return layers
+
+
+def resolve_balance(balance: Any, layers: list[tuple[str, nn.Module]], stages: int,
+                    sample_input: Any = None) -> list[int]:
+    """``balance`` as a list of layer counts, one per stage, checked against ``layers`` and ``stages``."""
+    n = len(layers)
+    if stages > n:
+        raise ValueError(f"{stages} stages but the model has only {n} layers: every stage needs at least one layer")
+    if balance == "auto":
+        return balance_by_parameters([m for _, m in layers], stages)
+    if balance == "profile":
+        if sample_input is None:
+            raise ValueError('balance="profile" times each layer on a sample batch: pass sample_input=<a batch>')
+        return balance_by_time([m for _, m in layers], sample_input, stages)
+    if isinstance(balance, str) or not isinstance(balance, Sequence):
+        raise TypeError(f'balance must be "auto", "profile" or a list of layer counts, got {balance!r}')
+    balance = list(balance)
+    if not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in balance):
+        raise ValueError(f"balance must hold ints >= 1 (layers per stage), got {balance}")
+    if len(balance) != stages:
+        raise ValueError(f"balance {balance} has {len(balance)} stages but devices has {stages}: give one device per "
+                         "stage")
+    if sum(balance) != n:
+        raise ValueError(f"balance {balance} sums to {sum(balance)} but the model has {n} layers "
+                         f"({', '.join(name for name, _ in layers[:8])}{', ...' if n > 8 else ''})")
+    return balance
+
+
+def _partition(costs: Sequence[float], parts: int) -> list[int]:
+    """Contiguous split of ``costs`` into ``parts`` non-empty runs minimising (largest run cost, largest run length)."""
+    n = len(costs)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = (float("inf"), n + 1)
+    # best[p][i]: the best key splitting the first i layers into p runs; cut[p][i]: where the last run starts
+    best = [[inf] * (n + 1) for _ in range(parts + 1)]
+    cut = [[0] * (n + 1) for _ in range(parts + 1)]
+    best[0][0] = (0.0, 0)
+    for p in range(1, parts + 1):
+        for i in range(p, n - (parts - p) + 1):
+            for j in range(p - 1, i):
+                prev = best[p - 1][j]
+                if prev == inf:
+                    continue
+                key = (max(prev[0], prefix[i] - prefix[j]), max(prev[1], i - j))
+                if key < best[p][i]:
+                    best[p][i], cut[p][i] = key, j
+    sizes, i = [], n
+    for p in range(parts, 0, -1):
+        j = cut[p][i]
+        sizes.append(i - j)
+        i = j
+    return sizes[::-1]
+
+
+def balance_by_parameters(layers: Sequence[nn.Module], stages: int) -> list[int]:
+    """Layer counts per stage that even out the number of parameters (and buffers) per stage."""
+    costs = [sum(t.numel() for t in (*m.parameters(), *m.buffers())) for m in layers]
+    return _partition(costs, stages)
+
+
+def _sync(tensors: Sequence[torch.Tensor]) -> None:
+    for t in tensors:
+        if t.device.type != "cpu":
+            torch.accelerator.synchronize(t.device)
+            return
+
+
+def _detached(obj: Any) -> Any:
+    # not a leaf: a first layer working in place is allowed, as in the model
+    return map_tensors(obj, lambda t: t.detach().requires_grad_().clone() if t.is_floating_point() else t.detach())
+
+
+def balance_by_time(layers: Sequence[nn.Module], sample_input: Any, stages: int, repeat: int = 3) -> list[int]:
+    """Layer counts per stage that even out the measured forward + backward time of one sample batch.
+
+    Each layer runs on the device it is on now, ``repeat`` times after one warm-up; the median time counts.
+    The timing leaves no trace: ``.grad`` and the buffers (BatchNorm's running statistics) are restored.
+    """
+    saved = [(p, p.grad) for m in layers for p in m.parameters()]
+    buffers = [(b, b.detach().clone()) for m in layers for b in m.buffers()]
+    costs: list[float] = []
+    x = sample_input
+    try:
+        for layer in layers:
+            times = []
+            for _ in range(repeat + 1):
+                inp = _detached(x)
+                start = time.perf_counter()
+                out = layer(inp)
+                outs = [t for t in tensor_leaves(out) if t.requires_grad]
+                if outs:
+                    torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+                _sync(tensor_leaves(out))
+                times.append(time.perf_counter() - start)
+            costs.append(sorted(times[1:])[len(times[1:]) // 2])
+            x = _detached(out)
+    finally:
+        for p, g in saved:
+            p.grad = g
+        with torch.no_grad():
+            for b, copy in buffers:
+                b.copy_(copy)
+    return _partition(costs, stages)
+
+
+def stage_modules(layers: list[tuple[str, nn.Module]], balance: list[int]) -> list[nn.Sequential]:
+    """One ``nn.Sequential`` per stage over the same layer objects, each layer under its original name."""
+    out, start = [], 0
+    for count in balance:
+        out.append(nn.Sequential(OrderedDict(layers[start:start + count])))
+        start += count
+    return out

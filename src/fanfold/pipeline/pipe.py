@@ -1,0 +1,234 @@
+"""``Pipeline``: a sequential model cut into stages on devices of one process, run on micro-batches.
+
+Top of ``fanfold.pipeline`` for one process (``distributed.py`` is its one-stage-per-process sibling). Four verbs,
+as in data parallelism: split the batch into micro-batches, run the stages on them (each stage on its own worker
+thread, micro-batch m of stage s beside micro-batch m + 1 of stage s - 1), join the last stage's outputs.
+
+``forward`` keeps one autograd graph over all stages, so a plain ``loss.backward()`` gives the sequential model's
+gradients; but CPU autograd runs the whole backward on one thread, one stage after the other. ``train_step`` runs
+forward and backward as a schedule (GPipe or 1F1B), each stage's backward on its own worker
+(``torch.autograd.backward`` on the stage's outputs with the gradients handed from the next stage), so the stages
+overlap in both directions. Worker threads start once per Pipeline and are reused; each runs
+``threads_per_stage`` intra-op threads (default 1) and the caller's grad mode, inference mode and autocast.
+"""
+from __future__ import annotations
+
+import itertools
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .._core.devices import DeviceLike, normalize_device
+from ..parallel.parallel_apply import WorkerPool
+from .channel import ThreadChannel
+from .execute import run_serial, run_threads
+from .grads import average_gradients, broadcast_state
+from .microbatch import batch_size, join, loss_weights, microbatch_sizes, split
+from .partition import resolve_balance, sequential_layers, stage_modules
+from .schedule import ScheduleFn, Step, resolve, stage_orders
+from .stage import CHECKPOINT_MODES, StageRun, StageSpec, StepTime
+from .threadstate import ThreadState, capture
+
+__all__ = ["Pipeline", "check_chunks", "check_checkpoint"]
+
+
+def check_chunks(chunks: Any) -> int:
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"chunks must be an int >= 1 (micro-batches per batch), got {chunks!r}")
+    return chunks
+
+
+def check_checkpoint(mode: Any) -> str:
+    if mode not in CHECKPOINT_MODES:
+        raise ValueError(f"checkpoint must be one of {list(CHECKPOINT_MODES)}, got {mode!r}")
+    return mode
+
+
+_RANDOM = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+
+
+def _draws_random_numbers(module: nn.Module) -> bool:
+    """True if ``module`` holds a layer that draws random numbers in its current mode (dropout in training)."""
+    return any(m.training and ((isinstance(m, _RANDOM) and m.p > 0) or
+                               (isinstance(m, nn.MultiheadAttention) and m.dropout > 0))
+               for m in module.modules())
+
+
+def _default_device(layers: list[tuple[str, nn.Module]]) -> torch.device:
+    for _, layer in layers:
+        for t in itertools.chain(layer.parameters(), layer.buffers()):
+            return normalize_device(t.device)
+    return torch.device("cpu")
+
+
+class Pipeline(nn.Module):
+    """``module`` (an ``nn.Sequential`` or a list of modules) cut into stages: stage s holds ``balance[s]``
+    consecutive layers on ``devices[s]``; each batch runs as ``chunks`` micro-batches.
+
+    ``balance``: a list of layer counts, ``"auto"`` (even parameter counts) or ``"profile"`` (even measured time on
+    ``sample_input``). ``devices``: one per stage, repeats allowed (``["cpu", "cpu"]``); None puts every stage where
+    the model is (then ``balance`` must be a list). ``checkpoint``: ``"never"``, ``"except_last"`` (all micro-batches
+    but the last recompute their activations in backward) or ``"always"``. ``data_parallel_group``: a process group
+    over which ``train_step`` averages gradients (each rank runs a pipeline on its share of the batch).
+    The layers are moved to their devices in place and registered under their own names, so ``state_dict()`` has
+    the keys of the sequential model.
+    """
+
+    def __init__(self, module: nn.Sequential | Sequence[nn.Module], balance: Sequence[int] | str = "auto",
+                 devices: Sequence[DeviceLike] | None = None, chunks: int = 1, checkpoint: str = "never", *,
+                 sample_input: Any = None, threads_per_stage: int = 1, data_parallel_group: Any = None) -> None:
+        super().__init__()
+        layers = sequential_layers(module)
+        if devices is None:
+            if isinstance(balance, str):
+                raise ValueError(f'balance={balance!r} needs devices (one per stage) to know the number of stages; '
+                                 'or give balance as a list of layer counts')
+            devices = [_default_device(layers)] * len(balance)
+        if isinstance(devices, (str, int, torch.device)) or len(devices) == 0:
+            raise ValueError(f"devices must be a non-empty list with one device per stage, got {devices!r}")
+        self.devices = [normalize_device(d) for d in devices]
+        self.balance = resolve_balance(balance, layers, len(self.devices), sample_input)
+        self.chunks = check_chunks(chunks)
+        self.checkpoint = check_checkpoint(checkpoint)
+        if isinstance(threads_per_stage, bool) or not isinstance(threads_per_stage, int) or threads_per_stage < 1:
+            raise ValueError(f"threads_per_stage must be an int >= 1, got {threads_per_stage!r}")
+        self.threads_per_stage = threads_per_stage
+        for name, layer in layers:
+            self.add_module(name, layer)
+        self._stages = stage_modules(layers, self.balance)  # a plain list: the layers are registered above
+        for stage, device in zip(self._stages, self.devices):
+            stage.to(device)
+        self._pool: WorkerPool | None = None
+        self._warned_serial = False
+        if isinstance(data_parallel_group, str) and data_parallel_group != "world":
+            raise ValueError(f'data_parallel_group must be a process group, "world" or None, '
+                             f'got {data_parallel_group!r}')
+        self.data_parallel_group = dist.group.WORLD if data_parallel_group == "world" else data_parallel_group
+        if self.data_parallel_group is not None:
+            broadcast_state(itertools.chain(self.parameters(), self.buffers()), self.data_parallel_group)
+        self.last_timeline: list[StepTime] = []
+
+    @property
+    def module(self) -> nn.Sequential:
+        """The layers as one ``nn.Sequential`` (the same layer objects, on their stages' devices)."""
+        return nn.Sequential(OrderedDict(self.named_children()))
+
+    @property
+    def stages(self) -> list[nn.Sequential]:
+        """Stage s's layers as an ``nn.Sequential``, one per stage."""
+        return list(self._stages)
+
+    # ---- the four verbs -------------------------------------------------------------------------------------
+    def split(self, input: Any) -> list[Any]:
+        """``input`` as micro-batches on the first stage's device (fewer than ``chunks`` for a small batch)."""
+        return split(input, microbatch_sizes(batch_size(input, "input"), self.chunks), self.devices[0])
+
+    def _runs(self, channel: ThreadChannel, microbatches: list, train: bool, **last: Any) -> list[StageRun]:
+        n = len(self._stages)
+        return [StageRun(StageSpec(s, n, stage, dev, self.checkpoint), channel, len(microbatches), train,
+                         inputs=microbatches if s == 0 else None, **(last if s == n - 1 else {}))
+                for s, (stage, dev) in enumerate(zip(self._stages, self.devices))]
+
+    def _checkpointed_randomness_shared(self, grad: bool) -> bool:
+        """True when a checkpointed stage with random layers shares its device's generator with another stage.
+
+        Checkpointing saves the generator's state before a stage's forward and restores it for the recomputation,
+        which then draws the same dropout masks, unless another stage on a thread of its own drew from the same
+        generator in between (two CPU stages share torch's one CPU generator). The masks would then differ and the
+        gradients be wrong without a sign, so such passes run on one thread instead, with a warning.
+        """
+        if self.checkpoint == "never" or not grad or len(set(self.devices)) == len(self.devices):
+            return False
+        return any(self.devices.count(d) > 1 and _draws_random_numbers(stage)
+                   for stage, d in zip(self._stages, self.devices))
+
+    def _execute(self, runs: list[StageRun], orders: list[list[Step]], channel: ThreadChannel,
+                 state: ThreadState) -> None:
+        serial = self._checkpointed_randomness_shared(state.grad)
+        if serial and not self._warned_serial:
+            self._warned_serial = True
+            warnings.warn(
+                f"Pipeline: checkpoint={self.checkpoint!r}, and a stage with dropout shares its device (devices "
+                f"{[str(d) for d in self.devices]}) and so torch's random generator with another stage: the stages "
+                "run one after the other, on the caller's thread, so that each recomputation draws the masks its "
+                "forward drew. Use checkpoint='never', or give such stages devices of their own, to overlap them",
+                stacklevel=3)
+        if len(runs) > 1 and runs[0].microbatches > 1 and not serial:
+            if self._pool is None:
+                self._pool = WorkerPool(threads_per_worker=self.threads_per_stage)
+            run_threads(runs, orders, channel, state, self._pool)
+        else:  # nothing could overlap: no thread hand-offs
+            run_serial(runs, orders, state)
+        self.last_timeline = sorted(itertools.chain.from_iterable(r.timeline for r in runs), key=lambda t: t.start)
+
+    def join(self, outputs: list[Any]) -> Any:
+        """The micro-batches' outputs concatenated along dim 0 on the last stage's device."""
+        return join(outputs, self.devices[-1])
+
+    # ---- passes ---------------------------------------------------------------------------------------------
+    def forward(self, input: Any) -> Any:
+        """The sequential model's output for ``input`` (a tensor or a tuple of them), on the last stage's device."""
+        microbatches = self.split(input)
+        channel = ThreadChannel(len(self._stages))
+        runs = self._runs(channel, microbatches, train=False)
+        orders = [[Step(s, m, "F") for m in range(len(microbatches))] for s in range(len(runs))]
+        self._execute(runs, orders, channel, capture(self.devices))
+        return self.join([runs[-1].outputs[m] for m in range(len(microbatches))])
+
+    def train_step(self, input: Any, target: Any = None, loss_fn: Callable[..., torch.Tensor] | None = None, *,
+                   schedule: str | ScheduleFn = "1f1b", reduction: str = "mean") -> torch.Tensor:
+        """Forward and backward of ``loss_fn(model(input), target)`` as a pipeline schedule; returns the loss.
+
+        Gradients accumulate into ``.grad`` as ``loss.backward()`` would (zero them first as usual) and equal the
+        sequential model's. ``loss_fn(output, target)`` (``loss_fn(output)`` when ``target`` is None) runs once per
+        micro-batch on the last stage; ``reduction`` says how it reduces over the batch: ``"mean"`` (micro-batch m
+        weighs rows_m / batch) or ``"sum"``. ``schedule``: ``"1f1b"``, ``"gpipe"`` or a function
+        ``(stages, microbatches) -> clock cycles of Step``. Grad mode is on in the stages whatever the caller's.
+        With ``data_parallel_group``, the gradients are then averaged over the group; the returned loss is this
+        rank's.
+        """
+        if not callable(loss_fn):
+            raise TypeError(f"train_step needs loss_fn, a function (output, target) -> 0-dim loss, got {loss_fn!r}")
+        rows = batch_size(input, "input")
+        if target is not None and batch_size(target, "target") != rows:
+            raise ValueError(f"target has {batch_size(target, 'target')} rows along dim 0 but input has {rows}")
+        sizes = microbatch_sizes(rows, self.chunks)
+        microbatches = split(input, sizes, self.devices[0])
+        targets = split(target, sizes, self.devices[-1]) if target is not None else None
+        channel = ThreadChannel(len(self._stages))
+        runs = self._runs(channel, microbatches, train=True, targets=targets, loss_fn=loss_fn,
+                          weights=loss_weights(sizes, reduction))
+        orders = stage_orders(resolve(schedule)(len(runs), len(sizes)), len(runs), len(sizes))
+        self._execute(runs, orders, channel, capture(self.devices, grad=True))
+        if self.data_parallel_group is not None:
+            average_gradients(self.parameters(), self.data_parallel_group)
+        return runs[-1].loss
+
+    # ---- placement is fixed -----------------------------------------------------------------------------------
+    def to(self, *args: Any, **kwargs: Any) -> Pipeline:
+        device = torch._C._nn._parse_to(*args, **kwargs)[0]
+        if device is not None:
+            raise RuntimeError(f"Pipeline.to({device}): the stages stay on their devices {self.devices}; build a "
+                               "new Pipeline to place them elsewhere (a dtype alone may be changed)")
+        return super().to(*args, **kwargs)
+
+    def cuda(self, device: Any = None) -> Pipeline:
+        raise RuntimeError(f"Pipeline.cuda(): the stages stay on their devices {self.devices}")
+
+    def cpu(self) -> Pipeline:
+        raise RuntimeError(f"Pipeline.cpu(): the stages stay on their devices {self.devices}")
+
+    def close(self) -> None:
+        """Stop the worker threads now (they also stop when the Pipeline is garbage-collected)."""
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+
+    def extra_repr(self) -> str:
+        return f"balance={self.balance}, devices={[str(d) for d in self.devices]}, chunks={self.chunks}, " \
+               f"checkpoint={self.checkpoint!r}"
