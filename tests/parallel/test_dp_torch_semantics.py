@@ -268,10 +268,6 @@ def test_gradient_penalty_with_autograd_backward():
     _check_gradient_penalty(parallel_backward=False)
 
 
-@pytest.mark.xfail(raises=RuntimeError, strict=True, reason=(
-    "fanfold differs from torch: with parallel_backward=True (the default) DataParallel refuses double backward "
-    "(create_graph=True) through CPU replicas ('parallel_backward=False' runs it); torch's DataParallel supports "
-    "it (issue 10, part 1)"))
 def test_gradient_penalty_by_default():
     _check_gradient_penalty()
 
