@@ -4,6 +4,7 @@ Public names only; the README's API list mirrors ``__all__``. The layers, top to
 below it; checked by import-linter in ``make test``): ``cli`` > ``training`` > ``distributed`` | ``parallel`` >
 ``collectives`` | ``launcher`` > ``_core``.
 """
+from .collectives.backend import FanfoldProcessGroup, register
 from .distributed.ddp import DDP, DistributedDataParallel
 from .distributed.stall import StallError
 from .launcher import WorkerError, launch, launch_script
@@ -21,6 +22,8 @@ from .parallel import (
 from .training import CheckpointError, DistributedSampler, data, latest, load, save
 
 __version__ = "0.1.0"
+
+register()  # the one deliberate side effect of importing fanfold: init_process_group("fanfold") (idempotent)
 
 __all__ = [
     "scatter",
@@ -44,4 +47,5 @@ __all__ = [
     "CheckpointError",
     "DistributedSampler",
     "data",
+    "FanfoldProcessGroup",
 ]
