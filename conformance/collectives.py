@@ -1,4 +1,4 @@
-"""torch's own collective tests (``DistributedTest._DistTestBase``, CPU, 2 ranks) on gloo and on the ``fanfold`` backend.
+"""torch's own collective tests (``DistributedTest._DistTestBase``, CPU, 2 ranks) on gloo and on ``fanfold``.
 
     python conformance/collectives.py --backend gloo     # build/conformance-backend/gloo.json
     python conformance/collectives.py --backend fanfold  # every rank's gloo groups become fanfold groups
