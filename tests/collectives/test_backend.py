@@ -80,6 +80,20 @@ def _collectives():
     dist.all_reduce(want, group=gloo)
     dist.all_reduce(x)
     out["strided"] = torch.equal(x, want)
+    # Parameters (autograd leaves) and empty and 0-d tensors: their data are reduced as gloo does
+    odd = {}
+    for name, make in {"parameter": lambda: nn.Parameter(_x((5,), r, torch.float32)),
+                       "empty": lambda: torch.empty(0), "0-d": lambda: _x((), r, torch.float64)}.items():
+        a, b, c, d, e, f = (make() for _ in range(6))
+        dist.all_reduce(a)
+        dist.all_reduce(b, group=gloo)
+        dist.broadcast(c, src=1)
+        dist.broadcast(d, src=1, group=gloo)
+        # (gloo's coalesced all-reduce refuses a Parameter: detached here for both)
+        dist.all_reduce_coalesced([e.detach(), a.detach().clone()])
+        dist.all_reduce_coalesced([f.detach(), a.detach().clone()], group=gloo)
+        odd[name] = torch.equal(a, b) and torch.equal(c, d) and torch.equal(e, f)
+    out["odd"] = odd
     # coalesced
     xs = [_x((5,), r, torch.float32, 1), _x((2, 3), r, torch.float32, 2)]
     want = [x.clone() for x in xs]
@@ -124,6 +138,7 @@ def test_collectives_match_gloo():
         assert o["shm"], "the shared-memory transport was not used"
         assert o["mismatch"] == [], o["mismatch"]
         assert o["strided"] and o["coalesced"]
+        assert all(o["odd"].values()), o["odd"]
         assert all(o["checks"].values()), o["checks"]
         assert o["subgroup"][:2] == (True, True)
         assert o["error"] is not None and "all_reduce" in o["error"] and "rank" in o["error"], o["error"]

@@ -127,7 +127,8 @@ class FanfoldProcessGroup(dist.ProcessGroup):
         if shm is None:
             return self.gloo.allreduce(tensors, opts)
         divisor = self.size() if op == "avg" else None
-        return FanfoldWork(shm.all_reduce(tensors[0], divisor=divisor).get_future(), tensors)
+        # detach: collectives write a tensor's data whatever autograd thinks of it (a Parameter), as gloo does
+        return FanfoldWork(shm.all_reduce(tensors[0].detach(), divisor=divisor).get_future(), tensors)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
@@ -135,23 +136,22 @@ class FanfoldProcessGroup(dist.ProcessGroup):
         shm = self._fast() if _supported(tensors, op) else None
         if shm is None:
             return self.gloo.allreduce_coalesced(tensors, opts)
-        flat = torch.cat([t.reshape(-1) for t in tensors])
+        flat = torch.cat([t.detach().reshape(-1) for t in tensors])
         divisor = self.size() if op == "avg" else None
 
-        def unpack(done: torch.futures.Future) -> None:
-            done.value()
+        def unpack() -> None:
             offset = 0
             for t in tensors:
-                t.copy_(flat[offset: offset + t.numel()].view_as(t))
+                t.detach().copy_(flat[offset: offset + t.numel()].view_as(t))
                 offset += t.numel()
-        return FanfoldWork(shm.all_reduce(flat, divisor=divisor).get_future().then(unpack), tensors)
+        return FanfoldWork(shm.all_reduce(flat, divisor=divisor).get_future(), tensors, unpack)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         opts = opts if opts is not None else dist.BroadcastOptions()
         shm = self._fast() if len(tensors) == 1 and opts.rootTensor == 0 and _supported(tensors) else None
         if shm is None:
             return self.gloo.broadcast(tensors, opts)
-        shm.broadcast(tensors[0], opts.rootRank)  # returns once done: broadcasts are rare and small
+        shm.broadcast(tensors[0].detach(), opts.rootRank)  # returns once done: broadcasts are rare and small
         return completed_work(tensors)
 
     def barrier(self, opts: Any = None) -> dist.Work:

@@ -6,6 +6,7 @@ of ``wait()`` and of ``get_future().wait()``, whichever it uses (DDP's reducer u
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -17,33 +18,44 @@ __all__ = ["FanfoldWork", "completed_work"]
 
 class FanfoldWork(dist._Work):
     """A collective in flight on the transport's thread: ``future`` completes when this rank has its result (or
-    fails); ``result`` is what ``get_future()`` yields, as gloo's futures do (the output tensors)."""
+    fails); then ``finish`` (if any) runs, on that thread; ``result`` is what ``get_future()`` yields, as gloo's
+    futures do (the output tensors)."""
 
-    def __init__(self, future: torch.futures.Future, result: Any):
+    def __init__(self, future: torch.futures.Future, result: Any, finish: Callable[[], None] | None = None):
         super().__init__()
         self._future = future
-        self._result = future.then(lambda done: (done.value(), result)[1])
+
+        def done(fut: torch.futures.Future) -> Any:
+            fut.value()
+            if finish is not None:
+                finish()
+            return result
+        self._result = future.then(done)
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         # every wait of the transport is bounded by its own timeout (the group's), naming the missing rank
-        self._future.wait()
+        self._future.wait()  # the transport's error as it is, not wrapped by the callback's future
+        self._result.wait()
         return True
 
     def is_completed(self) -> bool:
-        return self._future.done()
+        return self._result.done()
 
     def is_success(self) -> bool:
-        if not self._future.done():
+        if not self._result.done():
             raise RuntimeError("is_success on a collective that has not completed")
         try:
-            self._future.value()
+            self._result.value()
         except Exception:  # noqa: BLE001 - the question is only whether it failed
             return False
         return True
 
     def exception(self) -> BaseException | None:
+        if not self._result.done():
+            return None
         try:
             self._future.value()
+            self._result.value()
         except Exception as exc:  # noqa: BLE001
             return exc
         return None
