@@ -72,7 +72,8 @@ class TestDistBackendCollectives(TestDistBackend, DistributedTest._DistTestBase)
         self._spawn_processes()
 
 
-def run(backend: str, tests: list[str]) -> dict:
+def run(backend: str, tests: list[str], path: Path) -> dict:
+    """Run ``tests`` on ``backend``, rewriting ``path`` after each (a run cut short keeps what it had)."""
     os.environ[SWAP_ENV] = backend  # the spawned ranks read it when they import this module
     results = {}
     for name in tests:
@@ -85,6 +86,7 @@ def run(backend: str, tests: list[str]) -> dict:
             result.skipped[0][1] if result.skipped else "")
         results[name] = {"status": status, "seconds": round(time.monotonic() - t0, 1), "detail": detail}
         print(f"{backend} {name}: {status}", flush=True)
+        path.write_text(json.dumps(results, indent=1))
     return results
 
 
@@ -121,8 +123,7 @@ def main() -> int:
     if args.backend is None:
         parser.error("--backend or --report")
     OUT.mkdir(parents=True, exist_ok=True)
-    results = run(args.backend, args.only or collective_tests())
-    (OUT / f"{args.backend}.json").write_text(json.dumps(results, indent=1))
+    run(args.backend, args.only or collective_tests(), OUT / f"{args.backend}.json")
     return 0
 
 

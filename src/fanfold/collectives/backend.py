@@ -162,11 +162,15 @@ class FanfoldProcessGroup(dist.ProcessGroup):
         return self.gloo.barrier(opts if opts is not None else dist.BarrierOptions())
 
     def shutdown(self) -> None:
+        """Close the transport (its queued collectives finish first), then torch's own shutdown (gloo's)."""
         if self._shm is not None:
             self._shm.close()
+        super().shutdown()
 
     def abort(self) -> None:
-        self.shutdown()
+        if self._shm is not None:
+            self._shm.close()
+        super().abort()
 
     def __repr__(self) -> str:
         return f"FanfoldProcessGroup(rank={self.rank()}, size={self.size()}, shm={self._shm is not None})"
