@@ -253,3 +253,20 @@ def test_registered_at_import():
     assert "fanfold" in dist.Backend.backend_list
     fanfold.collectives.backend.register()  # idempotent
     assert dist.Backend.backend_list.count("fanfold") == 1
+
+
+def _turned_off():
+    r, n, gloo = _init()
+    x = _x((1000,), r, torch.float32)
+    want = x.clone()
+    dist.all_reduce(want, group=gloo)
+    dist.all_reduce(x)
+    dist.barrier()
+    used = dist.group.WORLD.transport is not None
+    dist.destroy_process_group()
+    return torch.equal(x, want), used
+
+
+def test_turned_off_by_environment():
+    for same, used in fanfold.launch(_turned_off, nprocs=2, timeout=120, env={"FANFOLD_TRANSPORT": "torch"}):
+        assert same and not used
