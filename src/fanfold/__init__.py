@@ -5,6 +5,7 @@ below it; checked by import-linter in ``make test``): ``cli`` > ``training`` > `
 ``distributed`` | ``parallel`` > ``collectives`` | ``launcher`` > ``_core``.
 """
 from . import pipeline
+from .collectives.backend import FanfoldProcessGroup, register
 from .distributed.ddp import DDP, DistributedDataParallel
 from .distributed.stall import StallError
 from .launcher import WorkerError, launch, launch_script
@@ -24,6 +25,8 @@ from .pipeline import DistributedPipeline, Pipeline
 from .training import CheckpointError, DistributedSampler, data, latest, load, save
 
 __version__ = "0.1.0"
+
+register()  # the one deliberate side effect of importing fanfold: init_process_group("fanfold") (idempotent)
 
 __all__ = [
     "scatter",
@@ -52,4 +55,5 @@ __all__ = [
     "Pipeline",
     "DistributedPipeline",
     "pipeline",
+    "FanfoldProcessGroup",
 ]

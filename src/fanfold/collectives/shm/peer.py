@@ -14,21 +14,24 @@ where the sum (and the division of an average) reads them.
 
 Permission: reading another process needs ptrace rights over it (same user, and Yama's ptrace_scope 0 or
 CAP_SYS_PTRACE for siblings; seccomp profiles may forbid the call). :func:`probe` tries a real read of every peer,
-and the transport takes this path only if every rank succeeded.
+and the transport takes this path only if every rank succeeded. Under Yama's ptrace_scope=1 each rank first
+allows its peers (:func:`allow_peers`, ``prctl(PR_SET_PTRACER)``).
 """
 from __future__ import annotations
 
 import bisect
 import ctypes
+import errno
 import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-__all__ = ["probe", "PeerReader", "TABLE_BYTES"]
+__all__ = ["probe", "allow_peers", "PeerReader", "TABLE_BYTES"]
 
 TABLE_BYTES = 64 << 10  # per rank: (address, bytes) pairs, 4096 tensors a round; longer lists take several rounds
+PR_SET_PTRACER, PR_SET_PTRACER_ANY = 0x59616D61, 2**64 - 1  # <linux/prctl.h>; ANY is (unsigned long)-1
 _IOV_MAX = 1024  # the kernel's limit on iovecs per call, on each side
 _PROBE_ADDR, _PROBE_OK = 64, 72  # offsets in a rank's segment line (0-63: counter, pid, collective descriptors)
 
@@ -81,25 +84,47 @@ def _offsets(table: list[tuple[int, int]]) -> list[int]:
     return starts
 
 
-def probe(seg: Any, rank: int, world_size: int, enabled: bool = True) -> bool:
-    """Collective: whether every rank can read every peer's memory (and has ``enabled`` it). Publishes a word's
-    address in this rank's line, reads each peer's word, publishes the outcome; takes two steps of ``seg``."""
+def allow_peers(seg: Any, rank: int, world_size: int) -> None:
+    """Let the peers of ``seg`` read this process's memory under Yama's ptrace_scope=1 (Ubuntu's default), which
+    otherwise forbids ``process_vm_readv`` between siblings. PR_SET_PTRACER names one process: the peer itself with
+    two ranks, else any process of this user (what ptrace_scope=0 allows everywhere). Without Yama it is a no-op."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    tracer = seg.pid(1 - rank) if world_size == 2 else PR_SET_PTRACER_ANY
+    if libc.prctl(PR_SET_PTRACER, ctypes.c_ulong(tracer), 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        if err != errno.EINVAL:  # EINVAL: a kernel without Yama, where nothing needs allowing
+            raise OSError(err, f"prctl(PR_SET_PTRACER): {os.strerror(err)}")
+
+
+def probe(seg: Any, rank: int, world_size: int, enabled: bool = True) -> tuple[bool, str]:
+    """Collective: whether every rank can read every peer's memory (and has ``enabled`` it), and if not why.
+    Allows the peers (:func:`allow_peers`), publishes a word's address in this rank's line, reads each peer's word,
+    publishes the outcome; takes two steps of ``seg``."""
     word = ctypes.c_uint64(0x5EED0000 ^ os.getpid())
+    why = "" if enabled else "disabled (peer_read=False)"
+    try:
+        if enabled:  # before arriving: no peer reads before every rank has allowed it
+            allow_peers(seg, rank, world_size)
+    except (OSError, AttributeError) as exc:
+        why = f"rank {rank} could not allow its peers to read its memory: {exc}"
     seg.line(rank, ctypes.c_uint64, _PROBE_ADDR).value = ctypes.addressof(word)
     seg.wait_all(seg.arrive(), lambda: ("the peer-read probe", 0, None))
-    ok = enabled
     try:
         fn = _readv_fn()
         for p in range(world_size):
-            if p != rank and ok:
+            if p != rank and not why:
                 got = ctypes.c_uint64(0)
                 _copy(fn, seg.pid(p), [(ctypes.addressof(got), seg.line(p, ctypes.c_uint64, _PROBE_ADDR).value, 8)])
-                ok = ok and got.value == 0x5EED0000 ^ seg.pid(p)
-    except (OSError, AttributeError):  # EPERM, ENOSYS, another pid namespace (ESRCH), no such libc function
-        ok = False
-    seg.line(rank, ctypes.c_uint32, _PROBE_OK).value = 1 if ok else 2
+                if got.value != 0x5EED0000 ^ seg.pid(p):
+                    why = f"rank {rank} read a wrong value from rank {p}'s memory"
+    except (OSError, AttributeError) as exc:  # EPERM, ENOSYS, another pid namespace (ESRCH), no such libc function
+        why = f"rank {rank} may not read its peers' memory (process_vm_readv: {exc})"
+    seg.line(rank, ctypes.c_uint32, _PROBE_OK).value = 2 if why else 1
     seg.wait_all(seg.arrive(), lambda: ("the peer-read probe", 0, None))  # peers are done reading `word` too
-    return all(seg.line(p, ctypes.c_uint32, _PROBE_OK).value == 1 for p in range(world_size))
+    failed = [p for p in range(world_size) if seg.line(p, ctypes.c_uint32, _PROBE_OK).value != 1]
+    if failed and not why:
+        why = f"rank(s) {failed} may not read their peers' memory"
+    return not failed, why
 
 
 class PeerReader:

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from ..._core.group import require_initialized
-from ..store import group_store
+from ..store import StoreGroup, group_store
 from ..timeouts import ENV_VAR as STALL_ENV_VAR
 from ..timeouts import resolve_stall_timeout
 from .engine import ALL_REDUCE, BARRIER, BROADCAST, DTYPES, OPS, REDUCE_INTO, REDUCE_TENSORS, SHARED_ALL_REDUCE, Engine
@@ -84,13 +84,16 @@ class ShmTransport:
 
     def __init__(self, group: Any = None, timeout: float | timedelta | None = None, *, chunk_bytes: int = 1 << 20,
                  direct_bytes: int | None = None, peer_read: bool | None = None):
-        require_initialized("ShmTransport")
+        own = isinstance(group, StoreGroup)  # a group under construction (the fanfold backend's)
+        if not own:
+            require_initialized("ShmTransport")
         if chunk_bytes < 4096 or chunk_bytes % 4096:
             raise ValueError(f"chunk_bytes must be a positive multiple of 4096, got {chunk_bytes!r}")
         self.group = group
-        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
-        if timeout is None and not os.environ.get(STALL_ENV_VAR):
-            timeout = dist.distributed_c10d._get_default_store().timeout  # the process group's own timeout
+        self.rank, self.world_size = (group.rank, group.world_size) if own else (dist.get_rank(group),
+                                                                                 dist.get_world_size(group))
+        if timeout is None and not os.environ.get(STALL_ENV_VAR):  # the process group's own timeout
+            timeout = (group.store if own else dist.distributed_c10d._get_default_store()).timeout
         self.timeout = resolve_stall_timeout(timeout)
         self._seq, self._lock, self._chunk_bytes = 0, threading.Lock(), chunk_bytes
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
@@ -105,7 +108,11 @@ class ShmTransport:
             self._segment = Segment(store, self.rank, self.world_size, ring + self.world_size * TABLE_BYTES,
                                     self.timeout, check_pids=False)
             # Collective whatever this rank's peer_read: every rank takes the probe's steps.
-            self.supports_reduce_tensors = probe(self._segment, self.rank, self.world_size, peer_read is not False)
+            self.supports_reduce_tensors, why = probe(self._segment, self.rank, self.world_size,
+                                                      peer_read is not False)
+            if peer_read is None and not self.supports_reduce_tensors:
+                warnings.warn(f"rank {self.rank}: fanfold's shm transport copies private tensors into shared memory "
+                              f"(the slower path): {why}", stacklevel=2)
             if peer_read and not self.supports_reduce_tensors:
                 self._segment.close()
                 raise RuntimeError(f"rank {self.rank}: ShmTransport(peer_read=True), but some rank of the group "

@@ -1,0 +1,134 @@
+"""torch's own collective tests (``DistributedTest._DistTestBase``, CPU, 2 ranks) on gloo and on ``fanfold``.
+
+    python conformance/collectives.py --backend gloo     # build/conformance-backend/gloo.json
+    python conformance/collectives.py --backend fanfold  # every rank's gloo groups become fanfold groups
+    python conformance/collectives.py --report           # docs/conformance-backend.md from both
+
+The suite is set up as torch's own driver does (``BACKEND=gloo``, ``WORLD_SIZE=2``, ``TestDistBackend`` spawning
+fresh rank processes per test), so the suite takes the same decisions (skips, expectations) in both runs. With
+``--backend fanfold`` each rank process, when it imports this module, rebinds ``torch.distributed``'s
+``init_process_group`` and ``new_group`` so that a gloo group is created as a ``fanfold`` one: the only difference
+between the two runs is the backend under the collectives. Tests are those whose names name a collective, without
+DDP and GPU ones. Layer: a tool beside the package (imports ``fanfold`` only to register the backend).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+import unittest
+from pathlib import Path
+
+os.environ.setdefault("BACKEND", "gloo")
+os.environ.setdefault("WORLD_SIZE", "2")
+os.environ.setdefault("DISTRIBUTED_TESTS_DEFAULT_TIMEOUT", "120")  # the harness's bound per test (torch: 300 s)
+SWAP_ENV = "FANFOLD_CONFORMANCE_BACKEND"
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "build" / "conformance-backend"
+
+import torch.distributed as dist  # noqa: E402
+from torch.testing._internal.distributed.distributed_test import DistributedTest, TestDistBackend  # noqa: E402
+
+import fanfold  # noqa: E402,F401 - registers the backend, in this process and in every rank process
+
+
+def _swap(backend):
+    return "fanfold" if backend in (None, "gloo", dist.Backend.GLOO) else backend
+
+
+def use_fanfold() -> None:
+    """Create every gloo group (the default one and new_group's) as a fanfold group instead."""
+    real_init, real_new = dist.init_process_group, dist.new_group
+
+    def init_process_group(backend=None, *args, **kwargs):
+        real_init(_swap(backend), *args, **kwargs)
+        if "fanfold" not in dist.get_backend():  # the self-check: this run must not measure gloo again
+            raise RuntimeError(f"the conformance run got a {dist.get_backend()} group, not fanfold")
+
+    def new_group(ranks=None, timeout=None, backend=None, *args, **kwargs):
+        return real_new(ranks, timeout, _swap(backend), *args, **kwargs)
+    dist.init_process_group, dist.new_group = init_process_group, new_group
+
+
+if os.environ.get(SWAP_ENV) == "fanfold":
+    use_fanfold()
+
+_PICK = re.compile(r"all_reduce|allreduce|broadcast|all_gather|allgather|reduce_scatter|barrier|all_to_all|_reduce_|"
+                   r"^test_reduce|gather|scatter")
+_DROP = re.compile(r"ddp|DistributedDataParallel|cuda|nccl|gpu|full_group|profil|hook|unused_parameters", re.I)
+
+
+def collective_tests() -> list[str]:
+    return sorted(n for n in dir(DistributedTest._DistTestBase)
+                  if n.startswith("test_") and _PICK.search(n) and not _DROP.search(n))
+
+
+class TestDistBackendCollectives(TestDistBackend, DistributedTest._DistTestBase):
+    def setUp(self) -> None:
+        super().setUp()
+        self._spawn_processes()
+
+
+def run(backend: str, tests: list[str], path: Path) -> dict:
+    """Run ``tests`` on ``backend``, rewriting ``path`` after each (a run cut short keeps what it had)."""
+    os.environ[SWAP_ENV] = backend  # the spawned ranks read it when they import this module
+    results = {}
+    for name in tests:
+        suite = unittest.TestSuite([TestDistBackendCollectives(name)])
+        result = unittest.TestResult()
+        t0 = time.monotonic()
+        suite.run(result)
+        status = ("fail" if result.failures or result.errors else "skip" if result.skipped else "pass")
+        detail = "".join(tb for _, tb in result.failures + result.errors)[-600:] or (
+            result.skipped[0][1] if result.skipped else "")
+        results[name] = {"status": status, "seconds": round(time.monotonic() - t0, 1), "detail": detail}
+        print(f"{backend} {name}: {status}", flush=True)
+        path.write_text(json.dumps(results, indent=1))
+    return results
+
+
+def report(page: Path) -> None:
+    runs = {b: json.loads((OUT / f"{b}.json").read_text()) for b in ("gloo", "fanfold") if (OUT / f"{b}.json").exists()}
+    if set(runs) != {"gloo", "fanfold"}:
+        raise SystemExit(f"run both backends first (found {sorted(runs)} in {OUT})")
+    tests = sorted(set(runs["gloo"]) | set(runs["fanfold"]))
+    count = {b: {s: sum(r.get(t, {}).get("status") == s for t in tests) for s in ("pass", "fail", "skip")}
+             for b, r in runs.items()}
+    lines = ["# Conformance: torch's collective tests on the `fanfold` backend", "",
+             "torch's own `DistributedTest._DistTestBase` collective tests (CPU, 2 ranks), run by "
+             "`conformance/collectives.py` with gloo and with every gloo group created as a `fanfold` group "
+             f"(harness bound per test: {os.environ['DISTRIBUTED_TESTS_DEFAULT_TIMEOUT']} s; a test that overruns it "
+             "fails). A test passes on fanfold where it passes on gloo unless the table says otherwise.", "",
+             "| backend | pass | fail | skip |", "|---|---|---|---|"]
+    lines += [f"| {b} | {c['pass']} | {c['fail']} | {c['skip']} |" for b, c in count.items()]
+    lines += ["", "| test | gloo | fanfold | note |", "|---|---|---|---|"]
+    for t in tests:
+        g, f = runs["gloo"].get(t, {}), runs["fanfold"].get(t, {})
+        shown = f if f.get("status") != "pass" else g  # why fanfold's did not pass, else why gloo's did not
+        note = shown.get("detail", "").strip().splitlines()[-1:] if "fail" in (g.get("status"), f.get("status")) else []
+        lines.append(f"| {t} | {g.get('status', '-')} | {f.get('status', '-')} | "
+                     f"{(note[0] if note else '').replace('|', '/')[:160]} |")
+    page.write_text("\n".join(lines) + "\n")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--backend", choices=("gloo", "fanfold"))
+    parser.add_argument("--only", nargs="+", metavar="TEST")
+    parser.add_argument("--report", action="store_true")
+    args = parser.parse_args()
+    if args.report:
+        report(ROOT / "docs" / "conformance-backend.md")
+        return 0
+    if args.backend is None:
+        parser.error("--backend or --report")
+    OUT.mkdir(parents=True, exist_ok=True)
+    run(args.backend, args.only or collective_tests(), OUT / f"{args.backend}.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
