@@ -30,8 +30,8 @@ class Checkpointed(nn.Module):
         self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 4)
 
     def forward(self, x):
-        ck = lambda f, t: checkpoint(f, t, use_reentrant=True)  # noqa: E731
-        block = lambda t: torch.relu(self.b(t))  # noqa: E731
+        ck = lambda f, t: checkpoint(f, t, use_reentrant=True)
+        block = lambda t: torch.relu(self.b(t))
         h = torch.relu(self.a(x))
         if self.kind == "last":  # the checkpointed block is the last one: its backward runs first, nested
             return ck(lambda t: self.c(block(t)), h)
@@ -149,3 +149,54 @@ def penalty_grads(model: nn.Module, loss: torch.Tensor) -> tuple:
     second = grads(model)
     model.zero_grad(set_to_none=True)
     return first, second, requires
+
+
+class Branchy(nn.Module):
+    """``b`` used only when asked; ``never`` used by no rank."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.never, self.out = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x, use_b=False):
+        h = torch.tanh(self.a(x))
+        return self.out(h + torch.tanh(self.b(x)) if use_b else h)
+
+
+class Mixed(nn.Module):
+    """For mixed precision: records the dtype its weights have during forward."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin1, self.lin2 = nn.Linear(8, 8), nn.Linear(8, 4)
+        self.register_buffer("shift", torch.full((4,), 0.5))
+        self.register_buffer("steps", torch.zeros((), dtype=torch.int64))
+        self.seen = None
+
+    def forward(self, x):
+        self.seen = (self.lin1.weight.dtype, x.dtype)
+        return self.lin2(torch.tanh(self.lin1(x))) + self.shift
+
+
+def mixed_oracle(param_dtype: torch.dtype, world: int = 2) -> list:
+    """Each rank on a low-precision copy of the full-precision masters; gradients averaged in float32; SGD on the
+    masters. Step 0: one backward; step 1: two micro-steps (the first under no_sync) accumulated in low precision."""
+    import copy
+
+    masters = Mixed()
+    out = []
+    for step, micro in ((0, 1), (1, 2)):
+        replicas = [copy.deepcopy(masters).to(param_dtype) for _ in range(world)]
+        for r, rep in enumerate(replicas):
+            for m in range(micro):
+                x, y = data(step + m)
+                ((rep(shard(x, r, world).to(param_dtype)).float() - shard(y, r, world)) ** 2).mean().backward()
+        avg = {n: sum(dict(rep.named_parameters())[n].grad.float() for rep in replicas) / world
+               for n, _ in masters.named_parameters()}
+        out.append(avg)
+        with torch.no_grad():
+            for n, p in masters.named_parameters():
+                p.add_(avg[n], alpha=-0.1)
+    return out

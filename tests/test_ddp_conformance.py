@@ -2,6 +2,7 @@
 one-process oracle: reentrant activation checkpointing, static_graph, sparse gradients (no_sync included),
 create_graph, pickling and deepcopy, a module without trainable parameters, and hooks removed with the wrapper."""
 import copy
+import functools
 import gc
 import io
 
@@ -14,7 +15,6 @@ from fanfold.distributed import init_process_group, rank, world_size
 
 from _conformance import IMPLS, Checkpointed, close, data, grads, oracle, sgd, shard, train, wrap
 
-FU, STATIC = {"find_unused_parameters": True}, {"static_graph": True}
 TWICE = "Expected to mark a variable ready only once"
 # (model kind, keywords) -> what torch 2.13 does: "exact" (the one-process result), or the error it raises
 CHECKPOINT_CASES = {
@@ -36,7 +36,8 @@ CHECKPOINT_CASES = {
     # next forward; fanfold raises at the end of the first backward, naming the parameter
     ("unused", ()): "Expected to have finished reduction in the prior iteration",
 }
-FANFOLD_EXACT_WHERE_TORCH_RAISES = {k for k in CHECKPOINT_CASES if k[1] == ("find_unused_parameters",) and k[0] != "shared"}
+FANFOLD_EXACT_WHERE_TORCH_RAISES = {k for k in CHECKPOINT_CASES
+                                    if k[1] == ("find_unused_parameters",) and k[0] != "shared"}
 
 
 def _checkpointing():
@@ -54,7 +55,7 @@ def _checkpointing():
 def test_reentrant_checkpointing_matches_torch_or_raises_like_it():
     r0, r1 = fanfold.launch(_checkpointing, nprocs=2, timeout=280)
     for (kind, flags), torch_does in CHECKPOINT_CASES.items():
-        expected = oracle(lambda: Checkpointed(kind), 3)
+        expected = oracle(functools.partial(Checkpointed, kind), 3)
         got_torch = r0[kind, flags, "torch"]
         if torch_does == "exact":
             assert all(close(g, e) for g, e in zip(got_torch, expected)) and len(got_torch) == 3, (kind, flags)
@@ -163,3 +164,87 @@ def test_sparse_gradients_and_create_graph_match_one_process():
         for res in (r0, r1):
             value, requires = res[impl, "repeated"]
             assert requires and torch.allclose(value, six, atol=1e-5), impl
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc2 = nn.Linear(8, 10), nn.Linear(10, 4)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def _step(ddp: nn.Module, step: int, r: int, n: int) -> None:
+    x, y = data(step)
+    ddp.module.zero_grad(set_to_none=True)
+    ((ddp(shard(x, r, n)) - shard(y, r, n)) ** 2).mean().backward()
+    sgd(ddp.module)
+
+
+def _pickling_and_hooks():
+    import torch.distributed as dist
+
+    init_process_group(timeout=60)
+    r, n = rank(), world_size()
+    out = {}
+    for impl in IMPLS:  # torch's _test_DDP_niter: save and load the whole DDP model mid-training, go on training
+        ddp = wrap(impl, Net())
+        for step in range(5):
+            _step(ddp, step, r, n)
+            if step == 2:
+                buf = io.BytesIO()
+                torch.save(ddp, buf)
+                buf.seek(0)
+                ddp = torch.load(buf, weights_only=False)
+        twin = copy.deepcopy(ddp)
+        _step(twin, 5, r, n)
+        out[impl] = ([p.detach().clone() for p in ddp.module.parameters()],
+                     [p.detach().clone() for p in twin.module.parameters()])
+    group = dist.new_group([0, 1])
+    for impl in IMPLS:
+        try:
+            copy.deepcopy(wrap(impl, Net(), process_group=group))
+            out[impl, "group"] = None
+        except RuntimeError as exc:
+            out[impl, "group"] = str(exc)
+    for impl in IMPLS[1:]:  # the wrapper's hooks leave with it, after a step and with its output still alive
+        model = Net()
+        ddp = wrap(impl, model)
+        kept = ddp(torch.ones(2, 8))
+        kept.sum().backward()
+        before = [len(p._post_accumulate_grad_hooks or {}) for p in model.parameters()]
+        gone = __import__("weakref").ref(ddp)
+        del ddp
+        gc.collect()
+        out[impl, "hooks"] = before, [len(p._post_accumulate_grad_hooks or {}) for p in model.parameters()], gone()
+    return out
+
+
+def test_pickle_deepcopy_and_hooks_like_torch():
+    r0, r1 = fanfold.launch(_pickling_and_hooks, nprocs=2, timeout=280)
+    model = Net()
+    for step in range(6):
+        x, y = data(step)
+        model.zero_grad()
+        (sum(((model(shard(x, k, 2)) - shard(y, k, 2)) ** 2).mean() for k in range(2)) / 2).backward()
+        sgd(model)
+        if step == 4:
+            after_five = [p.detach().clone() for p in model.parameters()]
+    for impl in IMPLS:
+        for res in (r0, r1):
+            five, six = res[impl]
+            assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(five, after_five)), impl
+            assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(six, model.parameters())), impl
+        assert "only supported when using DDP with the default process group" in r0[impl, "group"], impl
+    for impl in IMPLS[1:]:
+        before, after, alive = r0[impl, "hooks"]
+        assert before == [1, 1, 1, 1] and after == [0, 0, 0, 0] and alive is None
+
+
+@pytest.mark.parametrize("module", [nn.ReLU(), nn.Linear(2, 2).requires_grad_(False)])
+def test_module_without_trainable_parameters_is_refused_like_torch(module):
+    with pytest.raises(RuntimeError, match="DistributedDataParallel is not needed when a module doesn't have any "
+                                           "parameter that requires a gradient"):
+        fanfold.DDP(module)

@@ -1,5 +1,5 @@
 """How one bucket is reduced: straight from ``.grad`` (``reduce_tensors``), into ``.grad`` (``reduce_into``), or
-through the flat bucket and a comm hook; and the wait that brings each result back.
+through the flat bucket and a comm hook; the wait that brings each result back, and its write into ``.grad``.
 
 Layers: ``bucket_layout <- bucket_paths <- reducer``; the transports are ``transport.py`` and ``shm.py``, the hooks
 ``comm_hooks.py``. The path is chosen from settings only (hook, ``gradient_as_bucket_view``, dtypes, transport),
@@ -32,6 +32,7 @@ class BucketPaths(BucketLayout):
     _pending: set
     _temps: dict
     _futures: list
+    _graph_grads: dict
 
     def _choose_path(self) -> None:
         # _direct: the built-in hooks on a transport that all-reduces the gradients where autograd left them
@@ -106,3 +107,27 @@ class BucketPaths(BucketLayout):
                 result = result[0]
             if isinstance(result, torch.Tensor) and result is not self.flats[b]:
                 self.flats[b].copy_(result.reshape(-1))
+
+    def _write_back(self, used: list[float] | None, sparse: dict[int, torch.Tensor]) -> None:
+        """The averages into ``.grad``: ``used[i]`` ranks used parameter i (None: all); ``sparse``: the averaged
+        sparse gradients by parameter."""
+        into = self._into or self._direct
+        for i, p in enumerate(self.params):
+            if used is not None and used[i] == 0:
+                continue  # no rank used it: leave .grad as a single process would (None)
+            view, temp = self._views[i], self._temps.get(i)
+            if self.sparse[i]:
+                p.grad = sparse[i].to(p.dtype)
+            elif into:  # .grad holds the average already, unless it had none usable: then a fresh tensor does
+                if temp is not None:
+                    p.grad = temp if p.grad is None else p.grad.copy_(temp)
+            elif self.as_view:
+                p.grad = view
+            elif p.grad is None or p.grad.dtype != p.dtype:  # mixed precision: back to the parameter's dtype
+                p.grad = view.to(p.dtype, copy=True)
+            else:
+                p.grad.copy_(view)
+        with torch.enable_grad():
+            for i, g in self._graph_grads.items():  # differentiable in this rank's own gradient, value unchanged
+                p = self.params[i]
+                p.grad = (g - g.detach()) + p.grad

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-__all__ = ["Readiness", "marked_twice_message"]
+__all__ = ["Readiness", "marked_twice_message", "unused_message"]
 
 
 def marked_twice_message(rank: int, name: str) -> str:
@@ -27,6 +27,14 @@ def marked_twice_message(rank: int, name: str) -> str:
             "also used outside it, or a block checkpointed twice; a parameter used outside forward. Pass "
             "static_graph=True to DistributedDataParallel if the model uses the same parameters the same number of "
             "times in every iteration, or checkpoint with use_reentrant=False.")
+
+
+def unused_message(rank: int, names: list[str]) -> str:
+    shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
+    return (f"DistributedDataParallel (rank {rank}): {len(names)} parameter(s) got no gradient in this backward: "
+            f"{shown}. Every parameter that requires grad must take part in the loss on every rank, or pass "
+            "find_unused_parameters=True to DistributedDataParallel (or set requires_grad=False on parameters you "
+            "never train).")
 
 
 class Readiness:

@@ -2,22 +2,19 @@
 full, and the end of backward waits, averages and writes the gradients back.
 
 Layers: ``buckets <- readiness, bucket_layout <- bucket_paths <- reducer <- ddp``; every collective goes through a
-transport (``transport.py``); sparse gradients through ``sparse.py``. Collectives match by issue order, so buckets
+transport (``transport.py``), sparse gradients through ``sparse.py``. Collectives match by issue order, so buckets
 are launched strictly in bucket order on every rank: a bucket that fills early waits for those before it.
 
-The end of backward is a callback queued when the backward reaches DDP's outputs (a hook on each, set by
+The end of backward is a callback queued where the backward reaches DDP's outputs (hooks set by
 ``DistributedDataParallel.forward``): it runs when the outermost backward ends, not at the end of a reentrant one
-nested inside it (``checkpoint(..., use_reentrant=True)``). It launches what is left, reduces the sparse gradients
-and the delayed parameters, waits for every bucket in order and writes the averages back (or finds them written).
-
-Nothing raises in the middle of a backward: an error found in a gradient hook (a parameter ready twice, a static
-graph that changed) or at the end (a parameter without gradient) is raised by the end-of-backward callback once
-every collective of the step has been issued, so the peers are never left waiting. A parameter that got no
-gradient contributes zeros (``find_unused_parameters=True`` or a static graph; a bitmap all-reduce tells whether
-some rank used it, and one no rank used keeps ``grad=None`` as in one process) or is named by that error.
-
-``backward(create_graph=True)``: the average stays differentiable in this rank's own gradient (the identity), so
-the next backward -- averaged again -- gives the one-process result.
+nested in it (``checkpoint(..., use_reentrant=True)``). It launches what is left, reduces the sparse gradients and
+the delayed parameters, waits for every bucket in order and writes the averages back. Nothing raises in the middle
+of a backward: an error found in a hook (a parameter ready twice, a static graph that changed) or at the end (a
+parameter without gradient) is raised there once every collective of the step is issued, so no peer is left
+waiting. A parameter without gradient contributes zeros (``find_unused_parameters=True``, a static graph: a bitmap
+all-reduce tells whether some rank used it; one no rank used keeps ``grad=None``) or is named by that error.
+``backward(create_graph=True)``: the average stays differentiable in this rank's own gradient (the identity), and
+the next backward -- a gradient penalty -- is averaged too: both give the one-process gradients.
 """
 from __future__ import annotations
 
@@ -28,13 +25,14 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .bucket_paths import BucketPaths
-from .delayed import reduce_delayed
 from .comm_hooks import allreduce_hook
-from .readiness import Readiness
+from .delayed import reduce_delayed
+from .readiness import Readiness, unused_message
 from .sparse import all_reduce_sparse, empty_sparse_like
 from .transport import issue_all_reduce
 
 __all__ = ["Reducer"]
+
 
 def _remove_handles(handles: list) -> None:
     for h in handles:
@@ -76,13 +74,10 @@ class Reducer(BucketPaths):
         self.find_unused, self.as_view = bool(find_unused_parameters), bool(gradient_as_bucket_view)
         self.batched, self.skip_unused = bool(batched_copy), bool(skip_unused)
         self.divisor = transport.world_size
-        self.hook: Callable = allreduce_hook
-        self.hook_state: Any = None
+        self.hook, self.hook_state = allreduce_hook, None  # torch's comm hook (comm_hooks.py) and its state
         self.expect_sync = False  # set by DDP.forward when the backward of this forward must synchronise
         self.on_first_ready: Callable[[], None] | None = None  # DDP's join announcement, before any bucket launch
-        # mixed precision: the full-precision parameters back, at the end of every backward that reached them
-        # (before the averaged gradients are written, in a synchronised one)
-        self.params_back: Callable[[], None] | None = None
+        self.params_back: Callable[[], None] | None = None  # mixed precision: masters back after each backward
         self.readiness = Readiness(self.names, transport.rank, static_graph)
         self.last_ready_order: list[int] = []
         self._static_used: list[float] | None = None  # static graph: which parameters some rank used, once
@@ -195,8 +190,7 @@ class Reducer(BucketPaths):
             p.grad = g.to_dense() if g.is_sparse else g.to_sparse(1)
 
     def _fail(self, exc: BaseException) -> None:
-        if self._error is None:
-            self._error = exc
+        self._error = self._error or exc
 
     def _launch_ready(self) -> None:
         while self._next < len(self.buckets) and self._left[self._next] == 0:
@@ -224,7 +218,7 @@ class Reducer(BucketPaths):
         if r.short() and not double:
             self._fail(RuntimeError(r.changed_message(r.short())))
         elif missing and not (self.find_unused or r.static or double):
-            self._fail(RuntimeError(self._unused_message(missing)))
+            self._fail(RuntimeError(unused_message(self.transport.rank, [self.names[i] for i in missing])))
         try:
             for i in missing:  # contribute what the parameter holds (no_sync accumulation) or zeros
                 self._own_grad(i, self.params[i])
@@ -269,42 +263,12 @@ class Reducer(BucketPaths):
         grad = p.grad if p.grad is not None and not self._shadowing else empty_sparse_like(p)
         return all_reduce_sparse(self.transport, grad, self.divisor)
 
-    def _write_back(self, used: list[float] | None, sparse: dict[int, torch.Tensor]) -> None:
-        into = self._into or self._direct
-        for i, p in enumerate(self.params):
-            if used is not None and used[i] == 0:
-                continue  # no rank used it: leave .grad as a single process would (None)
-            view, temp = self._views[i], self._temps.get(i)
-            if self.sparse[i]:
-                p.grad = sparse[i]
-            elif into:  # .grad holds the average already, unless it had none usable: then a fresh tensor does
-                if temp is not None:
-                    p.grad = temp if p.grad is None else p.grad.copy_(temp)
-            elif self.as_view:
-                p.grad = view
-            elif p.grad is None or p.grad.dtype != p.dtype:  # mixed precision: back to the parameter's dtype
-                p.grad = view.to(p.dtype, copy=True)
-            else:
-                p.grad.copy_(view)
-        with torch.enable_grad():
-            for i, g in self._graph_grads.items():  # differentiable in this rank's own gradient, value unchanged
-                p = self.params[i]
-                p.grad = (g - g.detach()) + p.grad
-
     def _end_step(self) -> None:
         if not self.rebuilt:
             self._rebuild(self.readiness.order)
         self._used = [False] * len(self.params)
         self._reset()
         self.expect_sync = False
-
-    def _unused_message(self, missing: list[int]) -> str:
-        names = [self.names[i] for i in missing]
-        shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
-        return (f"DistributedDataParallel (rank {self.transport.rank}): {len(names)} parameter(s) got no gradient in "
-                f"this backward: {shown}. Every parameter that requires grad must take part in the loss on every "
-                "rank, or pass find_unused_parameters=True to DistributedDataParallel (or set requires_grad=False on "
-                "parameters you never train).")
 
     # ---- join: mirror a step this rank does not take ---------------------------------------------------------
     def shadow_backward(self) -> None:

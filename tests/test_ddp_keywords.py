@@ -1,0 +1,236 @@
+"""Every keyword of torch's DistributedDataParallel (2.13) has torch's meaning in fanfold's, or is refused naming it:
+the signature, buffers synced before every training forward (the first included), static_graph, mixed_precision,
+skip_all_reduce_unused_params, bucket_cap_mb_list, batched_grad_copy, device_mesh, delay_all_reduce_named_params
+and join's early-termination error -- each against torch's DDP over gloo in the same ranks, or a one-process oracle."""
+import inspect
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import fanfold
+from fanfold.distributed import TorchTransport, init_process_group, rank, world_size
+
+from _conformance import IMPLS, close, data, grads, oracle, shard, wrap
+
+
+def test_signature_is_torchs():
+    theirs = inspect.signature(nn.parallel.DistributedDataParallel).parameters
+    ours = inspect.signature(fanfold.DDP).parameters
+    assert list(ours)[: len(theirs)] == list(theirs)
+    for name, p in theirs.items():
+        assert ours[name].default == p.default, name
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(process_group=object(), device_mesh=object()), RuntimeError, "both process_group and device_mesh"),
+    (dict(delay_all_reduce_named_params=[]), ValueError, "need to be set at the same time"),
+    (dict(mixed_precision=object()), ValueError, "gradient_as_bucket_view=True cannot be combined"),
+    (dict(static_graph="yes"), TypeError, "static_graph must be True or False"),
+    (dict(bucket_cap_mb_list=[]), ValueError, "bucket_cap_mb_list must be a non-empty list"),
+    (dict(bucket_cap_mb_list=[1], first_bucket_cap_mb=1), ValueError, "give one"),
+])
+def test_bad_keywords_are_refused_by_name(kwargs, error, match):
+    if "mixed_precision" in kwargs:
+        kwargs["gradient_as_bucket_view"] = True
+    with pytest.raises(error, match=match):
+        fanfold.DDP(nn.Linear(2, 2), **kwargs)
+
+
+class Scaled(nn.Module):
+    """A buffer saved for backward (``scale``) and one the forward updates in place (``seen``)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(8, 4)
+        self.register_buffer("scale", torch.ones(4))
+        self.register_buffer("seen", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.seen += 1
+        return self.lin(x) * self.scale
+
+
+def _buffers_and_join():
+    init_process_group(timeout=60)
+    r, n = rank(), world_size()
+    x = shard(data(0)[0], r, n)
+    out = {}
+    for impl in IMPLS:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            for kw in ({}, {"broadcast_buffers": False}, {"forward_sync_buffers": False}):
+                model = Scaled()
+                model.scale.fill_(r + 1.0)  # different on each rank before wrapping
+                ddp = wrap(impl, model, **kw)
+                seen = [model.scale.clone()]  # after construction
+                model.scale.mul_(r + 2.0)  # and changed again between construction and the first forward
+                ddp(x).sum().backward()
+                seen.append(model.scale.clone())
+                with torch.no_grad():
+                    ddp(x)  # a forward without grad: the next one does not sync (torch's rule)
+                model.scale.add_(r)
+                ddp(x)
+                seen.append(model.scale.clone())
+                ddp(x).sum().backward()  # synced again: the previous forward was a training one
+                seen.append(model.scale.clone())
+                out[impl, str(kw)] = seen
+        model = Scaled()  # GANs: two forwards, one backward; the second forward's sync must not break the first's
+        model.scale.fill_(r + 1.0)
+        ddp = wrap(impl, model, init_sync=False)
+        (ddp(x).sum() + ddp(2 * x).sum()).backward()
+        out[impl, "gan"] = grads(model)
+        model = nn.Linear(8, 1)
+        ddp = wrap(impl, model)
+        try:
+            with ddp.join(throw_on_early_termination=True):
+                for _ in range(3 if r == 0 else 1):
+                    ddp(x).sum().backward()
+            out[impl, "join"] = None
+        except RuntimeError as exc:
+            out[impl, "join"] = str(exc)
+    return out
+
+
+def test_buffers_sync_like_torch_and_join_raises_with_torchs_words():
+    r0, r1 = fanfold.launch(_buffers_and_join, nprocs=2, timeout=280)
+    for res in (r0, r1):
+        for key in [k for k in res if k[0] == "torch" and k[1] != "join"]:
+            for impl in IMPLS[1:]:
+                got, theirs = res[(impl,) + key[1:]], res[key]
+                same = close(got, theirs) if isinstance(got, dict) else all(map(torch.equal, got, theirs))
+                assert same, (impl, key, got, theirs)
+    # the cases themselves: the first forward syncs from rank 0 (torch 2.13: forward_sync_buffers)
+    assert torch.equal(r1["fanfold/shm", "{}"][1], torch.full((4,), 2.0))
+    assert torch.equal(r1["fanfold/shm", "{'broadcast_buffers': False}"][0], torch.full((4,), 2.0))  # rank-local
+    assert torch.equal(r1["fanfold/shm", "{'forward_sync_buffers': False}"][0], torch.ones(4))  # init sync only
+    for impl in IMPLS:
+        assert "Detected at least one rank that exhausted inputs. Throwing across all ranks." in r0[impl, "join"]
+        assert "Rank 1 exhausted all inputs." in r1[impl, "join"]
+
+
+FU = {"find_unused_parameters": True}  # b and never go unused
+
+
+class Recording(TorchTransport):
+    """The torch transport, recording the bucket label of each all-reduce."""
+
+    def __init__(self):
+        super().__init__()
+        self.buckets = []
+
+    def all_reduce(self, tensor, bucket=None):
+        if bucket is not None:
+            self.buckets.append(bucket)
+        return super().all_reduce(tensor, bucket)
+
+
+def _branchy_steps(ddp, model, r, n, steps=2, use_b=None):
+    out = []
+    for step in range(steps):
+        x, y = data(step)
+        model.zero_grad(set_to_none=True)
+        flag = (step > 0) if use_b == "later" else bool(use_b)
+        try:
+            ((ddp(shard(x, r, n), use_b=flag) - shard(y, r, n)) ** 2).mean().backward()
+        except RuntimeError as exc:
+            out.append(str(exc))
+            break
+        out.append(grads(model))
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-0.1)
+    return out
+
+
+def _keywords():
+    from _conformance import Branchy, Mixed
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.nn.parallel.distributed import _MixedPrecision
+
+    init_process_group(timeout=60)
+    r, n = rank(), world_size()
+    out = {}
+    for impl in IMPLS:
+        for name, kw in (("static_change", dict(static_graph=True)),
+                         ("skip", dict(find_unused_parameters=True, skip_all_reduce_unused_params=True)),
+                         ("skip_static", dict(static_graph=True, skip_all_reduce_unused_params=True)),
+                         ("caps", dict(bucket_cap_mb_list=[0.0001, 25], **FU)),
+                         ("batched", dict(batched_grad_copy=True, **FU)),
+                         ("mesh", dict(device_mesh=init_device_mesh("cpu", (n,)), **FU))):
+            model = Branchy()
+            transport = Recording() if impl == "fanfold/torch" else None
+            tiny = {} if "bucket_cap_mb_list" in kw else dict(bucket_cap_mb=0.0002, first_bucket_cap_mb=0.0001)
+            ddp = wrap(impl, model, **kw) if transport is None else \
+                fanfold.DDP(model, transport=transport, **tiny, **kw)
+            layout = [len(m) for m in ddp.reducer.buckets] if impl != "torch" else None
+            names = {p: k for k, p in model.named_parameters()}
+            steps = _branchy_steps(ddp, model, r, n, 3, "later" if name == "static_change" else False)
+            out[impl, name] = steps, layout, transport and sorted({
+                names[ddp.reducer.params[i]] for b in transport.buckets for i in ddp.reducer.buckets[b]})
+    model = Branchy()  # delay_all_reduce_named_params: a's gradients in one all-reduce outside the buckets
+    ddp = fanfold.DDP(model, delay_all_reduce_named_params=list(model.a.named_parameters(prefix="a")),
+                      param_to_hook_all_reduce=model.out.weight, **FU)
+    out["delayed"] = _branchy_steps(ddp, model, r, n, 2), [ddp.module.a.weight is p for p in ddp.reducer.params]
+    for impl in IMPLS:  # mixed precision: bfloat16 compute, float32 reduction and master weights
+        model = Mixed()
+        cfg = _MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, buffer_dtype=torch.bfloat16)
+        try:
+            ddp = wrap(impl, model, mixed_precision=cfg)
+            got = []
+            for step, micro in ((0, 1), (1, 2)):
+                model.zero_grad(set_to_none=True)
+                for m in range(micro):
+                    x, y = data(step + m)
+                    loss = ((ddp(shard(x, r, n)).float() - shard(y, r, n)) ** 2).mean()
+                    if m < micro - 1:
+                        with ddp.no_sync():
+                            ((ddp(shard(x, r, n)).float() - shard(y, r, n)) ** 2).mean().backward()
+                    else:
+                        loss.backward()
+                got.append(grads(model))
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.add_(p.grad, alpha=-0.1)
+            out[impl, "mixed"] = (got, model.seen, [p.dtype for p in model.parameters()],
+                                  [b.dtype for b in model.buffers()])
+        except RuntimeError as exc:
+            out[impl, "mixed"] = str(exc)
+    return out
+
+
+def test_keywords_have_torchs_meaning():
+    from _conformance import Branchy, mixed_oracle
+
+    r0, r1 = fanfold.launch(_keywords, nprocs=2, timeout=280)
+    plain = oracle(Branchy, 3)
+    for res in (r0, r1):
+        for impl in IMPLS:
+            for name in ("skip", "skip_static", "caps", "batched", "mesh"):
+                steps, layout, issued = res[impl, name]
+                assert len(steps) == 3 and all(close(g, e) for g, e in zip(steps, plain)), (impl, name)
+            # static_graph: b unused in the first iteration, used in the second: torch's error, fanfold's names
+            change = res[impl, "static_change"][0]
+            assert len(change) == 2 and isinstance(change[1], str), impl
+            assert ("Your training graph has changed in this iteration" if impl == "torch" else
+                    "static_graph=True but the training graph has changed in this iteration") in change[1], change
+            if impl != "torch":
+                assert "'b." in change[1]
+        # never reduced: the buckets holding only never-used parameters (find_unused, or static: known after one)
+        assert not any(k.startswith("never") for k in res["fanfold/torch", "skip"][2])
+        assert any(k.startswith("a.") for k in res["fanfold/torch", "skip"][2])
+        # caps of 104 bytes, then 25 MiB: out.bias and out.weight (144 bytes) close the first bucket, the rest share one
+        assert res["fanfold/shm", "caps"][1] == [2, 6]
+        steps, in_buckets = res["delayed"]
+        assert all(close(g, e) for g, e in zip(steps, plain)) and not any(in_buckets)
+        mixed = mixed_oracle(torch.bfloat16)
+        assert "cpu backend doesn't support events" in res["torch", "mixed"]  # torch's needs CUDA streams
+        for impl in IMPLS[1:]:
+            got, seen, params, buffers = res[impl, "mixed"]
+            assert all(close(g, e) for g, e in zip(got, mixed)), impl
+            assert seen == (torch.bfloat16, torch.bfloat16) and params == [torch.float32] * 4
+            assert buffers == [torch.bfloat16, torch.int64]
