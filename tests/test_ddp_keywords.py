@@ -2,6 +2,7 @@
 the signature, buffers synced before every training forward (the first included), static_graph, mixed_precision,
 skip_all_reduce_unused_params, bucket_cap_mb_list, batched_grad_copy, device_mesh, delay_all_reduce_named_params
 and join's early-termination error -- each against torch's DDP over gloo in the same ranks, or a one-process oracle."""
+import functools
 import inspect
 import warnings
 
@@ -12,7 +13,7 @@ from torch import nn
 import fanfold
 from fanfold.distributed import TorchTransport, init_process_group, rank, world_size
 
-from _conformance import IMPLS, close, data, grads, oracle, shard, wrap
+from _conformance import IMPLS, Checkpointed, close, data, grads, oracle, shard, train, wrap
 
 
 def test_signature_is_torchs():
@@ -176,6 +177,15 @@ def _keywords():
     ddp = fanfold.DDP(model, delay_all_reduce_named_params=list(model.a.named_parameters(prefix="a")),
                       param_to_hook_all_reduce=model.out.weight, **FU)
     out["delayed"] = _branchy_steps(ddp, model, r, n, 2), [ddp.module.a.weight is p for p in ddp.reducer.params]
+    model = Checkpointed("middle")  # every parameter delayed: no bucket at all
+    ddp = fanfold.DDP(model, delay_all_reduce_named_params=list(model.named_parameters()),
+                      param_to_hook_all_reduce=model.c.weight)
+    out["all_delayed"] = train(ddp, model, 3, r, n), len(ddp.reducer.params)
+    for impl in IMPLS:  # torch's private switch, which its own error message recommends
+        model = Checkpointed("shared")
+        ddp = wrap(impl, model)
+        ddp._set_static_graph()
+        out[impl, "set_static"] = train(ddp, model, 3, r, n)
     for impl in IMPLS:  # mixed precision: bfloat16 compute, float32 reduction and master weights
         model = Mixed()
         cfg = _MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, buffer_dtype=torch.bfloat16)
@@ -227,6 +237,13 @@ def test_keywords_have_torchs_meaning():
         assert res["fanfold/shm", "caps"][1] == [2, 6]
         steps, in_buckets = res["delayed"]
         assert all(close(g, e) for g, e in zip(steps, plain)) and not any(in_buckets)
+        steps, bucketed = res["all_delayed"]
+        assert bucketed == 0 and len(steps) == 3
+        assert all(close(g, e) for g, e in zip(steps, oracle(functools.partial(Checkpointed, "middle"), 3)))
+        shared = oracle(functools.partial(Checkpointed, "shared"), 3)
+        for impl in IMPLS:
+            assert len(res[impl, "set_static"]) == 3, res[impl, "set_static"]
+            assert all(close(g, e) for g, e in zip(res[impl, "set_static"], shared)), impl
         mixed = mixed_oracle(torch.bfloat16)
         assert "cpu backend doesn't support events" in res["torch", "mixed"]  # torch's needs CUDA streams
         for impl in IMPLS[1:]:

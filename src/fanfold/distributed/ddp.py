@@ -1,8 +1,7 @@
 """DistributedDataParallel: one process per replica, gradients averaged by fanfold's bucketed reducer.
 
 Top of ``env <- buckets <- reducer <- ddp``; torch's keywords are checked in ``ddp_options.py``, mixed precision
-lives in ``mixed_precision.py``. Construction checks that every rank holds the same model (a fixed-size digest
-exchange first, the details only on a mismatch, so a wrong model fails in seconds instead of hanging a broadcast),
+lives in ``mixed_precision.py``. Construction checks that every rank holds the same model (``model_check.py``),
 broadcasts parameters and buffers from rank 0 and hooks the reducer onto the parameters. As in torch, each training
 forward first re-syncs the buffers from rank 0 (the first forward included; not after a forward under ``no_sync()``
 or without grad), in place without bumping autograd's version counters, so a second forward before the backward
@@ -24,9 +23,8 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from .._tree import flatten
-from .._utils import normalize_device
-from .ddp_options import no_trainable_parameters, resolve_options, sparse_flags
+from .._tree import flatten, unflatten
+from .ddp_options import check_devices, no_trainable_parameters, resolve_options, sparse_flags
 from .join import BACKWARD, FORWARD, JoinState
 from .mixed_precision import MixedPrecision
 from .model_check import broadcast_tensors, check_same_model
@@ -79,7 +77,7 @@ class DistributedDataParallel(nn.Module):
                                f"requires a gradient ({type(module).__name__} has none): there is nothing to average")
         self.module = module
         self.dim = dim
-        self.device_ids, self.output_device = self._check_devices(module, device_ids, output_device)
+        self.device_ids, self.output_device = check_devices(module, device_ids, output_device)
         self._options = options
         self.process_group = options.process_group
         self.forward_sync_buffers = options.forward_sync_buffers
@@ -113,20 +111,6 @@ class DistributedDataParallel(nn.Module):
         self.forward_sync_buffers = value
 
     # ---- construction ---------------------------------------------------------------------------------------
-    @staticmethod
-    def _check_devices(module: nn.Module, device_ids: list | None, output_device: Any) -> tuple:
-        if device_ids is None:
-            return None, None
-        if not isinstance(device_ids, (list, tuple)) or len(device_ids) != 1:
-            raise ValueError(f"device_ids must be None or one device (this process's), got {device_ids!r}: "
-                             "DistributedDataParallel runs one process per device")
-        dev = normalize_device(device_ids[0])
-        wrong = [n for n, p in module.named_parameters() if normalize_device(p.device) != dev]
-        if wrong:
-            raise ValueError(f"device_ids={device_ids!r} but parameter {wrong[0]!r} is on another device: move the "
-                             f"module to {dev} before wrapping it")
-        return [dev], normalize_device(output_device) if output_device is not None else dev
-
     def _build_reducer(self) -> None:
         o, params = self._options, dict(self.module.named_parameters())
         names = [n for n in params if n not in o.delayed]
@@ -204,6 +188,14 @@ class DistributedDataParallel(nn.Module):
             yield
         finally:
             self.require_backward_grad_sync = old
+
+    def _set_static_graph(self) -> None:
+        """torch's (private, widely used) way to ask for ``static_graph=True`` after construction."""
+        self._ensure_built()
+        if not self.static_graph and self.reducer.rebuilt:
+            raise RuntimeError("DistributedDataParallel._set_static_graph() must be called before the first "
+                               "synchronised backward (the first iteration is the one that is observed)")
+        self.static_graph = self._options.static_graph = self.reducer.readiness.static = True
 
     def register_comm_hook(self, state: Any, hook: Callable) -> None:
         """Reduce each bucket with ``hook(state, bucket) -> future`` (see ``comm_hooks``)."""
@@ -287,15 +279,8 @@ class DistributedDataParallel(nn.Module):
 
 
 def _to_device(obj: Any, device: torch.device) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=True)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_to_device(x, device) for x in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_device(x, device) for x in obj)
-    if isinstance(obj, dict):
-        return {k: _to_device(v, device) for k, v in obj.items()}
-    return obj
+    leaves, spec = flatten(obj)
+    return unflatten(spec, [x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x for _, x in leaves])
 
 
 DDP = DistributedDataParallel

@@ -13,9 +13,10 @@ from typing import Any, Sequence
 
 from torch import nn
 
+from .._utils import normalize_device
 from .buckets import bucket_cap_list, bucket_caps
 
-__all__ = ["DDPOptions", "resolve_options", "sparse_flags", "no_trainable_parameters"]
+__all__ = ["DDPOptions", "resolve_options", "check_devices", "sparse_flags", "no_trainable_parameters"]
 
 
 @dataclass
@@ -127,6 +128,21 @@ def resolve_options(
         batched_copy=_flag("batched_grad_copy", batched_grad_copy),
         delayed=_delayed(module, delay_all_reduce_named_params, param_to_hook_all_reduce),
     )
+
+
+def check_devices(module: nn.Module, device_ids: list | None, output_device: Any) -> tuple:
+    """(device_ids, output_device): None for both, or this process's one device where every parameter is."""
+    if device_ids is None:
+        return None, None
+    if not isinstance(device_ids, (list, tuple)) or len(device_ids) != 1:
+        raise ValueError(f"device_ids must be None or one device (this process's), got {device_ids!r}: "
+                         "DistributedDataParallel runs one process per device")
+    dev = normalize_device(device_ids[0])
+    wrong = [n for n, p in module.named_parameters() if normalize_device(p.device) != dev]
+    if wrong:
+        raise ValueError(f"device_ids={device_ids!r} but parameter {wrong[0]!r} is on another device: move the "
+                         f"module to {dev} before wrapping it")
+    return [dev], normalize_device(output_device) if output_device is not None else dev
 
 
 def sparse_flags(module: nn.Module, names: Sequence[str]) -> list[bool]:

@@ -40,7 +40,7 @@ def _remove_handles(handles: list) -> None:
     handles.clear()
 
 
-def _hook(ref: weakref.ref, i: int) -> Callable[[torch.Tensor], None]:
+def _hook(ref: weakref.ref, i: int | None) -> Callable[[torch.Tensor], None]:
     # A weak reference: the parameters must not keep a discarded reducer (and its hooks) alive.
     def hook(param: torch.Tensor) -> None:
         reducer = ref()
@@ -51,12 +51,9 @@ def _hook(ref: weakref.ref, i: int) -> Callable[[torch.Tensor], None]:
 
 
 class Reducer(BucketPaths):
-    """Bucketed, overlapped gradient averaging for ``params`` (those requiring grad) over ``transport``.
-
-    ``caps``: bytes per bucket (the k-th bucket of each dtype takes ``caps[k]``, the last one after);
-    ``sparse[i]``: parameter i gets sparse gradients; ``reduce_dtype``: the buckets' dtype (mixed precision);
-    ``delayed``: parameters averaged in one all-reduce at the end of backward, outside the buckets.
-    """
+    """Bucketed, overlapped gradient averaging for ``params`` (those requiring grad) over ``transport``. ``caps``:
+    bytes per bucket (k-th bucket of a dtype: ``caps[k]``, the last after); ``sparse[i]``: parameter i's gradients are
+    sparse; ``reduce_dtype``: the buckets' dtype; ``delayed``: averaged at the end of backward, outside the buckets."""
 
     def __init__(
         self, params: Sequence[torch.nn.Parameter], names: Sequence[str], transport: Any, caps: Sequence[int],
@@ -88,7 +85,7 @@ class Reducer(BucketPaths):
         super().__init__(caps, reduce_dtype)
         self._reset()
         self._handles = [p.register_post_accumulate_grad_hook(_hook(weakref.ref(self), i))
-                         for i, p in enumerate(self.params)]
+                         for i, p in [*enumerate(self.params), *((None, p) for p in self.delayed)]]
         weakref.finalize(self, _remove_handles, self._handles)  # hooks leave with the reducer
 
     def _reset(self) -> None:
@@ -125,8 +122,10 @@ class Reducer(BucketPaths):
         self._queued = True
         torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
-    def _on_ready(self, i: int, p: torch.Tensor) -> None:
-        self._used[i] = True
+    def _on_ready(self, i: int | None, p: torch.Tensor) -> None:
+        """Parameter ``i``'s gradient hook (None: a delayed parameter's, which only says the backward reached it)."""
+        if i is not None:
+            self._used[i] = True
         self.backward_started()
         first, self._touched = not self._touched, True
         if not self.expect_sync or self._error is not None:
@@ -134,7 +133,7 @@ class Reducer(BucketPaths):
         try:
             if first:
                 self._first_hook()
-            if self.readiness.hook(i, loose=self._double):
+            if i is not None and self.readiness.hook(i, loose=self._double):
                 self._take(i, p)
         except Exception as exc:  # raised by the end of backward, once the peers have all their collectives
             self._fail(exc)
