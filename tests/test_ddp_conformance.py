@@ -6,7 +6,6 @@ import functools
 import gc
 import io
 
-import pytest
 import torch
 from torch import nn
 
@@ -209,6 +208,13 @@ def _pickling_and_hooks():
             out[impl, "group"] = None
         except RuntimeError as exc:
             out[impl, "group"] = str(exc)
+    for impl in IMPLS:  # a module without trainable parameters: refused, on every rank
+        for module in (nn.ReLU(), nn.Linear(2, 2).requires_grad_(False)):
+            try:
+                wrap(impl, module)
+                out[impl, "frozen", type(module).__name__] = None
+            except RuntimeError as exc:
+                out[impl, "frozen", type(module).__name__] = str(exc)
     for impl in IMPLS[1:]:  # the wrapper's hooks leave with it, after a step and with its output still alive
         model = Net()
         ddp = wrap(impl, model)
@@ -222,7 +228,7 @@ def _pickling_and_hooks():
     return out
 
 
-def test_pickle_deepcopy_and_hooks_like_torch():
+def test_pickle_deepcopy_hooks_and_frozen_modules_like_torch():
     r0, r1 = fanfold.launch(_pickling_and_hooks, nprocs=2, timeout=280)
     model = Net()
     for step in range(6):
@@ -238,13 +244,12 @@ def test_pickle_deepcopy_and_hooks_like_torch():
             assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(five, after_five)), impl
             assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(six, model.parameters())), impl
         assert "only supported when using DDP with the default process group" in r0[impl, "group"], impl
+    refusal = "DistributedDataParallel is not needed when a module doesn't have any parameter that requires a gradient"
+    for impl in IMPLS:
+        for res in (r0, r1):
+            assert refusal in res[impl, "frozen", "ReLU"] and refusal in res[impl, "frozen", "Linear"], impl
     for impl in IMPLS[1:]:
         before, after, alive = r0[impl, "hooks"]
         assert before == [1, 1, 1, 1] and after == [0, 0, 0, 0] and alive is None
 
 
-@pytest.mark.parametrize("module", [nn.ReLU(), nn.Linear(2, 2).requires_grad_(False)])
-def test_module_without_trainable_parameters_is_refused_like_torch(module):
-    with pytest.raises(RuntimeError, match="DistributedDataParallel is not needed when a module doesn't have any "
-                                           "parameter that requires a gradient"):
-        fanfold.DDP(module)

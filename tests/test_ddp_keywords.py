@@ -251,3 +251,49 @@ def test_keywords_have_torchs_meaning():
             assert all(close(g, e) for g, e in zip(got, mixed)), impl
             assert seen == (torch.bfloat16, torch.bfloat16) and params == [torch.float32] * 4
             assert buffers == [torch.bfloat16, torch.int64]
+
+
+COUNTS = (3, 1)  # batches per rank: rank 1 joins early and shadows rank 0's steps
+
+
+def _join_mirrors():
+    from _conformance import Embedder, sgd, tokens
+
+    init_process_group(timeout=60)
+    r, n = rank(), world_size()
+    out = {}
+    for impl in IMPLS[1:]:
+        for name, kw in (("sparse", {}), ("static", {"static_graph": True}), ("unused", FU),
+                         ("delayed", {"delay_all_reduce_named_params": "out", **FU})):
+            model = Embedder()
+            if name == "delayed":
+                kw = {**kw, "delay_all_reduce_named_params": list(model.out.named_parameters(prefix="out")),
+                      "param_to_hook_all_reduce": model.bag.weight}
+            ddp = wrap(impl, model, **kw)
+            with ddp.join():
+                for step in range(COUNTS[r]):
+                    x, y = tokens(step)
+                    model.zero_grad(set_to_none=True)
+                    ((ddp(shard(x, r, n), use_emb=name != "unused" or r == 0) - shard(y, r, n)) ** 2).mean().backward()
+                    sgd(model)
+            out[impl, name] = [p.detach().clone() for p in model.parameters()]
+    return out
+
+
+def test_join_mirrors_sparse_static_unused_and_delayed_reductions():
+    from _conformance import Embedder, sgd, tokens
+
+    r0, r1 = fanfold.launch(_join_mirrors, nprocs=2, timeout=280)
+    for name in ("sparse", "static", "unused", "delayed"):
+        model = Embedder()
+        for step in range(max(COUNTS)):
+            x, y = tokens(step)
+            model.zero_grad(set_to_none=True)
+            active = [k for k in range(2) if step < COUNTS[k]]  # divided by the initial world size, as torch
+            sum(((model(shard(x, k, 2), use_emb=name != "unused" or k == 0) - shard(y, k, 2)) ** 2).mean()
+                for k in active).div(2).backward()
+            sgd(model)
+        for impl in IMPLS[1:]:
+            for res in (r0, r1):
+                assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(res[impl, name], model.parameters())), \
+                    (impl, name)

@@ -72,9 +72,6 @@ class DistributedDataParallel(nn.Module):
             param_to_hook_all_reduce=param_to_hook_all_reduce,
             skip_all_reduce_unused_params=skip_all_reduce_unused_params, batched_grad_copy=batched_grad_copy,
             mixed_precision=mixed_precision)
-        if no_trainable_parameters(module, options.delayed):
-            raise RuntimeError(f"DistributedDataParallel is not needed when a module doesn't have any parameter that "
-                               f"requires a gradient ({type(module).__name__} has none): there is nothing to average")
         self.module = module
         self.dim = dim
         self.device_ids, self.output_device = check_devices(module, device_ids, output_device)
@@ -92,8 +89,12 @@ class DistributedDataParallel(nn.Module):
         self._join: JoinState | None = None
         # Every collective is numbered and its wait bounded by the stall inspector (stall.py).
         self.transport = inspected(resolve_transport(transport, self.process_group), stall_timeout)
-        if init_sync:
+        if init_sync:  # first, so that a model that differs between ranks is named as such on every rank
             check_same_model(self.transport, module)
+        if no_trainable_parameters(module, options.delayed):
+            raise RuntimeError(f"DistributedDataParallel is not needed when a module doesn't have any parameter that "
+                               f"requires a gradient ({type(module).__name__} has none): there is nothing to average")
+        if init_sync:
             tensors = list(module.parameters()) + (self._module_buffers() if options.init_sync_buffers else [])
             broadcast_tensors(self.transport, tensors, 0)
         if self._mp is not None:

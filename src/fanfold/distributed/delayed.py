@@ -15,13 +15,15 @@ __all__ = ["reduce_delayed"]
 
 
 def reduce_delayed(all_reduce: Callable[..., Any], params: Sequence[torch.Tensor], divisor: float,
-                   shadow: bool = False) -> Callable[[], None]:
-    """Start the all-reduce of ``params``' gradients (zeros for a missing one, or for all when ``shadow``); return
-    the function that waits and writes the averages into ``.grad`` (nothing when ``shadow``)."""
+                   shadow: bool = False, dtype: torch.dtype | None = None) -> Callable[[], None]:
+    """Start the all-reduce of ``params``' gradients in ``dtype`` (default: the first one's; zeros for a missing
+    one, or for all when ``shadow``); return the function that waits and writes the averages into ``.grad``
+    (nothing when ``shadow``)."""
     if not params:
         return lambda: None
-    flat = torch.cat([torch.zeros(p.numel(), dtype=p.dtype, device=p.device) if p.grad is None or shadow
-                      else p.grad.detach().reshape(-1) for p in params])
+    dtype = dtype or params[0].dtype
+    flat = torch.cat([torch.zeros(p.numel(), dtype=dtype, device=p.device) if p.grad is None or shadow
+                      else p.grad.detach().reshape(-1).to(dtype) for p in params])
     handle = all_reduce(flat, None, divisor)
 
     def write_back() -> None:
@@ -31,6 +33,6 @@ def reduce_delayed(all_reduce: Callable[..., Any], params: Sequence[torch.Tensor
             avg = flat[offset: offset + p.numel()].view_as(p)
             offset += p.numel()
             if not shadow:
-                p.grad = avg.clone() if p.grad is None else p.grad.detach().copy_(avg)
+                p.grad = avg.to(p.dtype, copy=True) if p.grad is None else p.grad.detach().copy_(avg)
 
     return write_back

@@ -130,21 +130,17 @@ class Reducer(BucketPaths):
         first, self._touched = not self._touched, True
         if not self.expect_sync or self._error is not None:
             return  # no_sync(), or a backward through the module outside DDP.forward: plain local accumulation
+        if first and self.on_first_ready is not None:
+            self.on_first_ready()  # join's announcement: before any bucket, so it may raise here
         try:
-            if first:
-                self._first_hook()
-            if i is not None and self.readiness.hook(i, loose=self._double):
+            r = self.readiness
+            for k in ([] if not first or r.counting or self._double else r.static_unused):
+                r.mark(k)  # a static graph's unused parameters are ready from the start
+                self._take(k, self.params[k])
+            if i is not None and r.hook(i, loose=self._double):
                 self._take(i, p)
         except Exception as exc:  # raised by the end of backward, once the peers have all their collectives
             self._fail(exc)
-
-    def _first_hook(self) -> None:
-        if self.on_first_ready is not None:
-            self.on_first_ready()  # join: the announcement precedes every bucket
-        r = self.readiness
-        for i in ([] if r.counting or self._double else r.static_unused):  # static graph: unused, so ready now
-            r.mark(i)
-            self._take(i, self.params[i])
 
     def _end_of_backward(self) -> None:
         self._queued = False
@@ -227,7 +223,7 @@ class Reducer(BucketPaths):
                     self._left[self._loc[i][0]] = 0
             self._launch_ready()
             used = self._used_everywhere(counting)
-            delayed = reduce_delayed(self.all_reduce, self.delayed, self.divisor, self._shadowing)
+            delayed = reduce_delayed(self.all_reduce, self.delayed, self.divisor, self._shadowing, self.reduce_dtype)
             sparse = {i: self._reduce_sparse(i) for i, s in enumerate(self.sparse) if s}
             self._wait_all()
             delayed()
@@ -260,7 +256,7 @@ class Reducer(BucketPaths):
     def _reduce_sparse(self, i: int) -> torch.Tensor:
         p = self.params[i]
         grad = p.grad if p.grad is not None and not self._shadowing else empty_sparse_like(p)
-        return all_reduce_sparse(self.transport, grad, self.divisor)
+        return all_reduce_sparse(self.transport, grad.to(self.reduce_dtype or grad.dtype), self.divisor)
 
     def _end_step(self) -> None:
         if not self.rebuilt:
@@ -283,7 +279,7 @@ class Reducer(BucketPaths):
                 self._launch(b)
             self._used = [False] * len(self.params)
             self._used_everywhere(counting)
-            delayed = reduce_delayed(self.all_reduce, self.delayed, self.divisor, self._shadowing)
+            delayed = reduce_delayed(self.all_reduce, self.delayed, self.divisor, self._shadowing, self.reduce_dtype)
             for i, s in enumerate(self.sparse):
                 if s:
                     self._reduce_sparse(i)
