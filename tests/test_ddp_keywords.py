@@ -206,6 +206,12 @@ def _keywords():
                 with torch.no_grad():
                     for p in model.parameters():
                         p.add_(p.grad, alpha=-0.1)
+            pending = ddp(shard(data(0)[0], r, n))
+            with torch.no_grad():  # evaluation between a forward and its backward: the copies stay until then
+                ddp(shard(data(0)[0], r, n))
+            pending.float().sum().backward()
+            with torch.no_grad():
+                ddp(shard(data(0)[0], r, n))  # and afterwards the masters are back
             out[impl, "mixed"] = (got, model.seen, [p.dtype for p in model.parameters()],
                                   [b.dtype for b in model.buffers()])
         except RuntimeError as exc:

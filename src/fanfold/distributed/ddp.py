@@ -162,7 +162,7 @@ class DistributedDataParallel(nn.Module):
         if grad and (sync or self._mp is not None):
             self._hook_outputs(out)
         elif self._mp is not None:
-            self._mp.restore()  # no backward can follow
+            self._mp.restore_unless_needed()  # no backward of this forward can follow
         return out
 
     def _hook_outputs(self, out: Any) -> None:

@@ -9,8 +9,8 @@ weights, and after a synchronised backward ``.grad`` is full precision too, read
 
 Differences from torch, where torch's own code leaves the model in low precision: the master weights come back at
 the end of *every* backward (under ``no_sync`` too, the gradient being kept in full precision between micro-steps,
-cast down again before the next forward as torch does), and after a forward run without grad. torch's version needs
-CUDA streams and events; this one runs on any device.
+cast down again before the next forward as torch does), and after a forward run without grad (unless the backward
+of an earlier forward is still to come). torch's version needs CUDA streams and events; this one runs on any device.
 """
 from __future__ import annotations
 
@@ -43,6 +43,7 @@ class MixedPrecision:
         self.buffer_dtype = _dtype(config, "buffer_dtype")
         self.module = module
         self._masters: list[tuple[nn.Parameter, torch.Tensor]] | None = None
+        self._graph = False  # a forward with grad ran on the copies: its backward needs them
 
     def cast_buffers(self) -> None:
         if self.buffer_dtype is None:
@@ -56,6 +57,7 @@ class MixedPrecision:
         second forward before the backward copies the same masters); an accumulated gradient is cast down too."""
         if self.param_dtype is None:
             return
+        self._graph = self._graph or torch.is_grad_enabled()
         if self._masters is None:
             self._masters = [(p, p.data) for p in self.module.parameters()]
         with torch.no_grad():
@@ -71,8 +73,15 @@ class MixedPrecision:
         return unflatten(spec, [x.to(self.param_dtype) if isinstance(x, torch.Tensor) and x.is_floating_point()
                                 else x for _, x in leaves])
 
+    def restore_unless_needed(self) -> None:
+        """After a forward without grad: the masters back, unless an earlier forward's backward still needs the
+        low-precision copies (its saved tensors are the parameters themselves)."""
+        if not self._graph:
+            self.restore()
+
     def restore(self) -> None:
         """The masters back; a low-precision gradient becomes full precision. Idempotent."""
+        self._graph = False
         if self._masters is None:
             return
         with torch.no_grad():
