@@ -171,13 +171,14 @@ class Mixed(nn.Module):
         super().__init__()
         torch.manual_seed(0)
         self.lin1, self.lin2 = nn.Linear(8, 8), nn.Linear(8, 4)
+        self.gain = nn.Parameter(torch.linspace(0.5, 1.5, 4))  # saved for backward as it is (a leaf)
         self.register_buffer("shift", torch.full((4,), 0.5))
         self.register_buffer("steps", torch.zeros((), dtype=torch.int64))
         self.seen = None
 
     def forward(self, x):
         self.seen = (self.lin1.weight.dtype, x.dtype)
-        return self.lin2(torch.tanh(self.lin1(x))) + self.shift
+        return self.lin2(torch.tanh(self.lin1(x))) * self.gain + self.shift
 
 
 def mixed_oracle(param_dtype: torch.dtype, world: int = 2) -> list:

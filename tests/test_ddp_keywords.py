@@ -206,14 +206,19 @@ def _keywords():
                 with torch.no_grad():
                     for p in model.parameters():
                         p.add_(p.grad, alpha=-0.1)
-            pending = ddp(shard(data(0)[0], r, n))
+            x = shard(data(0)[0], r, n)
+            model.zero_grad(set_to_none=True)
+            ddp(x).float().sum().backward()
+            alone = grads(model)
+            model.zero_grad(set_to_none=True)
+            pending = ddp(x)
             with torch.no_grad():  # evaluation between a forward and its backward: the copies stay until then
-                ddp(shard(data(0)[0], r, n))
+                ddp(x)
             pending.float().sum().backward()
             with torch.no_grad():
-                ddp(shard(data(0)[0], r, n))  # and afterwards the masters are back
+                ddp(x)  # and afterwards the masters are back
             out[impl, "mixed"] = (got, model.seen, [p.dtype for p in model.parameters()],
-                                  [b.dtype for b in model.buffers()])
+                                  [b.dtype for b in model.buffers()], close(alone, grads(model), atol=0))
         except RuntimeError as exc:
             out[impl, "mixed"] = str(exc)
     return out
@@ -253,9 +258,10 @@ def test_keywords_have_torchs_meaning():
         mixed = mixed_oracle(torch.bfloat16)
         assert "cpu backend doesn't support events" in res["torch", "mixed"]  # torch's needs CUDA streams
         for impl in IMPLS[1:]:
-            got, seen, params, buffers = res[impl, "mixed"]
+            got, seen, params, buffers, unchanged_by_eval = res[impl, "mixed"]
             assert all(close(g, e) for g, e in zip(got, mixed)), impl
-            assert seen == (torch.bfloat16, torch.bfloat16) and params == [torch.float32] * 4
+            assert unchanged_by_eval, impl  # an evaluation forward before or after the backward changes nothing
+            assert seen == (torch.bfloat16, torch.bfloat16) and params == [torch.float32] * 5
             assert buffers == [torch.bfloat16, torch.int64]
 
 

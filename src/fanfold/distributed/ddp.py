@@ -151,7 +151,8 @@ class DistributedDataParallel(nn.Module):
             # In place without a version bump, as torch does: a first forward's saved buffers stay usable.
             with torch.autograd._unsafe_preserve_version_counter(tuple(buffers)):
                 self._broadcast(buffers, src)
-        self.reducer.prepare_for_forward(sync)
+        if grad:  # as torch: a forward without grad leaves a pending backward's synchronisation alone
+            self.reducer.prepare_for_forward(sync)
         if self.device_ids and self.device_ids[0].type != "cpu":
             inputs, kwargs = _to_device((inputs, kwargs), self.device_ids[0])
         if self._mp is not None:

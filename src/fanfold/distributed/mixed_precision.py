@@ -54,16 +54,18 @@ class MixedPrecision:
 
     def cast_params(self) -> None:
         """Before a forward: every parameter's data becomes a low-precision copy of its master (kept once, so a
-        second forward before the backward copies the same masters); an accumulated gradient is cast down too."""
+        second forward before the backward copies the same masters); before one with grad, an accumulated gradient
+        is cast down too, as torch does, since the backward accumulates into it (one without grad leaves it)."""
         if self.param_dtype is None:
             return
-        self._graph = self._graph or torch.is_grad_enabled()
+        grad = torch.is_grad_enabled()
+        self._graph = self._graph or grad
         if self._masters is None:
             self._masters = [(p, p.data) for p in self.module.parameters()]
         with torch.no_grad():
             for p, master in self._masters:
                 p.data = master.to(self.param_dtype)
-                if p.grad is not None and p.grad.dtype != self.param_dtype:
+                if grad and p.grad is not None and p.grad.dtype != self.param_dtype:
                     p.grad = p.grad.to(self.param_dtype)
 
     def cast_inputs(self, inputs: Any) -> Any:
