@@ -1,7 +1,8 @@
 """fanfold.distributed: one process per replica on torch.distributed process groups.
 
-Layers: env (the torchrun contract) <- buckets <- reducer <- ddp; every collective of the reducer and of DDP goes
-through one transport object (transport.py: torch.distributed; shm.py over shm_engine.py and shm_segment.py: shared
+Layers: env (the torchrun contract) <- buckets <- reducer (readiness, bucket_layout, bucket_paths, sparse, delayed)
+<- ddp (ddp_options, mixed_precision, model_check); every collective of the reducer and of DDP goes through one
+transport object (transport.py: torch.distributed; shm.py over shm_engine.py and shm_segment.py: shared
 memory, chosen by shm_select.py), wrapped by the stall inspector (stall.py, progress.py); comm_hooks say how a bucket
 is reduced, join.py how ranks with fewer batches shadow the others; spawn starts local workers from Python.
 """
