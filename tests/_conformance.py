@@ -7,6 +7,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import fanfold
+from fanfold.distributed import TorchTransport
 
 GLOBAL = 8
 IMPLS = ("torch", "fanfold/torch", "fanfold/shm")  # torch's DDP; fanfold's over gloo and over shared memory
@@ -30,8 +31,12 @@ class Checkpointed(nn.Module):
         self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 4)
 
     def forward(self, x):
-        ck = lambda f, t: checkpoint(f, t, use_reentrant=True)
-        block = lambda t: torch.relu(self.b(t))
+        def ck(f, t):
+            return checkpoint(f, t, use_reentrant=True)
+
+        def block(t):
+            return torch.relu(self.b(t))
+
         h = torch.relu(self.a(x))
         if self.kind == "last":  # the checkpointed block is the last one: its backward runs first, nested
             return ck(lambda t: self.c(block(t)), h)
@@ -200,4 +205,54 @@ def mixed_oracle(param_dtype: torch.dtype, world: int = 2) -> list:
         with torch.no_grad():
             for n, p in masters.named_parameters():
                 p.add_(avg[n], alpha=-0.1)
+    return out
+
+
+class Scaled(nn.Module):
+    """A buffer saved for backward (``scale``) and one the forward updates in place (``seen``)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(8, 4)
+        self.register_buffer("scale", torch.ones(4))
+        self.register_buffer("seen", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.seen += 1
+        return self.lin(x) * self.scale
+
+
+class Recording(TorchTransport):
+    """The torch transport, recording the bucket label of each all-reduce."""
+
+    def __init__(self):
+        super().__init__()
+        self.buckets = []
+
+    def all_reduce(self, tensor, bucket=None):
+        if bucket is not None:
+            self.buckets.append(bucket)
+        return super().all_reduce(tensor, bucket)
+
+
+def branchy_steps(ddp, model, r, n, steps=2, use_b=None):
+    """Train a ``Branchy`` through ``ddp``; per step its gradients, or the error's text (and stop). ``use_b``:
+    "later" uses ``b`` from the second step on."""
+    out = []
+    for step in range(steps):
+        x, y = data(step)
+        model.zero_grad(set_to_none=True)
+        flag = (step > 0) if use_b == "later" else bool(use_b)
+        try:
+            ((ddp(shard(x, r, n), use_b=flag) - shard(y, r, n)) ** 2).mean().backward()
+        except RuntimeError as exc:
+            out.append(str(exc))
+            break
+        out.append(grads(model))
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-0.1)
     return out

@@ -11,9 +11,10 @@ import torch
 from torch import nn
 
 import fanfold
-from fanfold.distributed import TorchTransport, init_process_group, rank, world_size
+from fanfold.distributed import init_process_group, rank, world_size
 
-from _conformance import IMPLS, Checkpointed, close, data, grads, oracle, shard, train, wrap
+from _conformance import (IMPLS, Checkpointed, Recording, Scaled, branchy_steps, close, data, grads, oracle, shard,
+                          train, wrap)
 
 
 def test_signature_is_torchs():
@@ -37,22 +38,6 @@ def test_bad_keywords_are_refused_by_name(kwargs, error, match):
         kwargs["gradient_as_bucket_view"] = True
     with pytest.raises(error, match=match):
         fanfold.DDP(nn.Linear(2, 2), **kwargs)
-
-
-class Scaled(nn.Module):
-    """A buffer saved for backward (``scale``) and one the forward updates in place (``seen``)."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.lin = nn.Linear(8, 4)
-        self.register_buffer("scale", torch.ones(4))
-        self.register_buffer("seen", torch.zeros((), dtype=torch.int64))
-
-    def forward(self, x):
-        with torch.no_grad():
-            self.seen += 1
-        return self.lin(x) * self.scale
 
 
 def _buffers_and_join():
@@ -116,38 +101,6 @@ def test_buffers_sync_like_torch_and_join_raises_with_torchs_words():
 FU = {"find_unused_parameters": True}  # b and never go unused
 
 
-class Recording(TorchTransport):
-    """The torch transport, recording the bucket label of each all-reduce."""
-
-    def __init__(self):
-        super().__init__()
-        self.buckets = []
-
-    def all_reduce(self, tensor, bucket=None):
-        if bucket is not None:
-            self.buckets.append(bucket)
-        return super().all_reduce(tensor, bucket)
-
-
-def _branchy_steps(ddp, model, r, n, steps=2, use_b=None):
-    out = []
-    for step in range(steps):
-        x, y = data(step)
-        model.zero_grad(set_to_none=True)
-        flag = (step > 0) if use_b == "later" else bool(use_b)
-        try:
-            ((ddp(shard(x, r, n), use_b=flag) - shard(y, r, n)) ** 2).mean().backward()
-        except RuntimeError as exc:
-            out.append(str(exc))
-            break
-        out.append(grads(model))
-        with torch.no_grad():
-            for p in model.parameters():
-                if p.grad is not None:
-                    p.add_(p.grad, alpha=-0.1)
-    return out
-
-
 def _keywords():
     from _conformance import Branchy, Mixed
     from torch.distributed.device_mesh import init_device_mesh
@@ -170,13 +123,13 @@ def _keywords():
                 fanfold.DDP(model, transport=transport, **tiny, **kw)
             layout = [len(m) for m in ddp.reducer.buckets] if impl != "torch" else None
             names = {p: k for k, p in model.named_parameters()}
-            steps = _branchy_steps(ddp, model, r, n, 3, "later" if name == "static_change" else False)
+            steps = branchy_steps(ddp, model, r, n, 3, "later" if name == "static_change" else False)
             out[impl, name] = steps, layout, transport and sorted({
                 names[ddp.reducer.params[i]] for b in transport.buckets for i in ddp.reducer.buckets[b]})
     model = Branchy()  # delay_all_reduce_named_params: a's gradients in one all-reduce outside the buckets
     ddp = fanfold.DDP(model, delay_all_reduce_named_params=list(model.a.named_parameters(prefix="a")),
                       param_to_hook_all_reduce=model.out.weight, **FU)
-    out["delayed"] = _branchy_steps(ddp, model, r, n, 2), [ddp.module.a.weight is p for p in ddp.reducer.params]
+    out["delayed"] = branchy_steps(ddp, model, r, n, 2), [ddp.module.a.weight is p for p in ddp.reducer.params]
     model = Checkpointed("middle")  # every parameter delayed: no bucket at all
     ddp = fanfold.DDP(model, delay_all_reduce_named_params=list(model.named_parameters()),
                       param_to_hook_all_reduce=model.c.weight)
