@@ -92,8 +92,8 @@ def resolve_options(
         _flag("broadcast_buffers", broadcast_buffers)
         warnings.warn("DistributedDataParallel: `broadcast_buffers` is deprecated (torch 2.13); use "
                       "`forward_sync_buffers`. Unlike broadcast_buffers=False, forward_sync_buffers=False still syncs "
-                      "buffers at construction." + (" `broadcast_buffers` is ignored when `forward_sync_buffers` is "
-                                                    "given, as in torch." if forward_sync_buffers is not None else ""),
+                      "buffers at construction." + (" `forward_sync_buffers` takes precedence over it, as in torch."
+                                                    if forward_sync_buffers is not None else ""),
                       FutureWarning, stacklevel=3)
     if forward_sync_buffers is not None:
         forward, init = _flag("forward_sync_buffers", forward_sync_buffers), True
