@@ -6,13 +6,16 @@ gradients are expected to become ready -- reverse parameter order at first (back
 then the order actually observed in the first backward -- so that the first bucket fills early and its all-reduce
 overlaps the rest of backward. The first bucket is small (1 MiB) for the same reason; later ones are capped at
 ``bucket_cap_mb`` (25 MiB), a cap reached by adding the parameter that crosses it (a parameter larger than the cap
-gets a bucket of its own). The bucket list is ordered by when each bucket is expected to fill: the launch order.
+gets a bucket of its own). torch's ``bucket_cap_mb_list`` gives one cap per bucket instead (the k-th bucket of each
+(dtype, device) key takes the k-th cap, the last cap after the list runs out). The bucket list is ordered by when
+each bucket is expected to fill: the launch order.
 """
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
-__all__ = ["MiB", "DEFAULT_CAP_MB", "FIRST_CAP_MB", "assign_buckets", "rebuild_order", "bucket_caps"]
+__all__ = ["MiB", "DEFAULT_CAP_MB", "FIRST_CAP_MB", "assign_buckets", "rebuild_order", "bucket_caps",
+           "bucket_cap_list"]
 
 MiB = 1024 * 1024
 DEFAULT_CAP_MB = 25.0
@@ -31,31 +34,48 @@ def bucket_caps(bucket_cap_mb: float | None = None, first_bucket_cap_mb: float |
     return min(max(1, int(first_mb * MiB)), cap), cap
 
 
+def bucket_cap_list(bucket_cap_mb_list: Sequence[float]) -> list[int]:
+    """torch's ``bucket_cap_mb_list`` (one cap in MiB per bucket) in bytes."""
+    if isinstance(bucket_cap_mb_list, (str, bytes)) or not isinstance(bucket_cap_mb_list, Sequence) or \
+            not bucket_cap_mb_list:
+        raise ValueError(f"bucket_cap_mb_list must be a non-empty list of MiB figures, got {bucket_cap_mb_list!r}")
+    for mb in bucket_cap_mb_list:
+        if not isinstance(mb, (int, float)) or isinstance(mb, bool) or not mb > 0:
+            raise ValueError(f"bucket_cap_mb_list must hold positive numbers of MiB, got {bucket_cap_mb_list!r}")
+    return [max(1, int(mb * MiB)) for mb in bucket_cap_mb_list]
+
+
 def assign_buckets(
     nbytes: Sequence[int],
     keys: Sequence[Hashable],
     cap_bytes: int = int(DEFAULT_CAP_MB * MiB),
     first_cap_bytes: int = int(FIRST_CAP_MB * MiB),
     order: Sequence[int] | None = None,
+    caps: Sequence[int] | None = None,
 ) -> list[list[int]]:
     """Group parameter indices ``0..n-1`` into buckets.
 
     ``nbytes[i]`` is parameter i's gradient size in bytes, ``keys[i]`` its (dtype, device): buckets never mix keys.
     ``order`` is the expected gradient-ready order (default: reverse parameter order); each key's open bucket is
-    closed once it reaches its cap (``first_cap_bytes`` for the first bucket of each key, ``cap_bytes`` after).
+    closed once it reaches its cap (``first_cap_bytes`` for the first bucket of each key, ``cap_bytes`` after; or,
+    given ``caps``, ``caps[k]`` for the k-th bucket of each key and the last one after the list).
     Returns the buckets in launch order (by the position in ``order`` of each bucket's first member); within a
     bucket, indices follow ``order``.
     """
     n = len(nbytes)
     if len(keys) != n:
         raise ValueError(f"nbytes has {n} entries but keys has {len(keys)}")
+    if caps is not None:
+        caps = list(caps)
+        if not caps or min(caps) <= 0:
+            raise ValueError(f"caps must be a non-empty list of positive byte counts, got {caps}")
     if cap_bytes <= 0 or first_cap_bytes <= 0:
         raise ValueError(f"bucket caps must be positive, got cap_bytes={cap_bytes}, first_cap_bytes={first_cap_bytes}")
     order = list(range(n - 1, -1, -1)) if order is None else list(order)
     if sorted(order) != list(range(n)):
         raise ValueError(f"order must be a permutation of 0..{n - 1}, got {order}")
     open_: dict[Hashable, tuple[list[int], int]] = {}  # key -> (indices, bytes) of the bucket being filled
-    seen_keys: set = set()
+    closed: dict[Hashable, int] = {}  # key -> number of its buckets closed so far
     done: list[list[int]] = []
     for i in order:
         if nbytes[i] < 0:
@@ -63,10 +83,11 @@ def assign_buckets(
         members, size = open_.get(keys[i], ([], 0))
         members.append(i)
         size += nbytes[i]
-        cap = cap_bytes if keys[i] in seen_keys else first_cap_bytes
+        k = closed.get(keys[i], 0)
+        cap = caps[min(k, len(caps) - 1)] if caps is not None else cap_bytes if k else first_cap_bytes
         if size >= cap:
             done.append(members)
-            seen_keys.add(keys[i])
+            closed[keys[i]] = k + 1
             open_.pop(keys[i], None)
         else:
             open_[keys[i]] = (members, size)

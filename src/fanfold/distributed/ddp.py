@@ -1,18 +1,22 @@
 """DistributedDataParallel: one process per replica, gradients averaged by fanfold's bucketed reducer.
 
-Top of ``env <- buckets <- reducer <- ddp``. Construction checks that every rank holds the same model (a fixed-size
-digest exchange first, the details only on a mismatch, so a wrong model fails in seconds instead of hanging a
-broadcast), broadcasts parameters and buffers from rank 0 and hooks the reducer onto the parameters. Forward
-re-syncs buffers from rank 0 and tells the reducer whether the coming backward synchronises (not under
-``no_sync()``). ``join()`` lets ranks with fewer batches shadow the others (``join.py``). Every collective goes
-through the transport (``transport.py``): shared memory when every rank shares this host (``shm.py``), else
-torch.distributed, or anything with the same methods.
+Top of ``env <- buckets <- reducer <- ddp``; torch's keywords are checked in ``ddp_options.py``, mixed precision
+lives in ``mixed_precision.py``. Construction checks that every rank holds the same model (``model_check.py``),
+broadcasts parameters and buffers from rank 0 and hooks the reducer onto the parameters. As in torch, each training
+forward first re-syncs the buffers from rank 0 (the first forward included; not after a forward under ``no_sync()``
+or without grad), in place without bumping autograd's version counters, so a second forward before the backward
+(GANs, pytorch#22095) is safe; it then tells the reducer whether the coming backward synchronises and hooks the
+outputs, where the backward starts. ``join()`` lets ranks with fewer batches shadow the others (``join.py``). Every
+collective goes through the transport (``collectives``): shared memory when every rank shares this host
+(``shm``), else torch.distributed, or anything with the same methods.
+
+A DDP model can be pickled, deep-copied and saved whole (``torch.save``) as torch's can: the transport and the
+reducer are left out and built again, by every rank, at the copy's first forward. Discarding the wrapper removes
+its hooks from the parameters.
 """
 from __future__ import annotations
 
-import hashlib
-import json
-import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -20,31 +24,30 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._core.devices import normalize_device
+from .._core.tree import flatten, unflatten
 from ..collectives.select import resolve_transport
-from ..collectives.transport import all_gather_bytes, all_gather_rows
+from .ddp_options import check_devices, no_trainable_parameters, resolve_options, sparse_flags
 from .join import BACKWARD, FORWARD, JoinState
+from .mixed_precision import MixedPrecision
+from .model_check import broadcast_tensors, check_same_model
 from .reducer import Reducer
 from .stall import inspected
 
 __all__ = ["DistributedDataParallel", "DDP"]
 
-# torch's keywords that fanfold accepts but does not implement, with the value that means "off".
-_NOT_IMPLEMENTED = {
-    "static_graph": False, "delay_all_reduce_named_params": None, "param_to_hook_all_reduce": None,
-    "mixed_precision": None, "device_mesh": None, "skip_all_reduce_unused_params": False,
-    "bucket_cap_mb_list": None, "batched_grad_copy": False, "check_reduction": False,
-}
-_BROADCAST_BYTES = 64 * 1024 * 1024
+_PICKLE_GROUP = ("DDP Pickling/Unpickling are only supported when using DDP with the default process group. That "
+                 "is, when you have called init_process_group and have not passed process_group argument to DDP "
+                 "constructor")
 
 
 class DistributedDataParallel(nn.Module):
     """Wrap ``module`` (already on this process's device) for data-parallel training over a process group.
 
-    Takes torch's keywords (those not implemented warn and are ignored) plus ``transport`` ("torch", "shm" or a
-    transport object; default ``$FANFOLD_TRANSPORT``, else ``select_transport``: "shm" when every rank shares this
-    host and its CPU, "torch" otherwise), ``first_bucket_cap_mb`` (1 MiB) and ``stall_timeout`` (seconds a collective
-    may wait before ``StallError`` names the ranks that never arrived; default ``$FANFOLD_STALL_TIMEOUT`` or 300).
+    Takes every keyword of torch's DistributedDataParallel (2.13), each with torch's meaning or refused with an
+    error (``docs/ddp-compat.md``), plus ``transport`` ("torch", "shm" or a transport object; default
+    ``$FANFOLD_TRANSPORT``, else "shm" when every rank shares this host and its CPU, "torch" otherwise),
+    ``first_bucket_cap_mb`` (1 MiB) and ``stall_timeout`` (seconds a collective may wait before ``StallError``
+    names the ranks that never arrived; default ``$FANFOLD_STALL_TIMEOUT`` or 300).
     """
 
     def __init__(
@@ -60,107 +63,123 @@ class DistributedDataParallel(nn.Module):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
-        given = dict(static_graph=static_graph, delay_all_reduce_named_params=delay_all_reduce_named_params,
-                     param_to_hook_all_reduce=param_to_hook_all_reduce, mixed_precision=mixed_precision,
-                     device_mesh=device_mesh, skip_all_reduce_unused_params=skip_all_reduce_unused_params,
-                     bucket_cap_mb_list=bucket_cap_mb_list, batched_grad_copy=batched_grad_copy,
-                     check_reduction=check_reduction)
-        for name, value in given.items():
-            if value is not _NOT_IMPLEMENTED[name] and value != _NOT_IMPLEMENTED[name]:
-                warnings.warn(f"DistributedDataParallel: {name}={value!r} is not implemented by fanfold and is "
-                              "ignored", stacklevel=2)
+        options = resolve_options(
+            module, process_group=process_group, device_mesh=device_mesh, broadcast_buffers=broadcast_buffers,
+            forward_sync_buffers=forward_sync_buffers, bucket_cap_mb=bucket_cap_mb,
+            first_bucket_cap_mb=first_bucket_cap_mb, bucket_cap_mb_list=bucket_cap_mb_list,
+            find_unused_parameters=find_unused_parameters, check_reduction=check_reduction,
+            gradient_as_bucket_view=gradient_as_bucket_view, static_graph=static_graph,
+            delay_all_reduce_named_params=delay_all_reduce_named_params,
+            param_to_hook_all_reduce=param_to_hook_all_reduce,
+            skip_all_reduce_unused_params=skip_all_reduce_unused_params, batched_grad_copy=batched_grad_copy,
+            mixed_precision=mixed_precision)
         self.module = module
         self.dim = dim
-        self.device_ids, self.output_device = self._check_devices(module, device_ids, output_device)
-        self.broadcast_buffers = bool(forward_sync_buffers if forward_sync_buffers is not None
-                                      else broadcast_buffers if broadcast_buffers is not None else True)
-        self.find_unused_parameters = bool(find_unused_parameters)
-        self.gradient_as_bucket_view = bool(gradient_as_bucket_view)
+        self.device_ids, self.output_device = check_devices(module, device_ids, output_device)
+        self._options = options
+        self.process_group = options.process_group
+        self.forward_sync_buffers = options.forward_sync_buffers
+        self.find_unused_parameters = options.find_unused
+        self.gradient_as_bucket_view = options.as_view
+        self.static_graph = options.static_graph
+        self.mixed_precision = mixed_precision
         self.require_backward_grad_sync = True
-        self.process_group = process_group
-        # Every collective is numbered and its wait bounded by the stall inspector (stall.py).
-        self.transport = inspected(resolve_transport(transport, process_group), stall_timeout)
-        named = list(module.named_parameters())
-        self._check_same_model(module)
-        if init_sync:
-            self._broadcast([p for _, p in named] + self._module_buffers(), 0)
-        self.reducer = Reducer([p for _, p in named], [n for n, _ in named], self.transport, bucket_cap_mb,
-                               first_bucket_cap_mb, find_unused_parameters, gradient_as_bucket_view)
+        self.require_forward_param_sync = True  # torch's: buffers are synced before the next forward
+        self._transport_arg, self._stall_timeout, self._comm_hook = transport, stall_timeout, None
+        self._mp = MixedPrecision(mixed_precision, module) if mixed_precision is not None else None
         self._join: JoinState | None = None
+        # Every collective is numbered and its wait bounded by the stall inspector (stall.py).
+        self.transport = inspected(resolve_transport(transport, self.process_group), stall_timeout)
+        if init_sync:  # first, so that a model that differs between ranks is named as such on every rank
+            check_same_model(self.transport, module)
+        if no_trainable_parameters(module, options.delayed):
+            raise RuntimeError(f"DistributedDataParallel is not needed when a module doesn't have any parameter that "
+                               f"requires a gradient ({type(module).__name__} has none): there is nothing to average")
+        if init_sync:
+            tensors = list(module.parameters()) + (self._module_buffers() if options.init_sync_buffers else [])
+            broadcast_tensors(self.transport, tensors, 0)
+        if self._mp is not None:
+            self._mp.cast_buffers()
+        self.reducer: Reducer | None = None
+        self._build_reducer()
+
+    @property
+    def broadcast_buffers(self) -> bool:
+        """torch's older name of ``forward_sync_buffers``."""
+        return self.forward_sync_buffers
+
+    @broadcast_buffers.setter
+    def broadcast_buffers(self, value: bool) -> None:
+        self.forward_sync_buffers = value
 
     # ---- construction ---------------------------------------------------------------------------------------
-    @staticmethod
-    def _check_devices(module: nn.Module, device_ids: list | None, output_device: Any) -> tuple:
-        if device_ids is None:
-            return None, None
-        if not isinstance(device_ids, (list, tuple)) or len(device_ids) != 1:
-            raise ValueError(f"device_ids must be None or one device (this process's), got {device_ids!r}: "
-                             "DistributedDataParallel runs one process per device")
-        dev = normalize_device(device_ids[0])
-        wrong = [n for n, p in module.named_parameters() if normalize_device(p.device) != dev]
-        if wrong:
-            raise ValueError(f"device_ids={device_ids!r} but parameter {wrong[0]!r} is on another device: move the "
-                             f"module to {dev} before wrapping it")
-        return [dev], normalize_device(output_device) if output_device is not None else dev
+    def _build_reducer(self) -> None:
+        o, params = self._options, dict(self.module.named_parameters())
+        names = [n for n in params if n not in o.delayed]
+        self.reducer = Reducer(
+            [params[n] for n in names], names, self.transport, o.caps, o.find_unused, o.as_view,
+            static_graph=o.static_graph, sparse=sparse_flags(self.module, names),
+            reduce_dtype=self._mp.reduce_dtype if self._mp is not None else None, batched_copy=o.batched_copy,
+            skip_unused=o.skip_unused, delayed=[params[n] for n in o.delayed])
+        if self._comm_hook is not None:
+            self.reducer.set_comm_hook(*self._comm_hook)
+        if self._mp is not None:
+            self.reducer.params_back = self._mp.restore
 
-    def _check_same_model(self, module: nn.Module) -> None:
-        """Fail on every rank, naming the first differing parameter and the ranks, when the models differ."""
-        t = self.transport
-        entries = [f"parameter {n!r} shape {tuple(p.shape)} {p.dtype} requires_grad={p.requires_grad}"
-                   for n, p in module.named_parameters()]
-        entries += [f"buffer {n!r} shape {tuple(b.shape)} {b.dtype}" for n, b in module.named_buffers()]
-        digest = hashlib.sha256("\n".join(entries).encode()).digest()[:16]
-        rows = all_gather_rows(t, torch.tensor(list(digest), dtype=torch.float32))
-        differ = [r for r in range(t.world_size) if not torch.equal(rows[r], rows[0])]
-        if not differ:
-            return
-        lists = [json.loads(b) for b in all_gather_bytes(t, json.dumps(entries).encode())]
-        r = differ[0]
-        k = next((k for k, (a, b) in enumerate(zip(lists[0], lists[r])) if a != b), min(len(lists[0]), len(lists[r])))
-        mine = lists[0][k] if k < len(lists[0]) else "nothing (its model ends there)"
-        theirs = lists[r][k] if k < len(lists[r]) else "nothing (its model ends there)"
-        raise RuntimeError(
-            f"DistributedDataParallel (rank {t.rank}): the model differs between ranks {[0] + differ}: at entry {k} "
-            f"rank 0 has {mine} but rank {r} has {theirs}. Every rank must build the same model (same code, "
-            "arguments and checkpoint) before wrapping it."
-        )
-
-    def _broadcast(self, tensors: list[torch.Tensor], src: int) -> None:
-        """Broadcast ``tensors`` in place from ``src``: flat tensors of one (dtype, device) and at most 64 MiB,
-        so that a large model is not copied whole."""
-        groups: dict[tuple, list[list[torch.Tensor]]] = {}
-        for tensor in tensors:
-            chunks = groups.setdefault((tensor.dtype, tensor.device), [[]])
-            if chunks[-1] and sum(x.numel() * x.element_size() for x in chunks[-1]) >= _BROADCAST_BYTES:
-                chunks.append([])
-            chunks[-1].append(tensor)
-        with torch.no_grad():
-            for chunk in (c for chunks in groups.values() for c in chunks):
-                flat = torch.cat([x.reshape(-1) for x in chunk])
-                self.transport.broadcast(flat, src)
-                offset = 0
-                for x in chunk:
-                    x.copy_(flat[offset: offset + x.numel()].view_as(x))
-                    offset += x.numel()
+    def _ensure_built(self) -> None:
+        """After unpickling: the transport and the reducer, built by every rank at the copy's first forward."""
+        if self.reducer is None:
+            self.transport = inspected(resolve_transport(self._transport_arg, self.process_group),
+                                       self._stall_timeout)
+            self._build_reducer()
 
     def _module_buffers(self) -> list[torch.Tensor]:
         return list(self.module.buffers())  # looked up each time: .to() or load_state_dict(assign=True) replace them
 
+    def _broadcast(self, tensors: list[torch.Tensor], src: int) -> None:
+        broadcast_tensors(self.transport, tensors, src)
+
     # ---- training step --------------------------------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        # Buffers are re-synced at the first forward after a backward only: a second forward before the backward
-        # (GANs) must not write in place into buffers that the first forward saved for backward (pytorch#22095).
-        buffers = self._module_buffers() if self.broadcast_buffers and self.reducer.backward_seen else []
+        self._ensure_built()
+        grad = torch.is_grad_enabled()
+        sync = grad and self.require_backward_grad_sync
+        buffers = self._module_buffers() if self.forward_sync_buffers and self.require_forward_param_sync else []
         src = 0
         if self._join is not None:
             _, src = self._join.announce(FORWARD, bool(buffers))
         if buffers:
-            self._broadcast(buffers, src)
-        self.reducer.backward_seen = False
-        self.reducer.prepare_for_forward(torch.is_grad_enabled() and self.require_backward_grad_sync)
+            # In place without a version bump, as torch does: a first forward's saved buffers stay usable.
+            with torch.autograd._unsafe_preserve_version_counter(tuple(buffers)):
+                self._broadcast(buffers, src)
+        if grad:  # as torch: a forward without grad leaves a pending backward's synchronisation alone
+            self.reducer.prepare_for_forward(sync)
         if self.device_ids and self.device_ids[0].type != "cpu":
             inputs, kwargs = _to_device((inputs, kwargs), self.device_ids[0])
-        return self.module(*inputs, **kwargs)
+        if self._mp is not None:
+            self._mp.cast_params()
+            inputs, kwargs = self._mp.cast_inputs((inputs, kwargs))
+        out = self.module(*inputs, **kwargs)
+        self.require_forward_param_sync = sync
+        if grad and (sync or self._mp is not None):
+            self._hook_outputs(out)
+        elif self._mp is not None:
+            self._mp.restore_unless_needed()  # no backward of this forward can follow
+        return out
+
+    def _hook_outputs(self, out: Any) -> None:
+        """The backward starts where it reaches an output: the end-of-backward callbacks are queued there, in the
+        outermost autograd pass (a weak reference: outputs kept by the user must not keep the wrapper alive)."""
+        ref = weakref.ref(self.reducer)
+
+        def started(grad: torch.Tensor) -> None:
+            reducer = ref()
+            if reducer is not None:
+                reducer.backward_started()
+
+        for _, t in flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.grad_fn is not None:
+                t.register_hook(started)
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -173,9 +192,19 @@ class DistributedDataParallel(nn.Module):
         finally:
             self.require_backward_grad_sync = old
 
+    def _set_static_graph(self) -> None:
+        """torch's (private, widely used) way to ask for ``static_graph=True`` after construction."""
+        self._ensure_built()
+        if not self.static_graph and self.reducer.rebuilt:
+            raise RuntimeError("DistributedDataParallel._set_static_graph() must be called before the first "
+                               "synchronised backward (the first iteration is the one that is observed)")
+        self.static_graph = self._options.static_graph = self.reducer.readiness.static = True
+
     def register_comm_hook(self, state: Any, hook: Callable) -> None:
         """Reduce each bucket with ``hook(state, bucket) -> future`` (see ``comm_hooks``)."""
+        self._ensure_built()
         self.reducer.set_comm_hook(state, hook)
+        self._comm_hook = (state, hook)
 
     @contextmanager
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
@@ -187,6 +216,10 @@ class DistributedDataParallel(nn.Module):
             return
         if self._join is not None:
             raise RuntimeError("DistributedDataParallel.join() contexts cannot be nested")
+        if self._options.skip_unused:
+            raise NotImplementedError("DistributedDataParallel.join() with skip_all_reduce_unused_params=True: a rank "
+                                      "that has joined cannot tell which buckets the others skip")
+        self._ensure_built()
         state = JoinState(self.transport, divide_by_initial_world_size, throw_on_early_termination)
         self._join = state
 
@@ -205,8 +238,9 @@ class DistributedDataParallel(nn.Module):
             yield
             self._join = None
             self.reducer.on_first_ready = None
+            buffers = self._module_buffers() if self.forward_sync_buffers else []
             src = state.shadow(lambda s: self._broadcast(self._module_buffers(), s), shadow_backward)
-            self._broadcast(list(self.module.parameters()) + self._module_buffers(), src)
+            self._broadcast(list(self.module.parameters()) + buffers, src)
         finally:
             self._join = None
             self.reducer.on_first_ready = None
@@ -223,6 +257,21 @@ class DistributedDataParallel(nn.Module):
             state_dict = {k[len("module."):]: v for k, v in state_dict.items()}
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
+    def __getstate__(self) -> dict:
+        if self.process_group is not None:
+            raise RuntimeError(_PICKLE_GROUP)
+        if self._transport_arg is not None and not isinstance(self._transport_arg, str):
+            raise RuntimeError(f"DistributedDataParallel can be pickled only with a transport named by a string "
+                               f"('torch', 'shm') or chosen by default, not the object {self._transport_arg!r}")
+        state = super().__getstate__()
+        state.update(transport=None, reducer=None, _join=None, _mp=None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        if self.mixed_precision is not None:
+            self._mp = MixedPrecision(self.mixed_precision, self.module)
+
     def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)
@@ -233,15 +282,8 @@ class DistributedDataParallel(nn.Module):
 
 
 def _to_device(obj: Any, device: torch.device) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=True)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_to_device(x, device) for x in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_device(x, device) for x in obj)
-    if isinstance(obj, dict):
-        return {k: _to_device(v, device) for k, v in obj.items()}
-    return obj
+    leaves, spec = flatten(obj)
+    return unflatten(spec, [x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x for _, x in leaves])
 
 
 DDP = DistributedDataParallel

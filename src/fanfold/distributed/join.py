@@ -7,6 +7,10 @@ one slot per rank saying who is active. A rank that leaves the context early ann
 reads each announcement and issues the collectives that follow with zero gradients (its *shadow*), so the active
 ranks never wait on it. When an announcement sums to zero every rank has joined: the parameters and buffers of the
 lowest rank among the last active ones are broadcast, so that every rank ends with the same model.
+
+With ``throw_on_early_termination=True`` every rank raises at the first step some rank lacks, with torch's words:
+"Detected at least one rank that exhausted inputs. Throwing across all ranks." on the ranks still training, "Rank
+R exhausted all inputs." on a rank that ran out -- each followed by fanfold's account naming the ranks.
 """
 from __future__ import annotations
 
@@ -52,8 +56,9 @@ class JoinState:
         if self.throw and alive < self.transport.world_size:
             gone = sorted(set(range(self.transport.world_size)) - set(self.last_active))
             raise RuntimeError(
-                f"DistributedDataParallel.join(throw_on_early_termination=True): rank(s) {gone} ran out of inputs "
-                f"while rank {self.transport.rank} still has some"
+                "Detected at least one rank that exhausted inputs. Throwing across all ranks. "
+                f"(DistributedDataParallel.join(throw_on_early_termination=True): rank(s) {gone} ran out of inputs "
+                f"while rank {self.transport.rank} still has some)"
             )
         return alive, min(self.last_active)
 
@@ -66,8 +71,9 @@ class JoinState:
                 return min(self.last_active) if self.last_active else 0
             if self.throw:
                 raise RuntimeError(
-                    f"DistributedDataParallel.join(throw_on_early_termination=True): rank {self.transport.rank} ran "
-                    f"out of inputs while rank(s) {self.last_active} still have some"
+                    f"Rank {self.transport.rank} exhausted all inputs. (DistributedDataParallel.join("
+                    f"throw_on_early_termination=True): rank {self.transport.rank} ran out of inputs while rank(s) "
+                    f"{self.last_active} still have some)"
                 )
             if flag[_FWD] > 0 and flag[_BUFS] > 0:
                 sync_buffers(min(self.last_active))

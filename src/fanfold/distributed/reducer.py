@@ -1,312 +1,296 @@
 """The gradient reducer: per-parameter hooks fill flat buckets, each bucket's all-reduce starts as soon as it is
 full, and the end of backward waits, averages and writes the gradients back.
 
-Third layer of ``env <- buckets <- reducer <- ddp``; every collective goes through a transport (``transport.py``).
+Layers: ``buckets <- readiness, bucket_layout <- bucket_paths <- reducer <- ddp``; every collective goes through a
+transport (``collectives``), sparse gradients through ``sparse.py``. Collectives match by issue order, so buckets
+are launched strictly in bucket order on every rank: a bucket that fills early waits for those before it.
 
-Ordering is the whole game across ranks: collectives match by issue order, so buckets are launched strictly in
-bucket order on every rank -- a bucket that fills early waits until all buckets before it have been launched.
-After the first synchronised backward the buckets are rebuilt from the order in which gradients actually became
-ready, and rank 0's order is broadcast so that every rank builds the same buckets.
-
-The end of backward (a callback queued on the autograd engine by the first hook of a backward) launches what is
-left, waits for every bucket in order and writes the averaged gradients back -- unless the transport already wrote
-them into ``.grad`` (the default hook, ``.grad`` not a bucket view, the shm transport: ``reduce_tensors`` sums the
-``.grad`` tensors where they are, without filling the bucket at all; else ``reduce_into``). A parameter
-that got no gradient either contributes zeros (``find_unused_parameters=True``; a bitmap all-reduce tells whether
-some rank used it, and a parameter no rank used keeps ``grad=None`` as in one process) or makes every bucket still
-launch before a RuntimeError names it, so the peers are not left waiting on a collective that never comes.
+The end of backward is a callback queued where the backward reaches DDP's outputs (hooks set by
+``DistributedDataParallel.forward``): it runs when the outermost backward ends, not at the end of a reentrant one
+nested in it (``checkpoint(..., use_reentrant=True)``). It launches what is left, reduces the sparse gradients and
+the delayed parameters, waits for every bucket in order and writes the averages back. Nothing raises in the middle
+of a backward: an error found in a hook (a parameter ready twice, a static graph that changed) or at the end (a
+parameter without gradient) is raised there once every collective of the step is issued, so no peer is left
+waiting. A parameter without gradient contributes zeros (``find_unused_parameters=True``, a static graph: a bitmap
+all-reduce tells whether some rank used it; one no rank used keeps ``grad=None``) or is named by that error.
+``backward(create_graph=True)``: the average stays differentiable in this rank's own gradient (the identity), and
+the next backward -- a gradient penalty -- is averaged too: both give the one-process gradients.
 """
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from ..collectives.transport import issue_all_reduce
-from .buckets import assign_buckets, bucket_caps, rebuild_order
-from .comm_hooks import GradBucket, allreduce_hook, bf16_compress_hook, fp16_compress_hook
+from .bucket_paths import BucketPaths
+from .comm_hooks import allreduce_hook
+from .delayed import reduce_delayed
+from .readiness import Readiness, unused_message
+from .sparse import all_reduce_sparse, empty_sparse_like
 
 __all__ = ["Reducer"]
 
-# The hooks whose result the reducer can have a transport compute straight into .grad: hook -> compression dtype
-_BUILT_IN = {allreduce_hook: None, bf16_compress_hook: torch.bfloat16, fp16_compress_hook: torch.float16}
+
+def _remove_handles(handles: list) -> None:
+    for h in handles:
+        h.remove()
+    handles.clear()
 
 
-class Reducer:
-    """Bucketed, overlapped gradient averaging for ``params`` (those requiring grad) over ``transport``."""
+def _hook(ref: weakref.ref, i: int | None) -> Callable[[torch.Tensor], None]:
+    # A weak reference: the parameters must not keep a discarded reducer (and its hooks) alive.
+    def hook(param: torch.Tensor) -> None:
+        reducer = ref()
+        if reducer is not None:
+            reducer._on_ready(i, param)
+
+    return hook
+
+
+class Reducer(BucketPaths):
+    """Bucketed, overlapped gradient averaging for ``params`` (those requiring grad) over ``transport``. ``caps``:
+    bytes per bucket (k-th bucket of a dtype: ``caps[k]``, the last after); ``sparse[i]``: parameter i's gradients are
+    sparse; ``reduce_dtype``: the buckets' dtype; ``delayed``: averaged at the end of backward, outside the buckets."""
 
     def __init__(
-        self,
-        params: Sequence[torch.nn.Parameter],
-        names: Sequence[str],
-        transport: Any,
-        bucket_cap_mb: float | None = None,
-        first_bucket_cap_mb: float | None = None,
-        find_unused_parameters: bool = False,
-        gradient_as_bucket_view: bool = False,
+        self, params: Sequence[torch.nn.Parameter], names: Sequence[str], transport: Any, caps: Sequence[int],
+        find_unused_parameters: bool = False, gradient_as_bucket_view: bool = False, *, static_graph: bool = False,
+        sparse: Sequence[bool] | None = None, reduce_dtype: torch.dtype | None = None, batched_copy: bool = False,
+        skip_unused: bool = False, delayed: Sequence[torch.nn.Parameter] = (),
     ):
-        pairs = [(p, n) for p, n in zip(params, names) if p.requires_grad]
-        self.params = [p for p, _ in pairs]
-        self._fp32 = all(p.dtype == torch.float32 for p in self.params)  # what the compressing transports take
-        self.names = [n for _, n in pairs]
+        keep = [k for k, p in enumerate(params) if p.requires_grad]
+        self.params = [params[k] for k in keep]
+        self.names = [names[k] for k in keep]
+        self.sparse = [bool(sparse[k]) if sparse is not None else False for k in keep]
+        self.delayed = [p for p in delayed if p.requires_grad]
         self.transport = transport
         self.all_reduce = functools.partial(issue_all_reduce, transport)  # every all-reduce of the reducer
-        self.first_cap, self.cap = bucket_caps(bucket_cap_mb, first_bucket_cap_mb)
-        self.find_unused = bool(find_unused_parameters)
-        self.as_view = bool(gradient_as_bucket_view)
+        self.find_unused, self.as_view = bool(find_unused_parameters), bool(gradient_as_bucket_view)
+        self.batched, self.skip_unused = bool(batched_copy), bool(skip_unused)
         self.divisor = transport.world_size
-        self.hook: Callable = allreduce_hook
-        self.hook_state: Any = None
+        self.hook, self.hook_state = allreduce_hook, None  # torch's comm hook (comm_hooks.py) and its state
         self.expect_sync = False  # set by DDP.forward when the backward of this forward must synchronise
-        self.backward_seen = False  # a hook fired since DDP last looked (buffers may be re-synced safely)
         self.on_first_ready: Callable[[], None] | None = None  # DDP's join announcement, before any bucket launch
-        self.rebuilt = False
-        self._shadowing = False
+        self.params_back: Callable[[], None] | None = None  # mixed precision: masters back after each backward
+        self.readiness = Readiness(self.names, transport.rank, static_graph)
         self.last_ready_order: list[int] = []
+        self._static_used: list[float] | None = None  # static graph: which parameters some rank used, once
+        self._shadowing = False
+        self._double = False  # this backward differentiates the gradients of a create_graph one: averaged too
         self._used = [False] * len(self.params)  # got a gradient since the last synchronisation (no_sync included)
-        self._choose_path()
-        self._build(None)
+        self._device = (self.params or self.delayed or [torch.zeros(0)])[0].device
+        super().__init__(caps, reduce_dtype)
         self._reset()
-        self._handles = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.params)]
-
-    # ---- bucket layout -------------------------------------------------------------------------------------
-    def _build(self, order: list[int] | None) -> None:
-        ps = self.params
-        groups = assign_buckets([p.numel() * p.element_size() for p in ps], [(p.dtype, p.device) for p in ps],
-                                self.cap, self.first_cap, order)
-        old_views = getattr(self, "_views", None)
-        self.buckets, self.flats, self._views, self._loc = groups, [], [None] * len(ps), [None] * len(ps)
-        self._workspaces: dict[tuple, torch.Tensor] = {}
-        for b, members in enumerate(groups):
-            flat = self._bucket_memory(sum(ps[i].numel() for i in members), ps[members[0]].dtype,
-                                       ps[members[0]].device)
-            offset = 0
-            for i in members:
-                n = ps[i].numel()
-                self._views[i] = flat[offset: offset + n].view(ps[i].shape)
-                self._loc[i] = (b, offset, n)
-                offset += n
-            self.flats.append(flat)
-        if self.as_view and old_views is not None:
-            for i, p in enumerate(ps):  # keep .grad a view into the (new) bucket
-                if p.grad is not None and p.grad is old_views[i]:
-                    self._views[i].copy_(p.grad)
-                    p.grad = self._views[i]
-
-    def _bucket_memory(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        # A transport that offers memory its peers can read (ShmTransport.allocate) all-reduces a bucket there
-        # in place, without copying it into its own buffers. Taken once, for the buckets rebuilt after the first
-        # backward, as every rank rebuilds the same buckets at the same point (allocate is collective).
-        take = self.rebuilt and device.type == "cpu" and not self._direct  # direct: buckets never hold data
-        allocate = getattr(self.transport, "allocate", None) if take else None
-        flat = allocate(numel, dtype) if callable(allocate) else None
-        return flat if flat is not None else torch.zeros(numel, dtype=dtype, device=device)
-
-    def _workspace(self, b: int, dtype: torch.dtype) -> torch.Tensor:
-        """Bucket ``b``'s scratch tensor of ``dtype`` (a compression hook's narrow copy), kept across steps. Every
-        rank's hooks ask for the same ones in bucket order, so taking it from the transport stays collective."""
-        key = (b, dtype)
-        if key not in self._workspaces:
-            flat = self.flats[b]
-            self._workspaces[key] = self._bucket_memory(flat.numel(), dtype, flat.device)
-        return self._workspaces[key]
-
-    def _choose_path(self) -> None:
-        # Settings only (hook, gradient_as_bucket_view, dtypes, transport), so the same on every rank; decided here
-        # once rather than in every parameter's hook. _direct: the built-in hooks on a transport that all-reduces
-        # the gradients where autograd left them (ShmTransport reading its peers' memory): no copy into the bucket
-        # at all; the compression hooks' bits come from rounding where the values are read. _into: the default
-        # hook on a transport that writes a bucket's average straight into .grad.
-        t, hook, fp32 = self.transport, self.hook, self._fp32
-        self._direct = hook in _BUILT_IN and not self.as_view and (_BUILT_IN[hook] is None or fp32) and \
-            bool(getattr(t, "supports_reduce_tensors", False))
-        self._into = hook is allreduce_hook and not self.as_view and bool(getattr(t, "supports_reduce_into", False))
+        self._handles = [p.register_post_accumulate_grad_hook(_hook(weakref.ref(self), i))
+                         for i, p in [*enumerate(self.params), *((None, p) for p in self.delayed)]]
+        weakref.finalize(self, _remove_handles, self._handles)  # hooks leave with the reducer
 
     def _reset(self) -> None:
         self._temps: dict[int, torch.Tensor] = {}  # reduce_into's outputs for parameters without a usable .grad
-        self._ready = [False] * len(self.params)
-        self._order: list[int] = []
+        self._graph_grads: dict[int, torch.Tensor] = {}  # create_graph: this rank's differentiable gradients
+        self._pending: set[int] = set()  # batched_grad_copy: ready, not yet copied into its bucket
+        self.readiness.reset()
         self._left = [len(m) for m in self.buckets]
         self._next = 0
         self._futures: list[Any] = [None] * len(self.buckets)
-        self._queued = False
+        self._queued = False  # the end-of-backward callback is queued
+        self._touched = False  # a parameter's gradient hook fired in this backward
+        self._error: BaseException | None = None
+
+    @property
+    def _order(self) -> list[int]:
+        return self.readiness.order
 
     def prepare_for_forward(self, sync: bool) -> None:
         """Called by DDP.forward: whether the coming backward synchronises. A backward that raised midway never
         ran its end-of-backward callback; its half-filled state is dropped here so the next one starts clean."""
-        if self._queued:
+        if self._queued or self._touched:
             self._reset()
-        self.expect_sync = sync and bool(self.params)
+        self._double = False
+        self.expect_sync = sync and bool(self.params or self.delayed)
 
     # ---- during backward -----------------------------------------------------------------------------------
-    def _make_hook(self, i: int) -> Callable[[torch.Tensor], None]:
-        def hook(param: torch.Tensor) -> None:
-            self._on_ready(i, param)
-
-        return hook
-
-    def _on_ready(self, i: int, p: torch.Tensor) -> None:
-        self.backward_seen = True
-        self._used[i] = True
-        if not self.expect_sync:
-            return  # no_sync(), or a backward through the module outside DDP.forward: plain local accumulation
-        if not self._queued:
-            self._queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
-            if self.on_first_ready is not None:
-                self.on_first_ready()
-        if self._ready[i]:
+    def backward_started(self) -> None:
+        """The backward reached DDP's outputs (or, failing that, a parameter): the end-of-backward callback is
+        queued in this autograd pass -- the outermost one, where the outputs are, not a reentrant one nested in it.
+        A pass that reaches no parameter (``torch.autograd.grad`` to the inputs) ends without any collective."""
+        if self._queued or not (self.expect_sync or self.params_back is not None):
             return
+        self._queued = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _on_ready(self, i: int | None, p: torch.Tensor) -> None:
+        """Parameter ``i``'s gradient hook (None: a delayed parameter's, which only says the backward reached it)."""
+        if i is not None:
+            self._used[i] = True
+        self.backward_started()
+        first, self._touched = not self._touched, True
+        if not self.expect_sync or self._error is not None:
+            return  # no_sync(), or a backward through the module outside DDP.forward: plain local accumulation
+        if first and self.on_first_ready is not None:
+            self.on_first_ready()  # join's announcement: before any bucket, so it may raise here
+        try:
+            r = self.readiness
+            for k in ([] if not first or r.counting or self._double else r.static_unused):
+                r.mark(k)  # a static graph's unused parameters are ready from the start
+                self._take(k, self.params[k])
+            if i is not None and r.hook(i, loose=self._double):
+                self._take(i, p)
+        except Exception as exc:  # raised by the end of backward, once the peers have all their collectives
+            self._fail(exc)
+
+    def _end_of_backward(self) -> None:
+        self._queued = False
+        if not self._touched:
+            return  # no parameter reached: a later backward of the same forward still synchronises
+        self._touched = False
+        try:
+            if self.expect_sync:
+                self._finalize()
+        finally:
+            if self.params_back is not None:
+                self.params_back()
+
+    def _take(self, i: int, p: torch.Tensor) -> None:
+        """Parameter ``i``'s gradient is final for this backward: its share of the bucket."""
+        self._own_grad(i, p)
+        if self.sparse[i]:
+            return  # reduced at the end of backward
         if not self._direct:
-            self._copy_in(i, p)
-        self._ready[i] = True
-        self._order.append(i)
+            if self.batched:
+                self._pending.add(i)
+            else:
+                self._copy_in(i, p)
         b = self._loc[i][0]
         self._left[b] -= 1
         if self._left[b] == 0:
             self._launch_ready()
 
-    def _copy_in(self, i: int, p: torch.Tensor) -> None:
-        view = self._views[i]
-        if p.grad is None:
-            view.zero_()
-        elif p.grad is not view:
-            view.copy_(p.grad)
-            if self.as_view:
-                p.grad = view  # from now on autograd accumulates straight into the bucket
+    def _own_grad(self, i: int, p: torch.Tensor) -> None:
+        g = p.grad
+        if g is None:
+            return
+        if g.requires_grad:  # create_graph: reduce a plain copy, keep the differentiable one for the write-back
+            self._graph_grads[i] = g
+            p.grad = g = g.detach().clone()
+        if g.is_sparse != self.sparse[i]:
+            kind = "a sparse" if g.is_sparse else "a dense"
+            self._fail(RuntimeError(
+                f"DistributedDataParallel (rank {self.transport.rank}): parameter {self.names[i]!r} got {kind} "
+                "gradient, but only the weight of an nn.Embedding or nn.EmbeddingBag built with sparse=True is "
+                "reduced as sparse (and always is): use one for sparse gradients, or sparse=False."))
+            p.grad = g.to_dense() if g.is_sparse else g.to_sparse(1)
+
+    def _fail(self, exc: BaseException) -> None:
+        self._error = self._error or exc
 
     def _launch_ready(self) -> None:
         while self._next < len(self.buckets) and self._left[self._next] == 0:
-            self._launch(self._next)
+            if not self._skipped(self._next):
+                self._launch(self._next)
             self._next += 1
 
-    def _grads(self, b: int, fresh: Callable[[torch.Tensor, Any], torch.Tensor]) -> list[torch.Tensor]:
-        """Bucket ``b``'s .grad tensors where a transport can work on them in place (contiguous, the bucket's dtype,
-        CPU, not a bucket view); else ``fresh(view, grad)``, a temporary that _finalize hands back."""
-        out = []
-        for i in self.buckets[b]:
-            g, view = None if self._shadowing else self.params[i].grad, self._views[i]  # joined: its .grad stays
-            if g is None or g is view or not g.is_contiguous() or g.dtype != view.dtype or g.device.type != "cpu":
-                g = self._temps[i] = fresh(view, g)
-            out.append(g)
-        return out
-
-    def _launch(self, b: int) -> None:
-        # The same choice of path on every rank: it depends on settings only, never on this rank's gradients.
-        if self._direct:
-            # Each .grad is all-reduced where it is (a parameter without one contributes zeros). Only the last
-            # bucket waits for the peers to finish reading this rank's gradients: every earlier bucket's readers
-            # are done by then, and nothing changes a gradient before the end of backward.
-            tensors = self._grads(b, lambda v, g: torch.zeros_like(v) if g is None else torch.empty_like(v).copy_(g))
-            narrow = _BUILT_IN[self.hook]
-            self._futures[b] = self.transport.reduce_tensors(tensors, bucket=b, divisor=self.divisor,
-                                                             settle=b == len(self.buckets) - 1,
-                                                             **({} if narrow is None else {"compress": narrow}))
-        elif self._into:  # the bucket (copied in) is averaged straight into .grad: nothing copied out at the end
-            outs = self._grads(b, lambda v, g: torch.empty_like(v))
-            self._futures[b] = self.transport.reduce_into(self.flats[b], outs, bucket=b, divisor=self.divisor)
-        else:
-            members = self.buckets[b]
-            bucket = GradBucket(b, self.flats[b], [self.params[i] for i in members],
-                                [self._views[i] for i in members], b == len(self.buckets) - 1, self.divisor,
-                                self.all_reduce, self._workspace)
-            self._futures[b] = self.hook(self.hook_state, bucket)
+    def _skipped(self, b: int) -> bool:
+        # skip_all_reduce_unused_params (torch's contract: the same unused parameters on every rank): a bucket none
+        # of whose parameters got a gradient is not reduced; a static graph knows it from the first iteration.
+        if not self.skip_unused or self._shadowing or self._double:
+            return False
+        unused = set(self.readiness.static_unused) if self.readiness.static else \
+            {i for i, u in enumerate(self._used) if not u} if self.find_unused else set()
+        return all(i in unused for i in self.buckets[b])
 
     # ---- end of backward ------------------------------------------------------------------------------------
     def _finalize(self) -> None:
-        self.last_ready_order = list(self._order)  # this rank's, for inspection; rank 0's decides the rebuild
-        missing = [i for i, r in enumerate(self._ready) if not r]
-        for i in missing:  # contribute what the parameter holds (no_sync accumulation) or zeros
-            if not self._direct:
-                self._copy_in(i, self.params[i])
-            self._left[self._loc[i][0]] = 0
-        self._launch_ready()
-        if missing and not self.find_unused:
-            self._wait_all()  # peers must not wait for buckets this rank never launched
+        r, double, arm = self.readiness, self._double, bool(self._graph_grads)
+        counting = r.counting and not double
+        self.last_ready_order = list(r.order)  # this rank's, for inspection; rank 0's decides the rebuild
+        if counting:
+            r.learn()
+        missing = [i for i, ready in enumerate(r.ready) if not ready]
+        if r.short() and not double:
+            self._fail(RuntimeError(r.changed_message(r.short())))
+        elif missing and not (self.find_unused or r.static or double):
+            self._fail(RuntimeError(unused_message(self.transport.rank, [self.names[i] for i in missing])))
+        try:
+            for i in missing:  # contribute what the parameter holds (no_sync accumulation) or zeros
+                self._own_grad(i, self.params[i])
+                if not self.sparse[i]:
+                    if not self._direct:
+                        self._copy_in(i, self.params[i])
+                    self._left[self._loc[i][0]] = 0
+            self._launch_ready()
+            used = self._used_everywhere(counting)
+            delayed = reduce_delayed(self.all_reduce, self.delayed, self.divisor, self._shadowing, self.reduce_dtype)
+            sparse = {i: self._reduce_sparse(i) for i, s in enumerate(self.sparse) if s}
+            self._wait_all()
+            delayed()
+            if self.params_back is not None:
+                self.params_back()
+            if self._error is None:
+                self._write_back(used, sparse)
+        finally:
+            error = self._error
             self._end_step()
-            raise RuntimeError(self._unused_message(missing))
-        used = None
-        if self.find_unused:
-            used = torch.tensor(self._used, dtype=torch.float32, device=self.flats[0].device)
-            self.all_reduce(used).wait()
-            used = used.tolist()
-        self._wait_all()
-        into = self._into or self._direct
-        for i, p in enumerate(self.params):
-            if used is not None and used[i] == 0:
-                continue  # no rank used it: leave .grad as a single process would (None)
-            view, temp = self._views[i], self._temps.get(i)
-            if into:  # .grad holds the average already, unless it had none usable: then a fresh tensor does
-                if temp is not None:
-                    p.grad = temp if p.grad is None else p.grad.copy_(temp)
-            elif self.as_view:
-                p.grad = view
-            else:
-                p.grad = view.clone() if p.grad is None else p.grad.copy_(view)
-        self._end_step()
+        # create_graph: the backward of these gradients (a gradient penalty) is averaged too, as the one-process
+        # gradient of the averaged gradient requires; a new forward cancels it
+        self.expect_sync = self._double = arm and error is None
+        if error is not None:
+            raise error
+
+    def _used_everywhere(self, counting: bool) -> list[float] | None:
+        """Per parameter, how many ranks used it since the last synchronisation (None: all used, not asked)."""
+        if self.readiness.static and not counting and not self._double:
+            return self._static_used
+        if not (self.find_unused or counting or self._double):
+            return None
+        used = torch.tensor(self._used, dtype=torch.float32, device=self._device)
+        self.all_reduce(used).wait()
+        used = used.tolist()
+        if counting:
+            self._static_used = used
+        return used
+
+    def _reduce_sparse(self, i: int) -> torch.Tensor:
+        p = self.params[i]
+        grad = p.grad if p.grad is not None and not self._shadowing else empty_sparse_like(p)
+        return all_reduce_sparse(self.transport, grad.to(self.reduce_dtype or grad.dtype), self.divisor)
 
     def _end_step(self) -> None:
         if not self.rebuilt:
-            self._rebuild()
+            self._rebuild(self.readiness.order)
         self._used = [False] * len(self.params)
         self._reset()
         self.expect_sync = False
-
-    def _wait_all(self) -> None:
-        for b, fut in enumerate(self._futures):
-            result = fut.wait()
-            if self._direct:
-                continue  # the results are in .grad (or the temporaries) already
-            if isinstance(result, (list, tuple)):  # a torch future of a c10d work yields [tensor]
-                result = result[0]
-            if isinstance(result, torch.Tensor) and result is not self.flats[b]:
-                self.flats[b].copy_(result.reshape(-1))
-
-    def _rebuild(self) -> None:
-        """Adopt rank 0's observed gradient-ready order, once, so that every rank builds the same buckets."""
-        order = torch.tensor(rebuild_order(self._order, len(self.params)), dtype=torch.float32)
-        self.transport.broadcast(order, 0)
-        self.rebuilt = True
-        new = [int(i) for i in order.tolist()]
-        if new != [i for members in self.buckets for i in members] or callable(getattr(self.transport, "allocate",
-                                                                                           None)):
-            self._build(new)
-
-    def _unused_message(self, missing: list[int]) -> str:
-        names = [self.names[i] for i in missing]
-        shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
-        return (f"DistributedDataParallel (rank {self.transport.rank}): {len(names)} parameter(s) got no gradient in "
-                f"this backward: {shown}. Every parameter that requires grad must take part in the loss on every "
-                "rank, or pass find_unused_parameters=True to DistributedDataParallel (or set requires_grad=False on "
-                "parameters you never train).")
 
     # ---- join: mirror a step this rank does not take ---------------------------------------------------------
     def shadow_backward(self) -> None:
         """Issue the collectives of one synchronised backward with zero gradients (a rank that has joined)."""
         for flat in self.flats:
             flat.zero_()
+        counting = self.readiness.counting
+        if counting:
+            self.readiness.learn()
         self._shadowing = True
         try:
             for b in range(len(self.buckets)):
                 self._launch(b)
+            self._used = [False] * len(self.params)
+            self._used_everywhere(counting)
+            delayed = reduce_delayed(self.all_reduce, self.delayed, self.divisor, self._shadowing, self.reduce_dtype)
+            for i, s in enumerate(self.sparse):
+                if s:
+                    self._reduce_sparse(i)
+            self._wait_all()
+            delayed()
         finally:
             self._shadowing = False
-        if self.find_unused:
-            self.all_reduce(torch.zeros(len(self.params), dtype=torch.float32, device=self.flats[0].device)).wait()
-        self._wait_all()
         if not self.rebuilt:
-            self._rebuild()
+            self._rebuild(self.readiness.order)
         self._reset()
 
-    def set_comm_hook(self, state: Any, hook: Callable) -> None:
-        if not callable(hook):
-            raise TypeError(f"hook must be callable as hook(state, bucket), got {hook!r}")
-        self.hook, self.hook_state = hook, state
-        self._choose_path()
-
     def remove_hooks(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
+        _remove_handles(self._handles)

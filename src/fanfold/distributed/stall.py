@@ -1,6 +1,6 @@
 """Stall inspector: every fanfold collective is numbered, every wait is bounded, and a stall names its cause.
 
-Layer: between a transport (``transport.py``, ``shm.py``) and its users (reducer, DDP). ``InspectedTransport(inner)``
+Layer: between a transport (``collectives``, ``shm``) and its users (reducer, DDP). ``InspectedTransport(inner)``
 has the transport interface (``all_reduce``, ``broadcast``, ``barrier``) and forwards to ``inner``. Each collective
 gets the next sequence number; each rank keeps its progress (the last collective started and the ones still in
 flight: number, kind, bucket, the user's source line that triggered it; pid and host) in one key of the process

@@ -1,0 +1,134 @@
+"""How one bucket is reduced: straight from ``.grad`` (``reduce_tensors``), into ``.grad`` (``reduce_into``), or
+through the flat bucket and a comm hook; the wait that brings each result back, and its write into ``.grad``.
+
+Layers: ``bucket_layout <- bucket_paths <- reducer``; the transports are ``collectives`` and ``shm``, the hooks
+``comm_hooks.py``. The path is chosen from settings only (hook, ``gradient_as_bucket_view``, dtypes, transport),
+so it is the same on every rank, and once per change of those settings rather than in every parameter's hook.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .bucket_layout import BucketLayout
+from .comm_hooks import GradBucket, allreduce_hook, bf16_compress_hook, fp16_compress_hook
+
+__all__ = ["BucketPaths", "BUILT_IN"]
+
+# The hooks whose result the reducer can have a transport compute straight into .grad: hook -> compression dtype
+BUILT_IN = {allreduce_hook: None, bf16_compress_hook: torch.bfloat16, fp16_compress_hook: torch.float16}
+
+
+class BucketPaths(BucketLayout):
+    """The launch and the wait of each bucket; the per-step containers are reset by ``Reducer._reset``."""
+
+    hook: Callable
+    hook_state: Any
+    divisor: int
+    batched: bool
+    all_reduce: Callable[..., Any]
+    _shadowing: bool
+    _pending: set
+    _temps: dict
+    _futures: list
+    _graph_grads: dict
+
+    def _choose_path(self) -> None:
+        # _direct: the built-in hooks on a transport that all-reduces the gradients where autograd left them
+        # (ShmTransport reading its peers' memory): no copy into the bucket at all; the compression hooks' bits come
+        # from rounding where the values are read. _into: the default hook on a transport that writes a bucket's
+        # average straight into .grad. Neither under mixed precision, whose gradients change dtype on their way.
+        t, hook = self.transport, self.hook
+        fp32 = all(p.dtype == torch.float32 for p in self.params)  # what the compressing transports take
+        plain = not self.as_view and self.reduce_dtype is None
+        self._direct = plain and hook in BUILT_IN and (BUILT_IN[hook] is None or fp32) and \
+            bool(getattr(t, "supports_reduce_tensors", False))
+        self._into = plain and hook is allreduce_hook and bool(getattr(t, "supports_reduce_into", False))
+
+    def set_comm_hook(self, state: Any, hook: Callable) -> None:
+        if not callable(hook):
+            raise TypeError(f"hook must be callable as hook(state, bucket), got {hook!r}")
+        self.hook, self.hook_state = hook, state
+        self._choose_path()
+
+    def _copy_in(self, i: int, p: torch.Tensor) -> None:
+        self._pending.discard(i)
+        view = self._views[i]
+        if p.grad is None:
+            view.zero_()
+        elif p.grad is not view:
+            view.copy_(p.grad)
+            if self.as_view:
+                p.grad = view  # from now on autograd accumulates straight into the bucket
+
+    def _grads(self, b: int, fresh: Callable[[torch.Tensor, Any], torch.Tensor]) -> list[torch.Tensor]:
+        """Bucket ``b``'s .grad tensors where a transport can work on them in place (contiguous, the bucket's dtype,
+        CPU, not a bucket view); else ``fresh(view, grad)``, a temporary that the write-back hands back."""
+        out = []
+        for i in self.buckets[b]:
+            g, view = None if self._shadowing else self.params[i].grad, self._views[i]  # joined: its .grad stays
+            if g is None or g is view or not g.is_contiguous() or g.dtype != view.dtype or g.device.type != "cpu":
+                g = self._temps[i] = fresh(view, g)
+            out.append(g)
+        return out
+
+    def _launch(self, b: int) -> None:
+        if self._direct:
+            # Each .grad is all-reduced where it is (a parameter without one contributes zeros). Only the last
+            # bucket waits for the peers to finish reading this rank's gradients: every earlier bucket's readers
+            # are done by then, and nothing changes a gradient before the end of backward.
+            tensors = self._grads(b, lambda v, g: torch.zeros_like(v) if g is None else torch.empty_like(v).copy_(g))
+            narrow = BUILT_IN[self.hook]
+            self._futures[b] = self.transport.reduce_tensors(tensors, bucket=b, divisor=self.divisor,
+                                                             settle=b == len(self.buckets) - 1,
+                                                             **({} if narrow is None else {"compress": narrow}))
+            return
+        for i in [i for i in self.buckets[b] if i in self._pending]:
+            self._copy_in(i, self.params[i])  # batched_grad_copy: the bucket's copies, together
+        if self._into:  # the bucket (copied in) is averaged straight into .grad: nothing copied out at the end
+            outs = self._grads(b, lambda v, g: torch.empty_like(v))
+            self._futures[b] = self.transport.reduce_into(self.flats[b], outs, bucket=b, divisor=self.divisor)
+        else:
+            members = self.buckets[b]
+            bucket = GradBucket(b, self.flats[b], [self.params[i] for i in members],
+                                [self._views[i] for i in members], b == len(self.buckets) - 1, self.divisor,
+                                self.all_reduce, self._workspace)
+            self._futures[b] = self.hook(self.hook_state, bucket)
+
+    def _wait_all(self) -> None:
+        for b, fut in enumerate(self._futures):
+            if fut is None:
+                continue  # skipped (skip_all_reduce_unused_params)
+            result = fut.wait()
+            if self._direct:
+                continue  # the results are in .grad (or the temporaries) already
+            if isinstance(result, (list, tuple)):  # a torch future of a c10d work yields [tensor]
+                result = result[0]
+            if isinstance(result, torch.Tensor) and result is not self.flats[b]:
+                self.flats[b].copy_(result.reshape(-1))
+
+    def _write_back(self, used: list[float] | None, sparse: dict[int, torch.Tensor]) -> None:
+        """The averages into ``.grad``: ``used[i]`` ranks used parameter i (None: all); ``sparse``: the averaged
+        sparse gradients by parameter."""
+        into = self._into or self._direct
+        for i, p in enumerate(self.params):
+            if used is not None and used[i] == 0:
+                continue  # no rank used it: leave .grad as a single process would (None)
+            view, temp = self._views[i], self._temps.get(i)
+            if self.sparse[i]:
+                p.grad = sparse[i].to(p.dtype)
+            elif into:  # .grad holds the average already, unless it had none usable: then a fresh tensor does
+                if temp is not None:
+                    p.grad = temp if p.grad is None else p.grad.copy_(temp)
+            elif self.as_view:
+                p.grad = view
+            elif p.grad is None or p.grad.dtype != p.dtype:  # mixed precision: back to the parameter's dtype
+                p.grad = view.to(p.dtype, copy=True)
+            else:
+                p.grad.copy_(view)
+        with torch.enable_grad():
+            for i, g in self._graph_grads.items():  # differentiable in this rank's own gradient, value unchanged
+                p = self.params[i]
+                p.grad = (g - g.detach()) + p.grad

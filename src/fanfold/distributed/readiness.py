@@ -1,0 +1,106 @@
+"""Which parameters are ready in one synchronised backward: each once, or (``static_graph``) as often as in the first.
+
+Used by the reducer (``reducer.py``), below it in ``buckets <- readiness <- reducer <- ddp``; no collectives here.
+
+A parameter is *ready* when autograd has finished accumulating its gradient for this backward; its bucket can then
+be reduced. Normally every gradient hook makes its parameter ready, and a second hook for the same parameter in one
+backward is an error, as in torch ("Expected to mark a variable ready only once"): a parameter reached by several
+autograd passes -- a block checkpointed with ``use_reentrant=True`` and also used outside the checkpoint, or
+checkpointed twice -- would have its bucket reduced before its gradient is complete.
+
+With ``static_graph=True`` (torch's meaning: the same parameters take part, the same number of times, in every
+iteration) the first synchronised backward only counts the hooks of each parameter; the reducer reduces everything
+at its end. From then on a parameter is ready when its count is reached, parameters the first iteration never saw
+are unused for good, and a count that differs from the first iteration's is an error naming the parameter.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__ = ["Readiness", "marked_twice_message", "unused_message"]
+
+
+def marked_twice_message(rank: int, name: str) -> str:
+    return (f"DistributedDataParallel (rank {rank}): Expected to mark a variable ready only once: parameter {name!r} "
+            "has been marked as ready twice (it got a second gradient in this backward, after its bucket could "
+            "already be reduced). Typical causes: a block checkpointed with use_reentrant=True whose parameters are "
+            "also used outside it, or a block checkpointed twice; a parameter used outside forward. Pass "
+            "static_graph=True to DistributedDataParallel if the model uses the same parameters the same number of "
+            "times in every iteration, or checkpoint with use_reentrant=False.")
+
+
+def unused_message(rank: int, names: list[str]) -> str:
+    shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
+    return (f"DistributedDataParallel (rank {rank}): {len(names)} parameter(s) got no gradient in this backward: "
+            f"{shown}. Every parameter that requires grad must take part in the loss on every rank, or pass "
+            "find_unused_parameters=True to DistributedDataParallel (or set requires_grad=False on parameters you "
+            "never train).")
+
+
+class Readiness:
+    """Readiness of ``len(names)`` parameters across one synchronised backward."""
+
+    def __init__(self, names: Sequence[str], rank: int, static_graph: bool = False):
+        self.names, self.rank, self.static = list(names), rank, bool(static_graph)
+        self.expected: list[int] | None = None  # static_graph: hooks per parameter in the first iteration
+        self.reset()
+
+    def reset(self) -> None:
+        n = len(self.names)
+        self.ready = [False] * n
+        self.counts = [0] * n
+        self.order: list[int] = []
+
+    @property
+    def counting(self) -> bool:
+        """The first synchronised backward of a static graph: count, reduce nothing until its end."""
+        return self.static and self.expected is None
+
+    @property
+    def static_unused(self) -> list[int]:
+        """Parameters the first iteration of a static graph never reached (empty before it, or without one)."""
+        return [] if self.expected is None else [i for i, c in enumerate(self.expected) if c == 0]
+
+    def hook(self, i: int, loose: bool = False) -> bool:
+        """Parameter ``i``'s gradient hook fired: whether it became ready now. Raises RuntimeError when the hook is
+        one too many. ``loose``: once, whatever the static graph says (the backward of a create_graph backward)."""
+        self.counts[i] += 1
+        if self.counting and not loose:
+            if self.counts[i] == 1:
+                self.order.append(i)  # the first-seen order: what the buckets are rebuilt from
+            return False
+        if self.static and not loose:
+            if self.counts[i] > self.expected[i]:
+                raise RuntimeError(self._changed(i))
+            if self.counts[i] < self.expected[i]:
+                return False
+        if self.ready[i]:
+            raise RuntimeError(marked_twice_message(self.rank, self.names[i]))
+        self.mark(i)
+        return True
+
+    def mark(self, i: int) -> None:
+        self.ready[i] = True
+        self.order.append(i)
+
+    def learn(self) -> None:
+        """End of the first synchronised backward of a static graph: its counts become the expected ones."""
+        self.expected = list(self.counts)
+
+    def short(self) -> list[int]:
+        """Parameters that reached fewer hooks than the static graph expects (after its first iteration)."""
+        if self.expected is None or self.counting:
+            return []
+        return [i for i, (c, e) in enumerate(zip(self.counts, self.expected)) if 0 < e and c < e]
+
+    def changed_message(self, indices: list[int]) -> str:
+        return self._changed(indices[0], len(indices))
+
+    def _changed(self, i: int, how_many: int = 1) -> str:
+        more = f" (and {how_many - 1} more)" if how_many > 1 else ""
+        return (f"DistributedDataParallel (rank {self.rank}): static_graph=True but the training graph has changed "
+                f"in this iteration: parameter {self.names[i]!r}{more} got {self.counts[i]} gradient(s) where the "
+                f"first iteration gave it {self.expected[i]}. A parameter unused in the first iteration must stay "
+                "unused, and a used one must be used the same number of times (this is not compatible with "
+                "static_graph set to True); pass static_graph=False (with find_unused_parameters=True if some "
+                "parameters go unused).")
