@@ -26,6 +26,11 @@ def test_run_errors_name_what_the_user_typed(capsys, tmp_path):
         "fanfold run: error: --max-restarts must be >= 0, got -1")
     missing = str(tmp_path / "missing.py")
     assert _error(capsys, ["run", "-n", "1", missing]) == f"fanfold run: error: script not found: {missing!r}"
+    script = tmp_path / "s.py"
+    script.write_text("")
+    assert _error(capsys, ["run", "--nnodes", "2:1", str(script)]) == (
+        "fanfold run: error: --nnodes must satisfy 0 < MIN <= MAX, got '2:1'")
+    assert _error(capsys, ["run", "--nnodes", "2", str(script)]).endswith("pass --rdzv-endpoint as HOST:PORT")
 
 
 def test_version(capsys):

@@ -6,6 +6,7 @@ and every failed rank's traceback as it happens, instead of the one report at th
 from __future__ import annotations
 
 import argparse
+import re
 
 from ..launcher.agent import launch_script
 
@@ -50,4 +51,13 @@ def main(args: argparse.Namespace) -> int:
             rdzv_id=args.rdzv_id, max_restarts=args.max_restarts, module=args.module, verbose=args.verbose,
         )
     except ValueError as exc:
-        parser.error(str(exc))
+        parser.error(_as_flags(str(exc)))
+
+
+# launch_script's messages name its Python arguments; the command line names the flags the user typed.
+_FLAGS = {"nnodes": "--nnodes", "rdzv_endpoint": "--rdzv-endpoint", "rdzv_backend": "--rdzv-backend",
+          "node_rank": "--node-rank"}
+
+
+def _as_flags(message: str) -> str:
+    return re.sub(r"\b(" + "|".join(_FLAGS) + r")\b", lambda m: _FLAGS[m.group(1)], message)
