@@ -27,7 +27,7 @@ from datetime import timedelta
 
 from torch.distributed.elastic.rendezvous.api import RendezvousHandler, RendezvousInfo, RendezvousStoreInfo
 
-from .spawn import LOOPBACK, loopback_interface, loopback_store
+from .loopback import LOOPBACK, loopback_interface, loopback_store
 
 __all__ = ["launch_script", "default_nproc_per_node", "threads_per_worker", "format_failure"]
 
