@@ -11,6 +11,7 @@ from .scatter_gather import gather, scatter, scatter_kwargs
 from .replicate import replicate
 from .parallel_apply import WorkerPool, parallel_apply
 from .data_parallel import DataParallel, data_parallel, unwrap
+from .nn import SyncBatchNorm, revert_sync_batchnorm
 
 __version__ = "0.1.0"
 
@@ -34,4 +35,6 @@ __all__ = [
     "latest",
     "CheckpointError",
     "data",
+    "SyncBatchNorm",
+    "revert_sync_batchnorm",
 ]

@@ -15,7 +15,8 @@ so a subclass can swap one step. Beyond torch:
 
 What a forward with several replicas keeps (as in torch): replicas are discarded after the forward, so attributes
 they set are lost, and buffer updates are kept from the first replica on the module's device only: BatchNorm's
-running statistics end up updated from the first chunk of the batch. Parameters are shared (same device) or copied
+running statistics end up updated from the first chunk of the batch (``fanfold.SyncBatchNorm``'s replicas share
+their statistics, so theirs are the whole batch's). Parameters are shared (same device) or copied
 differentiably, so gradients always reach the original module. With one device the module itself runs.
 
 Layer: ``scatter_gather`` / ``replicate`` / ``parallel_apply`` / ``parallel_backward`` <- ``data_parallel``.
@@ -33,7 +34,7 @@ from ._prefixes import unwrap_module
 from ._utils import DeviceLike, accelerator_type, default_device_ids, normalize_device, normalize_devices
 from .parallel_apply import WorkerPool, parallel_apply
 from .parallel_backward import parallel_apply_backward
-from .replicate import replicate
+from .replicate import link_replicas, replicate
 from .scatter_gather import gather, scatter_kwargs
 
 
@@ -150,8 +151,10 @@ class DataParallel(nn.Module):
         if self._pool is None:
             self._pool = WorkerPool()
         devices = self.device_ids[: len(replicas)]
-        if (self.parallel_backward and len(replicas) > 1 and torch.is_grad_enabled()
-                and not torch.is_inference_mode_enabled() and all(d.type == "cpu" for d in devices)):
+        concurrent = (self.parallel_backward and len(replicas) > 1 and torch.is_grad_enabled()
+                      and not torch.is_inference_mode_enabled() and all(d.type == "cpu" for d in devices))
+        link_replicas(self.module, replicas, concurrent)  # SyncBatchNorm's replicas meet in forward and backward
+        if concurrent:
             # autograd would run the CPU replicas' backward serially on the caller's thread: run it in the workers
             return parallel_apply_backward(replicas, inputs, kwargs, devices, self._pool)
         return parallel_apply(replicas, inputs, kwargs, devices, pool=self._pool)

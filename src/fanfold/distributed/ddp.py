@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from .._utils import normalize_device
-from .join import BACKWARD, FORWARD, JoinState
+from .join import BACKWARD, FORWARD, JoinParticipant, JoinState
 from .reducer import Reducer
 from .stall import inspected
 from .transport import all_gather_bytes, all_gather_rows, resolve_transport
@@ -186,7 +186,8 @@ class DistributedDataParallel(nn.Module):
         if self._join is not None:
             raise RuntimeError("DistributedDataParallel.join() contexts cannot be nested")
         state = JoinState(self.transport, divide_by_initial_world_size, throw_on_early_termination)
-        self._join = state
+        state.begin_backward = self.reducer.begin_backward
+        participants = [m for m in self.module.modules() if isinstance(m, JoinParticipant)]
 
         def announce_backward() -> None:
             alive, _ = state.announce(BACKWARD)
@@ -200,12 +201,17 @@ class DistributedDataParallel(nn.Module):
 
         self.reducer.on_first_ready = announce_backward
         try:
+            for m in participants:  # may refuse (raises on every rank alike: the same model and settings)
+                m.set_join_state(state)
+            self._join = state
             yield
             self._join = None
             self.reducer.on_first_ready = None
             src = state.shadow(lambda s: self._broadcast(self._module_buffers(), s), shadow_backward)
             self._broadcast(list(self.module.parameters()) + self._module_buffers(), src)
         finally:
+            for m in participants:
+                m.set_join_state(None)
             self._join = None
             self.reducer.on_first_ready = None
             self.reducer.divisor = self.transport.world_size

@@ -7,14 +7,18 @@ one slot per rank saying who is active. A rank that leaves the context early ann
 reads each announcement and issues the collectives that follow with zero gradients (its *shadow*), so the active
 ranks never wait on it. When an announcement sums to zero every rank has joined: the parameters and buffers of the
 lowest rank among the last active ones are broadcast, so that every rank ends with the same model.
+
+Submodules with collectives of their own in forward or backward (``fanfold.SyncBatchNorm``: a ``JoinParticipant``)
+get the state on entry; they ``record`` each collective they issue with a replay that issues it with zeros, and a
+rank that has joined runs, for each announced forward or backward, the replays of its own last one, in order.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["JoinState", "FORWARD", "BACKWARD"]
+__all__ = ["JoinState", "JoinParticipant", "FORWARD", "BACKWARD"]
 
 FORWARD, BACKWARD = 1, 2
 _ALIVE, _FWD, _BWD, _BUFS = 0, 1, 2, 3  # slots of the announcement; rank r's activity is slot 4 + r
@@ -28,6 +32,10 @@ class JoinState:
         self.divide_by_initial = divide_by_initial_world_size
         self.throw = throw_on_early_termination
         self.last_active: list[int] = list(range(transport.world_size))
+        self.alive = transport.world_size  # active ranks at the last exchange
+        # DDP's: starts a synchronised backward (its announcement) if not yet done; False if it does not synchronise
+        self.begin_backward: Callable[[], bool] = lambda: False
+        self._replays: dict[int, list[Callable[[], None]]] = {FORWARD: [], BACKWARD: []}
 
     def _exchange(self, what: int, sync_buffers: bool, active: bool) -> torch.Tensor:
         t = self.transport
@@ -41,12 +49,14 @@ class JoinState:
         alive = int(flag[_ALIVE])
         if alive:
             self.last_active = [r for r in range(t.world_size) if flag[4 + r] > 0]
+            self.alive = alive
         return flag
 
     def announce(self, what: int, sync_buffers: bool = False) -> tuple[int, int]:
         """An active rank is about to issue a forward's or a backward's collectives; returns (active ranks, the
         rank buffers come from)."""
         flag = self._exchange(what, sync_buffers, active=True)
+        self._replays[what] = []  # what participants issue from here on is this phase's new record
         alive = int(flag[_ALIVE])
         if self.throw and alive < self.transport.world_size:
             gone = sorted(set(range(self.transport.world_size)) - set(self.last_active))
@@ -68,7 +78,31 @@ class JoinState:
                     f"DistributedDataParallel.join(throw_on_early_termination=True): rank {self.transport.rank} ran "
                     f"out of inputs while rank(s) {self.last_active} still have some"
                 )
-            if flag[_FWD] > 0 and flag[_BUFS] > 0:
-                sync_buffers(min(self.last_active))
+            if flag[_FWD] > 0:
+                if flag[_BUFS] > 0:
+                    sync_buffers(min(self.last_active))
+                for replay in self._replays[FORWARD]:
+                    replay()
             if flag[_BWD] > 0:
+                for replay in self._replays[BACKWARD]:  # their own channel: before or after the buckets alike
+                    replay()
                 shadow_backward(alive)
+
+    def record(self, phase: int, replay: Callable[[], None]) -> None:
+        """A participant issued a collective in this rank's forward (``FORWARD``) or synchronised backward
+        (``BACKWARD``); ``replay`` issues the same one contributing nothing."""
+        self._replays[phase].append(replay)
+
+    def expect(self, forward: Callable[[], None], backward: Callable[[], None]) -> None:
+        """A participant's replays for a rank that joins before recording a step: called in module order, so
+        forwards are appended and backwards put first (backward runs the other way)."""
+        self._replays[FORWARD].append(forward)
+        self._replays[BACKWARD].insert(0, backward)
+
+
+@runtime_checkable
+class JoinParticipant(Protocol):
+    """A submodule whose forward or backward issues collectives of its own. ``DistributedDataParallel.join()``
+    calls ``set_join_state(state)`` on entry (it may raise to refuse) and ``set_join_state(None)`` on exit."""
+
+    def set_join_state(self, state: JoinState | None) -> None: ...

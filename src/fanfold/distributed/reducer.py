@@ -151,11 +151,7 @@ class Reducer:
         self._used[i] = True
         if not self.expect_sync:
             return  # no_sync(), or a backward through the module outside DDP.forward: plain local accumulation
-        if not self._queued:
-            self._queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
-            if self.on_first_ready is not None:
-                self.on_first_ready()
+        self.begin_backward()
         if self._ready[i]:
             return
         if not self._direct:
@@ -166,6 +162,18 @@ class Reducer:
         self._left[b] -= 1
         if self._left[b] == 0:
             self._launch_ready()
+
+    def begin_backward(self) -> bool:
+        """Start a synchronised backward, once: queue the end-of-backward callback, make DDP's join announcement.
+        Run by the first gradient hook, or before that by a module whose backward issues collectives of its own
+        (fanfold.SyncBatchNorm under join()), which must follow the announcement. Whether this backward
+        synchronises."""
+        if self.expect_sync and not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
+            if self.on_first_ready is not None:
+                self.on_first_ready()
+        return self.expect_sync
 
     def _copy_in(self, i: int, p: torch.Tensor) -> None:
         view = self._views[i]
