@@ -9,6 +9,7 @@ evaluation) and ``save``/``load`` (atomic, per-rank RNG). It is also the README'
     fanfold train --devices 4 --epochs 5 --out runs/a
     fanfold train --out runs/a --resume             # continue from runs/a/checkpoint.pt, mid-epoch, exactly
     fanfold train --max-restarts 2                  # a killed worker costs at most --checkpoint-every steps
+    fanfold train --sync-bn                         # BatchNorm after each convolution, over the global batch
 
 Same seed, same parameters, bitwise: one torch thread per rank, the data order is a function of (seed, epoch) only,
 the gradient sum over ranks is the same every run, and the checkpoint holds everything the next step depends on.
@@ -47,6 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="restart all workers up to K times after a failure; they resume from the checkpoint")
     parser.add_argument("--checkpoint-every", type=int, default=50, metavar="STEPS",
                         help="also checkpoint every STEPS optimizer steps, not only at epoch ends (0: epoch ends)")
+    parser.add_argument("--sync-bn", action="store_true",
+                        help="add BatchNorm after each convolution, synchronised over the processes "
+                             "(fanfold.SyncBatchNorm: statistics of the global batch)")
     # Internal and test-only flags: the worker entry, the per-rank sample ledger, a SIGKILL after a given step.
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--ledger", action="store_true", help=argparse.SUPPRESS)
@@ -97,6 +101,8 @@ def _launch(args: argparse.Namespace) -> int:
            "--checkpoint-every", str(args.checkpoint_every), "--devices", str(args.devices)]
     if args.ledger:
         cmd.append("--ledger")
+    if args.sync_bn:
+        cmd.append("--sync-bn")
     if args.kill_at_step is not None:
         cmd += ["--kill-at-step", str(args.kill_at_step)]
     code = launch_script(cmd, nproc_per_node=args.devices, max_restarts=args.max_restarts, module=True)
@@ -123,16 +129,20 @@ def digits():
     return tuple(TensorDataset(images[i], labels[i], torch.arange(len(i))) for i in (train, test))
 
 
-def make_model():
+def make_model(batch_norm: bool = False):
     """Two 3x3 convolutions and two linear layers: ~38k parameters, > 0.97 test accuracy in a few seconds.
+    ``batch_norm``: a BatchNorm2d after each convolution (``--sync-bn`` converts them to SyncBatchNorm).
 
     The dropout draws from each rank's torch generator: the checkpoint's per-rank RNG states keep a resume exact.
     """
     from torch import nn
 
+    def norm(channels: int) -> list:
+        return [nn.BatchNorm2d(channels)] if batch_norm else []
+
     return nn.Sequential(
-        nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(),
-        nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+        nn.Conv2d(1, 16, 3, padding=1), *norm(16), nn.ReLU(),
+        nn.Conv2d(16, 32, 3, padding=1), *norm(32), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
         nn.Linear(32 * 4 * 4, 64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 10),
     )
 
@@ -149,6 +159,7 @@ def _worker(args: argparse.Namespace) -> int:
     from .data import DistributedSampler
     from .distributed.ddp import DistributedDataParallel
     from .distributed.env import destroy_process_group, init_process_group
+    from .nn import SyncBatchNorm
 
     torch.set_num_threads(1)  # one thread per rank: fixed reduction order inside each op, no oversubscription
     dev = init_process_group(timeout=120.0)  # the local accelerator when there is one, else the CPU
@@ -162,7 +173,10 @@ def _worker(args: argparse.Namespace) -> int:
 
     train_set, test_set = digits()
     torch.manual_seed(args.seed)  # the same initial weights on every rank (DDP broadcasts rank 0's anyway)
-    model = DistributedDataParallel(make_model().to(dev))
+    net = make_model(batch_norm=args.sync_bn)
+    if args.sync_bn:
+        net = SyncBatchNorm.convert_sync_batchnorm(net)
+    model = DistributedDataParallel(net.to(dev))
     sampler = DistributedSampler(train_set, shuffle=True, seed=args.seed)
     # Its own generator: a DataLoader draws a seed at every iter(), and a resumed epoch is one iter() more, so
     # drawing from the global generator would shift the dropout masks after a resume.
@@ -172,6 +186,8 @@ def _worker(args: argparse.Namespace) -> int:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=1e-4)
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=total)
     run = {k: getattr(args, k) for k in _RUN_KEYS}
+    if args.sync_bn:  # recorded only when set: checkpoints of runs without it stay resumable
+        run["sync_bn"] = True
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "sampler": sampler,
              "step": 0, "losses": [], "run": run}
     # After a restart by the launcher the workers start afresh: the checkpoint, if any, is where they left off.
