@@ -49,15 +49,19 @@ def test_replicas_match_batchnorm_on_the_whole_batch(replicas, chunks, parallel_
     assert_matches(_train_dp(replicas, chunks, parallel_backward), oracle([[total]] * STEPS), [total], 0)
 
 
+@pytest.mark.parametrize("channels_last", [False, True])
 @pytest.mark.parametrize("parallel_backward", [True, False])
-def test_statistics_stay_exact_far_from_zero_mean(parallel_backward):
-    # float32 data with |mean|/std = 1000: a sum of squares would cancel to nothing; the per-part centred moments
-    # keep SyncBatchNorm as close to float64 as plain float32 BatchNorm is
+def test_statistics_stay_exact_far_from_zero_mean(parallel_backward, channels_last):
+    # float32 data with |mean|/std = 1000: a sum of squares would cancel to nothing; the per-part moments keep
+    # SyncBatchNorm as close to float64 as plain float32 BatchNorm is on contiguous data (channels-last data takes
+    # the corrected two-pass path)
     x = torch.randn(10, 3, 4, 4, generator=torch.Generator().manual_seed(0)) + 1000.0
     exact = nn.BatchNorm2d(3).double()
     want = exact(x.double())
     plain = nn.BatchNorm2d(3)
     plain_err = (plain(x).double() - want).abs().max().item()
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
     sync = SyncBatchNorm(3)
     out = DataParallel(sync, device_ids=["cpu"] * 3, chunk_sizes=[5, 3, 2], parallel_backward=parallel_backward)(x)
     assert (out.double() - want).abs().max().item() <= 4 * plain_err + 1e-6

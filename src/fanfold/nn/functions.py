@@ -1,25 +1,22 @@
-"""The two autograd Functions of SyncBatchNorm in training: the whole batch's statistics, and the normalisation.
+"""The autograd Functions of SyncBatchNorm in training: normalising with the whole batch's statistics, and the
+exact gradient of that, whose one collective sums each part's ``sum(dy)`` and ``sum(dy * xhat)``.
 
-Layer: ``fanfold.nn``, above ``moments.py``; used by ``syncbn.py``. No communication of their own in forward (the
-moments are reduced before), one in backward, through the callable the caller hands them.
+Layer: ``fanfold.nn``, above ``moments.py``; used by ``syncbn.py``. The forward's collective (the moments) happens
+before, outside autograd; the backward's goes through the callable in the ``plan``. With M the whole batch's count
+and the sums over the whole batch, BatchNorm's gradient is ``dx = w * invstd * (dy - sum(dy)/M - xhat *
+sum(dy * xhat)/M)``, the weight's ``sum(dy * xhat)`` and the bias's ``sum(dy)``; like torch's SyncBatchNorm, a part
+keeps its own share of the last two (DDP then averages them as any gradient).
 
-``BatchStats.apply(plan, *xs) -> (mean_0, var_0, mean_1, var_1, ...)``: the whole batch's mean and biased variance
-(``plan.moments``, already reduced over every part), one pair per part ``xs[i]`` on that part's device. Its inputs
-are the parts of the batch this node differentiates: one (a rank; a replica whose backward runs in its own thread)
-or all the replicas of a DataParallel forward (one node that joins their graphs, for an engine that runs their
-backward one after another). Its backward is the dual of the forward's reduction: the gradients with respect to the
-mean and the variance, summed over its outputs and then over every other part by ``plan.reduce`` (an all-reduce over
-ranks, a rendezvous of replicas, or nothing), are the whole batch's; each part gets
-``dL/dmean / M + dL/dvar * 2 (x - mean) / M`` (M: the whole batch's count).
+``SyncNormalize.apply(x, mean, var, weight, bias, plan)``: one node per part (a rank; a replica whose backward runs
+in its own thread): torch's kernel for the part's sums (one pass, no temporaries), one collective, then ``dx``.
 
-``Normalize.apply(x, mean, var, weight, bias, eps)``: ``(x - mean) / sqrt(var + eps) * weight + bias`` (torch's
-``batch_norm`` with these statistics, in eval mode). Backward: torch's kernel for the direct ``dx`` and the part's
-sums of ``dy`` and ``dy * xhat`` (the bias and weight gradients, as torch's SyncBatchNorm leaves them per rank), from
-which ``dL/dmean = -weight * invstd * sum(dy)`` and ``dL/dvar = -weight * invstd^2 * sum(dy * xhat) / 2``.
-
-Together: ``dx = weight * invstd * (dy - sum(dy)/M - xhat * sum(dy * xhat)/M)`` with the sums over the whole batch,
-the gradient of BatchNorm applied to the whole batch; the backward's one collective carries ``[dL/dmean | dL/dvar]``,
-per channel the whole batch's ``sum(dy)`` and ``sum(dy * xhat)`` scaled by factors every rank shares.
+For replicas whose backward autograd's engine runs one after another on one thread, a node per replica would wait
+in its backward for replicas not run yet. There the statistics are one node joining the replicas' graphs, and the
+gradient flows through the mean and the variance, as autograd would through the formulas:
+``BatchStats.apply(plan, *xs) -> (mean_0, var_0, mean_1, var_1, ...)`` (one pair per part, on its device; backward:
+the summed ``dL/dmean`` and ``dL/dvar`` give each part ``dL/dmean / M + dL/dvar * 2 (x - mean) / M``) and per replica
+``Normalize.apply(x, mean, var, weight, bias, eps)`` (backward: the direct ``dx``, ``dL/dmean = -w * invstd *
+sum(dy)``, ``dL/dvar = -w * invstd^2 * sum(dy * xhat) / 2``).
 """
 from __future__ import annotations
 
@@ -32,20 +29,73 @@ from torch.autograd import Function
 
 from .moments import Moments, stats_dtype, wide_dtype
 
-__all__ = ["StatsPlan", "BatchStats", "Normalize"]
+__all__ = ["StatsPlan", "SyncNormalize", "BatchStats", "Normalize"]
 
 
 @dataclass
 class StatsPlan:
-    """What ``BatchStats`` needs besides tensors: the reduced moments, and how its backward sums the packed
-    ``[dL/dmean | dL/dvar]`` (float64, 2C) of its parts with every other part's."""
+    """What the Functions need besides tensors: the whole batch's moments and ``eps``, and ``reduce``, which sums
+    the backward's packed vector (2C, float64) of this node's parts with every other part's."""
 
     moments: Moments
+    eps: float
     reduce: Callable[[torch.Tensor], torch.Tensor]
 
 
-def _channel_view(v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def _channels(v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return v.view([1, -1] + [1] * (x.dim() - 2))
+
+
+def _part_sums(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, var: torch.Tensor, weight: torch.Tensor | None,
+               eps: float, need_dx: bool) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """``(w * invstd * dy if need_dx, sum(dy * xhat), sum(dy))`` over this part, by torch's kernel."""
+    if x.numel() == 0:  # the kernel divides by the element count: an empty part contributes nothing
+        zeros = var.new_zeros(var.shape)
+        return (torch.zeros_like(x) if need_dx else None), zeros, zeros
+    return torch.ops.aten.native_batch_norm_backward(dy, x, weight, mean, var, None, None, False, eps,
+                                                     [need_dx, True, True])
+
+
+def _affine_grads(gw: torch.Tensor, gb: torch.Tensor, weight: torch.Tensor | None, need_w: bool,
+                  need_b: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    # weight and bias exist together, or the bias alone is absent (bias=False): both take the weight's dtype
+    if (need_w or need_b) and gw.dtype != weight.dtype:
+        gw, gb = gw.to(weight.dtype), gb.to(weight.dtype)
+    return (gw if need_w else None), (gb if need_b else None)
+
+
+class SyncNormalize(Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, mean: torch.Tensor, var: torch.Tensor, weight: torch.Tensor | None,
+                bias: torch.Tensor | None, plan: StatsPlan) -> torch.Tensor:
+        ctx.plan = plan
+        ctx.save_for_backward(x, mean, var, weight)
+        return F.batch_norm(x, mean, var, weight, bias, False, 0.0, plan.eps)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, mean, var, weight = ctx.saved_tensors
+        plan: StatsPlan = ctx.plan
+        need_x, _, _, need_w, need_b = ctx.needs_input_grad[:5]
+        _, gw, gb = _part_sums(dy, x, mean, var, weight, plan.eps, False)
+        dx = None
+        if need_x:
+            c, count = mean.numel(), plan.moments.count
+            total = plan.reduce(torch.cat([gb, gw]).to(wide_dtype(x.device)))  # the backward's one collective
+            if x.numel() == 0:
+                dx = torch.zeros_like(x)
+            else:
+                # dx = scale * dy - scale * sum(dy)/M - (x - mean) * scale * invstd * sum(dy * xhat)/M
+                invstd = (var + plan.eps).rsqrt_()
+                scale = invstd if weight is None else invstd * weight
+                k = total.view(2, c).to(mean.dtype).mul_(scale).div_(-count)
+                k[1].mul_(invstd)
+                shape = [1, c] + [1] * (x.dim() - 2)
+                k0, k1 = k.view([2] + shape)
+                dx = (x - mean.view(shape)).mul_(k1).addcmul_(dy, scale.view(shape)).add_(k0)
+                if dx.dtype != x.dtype:
+                    dx = dx.to(x.dtype)
+        return (dx, None, None, *_affine_grads(gw, gb, weight, need_w, need_b), None)
 
 
 class BatchStats(Function):
@@ -67,24 +117,20 @@ class BatchStats(Function):
         xs, means = saved[:n], saved[n:]
         plan: StatsPlan = ctx.plan
         c, home = means[0].numel(), means[0].device
-        packed = torch.zeros(2 * c, dtype=plan.moments.mean.dtype, device=home)
-        for i in range(n):
-            packed[:c] += grads[2 * i].to(home, packed.dtype)
-            packed[c:] += grads[2 * i + 1].to(home, packed.dtype)
-        total = plan.reduce(packed)  # the backward's one collective
+        packed = torch.cat([torch.stack([g.to(home) for g in grads[0::2]]).sum(0),
+                            torch.stack([g.to(home) for g in grads[1::2]]).sum(0)]).to(wide_dtype(home))
+        total = plan.reduce(packed)  # the backward's one collective: over the ranks, if any
         count = plan.moments.count
         out: list[torch.Tensor | None] = [None]
         for i, (x, mean) in enumerate(zip(xs, means)):
             if not ctx.needs_input_grad[1 + i]:
                 out.append(None)
-                continue
-            if count == 0 or x.numel() == 0:
+            elif count == 0 or x.numel() == 0:
                 out.append(torch.zeros_like(x))
-                continue
-            a = (total[:c] / count).to(x.device, mean.dtype)
-            b = (total[c:] * (2.0 / count)).to(x.device, mean.dtype)
-            dx = (x - _channel_view(mean, x)).mul_(_channel_view(b, x)).add_(_channel_view(a, x))
-            out.append(dx.to(x.dtype))
+            else:
+                a = (total[:c] / count).to(x.device, mean.dtype)
+                b = (total[c:] * (2.0 / count)).to(x.device, mean.dtype)
+                out.append((x - _channels(mean, x)).mul_(_channels(b, x)).add_(_channels(a, x)).to(x.dtype))
         return tuple(out)
 
 
@@ -100,14 +146,7 @@ class Normalize(Function):
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, mean, var, weight = ctx.saved_tensors
         need_x, need_mean, need_var, need_w, need_b = ctx.needs_input_grad[:5]
-        c = mean.numel()
-        if x.numel() == 0:  # torch's kernel divides by the element count: an empty part contributes nothing
-            dx = torch.zeros_like(x) if need_x else None
-            gw = gb = torch.zeros(c, dtype=var.dtype, device=var.device)
-        else:
-            sums = need_mean or need_var or need_w or need_b
-            dx, gw, gb = torch.ops.aten.native_batch_norm_backward(
-                dy, x, weight, mean, var, None, None, False, ctx.eps, [need_x, sums, sums])
+        dx, gw, gb = _part_sums(dy, x, mean, var, weight, ctx.eps, need_x)
         dmean = dvar = None
         if need_mean or need_var:
             wide = wide_dtype(var.device)
@@ -115,6 +154,4 @@ class Normalize(Function):
             scale = invstd if weight is None else invstd * weight.to(wide)
             dmean = (-scale * gb.to(wide)).to(mean.dtype)
             dvar = (scale * invstd * gw.to(wide) * -0.5).to(var.dtype)
-        # weight and bias exist together, or the bias alone is absent (bias=False): both take the weight's dtype
-        return (dx, dmean, dvar, gw.to(weight.dtype) if need_w else None, gb.to(weight.dtype) if need_b else None,
-                None)
+        return (dx, dmean, dvar, *_affine_grads(gw, gb, weight, need_w, need_b), None)

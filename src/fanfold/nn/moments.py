@@ -5,12 +5,12 @@ times its mean and its sum of squares about zero, both in float64, plus its coun
 n]``, 2C+1 numbers. Parts are combined by summing these vectors (one all-reduce SUM over ranks, a loop over
 replicas), which every transport does, in any order.
 
-Numerics: a sum of squares in float32 loses everything when |mean| >> std (E[x^2] - E[x]^2 cancels). Here each
-part computes its own mean and centred sum of squares with the corrected two-pass algorithm (a float32 mean, then
-the sums of the deviations from it and of their squares: the first corrects the mean for the rounding of the
-second, in float32 with no cancellation), and only the exchange of these moments goes through E[x^2] - E[x]^2, in
-float64, where the cancellation costs (mean/std)^2 * 1e-16 relative: negligible below |mean|/std ~ 1e5, past which
-float32 data cannot resolve its own variance anyway. Chan's pairwise update would avoid even that, but needs the global mean
+Numerics: a sum of squares in float32 loses everything when |mean| >> std (E[x^2] - E[x]^2 cancels). Each part
+computes its own mean and variance exactly (torch's statistics kernel where it is exact, else the corrected two-pass
+algorithm: a float32 mean as a guess g, then over d = x - g, sum(d), which corrects the guess for its rounding, and
+sum(d^2), both free of cancellation). Only the exchange goes through E[x^2] - E[x]^2, in float64, where the
+cancellation costs (mean/std)^2 * 1e-16 relative: negligible below |mean|/std ~ 1e5, past which float32 data
+cannot resolve its own variance anyway. Chan's pairwise update would avoid even that, but needs the global mean
 first (a second collective) or an all-gather of every part's moments (a message that grows with the world size);
 float64 sums keep one fixed-size all-reduce.
 """
@@ -38,45 +38,57 @@ def wide_dtype(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "mps" else torch.float64
 
 
+@torch.no_grad()
 def pack_moments(x: torch.Tensor) -> torch.Tensor:
-    """This part's packed vector (float64, on ``x``'s device); all zeros for an empty part."""
+    """This part's packed vector (float64, on ``x``'s device); all zeros for an empty part. Not differentiable: the
+    gradient through the statistics is the autograd Functions' business (``functions.py``); a graph here would
+    join the replicas' graphs behind their backs."""
     c = x.shape[1]
     n = x.numel() // c if c else 0
-    out = torch.zeros(2 * c + 1, dtype=wide_dtype(x.device), device=x.device)
+    wide = wide_dtype(x.device)
     if n == 0:
-        return out
+        return torch.zeros(2 * c + 1, dtype=wide, device=x.device)
     data = x if x.dtype == stats_dtype(x) else x.to(stats_dtype(x))
-    dims = reduce_dims(x)
-    guess = data.sum(dims).div_(n)  # a float32 sum: off by its own rounding when |mean| >> std
-    d = data - guess.view([1, c] + [1] * (x.dim() - 2))
-    s1 = d.sum(dims).to(out.dtype)  # the corrected two-pass algorithm: the guess's error, then the centred squares
-    s2 = d.square_().sum(dims).to(out.dtype)
-    mean = guess.to(out.dtype) + s1 / n
-    out[:c] = mean * n
-    out[c: 2 * c] = (s2 - s1.square() / n) + mean.square() * n
-    out[2 * c] = n
-    return out
+    if data.is_contiguous() and data.device.type in ("cpu", "cuda"):
+        # torch's own BatchNorm statistics, in one call: exact there (two passes with a wide accumulator on the
+        # CPU, Welford on CUDA); its channels-last CPU path is not (E[x^2] - E[x]^2 in float32)
+        mean, var = (t.to(wide) for t in torch.batch_norm_update_stats(data, None, None, 0.0))
+    else:
+        mean, var = _two_pass(data, n, wide)
+    return torch.cat([mean * n, torch.addcmul(var, mean, mean).mul_(n), mean.new_full((1,), n)])
+
+
+def _two_pass(data: torch.Tensor, n: int, wide: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and biased variance per channel (``wide``) by the corrected two-pass algorithm."""
+    c = data.shape[1]
+    guess = data.sum(reduce_dims(data)).div_(n)  # a float32 sum: off by its own rounding when |mean| >> std
+    d = data - guess.view([1, c] + [1] * (data.dim() - 2))
+    # sum(d^2) and sum(d) in one pass over d: torch's BatchNorm-backward kernel returns sum(dy * (x - mean) * invstd)
+    # and sum(dy) per channel, here with dy = x = d, mean 0 and invstd exactly 1 (var 0, eps 1)
+    zeros = guess.new_zeros(c)
+    _, s2, s1 = torch.ops.aten.native_batch_norm_backward(d, d, None, zeros, zeros, None, None, False, 1.0,
+                                                          [False, True, True])
+    g, s1, s2 = torch.stack([guess, s1, s2]).to(wide).unbind()
+    return g + s1 / n, (s2 - s1.square() / n) / n  # the guess corrected by the mean deviation
 
 
 @dataclass
 class Moments:
-    """The whole batch's moments per channel: ``count`` samples (batch x spatial), biased ``var``, float64."""
+    """The whole batch's moments per channel: ``count`` samples (batch x spatial); ``mean`` and biased ``var`` in
+    ``dtype`` (what the normalisation takes)."""
 
     count: int
     mean: torch.Tensor
     var: torch.Tensor
 
-    def unbiased_var(self) -> torch.Tensor:
-        return self.var * (self.count / (self.count - 1))
 
-
-def unpack_moments(total: torch.Tensor) -> Moments:
+def unpack_moments(total: torch.Tensor, dtype: torch.dtype) -> Moments:
     """The moments of the parts whose packed vectors sum to ``total``."""
     c = (total.numel() - 1) // 2
-    count = int(round(total[2 * c].item()))
+    count = int(total[2 * c])
     if count == 0:
-        zeros = torch.zeros(c, dtype=total.dtype, device=total.device)
-        return Moments(0, zeros, zeros.clone())
+        zeros = total.new_zeros(c, dtype=dtype)
+        return Moments(0, zeros, zeros)
     mean = total[:c] / count
-    var = (total[c: 2 * c] / count - mean.square()).clamp_(min=0)
-    return Moments(count, mean, var)
+    var = torch.addcmul(total[c: 2 * c] / count, mean, mean, value=-1).clamp_(min=0)  # E[x^2] - E[x]^2, float64
+    return Moments(count, mean.to(dtype), var.to(dtype))

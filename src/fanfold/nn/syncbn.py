@@ -31,9 +31,9 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..distributed.join import BACKWARD, FORWARD, JoinState
 from ..distributed.stall import resolve_stall_timeout
-from .functions import BatchStats, Normalize, StatsPlan
+from .functions import BatchStats, Normalize, StatsPlan, SyncNormalize
 from .group_sum import GroupSum, check_channel, expect_in_join, group_size
-from .moments import Moments, pack_moments, unpack_moments, wide_dtype
+from .moments import Moments, pack_moments, stats_dtype, unpack_moments, wide_dtype
 from .rendezvous import ReplicaLink, Rendezvous
 
 __all__ = ["SyncBatchNorm"]
@@ -95,50 +95,58 @@ class SyncBatchNorm(_BatchNorm):
         if link is None and outer is None:  # nothing to synchronise with: plain BatchNorm
             return F.batch_norm(input, self.running_mean if track else None, self.running_var if track else None,
                                 self.weight, self.bias, True, factor, self.eps)
-        mean, var, moments = self._statistics(input, link, outer)
-        if track and moments.count > 0:
-            with torch.no_grad():
-                self.running_mean.mul_(1 - factor).add_(moments.mean.to(self.running_mean), alpha=factor)
-                self.running_var.mul_(1 - factor).add_(moments.unbiased_var().to(self.running_var), alpha=factor)
-        return Normalize.apply(input, mean, var, self.weight, self.bias, self.eps)
+        return self._synchronised(input, factor if track else None, link, outer)
 
-    def _statistics(self, x: torch.Tensor, link: ReplicaLink | None,
-                    outer: GroupSum | None) -> tuple[torch.Tensor, torch.Tensor, Moments]:
-        """The whole batch's mean and variance for ``x``, as autograd sees them (through ``BatchStats``)."""
+    def _synchronised(self, x: torch.Tensor, factor: float | None, link: ReplicaLink | None,
+                      outer: GroupSum | None) -> torch.Tensor:
+        """Training with the whole batch's statistics; ``factor``: the running statistics' update, if kept."""
         vec = pack_moments(x)
+        if link is not None and not link.concurrent_backward and torch.is_grad_enabled():
+            return self._joined(x, vec, factor, link, outer)
         if link is None:  # ranks only
-            moments = self._checked(unpack_moments(outer(vec, FORWARD)), x)
-            mean, var = BatchStats.apply(StatsPlan(moments, functools.partial(outer, phase=BACKWARD)), x)
-            return mean, var, moments
-        rendezvous, i = link.rendezvous, link.index
-        if link.concurrent_backward or not torch.is_grad_enabled():
+            moments = self._update(unpack_moments(outer(vec, FORWARD), stats_dtype(x)), x, factor)
+            reduce = functools.partial(outer, phase=BACKWARD)
+        else:  # replicas (and ranks, if any), each running its own backward in its own thread
+            rendezvous, i = link.rendezvous, link.index
             total = rendezvous.meet(i, vec, functools.partial(_sum_parts, outer=outer, phase=FORWARD), "forward")
-            moments = self._checked(unpack_moments(total), x)
+            moments = self._update(unpack_moments(total.to(x.device), stats_dtype(x)), x, factor)
 
-            def reduce(packed: torch.Tensor) -> torch.Tensor:  # in this replica's backward thread
+            def reduce(packed: torch.Tensor) -> torch.Tensor:
                 return rendezvous.meet(i, packed, functools.partial(_sum_parts, outer=outer, phase=BACKWARD),
-                                       "backward")
+                                       "backward").to(packed.device)
+        return SyncNormalize.apply(x, moments.mean, moments.var, self.weight, self.bias,
+                                   StatsPlan(moments, self.eps, reduce))
 
-            mean, var = BatchStats.apply(StatsPlan(moments, reduce), x)
-            return mean, var, moments
+    def _joined(self, x: torch.Tensor, vec: torch.Tensor, factor: float | None, link: ReplicaLink,
+                outer: GroupSum | None) -> torch.Tensor:
+        """Replicas whose backward autograd's engine runs one after another: one statistics node for all."""
+        identity = (lambda packed: packed) if outer is None else functools.partial(outer, phase=BACKWARD)
 
-        def joined(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, tuple | None]:
-            # run once, by the last replica to arrive: one BatchStats node over every replica's input
+        def combine(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, tuple | None]:
+            # run once, by the last replica to arrive
             total = _sum_parts([v for v, _ in parts], outer, FORWARD)
-            moments = unpack_moments(total)
+            moments = unpack_moments(total, torch.float64)
             if moments.count == 1:
-                return total, None  # each replica raises its own error below
-            identity = (lambda packed: packed) if outer is None else functools.partial(outer, phase=BACKWARD)
-            return total, BatchStats.apply(StatsPlan(moments, identity), *[x for _, x in parts])
+                return total, None  # each replica raises its own error
+            return total, BatchStats.apply(StatsPlan(moments, self.eps, identity), *[p for _, p in parts])
 
-        total, stats = rendezvous.meet(i, (vec, x), joined, "forward")
-        moments = self._checked(unpack_moments(total), x)
-        return stats[2 * i], stats[2 * i + 1], moments
+        total, stats = link.rendezvous.meet(link.index, (vec, x), combine, "forward")
+        self._update(unpack_moments(total.to(x.device), stats_dtype(x)), x, factor)
+        i = link.index
+        return Normalize.apply(x, stats[2 * i], stats[2 * i + 1], self.weight, self.bias, self.eps)
 
-    def _checked(self, moments: Moments, x: torch.Tensor) -> Moments:
+    def _update(self, moments: Moments, x: torch.Tensor, factor: float | None) -> Moments:
+        """Check the count, move the running statistics (the same bits on every rank and replica)."""
         if moments.count == 1:  # as plain BatchNorm, but counted over the whole batch
             raise ValueError(f"Expected more than 1 value per channel when training, got 1 over the whole batch "
                              f"(input size {tuple(x.shape)} here)")
+        if factor is not None and moments.count > 0:
+            with torch.no_grad():
+                mean, unbiased = moments.mean, moments.var * (moments.count / (moments.count - 1))
+                if mean.dtype != self.running_mean.dtype:
+                    mean, unbiased = mean.to(self.running_mean.dtype), unbiased.to(self.running_mean.dtype)
+                self.running_mean.lerp_(mean, factor)
+                self.running_var.lerp_(unbiased, factor)
         return moments
 
     def _name(self) -> str:
