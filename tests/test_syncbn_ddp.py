@@ -1,8 +1,9 @@
 """SyncBatchNorm under fanfold DistributedDataParallel on 2 and 3 gloo ranks, against plain BatchNorm applied to
 the whole batch in one process: the first step's outputs and gradients, the parameters and running statistics
 after 10 SGD steps. Even, uneven (5 + 3) and empty per-rank batches; join() with a rank that runs out two steps
-early and with one that never has a batch; both transports; one collective per layer in forward and in backward;
-the clear errors of join() on a shared process group and of no_sync() inside join()."""
+early and with one that never has a batch; both transports; 2 DataParallel replicas in each rank; one collective
+per layer in forward and in backward; the clear errors of join() on a shared process group, of no_sync() inside
+join() and of replicas inside join()."""
 from contextlib import nullcontext
 
 import pytest
@@ -25,11 +26,14 @@ JOIN_NEVER = [[None, 4]] * 2
 THREE = {"even3": [[4, 4, 4]] * STEPS, "uneven3": [[5, 3, 0]] * STEPS}
 
 
-def _train(schedule, transport=None, join=False, count=False):
+def _train(schedule, transport=None, join=False, count=False, replicas=None):
     r, world = rank(), world_size()
     torch.set_num_threads(1)
     model = SyncBatchNorm.convert_sync_batchnorm(cnn())
-    ddp = fanfold.DDP(model, transport=transport)
+    inner = model
+    if replicas is not None:  # each rank runs 2 DataParallel CPU replicas, backward in threads (True) or not
+        inner = fanfold.DataParallel(model, device_ids=["cpu", "cpu"], parallel_backward=replicas)
+    ddp = fanfold.DDP(inner, transport=transport)
     opt = SGD(model.parameters(), lr=0.05, momentum=0.9)
     rec, sizes_seen = {}, []
     all_reduce = dist.all_reduce
@@ -88,6 +92,9 @@ def _worker2():
         "empty": _train(EMPTY),
         "join": _train(JOIN, join=True),
         "join_never": _train(JOIN_NEVER, join=True),
+        "replicas_threads": _train(UNEVEN, replicas=True),
+        "replicas_engine": _train(UNEVEN, replicas=False),
+        "replicas_join": _error_of(lambda: _train(JOIN, join=True, replicas=True)),
         "shared_group": _error_of(_join_on_shared_group),
         "no_sync": _error_of(_no_sync_inside_join),  # last: it leaves rank 1 after a stall
     }
@@ -122,7 +129,8 @@ def _check(results, key, schedule):
 
 
 @pytest.mark.parametrize("key,schedule", [("even_torch", EVEN), ("uneven_shm", UNEVEN), ("empty", EMPTY),
-                                          ("join", JOIN), ("join_never", JOIN_NEVER)])
+                                          ("join", JOIN), ("join_never", JOIN_NEVER),
+                                          ("replicas_threads", UNEVEN), ("replicas_engine", UNEVEN)])
 def test_two_ranks_match_batchnorm_on_the_whole_batch(two, key, schedule):
     _check(two, key, schedule)
 
@@ -141,6 +149,11 @@ def test_one_collective_per_layer_in_forward_and_in_backward(two):
 def test_join_refuses_a_process_group_shared_with_ddp(two):
     for rec in two:
         assert "share one process group" in rec["shared_group"] and "new_group" in rec["shared_group"]
+
+
+def test_replicas_inside_join_are_refused(two):
+    for rec in two:
+        assert "DataParallel replicas inside DistributedDataParallel.join() are not supported" in rec["replicas_join"]
 
 
 def test_no_sync_inside_join_raises_instead_of_hanging(two):

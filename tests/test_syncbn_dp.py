@@ -114,6 +114,20 @@ def test_one_value_per_channel_over_the_whole_batch_is_an_error():
         DataParallel(SyncBatchNorm(3), device_ids=["cpu", "cpu"], chunk_sizes=[1, 0])(torch.randn(1, 3))
 
 
+@pytest.mark.parametrize("parallel_backward", [True, False])
+def test_an_empty_whole_batch_is_plain_batchnorms_no_op(parallel_backward):
+    plain, sync = nn.BatchNorm1d(3), SyncBatchNorm(3)
+    for bn in (plain, sync):
+        bn.running_mean.fill_(5.0)
+    x = torch.zeros(0, 3, 4, requires_grad=True)
+    out = DataParallel(sync, device_ids=["cpu", "cpu"], chunk_sizes=[0, 0], parallel_backward=parallel_backward)(x)
+    out.sum().backward()
+    want = plain(x)
+    assert out.shape == want.shape == (0, 3, 4) and x.grad.shape == (0, 3, 4)
+    for a, b in zip(sync.state_dict().values(), plain.state_dict().values()):
+        assert torch.equal(a, b)  # running statistics kept, num_batches_tracked counted
+
+
 def test_channel_mismatch_names_both_counts():
     with pytest.raises(ValueError, match=r"num_features=4\): the input has 3 channels"):
         DataParallel(SyncBatchNorm(4), device_ids=["cpu", "cpu"])(torch.randn(4, 3))

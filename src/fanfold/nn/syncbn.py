@@ -91,6 +91,11 @@ class SyncBatchNorm(_BatchNorm):
                 "own slice of the batch only: use fanfold.DataParallel")
         outer = None
         if group_size(self.process_group) > 1:
+            if link is not None and self._join is not None:  # every rank alike: all have the same model
+                raise RuntimeError(
+                    "SyncBatchNorm: DataParallel replicas inside DistributedDataParallel.join() are not supported "
+                    "(a rank that has joined would have to stand in for every replica's backward); use one "
+                    "process per device under join()")
             outer = GroupSum(self.process_group, self._join, self._name())
         if link is None and outer is None:  # nothing to synchronise with: plain BatchNorm
             return F.batch_norm(input, self.running_mean if track else None, self.running_var if track else None,
