@@ -43,24 +43,29 @@ def part_loss(out: torch.Tensor, y: torch.Tensor, total: int, world: int) -> tor
     return ((out - y) ** 2).sum() * (world / total)
 
 
-def oracle(schedule: list[list[int]]) -> dict:
-    """Train ``cnn()`` with plain BatchNorm on each step's whole batch (``schedule[step]``: every part's size).
-    Returns the first step's output and gradients and the final parameters and buffers."""
-    model = cnn()
+def train(model: nn.Module, call, batches) -> dict:
+    """SGD with momentum on ``part_loss(call(x), y, total, world)`` for each ``(x, y, total, world)`` of
+    ``batches``: the first step's output and gradients (``model``'s parameters) and the final state, on the CPU."""
     opt = SGD(model.parameters(), lr=0.05, momentum=0.9)
     out: dict = {}
-    for step, sizes in enumerate(schedule):
-        total = sum(sizes)
-        x, y = step_batch(step, total)
+    for step, (x, y, total, world) in enumerate(batches):
         opt.zero_grad()
-        o = model(x)
-        part_loss(o, y, total, 1).backward()
+        o = call(x)
+        part_loss(o, y.to(o.device), total, world).backward()
         if step == 0:
-            out["out0"] = o.detach().clone()
-            out["grads0"] = [p.grad.clone() for p in model.parameters()]
+            out["out0"] = o.detach().cpu()
+            out["grads0"] = [p.grad.cpu() for p in model.parameters()]
         opt.step()
-    out["state"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    out["state"] = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     return out
+
+
+def oracle(schedule: list[list[int]]) -> dict:
+    """``train`` of ``cnn()`` with plain BatchNorm on each step's whole batch (``schedule[step]``: every part's
+    size), with the mean loss over that batch."""
+    model = cnn()
+    totals = [sum(sizes) for sizes in schedule]
+    return train(model, model, ((*step_batch(step, total), total, 1) for step, total in enumerate(totals)))
 
 
 def assert_matches(got: dict, want: dict, sizes0: list[int] | None = None, index: int = 0) -> None:

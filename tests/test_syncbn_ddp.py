@@ -14,8 +14,7 @@ import fanfold
 from fanfold import SyncBatchNorm
 from fanfold.distributed import init_process_group, rank, world_size
 
-from _ddp_models import SGD
-from _syncbn_models import STEPS, assert_matches, cnn, oracle, part, part_loss, step_batch
+from _syncbn_models import STEPS, assert_matches, cnn, oracle, part, part_loss, step_batch, train
 
 # schedule[step][r]: rank r's batch size at that step; None: rank r has run out (inside join() only)
 EVEN = [[4, 4]] * STEPS
@@ -34,30 +33,27 @@ def _train(schedule, transport=None, join=False, count=False, replicas=None):
     if replicas is not None:  # each rank runs 2 DataParallel CPU replicas, backward in threads (True) or not
         inner = fanfold.DataParallel(model, device_ids=["cpu", "cpu"], parallel_backward=replicas)
     ddp = fanfold.DDP(inner, transport=transport)
-    opt = SGD(model.parameters(), lr=0.05, momentum=0.9)
-    rec, sizes_seen = {}, []
-    all_reduce = dist.all_reduce
-    with ddp.join() if join else nullcontext():
+
+    def batches():
         for step, sizes in enumerate(schedule):
-            if sizes[r] is None:
-                break
+            if sizes[r] is None:  # this rank has run out
+                return
             active = [s or 0 for s in sizes]
-            total = sum(active)
-            x, y = step_batch(step, total)
-            opt.zero_grad()
-            if count and step == 0:  # SyncBatchNorm's collectives are torch.distributed's; DDP's go through shm
-                dist.all_reduce = lambda t, *a, **k: (sizes_seen.append(t.numel()), all_reduce(t, *a, **k))[1]
-            try:
-                out = ddp(part(x, active, r))
-                part_loss(out, part(y, active, r), total, world).backward()
-            finally:
-                dist.all_reduce = all_reduce
-            if step == 0:
-                rec["out0"] = out.detach().clone()
-                rec["grads0"] = [p.grad.clone() for p in model.parameters()]
-            opt.step()
+            x, y = step_batch(step, sum(active))
+            yield part(x, active, r), part(y, active, r), sum(active), world
+
+    sizes_seen = []
+    all_reduce = dist.all_reduce
+    if count:  # SyncBatchNorm's collectives are torch.distributed's; DDP's go through shm
+        dist.all_reduce = lambda t, *a, **k: (sizes_seen.append(t.numel()), all_reduce(t, *a, **k))[1]
+    try:
+        with ddp.join() if join else nullcontext():
+            rec = train(model, ddp, batches())
+    finally:
+        dist.all_reduce = all_reduce
+    # leaving join() gave every rank the last active rank's model
     rec["state"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    rec["collectives0"] = sizes_seen
+    rec["collectives"] = sizes_seen
     return rec
 
 
@@ -141,9 +137,9 @@ def test_three_ranks_match_batchnorm_on_the_whole_batch(three, key):
 
 
 def test_one_collective_per_layer_in_forward_and_in_backward(two):
-    # [mean*n | sumsq | n] per layer in forward (8, 8, 16 channels), [dL/dmean | dL/dvar] in backward, reversed
+    # [n*mean | n*E[x^2] | n] per layer in forward (8, 8, 16 channels), [sum(dy) | sum(dy*xhat)] in backward
     for rec in two:
-        assert rec["uneven_shm"]["collectives0"] == [17, 17, 33, 32, 16, 16]
+        assert rec["uneven_shm"]["collectives"] == [17, 17, 33, 32, 16, 16] * STEPS
 
 
 def test_join_refuses_a_process_group_shared_with_ddp(two):

@@ -12,8 +12,7 @@ from torch import nn
 import fanfold
 from fanfold import DataParallel, SyncBatchNorm
 
-from _ddp_models import SGD
-from _syncbn_models import STEPS, assert_matches, cnn, oracle, part_loss, step_batch
+from _syncbn_models import STEPS, assert_matches, cnn, oracle, step_batch, train
 
 CASES = [(2, None), (2, [5, 3]), (3, None), (3, [5, 0, 3])]  # replicas, chunk sizes (None: torch's even split)
 
@@ -21,25 +20,11 @@ CASES = [(2, None), (2, [5, 3]), (3, None), (3, [5, 0, 3])]  # replicas, chunk s
 def _train_dp(replicas: int, chunks, parallel_backward: bool, devices=None) -> dict:
     total = sum(chunks) if chunks else 8
     model = SyncBatchNorm.convert_sync_batchnorm(cnn())
-    if devices is not None:
-        model = model.to(devices[0])
-    dp = DataParallel(model, device_ids=devices or ["cpu"] * replicas, chunk_sizes=chunks,
-                      parallel_backward=parallel_backward)
-    opt = SGD(model.parameters(), lr=0.05, momentum=0.9)
-    rec = {}
-    for step in range(STEPS):
-        x, y = step_batch(step, total)
-        if devices is not None:
-            x, y = x.to(devices[0]), y.to(devices[0])
-        opt.zero_grad()
-        out = dp(x)
-        part_loss(out, y, total, 1).backward()
-        if step == 0:
-            rec["out0"] = out.detach().cpu()
-            rec["grads0"] = [p.grad.cpu() for p in model.parameters()]
-        opt.step()
-    rec["state"] = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    return rec
+    devices = devices or ["cpu"] * replicas
+    model = model.to(devices[0])
+    dp = DataParallel(model, device_ids=devices, chunk_sizes=chunks, parallel_backward=parallel_backward)
+    batches = ((x.to(devices[0]), y, total, 1) for x, y in (step_batch(step, total) for step in range(STEPS)))
+    return train(model, dp, batches)
 
 
 @pytest.mark.parametrize("parallel_backward", [True, False])

@@ -8,14 +8,15 @@ sum(dy * xhat)/M)``, the weight's ``sum(dy * xhat)`` and the bias's ``sum(dy)``;
 keeps its own share of the last two (DDP then averages them as any gradient).
 
 ``SyncNormalize.apply(x, mean, var, weight, bias, plan)``: one node per part (a rank; a replica whose backward runs
-in its own thread): torch's kernel for the part's sums (one pass, no temporaries), one collective, then ``dx``.
+in its own thread), the statistics constants: torch's kernel for the part's sums (one pass, no temporaries), one
+collective, then ``dx``.
 
 For replicas whose backward autograd's engine runs one after another on one thread, a node per replica would wait
 in its backward for replicas not run yet. There the statistics are one node joining the replicas' graphs, and the
 gradient flows through the mean and the variance, as autograd would through the formulas:
 ``BatchStats.apply(plan, *xs) -> (mean_0, var_0, mean_1, var_1, ...)`` (one pair per part, on its device; backward:
 the summed ``dL/dmean`` and ``dL/dvar`` give each part ``dL/dmean / M + dL/dvar * 2 (x - mean) / M``) and per replica
-``Normalize.apply(x, mean, var, weight, bias, eps)`` (backward: the direct ``dx``, ``dL/dmean = -w * invstd *
+``Normalize.apply(x, mean, var, weight, bias, plan)`` (backward: the direct ``dx``, ``dL/dmean = -w * invstd *
 sum(dy)``, ``dL/dvar = -w * invstd^2 * sum(dy * xhat) / 2``).
 """
 from __future__ import annotations
@@ -29,7 +30,7 @@ from torch.autograd import Function
 
 from .moments import Moments, stats_dtype, wide_dtype
 
-__all__ = ["StatsPlan", "SyncNormalize", "BatchStats", "Normalize"]
+__all__ = ["StatsPlan", "Normalize", "BatchStats", "SyncNormalize"]
 
 
 @dataclass
@@ -64,7 +65,7 @@ def _affine_grads(gw: torch.Tensor, gb: torch.Tensor, weight: torch.Tensor | Non
     return (gw if need_w else None), (gb if need_b else None)
 
 
-class SyncNormalize(Function):
+class Normalize(Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, mean: torch.Tensor, var: torch.Tensor, weight: torch.Tensor | None,
                 bias: torch.Tensor | None, plan: StatsPlan) -> torch.Tensor:
@@ -75,27 +76,17 @@ class SyncNormalize(Function):
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, mean, var, weight = ctx.saved_tensors
-        plan: StatsPlan = ctx.plan
-        need_x, _, _, need_w, need_b = ctx.needs_input_grad[:5]
-        _, gw, gb = _part_sums(dy, x, mean, var, weight, plan.eps, False)
-        dx = None
-        if need_x:
-            c, count = mean.numel(), plan.moments.count
-            total = plan.reduce(torch.cat([gb, gw]).to(wide_dtype(x.device)))  # the backward's one collective
-            if x.numel() == 0:
-                dx = torch.zeros_like(x)
-            else:
-                # dx = scale * dy - scale * sum(dy)/M - (x - mean) * scale * invstd * sum(dy * xhat)/M
-                invstd = (var + plan.eps).rsqrt_()
-                scale = invstd if weight is None else invstd * weight
-                k = total.view(2, c).to(mean.dtype).mul_(scale).div_(-count)
-                k[1].mul_(invstd)
-                shape = [1, c] + [1] * (x.dim() - 2)
-                k0, k1 = k.view([2] + shape)
-                dx = (x - mean.view(shape)).mul_(k1).addcmul_(dy, scale.view(shape)).add_(k0)
-                if dx.dtype != x.dtype:
-                    dx = dx.to(x.dtype)
-        return (dx, None, None, *_affine_grads(gw, gb, weight, need_w, need_b), None)
+        need_x, need_mean, need_var, need_w, need_b = ctx.needs_input_grad[:5]
+        eps = ctx.plan.eps
+        dx, gw, gb = _part_sums(dy, x, mean, var, weight, eps, need_x)
+        dmean = dvar = None
+        if need_mean or need_var:
+            wide = wide_dtype(var.device)
+            invstd = (var.to(wide) + eps).rsqrt()
+            scale = invstd if weight is None else invstd * weight.to(wide)
+            dmean = (-scale * gb.to(wide)).to(mean.dtype)
+            dvar = (scale * invstd * gw.to(wide) * -0.5).to(var.dtype)
+        return (dx, dmean, dvar, *_affine_grads(gw, gb, weight, need_w, need_b), None)
 
 
 class BatchStats(Function):
@@ -134,24 +125,30 @@ class BatchStats(Function):
         return tuple(out)
 
 
-class Normalize(Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, mean: torch.Tensor, var: torch.Tensor, weight: torch.Tensor | None,
-                bias: torch.Tensor | None, eps: float) -> torch.Tensor:
-        ctx.eps = eps
-        ctx.save_for_backward(x, mean, var, weight)
-        return F.batch_norm(x, mean, var, weight, bias, False, 0.0, eps)
+class SyncNormalize(Normalize):
+    """``Normalize``'s forward with constant statistics; backward: the whole gradient, one collective."""
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, mean, var, weight = ctx.saved_tensors
-        need_x, need_mean, need_var, need_w, need_b = ctx.needs_input_grad[:5]
-        dx, gw, gb = _part_sums(dy, x, mean, var, weight, ctx.eps, need_x)
-        dmean = dvar = None
-        if need_mean or need_var:
-            wide = wide_dtype(var.device)
-            invstd = (var.to(wide) + ctx.eps).rsqrt()
-            scale = invstd if weight is None else invstd * weight.to(wide)
-            dmean = (-scale * gb.to(wide)).to(mean.dtype)
-            dvar = (scale * invstd * gw.to(wide) * -0.5).to(var.dtype)
-        return (dx, dmean, dvar, *_affine_grads(gw, gb, weight, need_w, need_b), None)
+        plan: StatsPlan = ctx.plan
+        need_x, _, _, need_w, need_b = ctx.needs_input_grad[:5]
+        _, gw, gb = _part_sums(dy, x, mean, var, weight, plan.eps, False)
+        dx = None
+        if need_x:
+            c, count = mean.numel(), plan.moments.count
+            total = plan.reduce(torch.cat([gb, gw]).to(wide_dtype(x.device)))  # the backward's one collective
+            if x.numel() == 0:
+                dx = torch.zeros_like(x)
+            else:
+                # dx = scale * dy - scale * sum(dy)/M - (x - mean) * scale * invstd * sum(dy * xhat)/M
+                invstd = (var + plan.eps).rsqrt_()
+                scale = invstd if weight is None else invstd * weight
+                k = total.view(2, c).to(mean.dtype).mul_(scale).div_(-count)
+                k[1].mul_(invstd)
+                shape = [1, c] + [1] * (x.dim() - 2)
+                k0, k1 = k.view([2] + shape)
+                dx = (x - mean.view(shape)).mul_(k1).addcmul_(dy, scale.view(shape)).add_(k0)
+                if dx.dtype != x.dtype:
+                    dx = dx.to(x.dtype)
+        return (dx, None, None, *_affine_grads(gw, gb, weight, need_w, need_b), None)

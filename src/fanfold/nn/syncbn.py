@@ -136,9 +136,10 @@ class SyncBatchNorm(_BatchNorm):
             return total, BatchStats.apply(StatsPlan(moments, self.eps, identity), *[p for _, p in parts])
 
         total, stats = link.rendezvous.meet(link.index, (vec, x), combine, "forward")
-        self._update(unpack_moments(total.to(x.device), stats_dtype(x)), x, factor)
+        moments = self._update(unpack_moments(total.to(x.device), stats_dtype(x)), x, factor)
         i = link.index
-        return Normalize.apply(x, stats[2 * i], stats[2 * i + 1], self.weight, self.bias, self.eps)
+        return Normalize.apply(x, stats[2 * i], stats[2 * i + 1], self.weight, self.bias,
+                               StatsPlan(moments, self.eps, identity))
 
     def _update(self, moments: Moments, x: torch.Tensor, factor: float | None) -> Moments:
         """Check the count, move the running statistics (the same bits on every rank and replica)."""
