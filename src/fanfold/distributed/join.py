@@ -84,7 +84,9 @@ class JoinState:
                 for replay in self._replays[FORWARD]:
                     replay()
             if flag[_BWD] > 0:
-                for replay in self._replays[BACKWARD]:  # their own channel: before or after the buckets alike
+                # before the buckets: the active ranks launch their bucket all-reduces without waiting, in between
+                # these (on a channel of their own), and wait for the buckets only at the end of backward
+                for replay in self._replays[BACKWARD]:
                     replay()
                 shadow_backward(alive)
 

@@ -21,8 +21,9 @@ sum(dy)``, ``dL/dvar = -w * invstd^2 * sum(dy * xhat) / 2``).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F

@@ -11,8 +11,9 @@ naming the missing replicas, instead of hanging; the rendezvous then stays broke
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 __all__ = ["Rendezvous", "ReplicaLink"]
 

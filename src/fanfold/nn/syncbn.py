@@ -5,8 +5,8 @@ Functions), ``group_sum.py`` (collectives over ranks, and DDP's join) and ``rend
 
 In training, each part of the batch (this rank's, or this replica's) packs its moments into one vector; one sum
 over every part gives the whole batch's mean and variance; the output is normalised with them, the running
-statistics move with the unbiased variance (the same bits on every rank and replica), and backward sums the
-gradients with respect to the mean and the variance the same way. The parts are summed:
+statistics move with the unbiased variance (the same bits on every rank and replica), and backward sums each part's
+``sum(dy)`` and ``sum(dy * xhat)`` the same way. The parts are summed:
 
 - over the ranks of ``process_group`` (torch.distributed, any backend) when it has more than one rank;
 - over the replicas of a ``fanfold.DataParallel`` forward, in the process: DataParallel links the replicas before
@@ -34,7 +34,7 @@ from ..distributed.stall import resolve_stall_timeout
 from .functions import BatchStats, Normalize, StatsPlan, SyncNormalize
 from .group_sum import GroupSum, check_channel, expect_in_join, group_size
 from .moments import Moments, pack_moments, stats_dtype, unpack_moments, wide_dtype
-from .rendezvous import ReplicaLink, Rendezvous
+from .rendezvous import Rendezvous, ReplicaLink
 
 __all__ = ["SyncBatchNorm"]
 
@@ -74,17 +74,17 @@ class SyncBatchNorm(_BatchNorm):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(input)
+        track = self.training and self.track_running_stats
         factor = 0.0
-        if self.training and self.track_running_stats:
+        if track:
             self.num_batches_tracked.add_(1)
             factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
-        track = self.training and self.track_running_stats
         if not self.training:  # the running statistics, or the batch's own when none are kept: no communication
             batch = self.running_mean is None and self.running_var is None
             return F.batch_norm(input, self.running_mean, self.running_var, self.weight, self.bias, batch, 0.0,
                                 self.eps)
         link = self._replica
-        if link == _UNLINKED:
+        if link is _UNLINKED:
             raise RuntimeError(
                 "SyncBatchNorm: this is a replica made by a DataParallel that does not link SyncBatchNorm's "
                 "replicas (torch.nn.DataParallel, or replicate() and parallel_apply() by hand), so it would see its "
