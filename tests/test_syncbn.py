@@ -1,7 +1,8 @@
 """fanfold.SyncBatchNorm alone (one process, nothing to synchronise with) against torch's BatchNorm: the same
 results bit for bit for every input dimension and option; eval mode; errors; torch's SyncBatchNorm state dict in
-and out; convert_sync_batchnorm and revert_sync_batchnorm."""
+and out; convert_sync_batchnorm and revert_sync_batchnorm; copies and pickles."""
 import copy
+import pickle
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ from torch import nn
 
 import fanfold
 from fanfold import SyncBatchNorm, revert_sync_batchnorm
-from fanfold.distributed.join import JoinParticipant
+from fanfold.distributed.participants import DDPParticipant
 from fanfold.replicate import LinkedReplicas
 
 OPTIONS = [dict(), dict(affine=False), dict(track_running_stats=False), dict(momentum=None), dict(bias=False),
@@ -121,8 +122,16 @@ def test_convert_a_bare_batchnorm_and_refuse_a_lazy_one():
         SyncBatchNorm.convert_sync_batchnorm("not a module")
 
 
-def test_it_takes_part_in_join_and_in_dataparallel():
+def test_it_takes_part_in_ddp_and_in_dataparallel_and_copies_without_them():
     bn = SyncBatchNorm(3)
-    assert isinstance(bn, JoinParticipant) and isinstance(bn, LinkedReplicas)
+    assert isinstance(bn, DDPParticipant) and isinstance(bn, LinkedReplicas)
     assert "SyncBatchNorm" in fanfold.__all__ and "revert_sync_batchnorm" in fanfold.__all__
-    assert copy.deepcopy(bn).state_dict().keys() == nn.BatchNorm2d(3).state_dict().keys()
+
+    class Transport:  # what DDP would hand over: kept by weak reference, never copied or pickled
+        pass
+
+    transport = Transport()
+    bn.use_transport(transport, None)
+    assert bn._transport() is transport
+    for copied in (copy.deepcopy(bn), pickle.loads(pickle.dumps(bn))):
+        assert copied._transport is None and copied.state_dict().keys() == nn.BatchNorm2d(3).state_dict().keys()

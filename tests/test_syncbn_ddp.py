@@ -42,18 +42,32 @@ def _train(schedule, transport=None, join=False, count=False, replicas=None):
             x, y = step_batch(step, sum(active))
             yield part(x, active, r), part(y, active, r), sum(active), world
 
-    sizes_seen = []
+    seen, depth = [], [0]  # (channel, length) of every float64 all-reduce: SyncBatchNorm's (DDP's are float32)
+
+    def counted(channel, all_reduce):
+        def call(t, *args, **kwargs):
+            if t.dtype == torch.float64 and depth[0] == 0:  # not torch's under DDP's torch transport
+                seen.append((channel, t.numel()))
+            depth[0] += 1
+            try:
+                return all_reduce(t, *args, **kwargs)
+            finally:
+                depth[0] -= 1
+        return call
+
     all_reduce = dist.all_reduce
-    if count:  # SyncBatchNorm's collectives are torch.distributed's; DDP's go through shm
-        dist.all_reduce = lambda t, *a, **k: (sizes_seen.append(t.numel()), all_reduce(t, *a, **k))[1]
+    if count:
+        dist.all_reduce = counted("torch.distributed", all_reduce)
+        ddp.transport.all_reduce = counted("DDP's transport", ddp.transport.all_reduce)
     try:
         with ddp.join() if join else nullcontext():
             rec = train(model, ddp, batches())
     finally:
         dist.all_reduce = all_reduce
+        vars(ddp.transport).pop("all_reduce", None)
     # leaving join() gave every rank the last active rank's model
     rec["state"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    rec["collectives"] = sizes_seen
+    rec["collectives"] = seen
     return rec
 
 
@@ -83,10 +97,10 @@ def _no_sync_inside_join():
 def _worker2():
     init_process_group(timeout=60)
     return {
-        "even_torch": _train(EVEN, transport="torch"),
+        "even_torch": _train(EVEN, transport="torch", count=True),
         "uneven_shm": _train(UNEVEN, transport="shm", count=True),
         "empty": _train(EMPTY),
-        "join": _train(JOIN, join=True),
+        "join": _train(JOIN, join=True, count=True),
         "join_never": _train(JOIN_NEVER, join=True),
         "replicas_threads": _train(UNEVEN, replicas=True),
         "replicas_engine": _train(UNEVEN, replicas=False),
@@ -137,9 +151,14 @@ def test_three_ranks_match_batchnorm_on_the_whole_batch(three, key):
 
 
 def test_one_collective_per_layer_in_forward_and_in_backward(two):
-    # [n*mean | n*E[x^2] | n] per layer in forward (8, 8, 16 channels), [sum(dy) | sum(dy*xhat)] in backward
+    # [n*mean | n*E[x^2] | n] per layer in forward (8, 8, 16 channels), [sum(dy) | sum(dy*xhat)] in backward;
+    # through DDP's transport (torch.distributed or shared memory), except inside join(): torch.distributed, and
+    # the rank that ran out two steps early replays the same collectives for those steps
+    step = [17, 17, 33, 32, 16, 16]
     for rec in two:
-        assert rec["uneven_shm"]["collectives"] == [17, 17, 33, 32, 16, 16] * STEPS
+        for key, channel in (("even_torch", "DDP's transport"), ("uneven_shm", "DDP's transport"),
+                             ("join", "torch.distributed")):
+            assert rec[key]["collectives"] == [(channel, n) for n in step * STEPS], key
 
 
 def test_join_refuses_a_process_group_shared_with_ddp(two):

@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from .._utils import normalize_device
-from .join import BACKWARD, FORWARD, JoinParticipant, JoinState
+from .join import BACKWARD, FORWARD, JoinState
+from .participants import DDPParticipant
 from .reducer import Reducer
 from .stall import inspected
 from .transport import all_gather_bytes, all_gather_rows, resolve_transport
@@ -85,6 +86,9 @@ class DistributedDataParallel(nn.Module):
         self.reducer = Reducer([p for _, p in named], [n for n, _ in named], self.transport, bucket_cap_mb,
                                first_bucket_cap_mb, find_unused_parameters, gradient_as_bucket_view)
         self._join: JoinState | None = None
+        for m in module.modules():  # SyncBatchNorm: its collectives may share DDP's transport
+            if isinstance(m, DDPParticipant):
+                m.use_transport(self.transport, process_group)
 
     # ---- construction ---------------------------------------------------------------------------------------
     @staticmethod
@@ -187,7 +191,7 @@ class DistributedDataParallel(nn.Module):
             raise RuntimeError("DistributedDataParallel.join() contexts cannot be nested")
         state = JoinState(self.transport, divide_by_initial_world_size, throw_on_early_termination)
         state.begin_backward = self.reducer.begin_backward
-        participants = [m for m in self.module.modules() if isinstance(m, JoinParticipant)]
+        participants = [m for m in self.module.modules() if isinstance(m, DDPParticipant)]
 
         def announce_backward() -> None:
             alive, _ = state.announce(BACKWARD)

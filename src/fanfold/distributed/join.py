@@ -8,17 +8,17 @@ reads each announcement and issues the collectives that follow with zero gradien
 ranks never wait on it. When an announcement sums to zero every rank has joined: the parameters and buffers of the
 lowest rank among the last active ones are broadcast, so that every rank ends with the same model.
 
-Submodules with collectives of their own in forward or backward (``fanfold.SyncBatchNorm``: a ``JoinParticipant``)
-get the state on entry; they ``record`` each collective they issue with a replay that issues it with zeros, and a
+Submodules with collectives of their own in forward or backward (``fanfold.SyncBatchNorm``: a ``DDPParticipant``,
+``participants.py``) get the state on entry; they ``record`` each collective they issue with a replay that issues it with zeros, and a
 rank that has joined runs, for each announced forward or backward, the replays of its own last one, in order.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol, runtime_checkable
+from typing import Any, Callable
 
 import torch
 
-__all__ = ["JoinState", "JoinParticipant", "FORWARD", "BACKWARD"]
+__all__ = ["JoinState", "FORWARD", "BACKWARD"]
 
 FORWARD, BACKWARD = 1, 2
 _ALIVE, _FWD, _BWD, _BUFS = 0, 1, 2, 3  # slots of the announcement; rank r's activity is slot 4 + r
@@ -101,10 +101,3 @@ class JoinState:
         self._replays[FORWARD].append(forward)
         self._replays[BACKWARD].insert(0, backward)
 
-
-@runtime_checkable
-class JoinParticipant(Protocol):
-    """A submodule whose forward or backward issues collectives of its own. ``DistributedDataParallel.join()``
-    calls ``set_join_state(state)`` on entry (it may raise to refuse) and ``set_join_state(None)`` on exit."""
-
-    def set_join_state(self, state: JoinState | None) -> None: ...

@@ -3,7 +3,10 @@ in ``DistributedDataParallel.join()``.
 
 Layer: ``fanfold.nn``, over ``fanfold.distributed`` (the join state); used by ``syncbn.py``. Any backend that sums
 a float64 tensor works (gloo, NCCL, ...): the collective is torch.distributed's own, on the layer's
-``process_group``, not DDP's transport.
+``process_group`` -- or, under fanfold DDP on that same group, DDP's transport (``use_transport``): the shared-memory
+one when the ranks share a host, at a fraction of gloo's latency, and every wait bounded and diagnosed by the stall
+inspector. All ranks issue these in the same order as DDP's own collectives (autograd runs the same graph on each),
+so sharing DDP's channel is safe -- except under ``join()``, below.
 
 Under ``join()`` (uneven inputs) a rank that ran out of data no longer runs forward or backward, yet the ranks still
 training issue these collectives. So while a join context is open, every collective a layer issues is recorded in
@@ -13,7 +16,9 @@ its own last forward or backward, in the same order -- nothing to contribute, no
 make that safe: a layer's backward first makes sure DDP's announcement of the backward went out
 (``JoinState.begin_backward``), since a BatchNorm near the output can run its backward before any parameter's
 gradient is ready (which is what otherwise triggers it); and these collectives must not share a channel with DDP's
-own, whose shadow issues its bucket all-reduces without knowing how they interleave with ours (``check_channel``).
+own, whose shadow issues its bucket all-reduces without knowing how they interleave with ours: inside ``join()``
+they go through torch.distributed even where DDP's transport would serve, and a DDP transport on torch.distributed
+with the same group is refused (``check_channel``).
 """
 from __future__ import annotations
 
@@ -27,7 +32,7 @@ import torch.distributed as dist
 from ..distributed import TorchTransport
 from ..distributed.join import BACKWARD, JoinState
 
-__all__ = ["group_size", "GroupSum", "check_channel", "expect_in_join"]
+__all__ = ["group_size", "same_group", "GroupSum", "check_channel", "expect_in_join"]
 
 
 def group_size(group: Any) -> int:
@@ -48,6 +53,7 @@ class GroupSum:
     group: Any
     join: JoinState | None
     name: str
+    transport: Any = None  # DDP's, on the same group; not used inside join()
 
     def __call__(self, vec: torch.Tensor, phase: int) -> torch.Tensor:
         join = self.join
@@ -61,10 +67,19 @@ class GroupSum:
                     "inputs: they cannot take part in SyncBatchNorm's backward. Synchronise every backward inside "
                     "join(), or accumulate gradients outside it.")
             join = None  # all ranks are here; nothing to record (a shadow replays synchronised backwards only)
-        dist.all_reduce(vec, group=self.group)
+        if self.transport is not None and self.join is None:
+            self.transport.all_reduce(vec).wait()
+        else:
+            dist.all_reduce(vec, group=self.group)
         if join is not None:
             join.record(phase, functools.partial(_zeros_all_reduce, vec.numel(), vec.dtype, vec.device, self.group))
         return vec
+
+
+def same_group(a: Any, b: Any) -> bool:
+    """Whether process groups ``a`` and ``b`` are one (None: the default group)."""
+    world = dist.group.WORLD
+    return (a or world) is (b or world)
 
 
 def check_channel(state: JoinState, group: Any, name: str) -> None:
@@ -72,8 +87,7 @@ def check_channel(state: JoinState, group: Any, name: str) -> None:
     inner = getattr(state.transport, "inner", state.transport)  # under the stall inspector
     if not isinstance(inner, TorchTransport):
         return  # the shared-memory transport, or a transport of the user's: a channel of its own
-    world = dist.group.WORLD
-    if (inner.group or world) is (group or world):
+    if same_group(inner.group, group):
         raise RuntimeError(
             f"{name}: DistributedDataParallel.join() cannot shadow SyncBatchNorm when DDP's collectives and "
             "SyncBatchNorm's share one process group (transport='torch' on the same group): a rank that has joined "

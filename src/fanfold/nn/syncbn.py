@@ -22,6 +22,7 @@ statistics and never communicates.
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any
 
 import torch
@@ -32,7 +33,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from ..distributed.join import BACKWARD, FORWARD, JoinState
 from ..distributed.stall import resolve_stall_timeout
 from .functions import BatchStats, Normalize, StatsPlan, SyncNormalize
-from .group_sum import GroupSum, check_channel, expect_in_join, group_size
+from .group_sum import GroupSum, check_channel, expect_in_join, group_size, same_group
 from .moments import Moments, pack_moments, stats_dtype, unpack_moments, wide_dtype
 from .rendezvous import Rendezvous, ReplicaLink
 
@@ -63,6 +64,7 @@ class SyncBatchNorm(_BatchNorm):
         self.converted_from: type[nn.Module] | None = None  # set by convert_sync_batchnorm; used to revert
         self._join: JoinState | None = None
         self._replica: ReplicaLink | str | None = None
+        self._transport: weakref.ref | None = None  # DDP's, when on this layer's group; DDP owns it
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() < 2:
@@ -96,7 +98,8 @@ class SyncBatchNorm(_BatchNorm):
                     "SyncBatchNorm: DataParallel replicas inside DistributedDataParallel.join() are not supported "
                     "(a rank that has joined would have to stand in for every replica's backward); use one "
                     "process per device under join()")
-            outer = GroupSum(self.process_group, self._join, self._name())
+            transport = self._transport() if self._transport is not None else None
+            outer = GroupSum(self.process_group, self._join, self._name(), transport)
         if link is None and outer is None:  # nothing to synchronise with: plain BatchNorm
             return F.batch_norm(input, self.running_mean if track else None, self.running_var if track else None,
                                 self.weight, self.bias, True, factor, self.eps)
@@ -171,7 +174,11 @@ class SyncBatchNorm(_BatchNorm):
         for i, replica in enumerate(replicas):
             replica._replica = ReplicaLink(rendezvous, i, bool(concurrent_backward))
 
-    # ---- DistributedDataParallel.join() --------------------------------------------------------------------
+    # ---- DistributedDataParallel: its transport, its join() -------------------------------------------------
+    def use_transport(self, transport: Any, process_group: Any) -> None:
+        """Called by fanfold.DistributedDataParallel at construction: its collectives' transport and group."""
+        self._transport = weakref.ref(transport) if same_group(process_group, self.process_group) else None
+
     def set_join_state(self, state: JoinState | None) -> None:
         """Called by DistributedDataParallel.join() on entry (the state) and on exit (None)."""
         if state is not None and group_size(self.process_group) > 1:
@@ -182,6 +189,10 @@ class SyncBatchNorm(_BatchNorm):
                 expect_in_join(state, 2 * self.num_features + 1, 2 * self.num_features, device, wide_dtype(device),
                                self.process_group)
         self._join = state
+
+    def __getstate__(self) -> dict:
+        # what belongs to one DDP, join() context or forward is not pickled (torch.save(model), copy.deepcopy)
+        return {**super().__getstate__(), "_transport": None, "_join": None, "_replica": None}
 
     @classmethod
     def convert_sync_batchnorm(cls, module: nn.Module, process_group: Any = None) -> nn.Module:
