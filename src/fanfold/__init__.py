@@ -9,6 +9,7 @@ from .collectives.backend import FanfoldProcessGroup, register
 from .distributed.ddp import DDP, DistributedDataParallel
 from .distributed.stall import StallError
 from .launcher import WorkerError, launch, launch_script
+from .nn import SyncBatchNorm, revert_sync_batchnorm
 from .optim import ZeroRedundancyOptimizer, clip_grad_norm_
 from .parallel import (
     DataParallel,
@@ -56,4 +57,6 @@ __all__ = [
     "DistributedPipeline",
     "pipeline",
     "FanfoldProcessGroup",
+    "SyncBatchNorm",
+    "revert_sync_batchnorm",
 ]

@@ -9,6 +9,7 @@ The parent checks the flags and the run directory, then starts N workers through
     fanfold train --out runs/a --resume             # continue from runs/a/checkpoint.pt, mid-epoch, exactly,
                                                     # with the settings it was trained with
     fanfold train --max-restarts 2                  # a killed worker costs at most --checkpoint-every steps
+    fanfold train --sync-bn                         # BatchNorm after each convolution, over the global batch
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import time
 from pathlib import Path
 
 from ..launcher.agent import default_nproc_per_node, launch_script
-from ..training.job import CHECKPOINT, RUN_DEFAULTS, RUN_KEYS, run_worker, saved_settings
+from ..training.job import CHECKPOINT, RUN_DEFAULTS, RUN_FLAGS, RUN_KEYS, run_worker, saved_settings
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="restart all workers up to K times after a failure; they resume from the checkpoint")
     parser.add_argument("--checkpoint-every", type=int, default=50, metavar="STEPS",
                         help="also checkpoint every STEPS optimizer steps, not only at epoch ends (0: epoch ends)")
+    parser.add_argument("--sync-bn", action="store_true", default=None,
+                        help="add BatchNorm after each convolution, synchronised over the processes "
+                             f"(fanfold.SyncBatchNorm: statistics of the global batch; off by default{saved})")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # the workers' entry
 
 
@@ -75,23 +79,30 @@ def _flag(key: str) -> str:
     return "--" + key.replace("_", "-")
 
 
+def _setting(key: str, value: object) -> str:
+    if isinstance(value, bool):  # a switch (--sync-bn): on or off
+        return _flag(key) if value else f"no {_flag(key)}"
+    return f"{_flag(key)} {value}"
+
+
 def _settings(args: argparse.Namespace, ckpt: Path) -> None:
     """Fill the run settings not given: the defaults, or with --resume the checkpoint's; refuse changed ones here,
     in the parent, before any worker starts (a changed setting would not continue the same run)."""
+    keys = RUN_KEYS + RUN_FLAGS
     if not args.resume:
-        for key in RUN_KEYS:
+        for key in keys:
             if getattr(args, key) is None:
                 setattr(args, key, RUN_DEFAULTS[key])
         return
-    saved = saved_settings(ckpt)
-    changed = [key for key in RUN_KEYS if getattr(args, key) is not None and getattr(args, key) != saved[key]]
+    saved = {k: False for k in RUN_FLAGS} | saved_settings(ckpt)  # a flag not recorded was off
+    changed = [key for key in keys if getattr(args, key) is not None and getattr(args, key) != saved[key]]
     if changed:
-        given = " ".join(f"{_flag(k)} {getattr(args, k)}" for k in changed)
-        was = ", ".join(f"{_flag(k)} {saved[k]}" for k in changed)
+        given = " ".join(_setting(k, getattr(args, k)) for k in changed)
+        was = ", ".join(_setting(k, saved[k]) for k in changed)
         advice = f"fanfold train --out {shlex.quote(str(ckpt.parent))} --resume"
         raise ValueError(f"--resume: {ckpt} was trained with {was}; {given} would not continue that run. "
                          f"Continue it with its own settings: {advice} (or start a new run with another --out)")
-    for key in RUN_KEYS:
+    for key in keys:
         setattr(args, key, saved[key])
 
 
@@ -111,6 +122,8 @@ def _launch(args: argparse.Namespace) -> int:
     cmd = ["fanfold.cli.train", "--worker", "--out", str(out), "--epochs", str(args.epochs),
            "--batch-size", str(args.batch_size), "--lr", repr(args.lr), "--seed", str(args.seed),
            "--checkpoint-every", str(args.checkpoint_every), "--devices", str(args.devices)]
+    if args.sync_bn:
+        cmd.append("--sync-bn")
     code = launch_script(cmd, nproc_per_node=args.devices, max_restarts=args.max_restarts, module=True)
     if code == 0:
         tidy = "" if args.out else " (runs/ keeps every run: `rm -r runs` removes them all)"

@@ -30,6 +30,7 @@ from .ddp_options import check_devices, no_trainable_parameters, resolve_options
 from .join import BACKWARD, FORWARD, JoinState
 from .mixed_precision import MixedPrecision
 from .model_check import broadcast_tensors, check_same_model
+from .participants import DDPParticipant
 from .reducer import Reducer
 from .stall import inspected
 
@@ -102,6 +103,7 @@ class DistributedDataParallel(nn.Module):
             self._mp.cast_buffers()
         self.reducer: Reducer | None = None
         self._build_reducer()
+        self._share_transport()
 
     @property
     def broadcast_buffers(self) -> bool:
@@ -132,6 +134,12 @@ class DistributedDataParallel(nn.Module):
             self.transport = inspected(resolve_transport(self._transport_arg, self.process_group),
                                        self._stall_timeout)
             self._build_reducer()
+            self._share_transport()
+
+    def _share_transport(self) -> None:
+        for m in self.module.modules():  # SyncBatchNorm: its collectives may share DDP's transport
+            if isinstance(m, DDPParticipant):
+                m.use_transport(self.transport, self.process_group)
 
     def _module_buffers(self) -> list[torch.Tensor]:
         return list(self.module.buffers())  # looked up each time: .to() or load_state_dict(assign=True) replace them
@@ -221,7 +229,8 @@ class DistributedDataParallel(nn.Module):
                                       "that has joined cannot tell which buckets the others skip")
         self._ensure_built()
         state = JoinState(self.transport, divide_by_initial_world_size, throw_on_early_termination)
-        self._join = state
+        state.begin_backward = self.reducer.begin_backward
+        participants = [m for m in self.module.modules() if isinstance(m, DDPParticipant)]
 
         def announce_backward() -> None:
             alive, _ = state.announce(BACKWARD)
@@ -235,6 +244,9 @@ class DistributedDataParallel(nn.Module):
 
         self.reducer.on_first_ready = announce_backward
         try:
+            for m in participants:  # may refuse (raises on every rank alike: the same model and settings)
+                m.set_join_state(state)
+            self._join = state
             yield
             self._join = None
             self.reducer.on_first_ready = None
@@ -242,6 +254,8 @@ class DistributedDataParallel(nn.Module):
             src = state.shadow(lambda s: self._broadcast(self._module_buffers(), s), shadow_backward)
             self._broadcast(list(self.module.parameters()) + buffers, src)
         finally:
+            for m in participants:
+                m.set_join_state(None)
             self._join = None
             self.reducer.on_first_ready = None
             self.reducer.divisor = self.transport.world_size

@@ -11,6 +11,11 @@ lowest rank among the last active ones are broadcast, so that every rank ends wi
 With ``throw_on_early_termination=True`` every rank raises at the first step some rank lacks, with torch's words:
 "Detected at least one rank that exhausted inputs. Throwing across all ranks." on the ranks still training, "Rank
 R exhausted all inputs." on a rank that ran out -- each followed by fanfold's account naming the ranks.
+
+Submodules with collectives of their own in forward or backward (``fanfold.SyncBatchNorm``: a ``DDPParticipant``,
+``participants.py``) get the state on entry; they ``record`` each collective they issue with a replay that issues it
+with zeros, and a rank that has joined runs, for each announced forward or backward, the replays of its own last
+one, in order.
 """
 from __future__ import annotations
 
@@ -33,6 +38,10 @@ class JoinState:
         self.divide_by_initial = divide_by_initial_world_size
         self.throw = throw_on_early_termination
         self.last_active: list[int] = list(range(transport.world_size))
+        self.alive = transport.world_size  # active ranks at the last exchange
+        # DDP's: starts a synchronised backward (its announcement) if not yet done; False if it does not synchronise
+        self.begin_backward: Callable[[], bool] = lambda: False
+        self._replays: dict[int, list[Callable[[], None]]] = {FORWARD: [], BACKWARD: []}
 
     def _exchange(self, what: int, sync_buffers: bool, active: bool) -> torch.Tensor:
         t = self.transport
@@ -46,12 +55,14 @@ class JoinState:
         alive = int(flag[_ALIVE])
         if alive:
             self.last_active = [r for r in range(t.world_size) if flag[4 + r] > 0]
+            self.alive = alive
         return flag
 
     def announce(self, what: int, sync_buffers: bool = False) -> tuple[int, int]:
         """An active rank is about to issue a forward's or a backward's collectives; returns (active ranks, the
         rank buffers come from)."""
         flag = self._exchange(what, sync_buffers, active=True)
+        self._replays[what] = []  # what participants issue from here on is this phase's new record
         alive = int(flag[_ALIVE])
         if self.throw and alive < self.transport.world_size:
             gone = sorted(set(range(self.transport.world_size)) - set(self.last_active))
@@ -75,7 +86,25 @@ class JoinState:
                     f"throw_on_early_termination=True): rank {self.transport.rank} ran out of inputs while rank(s) "
                     f"{self.last_active} still have some)"
                 )
-            if flag[_FWD] > 0 and flag[_BUFS] > 0:
-                sync_buffers(min(self.last_active))
+            if flag[_FWD] > 0:
+                if flag[_BUFS] > 0:
+                    sync_buffers(min(self.last_active))
+                for replay in self._replays[FORWARD]:
+                    replay()
             if flag[_BWD] > 0:
+                # before the buckets: the active ranks launch their bucket all-reduces without waiting, in between
+                # these (on a channel of their own), and wait for the buckets only at the end of backward
+                for replay in self._replays[BACKWARD]:
+                    replay()
                 shadow_backward(alive)
+
+    def record(self, phase: int, replay: Callable[[], None]) -> None:
+        """A participant issued a collective in this rank's forward (``FORWARD``) or synchronised backward
+        (``BACKWARD``); ``replay`` issues the same one contributing nothing."""
+        self._replays[phase].append(replay)
+
+    def expect(self, forward: Callable[[], None], backward: Callable[[], None]) -> None:
+        """A participant's replays for a rank that joins before recording a step: called in module order, so
+        forwards are appended and backwards put first (backward runs the other way)."""
+        self._replays[FORWARD].append(forward)
+        self._replays[BACKWARD].insert(0, backward)

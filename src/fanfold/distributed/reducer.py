@@ -99,6 +99,7 @@ class Reducer(BucketPaths):
         self._futures: list[Any] = [None] * len(self.buckets)
         self._queued = False  # the end-of-backward callback is queued
         self._touched = False  # a parameter's gradient hook fired in this backward
+        self._announced = False  # begin_backward ran in this backward
         self._error: BaseException | None = None
 
     @property
@@ -123,6 +124,16 @@ class Reducer(BucketPaths):
         self._queued = True
         torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
+    def begin_backward(self) -> bool:
+        """Queue the end of backward and make join's announcement, once per backward: from the first gradient hook,
+        or earlier from a module with collectives of its own (SyncBatchNorm). Whether this backward synchronises."""
+        self.backward_started()
+        if self.expect_sync and self._error is None and not self._announced:
+            self._announced = True
+            if self.on_first_ready is not None:
+                self.on_first_ready()
+        return self.expect_sync
+
     def _on_ready(self, i: int | None, p: torch.Tensor) -> None:
         """Parameter ``i``'s gradient hook (None: a delayed parameter's, which only says the backward reached it)."""
         if i is not None:
@@ -131,8 +142,7 @@ class Reducer(BucketPaths):
         first, self._touched = not self._touched, True
         if not self.expect_sync or self._error is not None:
             return  # no_sync(), or a backward through the module outside DDP.forward: plain local accumulation
-        if first and self.on_first_ready is not None:
-            self.on_first_ready()  # join's announcement: before any bucket, so it may raise here
+        self.begin_backward()  # join's announcement (once): before any bucket, so it may raise here
         try:
             r = self.readiness
             for k in ([] if not first or r.counting or self._double else r.static_unused):
@@ -144,7 +154,7 @@ class Reducer(BucketPaths):
             self._fail(exc)
 
     def _end_of_backward(self) -> None:
-        self._queued = False
+        self._queued = self._announced = False
         if not self._touched:
             return  # no parameter reached: a later backward of the same forward still synchronises
         self._touched = False

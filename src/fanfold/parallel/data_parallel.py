@@ -18,7 +18,8 @@ so a subclass can swap one step. Beyond torch:
 
 What a forward with several replicas keeps (as in torch): replicas are discarded after the forward, so attributes
 they set are lost, and buffer updates are kept from the first replica on the module's device only: BatchNorm's
-running statistics end up updated from the first chunk of the batch. Parameters are shared (same device) or copied
+running statistics end up updated from the first chunk of the batch (``fanfold.SyncBatchNorm``'s replicas share
+their statistics, so theirs are the whole batch's). Parameters are shared (same device) or copied
 differentiably, so gradients always reach the original module. With one device the module itself runs.
 
 Layer: ``scatter_gather`` / ``replicate`` / ``parallel_apply`` / ``parallel_backward`` <- ``data_parallel``.
@@ -37,7 +38,7 @@ from .._core.prefixes import unwrap_module
 from .parallel_apply import WorkerPool, parallel_apply
 from .parallel_backward import parallel_apply_backward
 from .process_engine import ProcessEngine
-from .replicate import replicate
+from .replicate import LinkedReplicas, link_replicas, replicate
 from .scatter_gather import gather, scatter_kwargs
 
 
@@ -98,6 +99,10 @@ class DataParallel(nn.Module):
         if engine not in ("thread", "process"):
             raise ValueError(f"DataParallel: engine must be 'thread' or 'process', got {engine!r}")
         self.engine = engine
+        linked = next((n for n, m in module.named_modules() if isinstance(m, LinkedReplicas)), None)
+        if engine == "process" and linked is not None:  # its replicas meet in threads of one process
+            raise ValueError(f"DataParallel: engine='process' cannot run {type(module.get_submodule(linked)).__name__} "
+                             f"{linked!r}, whose replicas work together (SyncBatchNorm); use engine='thread'")
         self._processes: ProcessEngine | None = None  # engine="process": started on the first forward
         self._pool: WorkerPool | None = None  # started on the first forward with several replicas
         self.register_load_state_dict_pre_hook(_accept_unprefixed)
@@ -177,8 +182,10 @@ class DataParallel(nn.Module):
         if self._pool is None:
             self._pool = WorkerPool()
         devices = self.device_ids[: len(replicas)]
-        if (self.parallel_backward and len(replicas) > 1 and torch.is_grad_enabled()
-                and not torch.is_inference_mode_enabled() and all(d.type == "cpu" for d in devices)):
+        concurrent = (self.parallel_backward and len(replicas) > 1 and torch.is_grad_enabled()
+                      and not torch.is_inference_mode_enabled() and all(d.type == "cpu" for d in devices))
+        link_replicas(self.module, replicas, concurrent)  # SyncBatchNorm's replicas meet in forward and backward
+        if concurrent:
             # autograd would run the CPU replicas' backward serially on the caller's thread: run it in the workers
             return parallel_apply_backward(replicas, inputs, kwargs, devices, self._pool)
         return parallel_apply(replicas, inputs, kwargs, devices, pool=self._pool)

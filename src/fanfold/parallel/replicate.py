@@ -14,12 +14,14 @@ weight list), linked to the replicas of its children. No weights are copied wher
   concurrently never write the same buffer), and what it writes is discarded with the replica.
 
 Attributes a replica sets during forward are set on the replica and discarded with it.
+Modules whose replicas must cooperate during the forward (fanfold.SyncBatchNorm: statistics over every replica's
+slice) implement ``LinkedReplicas``; DataParallel calls :func:`link_replicas` before running the replicas.
 Layer: ``functions`` / ``comm`` <- ``replicate`` <- ``data_parallel``.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TypeVar
+from typing import Protocol, TypeVar, runtime_checkable
 
 import torch
 from torch import nn
@@ -116,3 +118,19 @@ def replicate(network: M, devices: Sequence[DeviceLike], detach: bool = False) -
                 r._buffers[key] = None if b is None else buffer_copies[j][buffer_index[id(b)]]
         replicas.append(copies[0])
     return replicas
+
+
+@runtime_checkable
+class LinkedReplicas(Protocol):
+    """A module whose replicas work together during a forward (and its backward)."""
+
+    def link_replicas(self, replicas: list[nn.Module], concurrent_backward: bool, name: str = "") -> None:
+        """Called on the original module with its replicas, in replica order, before they run;
+        ``concurrent_backward``: each replica's backward will run in its own thread at the same time."""
+
+
+def link_replicas(network: nn.Module, replicas: Sequence[nn.Module], concurrent_backward: bool) -> None:
+    """Introduce the replicas of every ``LinkedReplicas`` submodule of ``network`` to each other."""
+    for (name, original), *copies in zip(network.named_modules(), *(r.modules() for r in replicas)):
+        if isinstance(original, LinkedReplicas):
+            original.link_replicas(list(copies), concurrent_backward, name)

@@ -1,0 +1,155 @@
+"""The autograd Functions of SyncBatchNorm in training: normalising with the whole batch's statistics, and the
+exact gradient of that, whose one collective sums each part's ``sum(dy)`` and ``sum(dy * xhat)``.
+
+Layer: ``fanfold.nn``, above ``moments.py``; used by ``syncbn.py``. The forward's collective (the moments) happens
+before, outside autograd; the backward's goes through the callable in the ``plan``. With M the whole batch's count
+and the sums over the whole batch, BatchNorm's gradient is ``dx = w * invstd * (dy - sum(dy)/M - xhat *
+sum(dy * xhat)/M)``, the weight's ``sum(dy * xhat)`` and the bias's ``sum(dy)``; like torch's SyncBatchNorm, a part
+keeps its own share of the last two (DDP then averages them as any gradient).
+
+``SyncNormalize.apply(x, mean, var, weight, bias, plan)``: one node per part (a rank; a replica whose backward runs
+in its own thread), the statistics constants: torch's kernel for the part's sums (one pass, no temporaries), one
+collective, then ``dx``.
+
+For replicas whose backward autograd's engine runs one after another on one thread, a node per replica would wait
+in its backward for replicas not run yet. There the statistics are one node joining the replicas' graphs, and the
+gradient flows through the mean and the variance, as autograd would through the formulas:
+``BatchStats.apply(plan, *xs) -> (mean_0, var_0, mean_1, var_1, ...)`` (one pair per part, on its device; backward:
+the summed ``dL/dmean`` and ``dL/dvar`` give each part ``dL/dmean / M + dL/dvar * 2 (x - mean) / M``) and per replica
+``Normalize.apply(x, mean, var, weight, bias, plan)`` (backward: the direct ``dx``, ``dL/dmean = -w * invstd *
+sum(dy)``, ``dL/dvar = -w * invstd^2 * sum(dy * xhat) / 2``).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.autograd import Function
+
+from .moments import Moments, stats_dtype, wide_dtype
+
+__all__ = ["StatsPlan", "Normalize", "BatchStats", "SyncNormalize"]
+
+
+@dataclass
+class StatsPlan:
+    """What the Functions need besides tensors: the whole batch's moments and ``eps``, and ``reduce``, which sums
+    the backward's packed vector (2C, float64) of this node's parts with every other part's."""
+
+    moments: Moments
+    eps: float
+    reduce: Callable[[torch.Tensor], torch.Tensor]
+
+
+def _channels(v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return v.view([1, -1] + [1] * (x.dim() - 2))
+
+
+def _part_sums(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, var: torch.Tensor, weight: torch.Tensor | None,
+               eps: float, need_dx: bool) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """``(w * invstd * dy if need_dx, sum(dy * xhat), sum(dy))`` over this part, by torch's kernel."""
+    if x.numel() == 0:  # the kernel divides by the element count: an empty part contributes nothing
+        zeros = var.new_zeros(var.shape)
+        return (torch.zeros_like(x) if need_dx else None), zeros, zeros
+    return torch.ops.aten.native_batch_norm_backward(dy, x, weight, mean, var, None, None, False, eps,
+                                                     [need_dx, True, True])
+
+
+def _affine_grads(gw: torch.Tensor, gb: torch.Tensor, weight: torch.Tensor | None, need_w: bool,
+                  need_b: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    # weight and bias exist together, or the bias alone is absent (bias=False): both take the weight's dtype
+    if (need_w or need_b) and gw.dtype != weight.dtype:
+        gw, gb = gw.to(weight.dtype), gb.to(weight.dtype)
+    return (gw if need_w else None), (gb if need_b else None)
+
+
+class Normalize(Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, mean: torch.Tensor, var: torch.Tensor, weight: torch.Tensor | None,
+                bias: torch.Tensor | None, plan: StatsPlan) -> torch.Tensor:
+        ctx.plan = plan
+        ctx.save_for_backward(x, mean, var, weight)
+        return F.batch_norm(x, mean, var, weight, bias, False, 0.0, plan.eps)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, mean, var, weight = ctx.saved_tensors
+        need_x, need_mean, need_var, need_w, need_b = ctx.needs_input_grad[:5]
+        eps = ctx.plan.eps
+        dx, gw, gb = _part_sums(dy, x, mean, var, weight, eps, need_x)
+        dmean = dvar = None
+        if need_mean or need_var:
+            wide = wide_dtype(var.device)
+            invstd = (var.to(wide) + eps).rsqrt()
+            scale = invstd if weight is None else invstd * weight.to(wide)
+            dmean = (-scale * gb.to(wide)).to(mean.dtype)
+            dvar = (scale * invstd * gw.to(wide) * -0.5).to(var.dtype)
+        return (dx, dmean, dvar, *_affine_grads(gw, gb, weight, need_w, need_b), None)
+
+
+class BatchStats(Function):
+    @staticmethod
+    def forward(ctx: Any, plan: StatsPlan, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        m = plan.moments
+        outs: list[torch.Tensor] = []
+        for x in xs:
+            dtype = stats_dtype(x)
+            outs += [m.mean.to(x.device, dtype), m.var.to(x.device, dtype)]
+        ctx.plan = plan
+        ctx.save_for_backward(*xs, *outs[0::2])
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        saved = ctx.saved_tensors
+        n = len(saved) // 2
+        xs, means = saved[:n], saved[n:]
+        plan: StatsPlan = ctx.plan
+        c, home = means[0].numel(), means[0].device
+        packed = torch.cat([torch.stack([g.to(home) for g in grads[0::2]]).sum(0),
+                            torch.stack([g.to(home) for g in grads[1::2]]).sum(0)]).to(wide_dtype(home))
+        total = plan.reduce(packed)  # the backward's one collective: over the ranks, if any
+        count = plan.moments.count
+        out: list[torch.Tensor | None] = [None]
+        for i, (x, mean) in enumerate(zip(xs, means)):
+            if not ctx.needs_input_grad[1 + i]:
+                out.append(None)
+            elif count == 0 or x.numel() == 0:
+                out.append(torch.zeros_like(x))
+            else:
+                a = (total[:c] / count).to(x.device, mean.dtype)
+                b = (total[c:] * (2.0 / count)).to(x.device, mean.dtype)
+                out.append((x - _channels(mean, x)).mul_(_channels(b, x)).add_(_channels(a, x)).to(x.dtype))
+        return tuple(out)
+
+
+class SyncNormalize(Normalize):
+    """``Normalize``'s forward with constant statistics; backward: the whole gradient, one collective."""
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, mean, var, weight = ctx.saved_tensors
+        plan: StatsPlan = ctx.plan
+        need_x, _, _, need_w, need_b = ctx.needs_input_grad[:5]
+        _, gw, gb = _part_sums(dy, x, mean, var, weight, plan.eps, False)
+        dx = None
+        if need_x:
+            c, count = mean.numel(), plan.moments.count
+            total = plan.reduce(torch.cat([gb, gw]).to(wide_dtype(x.device)))  # the backward's one collective
+            if x.numel() == 0:
+                dx = torch.zeros_like(x)
+            else:
+                # dx = scale * dy - scale * sum(dy)/M - (x - mean) * scale * invstd * sum(dy * xhat)/M
+                invstd = (var + plan.eps).rsqrt_()
+                scale = invstd if weight is None else invstd * weight
+                k = total.view(2, c).to(mean.dtype).mul_(scale).div_(-count)
+                k[1].mul_(invstd)
+                shape = [1, c] + [1] * (x.dim() - 2)
+                k0, k1 = k.view([2] + shape)
+                dx = (x - mean.view(shape)).mul_(k1).addcmul_(dy, scale.view(shape)).add_(k0)
+                if dx.dtype != x.dtype:
+                    dx = dx.to(x.dtype)
+        return (dx, None, None, *_affine_grads(gw, gb, weight, need_w, need_b), None)

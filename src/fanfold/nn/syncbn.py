@@ -1,0 +1,212 @@
+"""``SyncBatchNorm``: BatchNorm whose training statistics are the whole batch's, over ranks and DataParallel replicas.
+
+Top of ``fanfold.nn``: the module, over ``moments.py`` (what each part contributes), ``functions.py`` (the autograd
+Functions), ``group_sum.py`` (collectives over ranks, and DDP's join) and ``rendezvous.py`` (replicas in threads).
+
+In training, each part of the batch (this rank's, or this replica's) packs its moments into one vector; one sum
+over every part gives the whole batch's mean and variance; the output is normalised with them, the running
+statistics move with the unbiased variance (the same bits on every rank and replica), and backward sums each part's
+``sum(dy)`` and ``sum(dy * xhat)`` the same way. The parts are summed:
+
+- over the ranks of ``process_group`` (torch.distributed, any backend) when it has more than one rank;
+- over the replicas of a ``fanfold.DataParallel`` forward, in the process: DataParallel links the replicas before
+  running them (``link_replicas``). When each replica runs its own backward in its own thread
+  (``parallel_backward``) they meet again in backward; when autograd's engine runs them one after another, the
+  statistics are one autograd node joining the replicas' graphs, whose backward sees every replica's gradient at
+  once -- a barrier there would deadlock;
+- both, when each rank runs DataParallel replicas (the replicas sum first, then one of them all-reduces).
+
+With neither, it is plain BatchNorm (torch's ``F.batch_norm``, the same result). Eval mode uses the running
+statistics and never communicates.
+"""
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from ..distributed.join import BACKWARD, FORWARD, JoinState
+from ..distributed.stall import resolve_stall_timeout
+from .convert import convert, rebuild_plain
+from .functions import BatchStats, Normalize, StatsPlan, SyncNormalize
+from .group_sum import GroupSum, check_channel, expect_in_join, group_size, same_group
+from .moments import Moments, pack_moments, stats_dtype, unpack_moments, wide_dtype
+from .rendezvous import Rendezvous, ReplicaLink
+
+__all__ = ["SyncBatchNorm", "revert_sync_batchnorm"]
+
+_UNLINKED = "unlinked"  # a replica made by a DataParallel that does not link them (torch.nn.DataParallel)
+
+
+def _sum_parts(vecs: list[torch.Tensor], outer: GroupSum | None, phase: int) -> torch.Tensor:
+    """The replicas' vectors summed in replica order, then over the ranks when there are several."""
+    total = vecs[0].clone()
+    for v in vecs[1:]:
+        total += v.to(total.device)
+    return total if outer is None else outer(total, phase)
+
+
+class SyncBatchNorm(_BatchNorm):
+    """``torch.nn.SyncBatchNorm``'s arguments, parameters and buffers; works on any device, any backend, inside
+    ``fanfold.DataParallel`` and ``fanfold.DistributedDataParallel`` (``join()`` included), and alone."""
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
+                 track_running_stats: bool = True, process_group: Any = None, device: Any = None,
+                 dtype: torch.dtype | None = None, *, bias: bool = True) -> None:
+        # bias=False is passed only when asked for: torch versions before it existed take no such keyword
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype,
+                         **({} if bias else {"bias": False}))
+        self.process_group = process_group
+        self.converted_from: type[nn.Module] | None = None  # set by convert_sync_batchnorm; used to revert
+        self._join: JoinState | None = None
+        self._replica: ReplicaLink | str | None = None
+        self._transport: weakref.ref | None = None  # DDP's, when on this layer's group; DDP owns it
+
+    def _check_input_dim(self, input: torch.Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"SyncBatchNorm: expected an input of at least 2 dimensions (batch, channels, ...), "
+                             f"got shape {tuple(input.shape)}")
+        if input.shape[1] != self.num_features:
+            raise ValueError(f"SyncBatchNorm(num_features={self.num_features}): the input has {input.shape[1]} "
+                             f"channels (dimension 1 of shape {tuple(input.shape)})")
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        self._check_input_dim(input)
+        track = self.training and self.track_running_stats
+        factor = 0.0
+        if track:
+            self.num_batches_tracked.add_(1)
+            factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+        if not self.training:  # the running statistics, or the batch's own when none are kept: no communication
+            batch = self.running_mean is None and self.running_var is None
+            return F.batch_norm(input, self.running_mean, self.running_var, self.weight, self.bias, batch, 0.0,
+                                self.eps)
+        link = self._replica
+        if link is _UNLINKED:
+            raise RuntimeError(
+                "SyncBatchNorm: this is a replica made by a DataParallel that does not link SyncBatchNorm's "
+                "replicas (torch.nn.DataParallel, or replicate() and parallel_apply() by hand), so it would see its "
+                "own slice of the batch only: use fanfold.DataParallel")
+        outer = None
+        if group_size(self.process_group) > 1:
+            if link is not None and self._join is not None:  # every rank alike: all have the same model
+                raise RuntimeError(
+                    "SyncBatchNorm: DataParallel replicas inside DistributedDataParallel.join() are not supported "
+                    "(a rank that has joined would have to stand in for every replica's backward); use one "
+                    "process per device under join()")
+            transport = self._transport() if self._transport is not None else None
+            outer = GroupSum(self.process_group, self._join, self._name(), transport)
+        if link is None and outer is None:  # nothing to synchronise with: plain BatchNorm
+            return F.batch_norm(input, self.running_mean if track else None, self.running_var if track else None,
+                                self.weight, self.bias, True, factor, self.eps)
+        return self._synchronised(input, factor if track else None, link, outer)
+
+    def _synchronised(self, x: torch.Tensor, factor: float | None, link: ReplicaLink | None,
+                      outer: GroupSum | None) -> torch.Tensor:
+        """Training with the whole batch's statistics; ``factor``: the running statistics' update, if kept."""
+        vec = pack_moments(x)
+        if link is not None and not link.concurrent_backward and torch.is_grad_enabled():
+            return self._joined(x, vec, factor, link, outer)
+        if link is None:  # ranks only
+            moments = self._update(unpack_moments(outer(vec, FORWARD), stats_dtype(x)), x, factor)
+            reduce = functools.partial(outer, phase=BACKWARD)
+        else:  # replicas (and ranks, if any), each running its own backward in its own thread
+            rendezvous, i = link.rendezvous, link.index
+            total = rendezvous.meet(i, vec, functools.partial(_sum_parts, outer=outer, phase=FORWARD), "forward")
+            moments = self._update(unpack_moments(total.to(x.device), stats_dtype(x)), x, factor)
+
+            def reduce(packed: torch.Tensor) -> torch.Tensor:
+                return rendezvous.meet(i, packed, functools.partial(_sum_parts, outer=outer, phase=BACKWARD),
+                                       "backward").to(packed.device)
+        return SyncNormalize.apply(x, moments.mean, moments.var, self.weight, self.bias,
+                                   StatsPlan(moments, self.eps, reduce))
+
+    def _joined(self, x: torch.Tensor, vec: torch.Tensor, factor: float | None, link: ReplicaLink,
+                outer: GroupSum | None) -> torch.Tensor:
+        """Replicas whose backward autograd's engine runs one after another: one statistics node for all."""
+        identity = (lambda packed: packed) if outer is None else functools.partial(outer, phase=BACKWARD)
+
+        def combine(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, tuple | None]:
+            # run once, by the last replica to arrive
+            total = _sum_parts([v for v, _ in parts], outer, FORWARD)
+            moments = unpack_moments(total, torch.float64)
+            if moments.count == 1:
+                return total, None  # each replica raises its own error
+            return total, BatchStats.apply(StatsPlan(moments, self.eps, identity), *[p for _, p in parts])
+
+        total, stats = link.rendezvous.meet(link.index, (vec, x), combine, "forward")
+        moments = self._update(unpack_moments(total.to(x.device), stats_dtype(x)), x, factor)
+        i = link.index
+        return Normalize.apply(x, stats[2 * i], stats[2 * i + 1], self.weight, self.bias,
+                               StatsPlan(moments, self.eps, identity))
+
+    def _update(self, moments: Moments, x: torch.Tensor, factor: float | None) -> Moments:
+        """Check the count, move the running statistics (the same bits on every rank and replica)."""
+        if moments.count == 1:  # as plain BatchNorm, but counted over the whole batch
+            raise ValueError(f"Expected more than 1 value per channel when training, got 1 over the whole batch "
+                             f"(input size {tuple(x.shape)} here)")
+        if factor is not None and moments.count > 0:
+            with torch.no_grad():
+                mean, unbiased = moments.mean, moments.var * (moments.count / (moments.count - 1))
+                if mean.dtype != self.running_mean.dtype:
+                    mean, unbiased = mean.to(self.running_mean.dtype), unbiased.to(self.running_mean.dtype)
+                self.running_mean.lerp_(mean, factor)
+                self.running_var.lerp_(unbiased, factor)
+        return moments
+
+    def _name(self) -> str:
+        return f"SyncBatchNorm({self.num_features})"
+
+    # ---- DataParallel: replicas that meet ------------------------------------------------------------------
+    def _replicate_for_data_parallel(self) -> SyncBatchNorm:
+        replica = super()._replicate_for_data_parallel()
+        replica._replica = _UNLINKED
+        return replica
+
+    def link_replicas(self, replicas: list[nn.Module], concurrent_backward: bool, name: str = "") -> None:
+        """Called by fanfold.DataParallel before each forward with several replicas, on the original module."""
+        label = f"SyncBatchNorm {name!r}" if name else self._name()
+        rendezvous = Rendezvous(len(replicas), label, resolve_stall_timeout())
+        for i, replica in enumerate(replicas):
+            replica._replica = ReplicaLink(rendezvous, i, bool(concurrent_backward))
+
+    # ---- DistributedDataParallel: its transport, its join() -------------------------------------------------
+    def use_transport(self, transport: Any, process_group: Any) -> None:
+        """Called by fanfold.DistributedDataParallel at construction: its collectives' transport and group."""
+        self._transport = weakref.ref(transport) if same_group(process_group, self.process_group) else None
+
+    def set_join_state(self, state: JoinState | None) -> None:
+        """Called by DistributedDataParallel.join() on entry (the state) and on exit (None)."""
+        if state is not None and group_size(self.process_group) > 1:
+            check_channel(state, self.process_group, self._name())
+            if self.training:
+                p = self.running_mean if self.running_mean is not None else self.weight
+                device = p.device if p is not None else torch.device("cpu")
+                expect_in_join(state, 2 * self.num_features + 1, 2 * self.num_features, device, wide_dtype(device),
+                               self.process_group)
+        self._join = state
+
+    def __getstate__(self) -> dict:
+        # what belongs to one DDP, join() context or forward is not pickled (torch.save(model), copy.deepcopy)
+        return {**super().__getstate__(), "_transport": None, "_join": None, "_replica": None}
+
+    @classmethod
+    def convert_sync_batchnorm(cls, module: nn.Module, process_group: Any = None) -> nn.Module:
+        """Replace every BatchNorm layer of ``module`` (torch's ``_BatchNorm`` subclasses: BatchNorm1d/2d/3d and
+        torch's SyncBatchNorm) by a fanfold ``SyncBatchNorm`` sharing its parameters and buffers; returns the
+        module (a new one when ``module`` itself is a BatchNorm). ``revert_sync_batchnorm`` undoes it."""
+        return convert(module, cls, process_group)
+
+
+def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
+    """Replace every SyncBatchNorm of ``module`` (fanfold's or torch's) by a plain BatchNorm sharing its parameters
+    and buffers: the torch class it was converted from, else one for any input dimension. For single-device
+    inference and export; returns the module (a new one when ``module`` itself is a SyncBatchNorm)."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"revert_sync_batchnorm: module must be an nn.Module, got {type(module).__name__}")
+    return rebuild_plain(module, lambda m: isinstance(m, (SyncBatchNorm, nn.SyncBatchNorm)))
