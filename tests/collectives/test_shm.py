@@ -19,25 +19,13 @@ from _ddp_models import MODELS, batch, loss_fn, optimizer, single_process, train
 from fanfold.collectives.select import select_transport
 from fanfold.collectives.shm import peer as shm_peer
 from fanfold.collectives.shm.host import host_key
-from fanfold.collectives.shm.segment import SHM_DIR, leftover_segments, pid_namespace
+from fanfold.collectives.shm.segment import SHM_DIR, pid_namespace
 from fanfold.collectives.shm.transport import ShmTimeoutError, ShmTransport
 from fanfold.distributed import free_port
 
 CHUNK = 64 << 10  # small chunks: many chunk edges and both algorithms (direct below 16 KB) at cheap sizes
 # elements: 1 .. 64 MB of float32, odd lengths, each side of the 16 KB / 64 KB edges
 SIZES = [1, 2, 3, 7, 4095, 4096, 4097, 16383, 16384, 16385, 100003, 1 << 20, (4 << 20) + 5, 16 << 20]
-
-
-@pytest.fixture(autouse=True)
-def clean_dev_shm():
-    before = set(leftover_segments())
-    yield
-    # Other test runs on this machine may be between creating and unlinking a segment (milliseconds): only a
-    # name that stays is a leftover.
-    deadline = time.monotonic() + 2.0
-    while (new := set(leftover_segments()) - before) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not new, f"fanfold segments left in /dev/shm: {sorted(new)}"
 
 
 def _init():
