@@ -11,7 +11,8 @@ and the stage runs on a copy of it (a first layer may then work in place, as it 
 forward keeps the stage's output; backward runs ``torch.autograd.backward(outputs, grads from the next stage)`` and
 sends the leaves' ``.grad`` back. The last stage applies ``loss_fn`` to each micro-batch and backpropagates
 ``weight_m * loss_m``, the weights making the sum the loss of the whole batch, so ``.grad`` ends equal to the
-sequential model's.
+sequential model's. In this mode the stage's ``nn.Linear`` layers compute their weight gradients over blocks of
+micro-batches (``accumulate.py``: one product per 256 rows, added into ``.grad`` in place), not one per micro-batch.
 
 Activation checkpointing (``"always"``; ``"except_last"``: all micro-batches but the last) uses torch's
 non-reentrant checkpoint, the copy of the input made inside the checkpointed function (checkpoint keeps its inputs
@@ -30,6 +31,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .accumulate import WeightGradAccumulator
 from .activations import map_tensors, tensor_leaves
 from .channel import Channel
 from .schedule import Step
@@ -100,6 +102,8 @@ class StageRun:
     timeline: list[StepTime] = field(default_factory=list)
     _leaves: dict[int, list] = field(default_factory=dict)
     _started: float | None = None
+    _weights: WeightGradAccumulator = field(default_factory=WeightGradAccumulator)
+    _backwards: int = 0
 
     @property
     def first(self) -> bool:
@@ -111,10 +115,16 @@ class StageRun:
 
     def run(self, step: Step) -> None:
         self._started = None
-        if step.phase == "F":
-            self.forward(step.microbatch)
-        else:
-            self.backward(step.microbatch)
+        # detached training: each stage owns its graph and its .grad, so its linear layers may accumulate their
+        # weight gradients in place (accumulate.py); the connected mode leaves backward to the user's autograd call
+        with self._weights.linears(self.spec.module) if self.train else contextlib.nullcontext():
+            if step.phase == "F":
+                self.forward(step.microbatch)
+            else:
+                self.backward(step.microbatch)
+                self._backwards += 1
+                if self._backwards == self.microbatches:
+                    self._weights.flush()  # after the gradient went upstream: the next stage is not kept waiting
         end = time.perf_counter()
         self.timeline.append(StepTime(step.stage, step.microbatch, step.phase, self._started or end, end))
 
