@@ -29,6 +29,7 @@ def _autograd_grads(model: nn.Module, x: torch.Tensor, chunks: int, fused: bool,
                 model(xc).pow(2).sum().backward()
         else:
             model(xc).pow(2).sum().backward()
+        acc.step()
     acc.flush()
     return [p.grad.clone() for p in model.parameters()]
 
@@ -42,6 +43,7 @@ def test_equals_autograd_accumulation_and_writes_in_place(min_rows):
     for k, xc in enumerate(x.chunk(4)):
         with acc.linears(model):
             model(xc).pow(2).sum().backward()
+        acc.step()
         # min_rows rows (or the flush) make a product: nothing reaches .grad before
         assert (model[0].weight.grad is None) == (3 * (k + 1) < min_rows)
     acc.flush()

@@ -1,15 +1,15 @@
-"""Weight gradients of ``nn.Linear`` layers over the micro-batches of a training step, in blocks of rows.
+"""Weight gradients of ``nn.Linear`` layers in a pipeline training step: after the input gradients, in place.
 
 Part of ``fanfold.pipeline`` (below ``stage``, which uses it in its detached training mode only). Micro-batching
 splits each weight gradient ``grad_out.T @ x`` into M products over M slices of the batch. Left to autograd, each
-product is a freshly allocated full-size tensor that ``AccumulateGrad`` then adds into ``.grad``; for a large layer
-and small micro-batches the product is bound by memory traffic (it reads and writes the whole weight-sized output
-for few rows), so a pipeline loses much of what its stages gain by overlapping (measured in ``docs/pipeline.md``).
-Here the backward of such a layer computes the input gradient as autograd would, and keeps the micro-batch's output
-gradient and input rows; once a layer has ``min_rows`` of them (or the stage's last backward is done) one product
-over all of them is added into ``.grad`` with ``addmm_``, which accumulates where it writes. Memory held: at most
-``min_rows`` rows of input and output gradient per layer, beyond what autograd keeps anyway. The result is the same
-sum in another order: equal to autograd's within float rounding.
+product is a freshly allocated full-size tensor that ``AccumulateGrad`` then adds into ``.grad`` (for a large layer
+and small micro-batches that costs about as much as the product: new pages, then a read-add-write of the whole
+weight), and it is computed before the input gradient goes on to the previous stage, which waits for it. Here the
+backward of such a layer computes only the input gradient and keeps the micro-batch's output-gradient and input
+rows; the stage calls ``step()`` after it has sent its input gradients upstream (and ``flush()`` after its last
+backward step), and the products of layers with ``min_rows`` pending rows are added into ``.grad`` with one
+``addmm_`` each, which accumulates where it writes. Measured in ``docs/pipeline.md``: the measured bubble falls to
+the ideal. The result is the same sum in another order: equal to autograd's within float rounding.
 
 Only where that is indistinguishable from autograd's accumulation: exact ``nn.Linear`` layers (not subclasses,
 which may compute something else), grad enabled, no autocast, input, weight and bias of one floating dtype, a
@@ -76,7 +76,7 @@ class _DeferredLinear(torch.autograd.Function):
 class WeightGradAccumulator:
     """One stage's pending weight-gradient rows during one pass; ``flush()`` after its last backward step."""
 
-    def __init__(self, min_rows: int = 256):
+    def __init__(self, min_rows: int = 1):
         self.min_rows = min_rows
         self._pending: dict[int, _Rows] = {}
 
@@ -106,8 +106,12 @@ class WeightGradAccumulator:
         pending.grads.append(grad)
         pending.inputs.append(x)
         pending.rows += grad.shape[0]
-        if pending.rows >= self.min_rows:
-            self._apply(self._pending.pop(id(weight)))
+
+    def step(self) -> None:
+        """The products of the layers that have ``min_rows`` rows into ``.grad``: called after a backward step has
+        sent its input gradients on, so that these products do not delay the previous stage."""
+        for key in [k for k, rows in self._pending.items() if rows.rows >= self.min_rows]:
+            self._apply(self._pending.pop(key))
 
     def flush(self) -> None:
         """Every pending product into ``.grad``."""

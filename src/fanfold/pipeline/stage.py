@@ -11,8 +11,8 @@ and the stage runs on a copy of it (a first layer may then work in place, as it 
 forward keeps the stage's output; backward runs ``torch.autograd.backward(outputs, grads from the next stage)`` and
 sends the leaves' ``.grad`` back. The last stage applies ``loss_fn`` to each micro-batch and backpropagates
 ``weight_m * loss_m``, the weights making the sum the loss of the whole batch, so ``.grad`` ends equal to the
-sequential model's. In this mode the stage's ``nn.Linear`` layers compute their weight gradients over blocks of
-micro-batches (``accumulate.py``: one product per 256 rows, added into ``.grad`` in place), not one per micro-batch.
+sequential model's. In this mode the stage's ``nn.Linear`` layers compute their weight gradients after the input
+gradients have gone upstream, added into ``.grad`` in place (``accumulate.py``).
 
 Activation checkpointing (``"always"``; ``"except_last"``: all micro-batches but the last) uses torch's
 non-reentrant checkpoint, the copy of the input made inside the checkpointed function (checkpoint keeps its inputs
@@ -122,9 +122,13 @@ class StageRun:
                 self.forward(step.microbatch)
             else:
                 self.backward(step.microbatch)
+                # the weight gradients after the input gradients went upstream: the previous stage is not kept
+                # waiting for products that only this stage needs
                 self._backwards += 1
                 if self._backwards == self.microbatches:
-                    self._weights.flush()  # after the gradient went upstream: the next stage is not kept waiting
+                    self._weights.flush()
+                else:
+                    self._weights.step()
         end = time.perf_counter()
         self.timeline.append(StepTime(step.stage, step.microbatch, step.phase, self._started or end, end))
 
