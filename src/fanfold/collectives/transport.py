@@ -14,6 +14,7 @@ only their owner fills, in float32 with values below 2**24 so that the sum is ex
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -25,21 +26,26 @@ from .protocol import Transport
 __all__ = ["TorchTransport", "DividedWork", "all_gather_rows", "all_gather_bytes"]
 
 
-class DividedWork:
-    """A handle whose ``wait()`` also runs ``finish()`` (once): the division or copy-back that follows a sum."""
+class DividedWork(dist._Work):
+    """A torch ``Work`` whose ``wait()`` also runs ``finish()`` (once): the division or copy-back that follows a sum.
+    A torch Work itself, so that the stall inspector bounds its wait as gloo's (a timed wait ends the collective)."""
 
     def __init__(self, handle: Any, finish: Callable[[], None]):
+        super().__init__()
         self._handle, self._finish = handle, finish
 
-    def wait(self, *args: Any, **kwargs: Any) -> Any:
-        result = self._handle.wait(*args, **kwargs)
+    def wait(self, timeout: timedelta | None = None) -> Any:
+        result = self._handle.wait() if timeout is None else self._handle.wait(timeout)
         if self._finish is not None:
             finish, self._finish = self._finish, None
             finish()
         return result
 
+    def is_completed(self) -> bool:
+        return self._handle.is_completed()
+
     def get_future(self) -> torch.futures.Future:
-        """The sum's future (before ``finish``): what the stall inspector bounds its wait with."""
+        """The sum's future (before ``finish``)."""
         return self._handle.get_future()
 
 
@@ -105,8 +111,11 @@ class TorchTransport:
 
 
 class _Done:
-    def wait(self, *args: Any, **kwargs: Any) -> None:
+    def wait(self, *args: Any) -> None:
         return None
+
+    def is_completed(self) -> bool:
+        return True
 
     def get_future(self) -> torch.futures.Future:
         fut: torch.futures.Future = torch.futures.Future()
