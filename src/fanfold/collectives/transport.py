@@ -52,7 +52,7 @@ class DividedWork(dist._Work):
 def _split(flat: torch.Tensor, outs: Sequence[torch.Tensor]) -> None:
     offset = 0
     for out in outs:
-        out.view(-1).copy_(flat[offset: offset + out.numel()])
+        out.copy_(flat[offset: offset + out.numel()].view_as(out))
         offset += out.numel()
 
 

@@ -256,7 +256,7 @@ class ShmTransport:
             flat = torch.cat([t.view(-1) for t in tensors])
             narrow = self._stage(bucket, numel, compress).copy_(flat if pre is None else flat.div_(pre))
             work = self.all_reduce(narrow, bucket, divisor=divisor)
-            return ShmWork(work.get_future().then(lambda _: _split_into(narrow, tensors)))
+            return ShmWork(work.get_future().then(lambda _: _split_into(narrow, [t.view(-1) for t in tensors])))
         if not self._finalizer.alive:
             raise RuntimeError(f"rank {self.rank}: reduce_tensors on a closed ShmTransport")
         fut = torch.futures.Future()
