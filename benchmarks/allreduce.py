@@ -63,7 +63,7 @@ def _rank_main(sizes: list[int], chunk_bytes: int) -> dict:
     dist.init_process_group("gloo", timeout=timedelta(seconds=600))
     shm = ShmTransport(timeout=120, chunk_bytes=chunk_bytes)
     ring = ShmTransport(timeout=120, chunk_bytes=chunk_bytes, peer_read=False)
-    out = {"peer read": shm.supports_reduce_tensors}
+    out = {"peer read": shm.peer_read}
     for size in sizes:
         x = torch.ones(size // 4)
         y = torch.empty_like(x)

@@ -231,10 +231,10 @@ class Recording(TorchTransport):
         super().__init__()
         self.buckets = []
 
-    def all_reduce(self, tensor, bucket=None):
+    def all_reduce(self, tensor, bucket=None, divisor=None):
         if bucket is not None:
             self.buckets.append(bucket)
-        return super().all_reduce(tensor, bucket)
+        return super().all_reduce(tensor, bucket, divisor)
 
 
 def branchy_steps(ddp, model, r, n, steps=2, use_b=None):

@@ -52,7 +52,7 @@ def _sums():
     # chunk are summed from the peers' own memory (process_vm_readv)
     with ShmTransport(timeout=60, chunk_bytes=CHUNK, direct_bytes=16 << 10, peer_read=False) as t, \
             ShmTransport(timeout=60, peer_read=False) as big, ShmTransport(timeout=60, chunk_bytes=CHUNK) as peer:
-        out["peer read"] = peer.supports_reduce_tensors
+        out["peer read"] = peer.peer_read
         out["peer sizes"] = []
         for size in SIZES:
             xs = [_inputs(size, q) for q in range(n)]
@@ -281,7 +281,8 @@ def _misuse():
         full = OSError(28, "No space left on device")
         with mock.patch("os.posix_fallocate", side_effect=full if r == 0 else os.posix_fallocate):
             with pytest.warns(UserWarning, match="falls back to ordinary memory"):
-                out["full"] = t.allocate(1000, torch.float32)
+                full = t.allocate(1000, torch.float32)
+        out["full"] = (full.tolist() == [0.0] * 1000, t._shared(full) is None)  # zeros, in ordinary memory
     with pytest.raises(RuntimeError, match="closed"):
         t.all_reduce(torch.ones(1))
     with ShmTransport(timeout=30) as t:  # reduce_tensors: bad lists named; same length in other pieces refused
@@ -291,7 +292,7 @@ def _misuse():
             with pytest.raises(ValueError) as e:
                 t.reduce_tensors(tensors)
             out[name] = str(e.value)
-        out["peer read"] = t.supports_reduce_tensors  # without it the pieces are concatenated: nothing to refuse
+        out["peer read"] = t.peer_read  # without it the pieces are concatenated: nothing to refuse
         try:
             t.reduce_tensors([torch.ones(5), torch.ones(5)] if r == 0 else [torch.ones(10)], bucket=3).wait()
         except RuntimeError as e:
@@ -300,11 +301,11 @@ def _misuse():
     with ShmTransport(timeout=30, peer_read=False if r == 0 else None) as t:
         y = torch.full((100,), float(r + 1))
         t.reduce_tensors([y[:30], y[30:]]).wait()
-        out["fallback"] = (t.supports_reduce_tensors, y.unique().tolist())
+        out["fallback"] = (t.peer_read, y.unique().tolist())
     denied = OSError(1, "Operation not permitted")  # what ptrace rules or seccomp answer on one rank
     with mock.patch("fanfold.collectives.shm.peer._copy", side_effect=denied if r == 1 else shm_peer._copy):
         with ShmTransport(timeout=30) as t:
-            out["denied"] = t.supports_reduce_tensors
+            out["denied"] = t.peer_read
     if r == 0:
         with pytest.raises(RuntimeError, match="peer_read=True"):
             ShmTransport(timeout=30, peer_read=True)
@@ -320,7 +321,7 @@ def test_misuse_is_named(api):
         assert f"rank {r} is in all_reduce of {10 + r} float32 #1 (bucket 4)" in o["mismatch"], o["mismatch"]
         assert f"rank {1 - r} is in all_reduce of {11 - r} float32" in o["mismatch"], o["mismatch"]
         assert "failed earlier" in o["after"]
-        assert o["full"] is None
+        assert o["full"] == (True, True)
         assert f"rank {1 - r} is in all_reduce of {1 << 17} float32 at {4 * (1 - r)} bytes into region 0" in \
             o["shared mismatch"], o["shared mismatch"]
         assert "tensors 0 and 1 overlap" in o["overlap"] and "tensor 1 must be a contiguous real tensor of " \
@@ -443,17 +444,16 @@ def _train(kind, transport, steps, hook=None, **kwargs):
     params = train_ddp(ddp, model, "mlp" if kind == "spare" else kind, steps)
     if kind == "spare":
         assert model.spare.weight.grad is None and model.spare.bias.grad is None
-    # Without peer reads, after the first backward the buckets are rebuilt in memory the shm transport's peers
-    # read (allocate); with them, the gradients are all-reduced where autograd left them and buckets hold nothing.
-    shared = [getattr(ddp.transport, "_shared", lambda f: None)(f) is not None for f in ddp.reducer.flats]
-    # reduce_into from every rank's copy leaves each bucket holding this rank's own gradients (the averages went
-    # to .grad), the direct path leaves it untouched (zeros); a path that all-reduces the bucket itself leaves
-    # the averages there.
-    r = ddp.reducer
-    into = any(p.grad is not None and not torch.equal(v, p.grad) for p, v in zip(r.params, r._views))
+    # The built-in hooks hand .grad to the transport (reduce_tensors): the reducer's buckets stay untouched (zeros).
+    # Without peer reads, the shm transport copies the buckets above a quarter chunk into memory its peers read
+    # (allocate), kept per bucket label; with them, it sums the gradients where autograd left them.
+    inner, r = ddp.transport.inner, ddp.reducer
+    stages = list(getattr(inner, "_stages", {}).values())
+    staged = bool(stages) and all(inner._shared(s) is not None for s in stages)
     direct = r._direct and not any(f.any() for f in r.flats)
-    peer = bool(getattr(ddp.transport, "supports_reduce_tensors", False))
-    return type(ddp.transport.inner).__name__, params, shared, into, direct, peer
+    # Another hook, or .grad a view of the bucket: the bucket itself is all-reduced, rebuilt in the transport's memory
+    shared = all(getattr(inner, "_shared", lambda f: None)(f) is not None for f in r.flats)
+    return type(inner).__name__, params, staged, direct, bool(getattr(inner, "peer_read", False)), shared
 
 
 def _trainings(transport):
@@ -467,6 +467,7 @@ def _trainings(transport):
         runs["spare"] = _train("spare", ShmTransport(**bare), STEPS, find_unused_parameters=True)
         runs["spare direct"] = _train("spare", transport, STEPS, find_unused_parameters=True)
         runs["ring"] = _train("mlp", ShmTransport(timeout=60, peer_read=False), STEPS)
+        runs["view"] = _train("mlp", ShmTransport(**bare), STEPS, gradient_as_bucket_view=True)
         runs["lm"] = _train("lm", transport, STEPS)
         # the compression hooks: rounded where the peers' gradients are read, or through the hook on the bucket
         for hook in ("bf16", "fp16"):
@@ -483,18 +484,18 @@ def test_ddp_training_equivalent_on_both_transports():
     shm = fanfold.launch(_trainings, "shm", nprocs=2, timeout=180)
     torch_ = fanfold.launch(_trainings, "torch", nprocs=2, timeout=180)
     assert [s["mlp"][0] for s in shm] == ["ShmTransport"] * 2 and torch_[0]["mlp"][0] == "TorchTransport"
-    paths = {run: (all(s[run][2]), s[run][3], s[run][4]) for s in shm for run in s}  # shared, into, direct
-    peer = shm[0]["mlp"][5]  # whether this machine lets the ranks read each other's memory (else: fallbacks)
-    plain, hooked = ((False, True, True),) * 2 if peer else ((True, False, False),) * 2
-    assert paths == {"mlp": plain, "in place": (True, True, False), "spare": (True, True, False),
-                     "spare direct": plain, "ring": (True, False, False), "lm": plain, "bf16": hooked,
-                     "bf16 hook": (True, False, False), "fp16": hooked, "fp16 hook": (True, False, False)}, paths
-    assert not any(torch_[0]["mlp"][2]) and not torch_[0]["mlp"][3] and not torch_[0]["mlp"][4]
+    paths = {run: (s[run][2], s[run][3], s[run][5]) for s in shm for run in s}  # staged, direct, shared buckets
+    peer = shm[0]["mlp"][4]  # whether this machine lets the ranks read each other's memory (else: fallbacks)
+    plain, staged = (False, True, False), (True, True, False)
+    assert paths == {"mlp": plain, "in place": staged, "spare": staged, "spare direct": plain, "ring": plain,
+                     "view": (False, False, True), "lm": plain, "bf16": plain, "bf16 hook": plain, "fp16": plain,
+                     "fp16 hook": plain}, paths
+    assert torch_[0]["mlp"][2:4] == (False, True)
     oracle = single_process("mlp", STEPS)
-    for a, b, c, d, o in zip(shm[0]["mlp"][1], torch_[0]["mlp"][1], shm[0]["in place"][1], shm[0]["ring"][1],
-                             oracle):
+    for a, b, c, d, e, o in zip(shm[0]["mlp"][1], torch_[0]["mlp"][1], shm[0]["in place"][1], shm[0]["ring"][1],
+                                shm[0]["view"][1], oracle):
         # two ranks: a + b either way, so bitwise what gloo gives, on every path
-        assert torch.equal(a, b) and torch.equal(a, c) and torch.equal(a, d)
+        assert torch.equal(a, b) and torch.equal(a, c) and torch.equal(a, d) and torch.equal(a, e)
         torch.testing.assert_close(a, o, rtol=1e-5, atol=1e-6)
     # "ring": the default 1 MiB chunks keep these small buckets in the ring (a quarter chunk or less); the torch
     # transport and the bf16 hook all-reduce the buckets themselves
@@ -526,7 +527,7 @@ def _three_rank_paths():
 def test_ddp_three_ranks_every_path_agrees():
     """3 ranks: the fixed order (r0 + r1) + r2 on every path, so the peer reads give the ring's bits, bf16 too."""
     out = fanfold.launch(_three_rank_paths, nprocs=3, timeout=180)
-    assert [o["peer"][4] for o in out] == [o["peer"][5] for o in out] and not any(o["ring"][4] for o in out)
+    assert all(o[run][3] for o in out for run in o)  # the reducer hands .grad to the transport on every path
     for o in out:
         for a, b, c, d in zip(o["peer"][1], o["ring"][1], out[0]["peer"][1], out[0]["bf16 peer"][1]):
             assert torch.equal(a, b) and torch.equal(a, c)  # both paths, every rank

@@ -1,4 +1,4 @@
-"""The collective layer on its own: TorchTransport, the averaging helper, the structured all-gathers and the choice of
+"""The collective layer on its own: TorchTransport, its average, the structured all-gathers and the choice of
 transport, each against values computed in the test (what every rank must hold)."""
 import pytest
 import torch
@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 import fanfold
 from fanfold.collectives.select import resolve_transport, select_transport
-from fanfold.collectives.transport import TorchTransport, all_gather_bytes, all_gather_rows, issue_all_reduce
+from fanfold.collectives.transport import TorchTransport, all_gather_bytes, all_gather_rows
 from fanfold.distributed import init_process_group
 
 
@@ -19,7 +19,7 @@ def _collectives():
     t.all_reduce(x).wait()
     out["sum"] = x.tolist()
     y = torch.full((7,), float(r + 1))
-    issue_all_reduce(t, y, bucket=3, divisor=n).wait()
+    t.all_reduce(y, bucket=3, divisor=n).wait()
     out["mean"] = y.tolist()
     b = torch.full((3,), float(r))
     t.broadcast(b, n - 1)

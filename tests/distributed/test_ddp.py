@@ -16,10 +16,10 @@ class RecordingTransport(TorchTransport):
         super().__init__()
         self.calls, self.ddp = [], None
 
-    def all_reduce(self, tensor, bucket=None):
+    def all_reduce(self, tensor, bucket=None, divisor=None):
         if bucket is not None:
             self.calls.append((bucket, len(self.ddp.reducer._order), len(self.ddp.reducer.params)))
-        return super().all_reduce(tensor, bucket)
+        return super().all_reduce(tensor, bucket, divisor)
 
 
 class Reordered(torch.nn.Module):

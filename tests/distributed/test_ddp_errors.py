@@ -223,5 +223,6 @@ def test_transport_choice_is_validated(monkeypatch):
     monkeypatch.setenv("FANFOLD_TRANSPORT", "bogus")
     with pytest.raises(ValueError, match="FANFOLD_TRANSPORT must be"):
         resolve_transport(None)
-    with pytest.raises(TypeError, match=r"lacks \['all_reduce', 'broadcast', 'barrier', 'rank', 'world_size'\]"):
+    protocol = r"\['all_reduce', 'reduce_tensors', 'broadcast', 'barrier', 'allocate', 'rank', 'world_size'\]"
+    with pytest.raises(TypeError, match=rf"lacks {protocol} of fanfold.collectives.Transport"):
         resolve_transport(object())

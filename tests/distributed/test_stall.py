@@ -35,7 +35,7 @@ class _FutureTransport:
     def __init__(self):
         self.futures, self.done = [], False
 
-    def all_reduce(self, tensor, bucket=None):
+    def all_reduce(self, tensor, bucket=None, divisor=None):
         self.futures.append(torch.futures.Future())
         if self.done:
             self.futures[-1].set_result(None)
@@ -163,7 +163,7 @@ class _ShmLikeWork:
 
 def test_handle_with_a_future_is_bounded_too():
     inner = _FutureTransport()
-    inner.all_reduce = lambda tensor, bucket=None: _ShmLikeWork()
+    inner.all_reduce = lambda tensor, bucket=None, divisor=None: _ShmLikeWork()
     alone = InspectedTransport(inner, timeout=0.2, store=dist.HashStore(), rank=0, world_size=1)
     with pytest.raises(StallError, match=r"all_reduce #1 \(bucket 4\) .* within 0.2 s. Ranks that never arrived: none"):
         alone.all_reduce(torch.ones(1), bucket=4).wait()

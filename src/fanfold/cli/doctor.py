@@ -45,7 +45,7 @@ def _probe() -> ProbeResult:
         transport = ShmTransport()
         t = torch.tensor([float(dist.get_rank() + 1)])
         transport.all_reduce(t).wait()
-        total, peer = t.item(), bool(transport.supports_reduce_tensors)
+        total, peer = t.item(), transport.peer_read
         transport.close()
     except Exception as exc:  # reported, not raised: the doctor says why
         error = f"{type(exc).__name__}: {exc}"

@@ -1,14 +1,15 @@
-"""fanfold.collectives: how ranks talk. The transport interface and its torch.distributed implementation
-(``transport``), the shared-memory transport for ranks on one host (``shm/``), the choice between them (``select``),
-the ``fanfold`` torch.distributed backend (``backend``), store namespaces (``store``) and the wait bound every
-layer shares (``timeouts``).
+"""fanfold.collectives: how ranks talk. The transport interface (``protocol.Transport``), its torch.distributed
+implementation (``transport``), the shared-memory transport for ranks on one host (``shm/``), the choice between
+them (``select``), the ``fanfold`` torch.distributed backend (``backend``), store namespaces (``store``) and the wait
+bound every layer shares (``timeouts``).
 May import ``fanfold._core`` only.
 """
 from .backend import FanfoldProcessGroup
+from .protocol import Transport, Work
 from .select import resolve_transport, select_transport
 from .shm.segment import ShmTimeoutError
 from .shm.transport import ShmTransport
 from .transport import TorchTransport
 
-__all__ = ["FanfoldProcessGroup", "TorchTransport", "ShmTransport", "ShmTimeoutError", "select_transport",
-           "resolve_transport"]
+__all__ = ["FanfoldProcessGroup", "Transport", "Work", "TorchTransport", "ShmTransport", "ShmTimeoutError",
+           "select_transport", "resolve_transport"]

@@ -59,7 +59,7 @@ def select_transport(group: Any = None, transport: str | None = None, device: An
 def resolve_transport(transport: Any = None, group: Any = None) -> Any:
     """The transport named by ``transport``: None -> ``$FANFOLD_TRANSPORT``, else "shm" when every rank shares this
     host and the CPU (``shm.select_transport``, collective), else "torch"; "torch" -> TorchTransport; "shm" -> the
-    shared-memory transport; any object with ``all_reduce``/``broadcast``/``barrier`` -> used as is."""
+    shared-memory transport; an object implementing ``protocol.Transport`` -> used as is."""
     source = "transport"
     if transport is None:
         transport, source = select_transport(group), ENV_VAR
@@ -69,9 +69,10 @@ def resolve_transport(transport: Any = None, group: Any = None) -> Any:
         if transport == "shm":
             return ShmTransport(group)
         raise ValueError(f"{source} must be 'torch', 'shm' or a transport object, got {transport!r}")
-    missing = [m for m in ("all_reduce", "broadcast", "barrier") if not callable(getattr(transport, m, None))]
+    methods = ("all_reduce", "reduce_tensors", "broadcast", "barrier", "allocate")
+    missing = [m for m in methods if not callable(getattr(transport, m, None))]
     missing += [a for a in ("rank", "world_size") if not isinstance(getattr(transport, a, None), int)]
     if missing:
-        raise TypeError(f"transport {transport!r} lacks {missing} of the transport interface (all_reduce, broadcast, "
-                        "barrier, rank, world_size)")
+        raise TypeError(f"transport {transport!r} lacks {missing} of fanfold.collectives.Transport "
+                        f"({', '.join(methods)}, rank, world_size)")
     return transport

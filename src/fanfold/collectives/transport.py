@@ -1,38 +1,59 @@
-"""The collective interface of fanfold's reducer and DDP, and its implementation on torch.distributed.
+"""``TorchTransport``: the collective interface (``protocol.Transport``) on a torch.distributed process group.
 
-Every collective that DistributedDataParallel issues -- bucket all-reduces, the fingerprint exchange, parameter and
-buffer broadcasts, join-state exchanges -- goes through one transport object, so another implementation (the
-shared-memory ``ShmTransport`` of ``shm.py``) or a wrapper (the stall inspector of ``stall.py``, which numbers each
-collective) can stand in without touching the reducer. A transport has:
-
-- ``all_reduce(tensor, bucket=None) -> handle``: in-place SUM over the group, asynchronous; ``handle.wait()``
-  blocks until ``tensor`` holds the sum. ``bucket`` is a label only (the gradient bucket index, None otherwise);
-  a transport may ignore it, a wrapper may record it.
-- ``broadcast(tensor, src) -> None``: in place, synchronous; ``src`` is a rank of the group.
-- ``barrier() -> None``.
-- ``rank``, ``world_size`` attributes.
-
-Optional, announced by class attributes so that the reducer can rely on them: ``supports_divisor`` --
-``all_reduce(tensor, bucket=None, divisor=d)`` leaves the sum divided by ``d``; ``supports_reduce_into`` --
-``reduce_into(tensor, outs, bucket=None, divisor=None) -> handle`` writes the result into the private tensors
-``outs`` (which split ``tensor``'s length, in order) instead; ``supports_reduce_tensors`` (may be an instance
-attribute) -- ``reduce_tensors(tensors, bucket=None, divisor=None, settle=True) -> handle`` all-reduces a list of
-contiguous tensors in place (the reducer then never copies gradients into a bucket). Without them the reducer
-divides and copies itself.
+Layer: ``collectives``. Every collective that DistributedDataParallel issues -- gradient buckets, the fingerprint
+exchange, parameter and buffer broadcasts, join-state exchanges -- goes through one transport object, so the
+shared-memory ``ShmTransport`` (``shm/transport.py``) or a wrapper (the stall inspector, ``distributed/stall.py``)
+can stand in without touching the reducer. Here every method is torch's collective: ``all_reduce`` divides after
+the wait, ``reduce_tensors`` copies the tensors into one flat buffer of its own, all-reduces it and copies the
+result back (with ``compress``, exactly as torch's bf16/fp16 compression hooks do on a bucket), ``allocate`` is
+plain ``torch.zeros``.
 
 Small exchanges of structured data are built from ``all_reduce`` alone (:func:`all_gather_rows`), summing rows that
 only their owner fills, in float32 with values below 2**24 so that the sum is exact on every transport.
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from .._core.group import require_initialized
+from .protocol import Transport
 
-__all__ = ["TorchTransport", "DividedWork", "issue_all_reduce", "all_gather_rows", "all_gather_bytes"]
+__all__ = ["TorchTransport", "DividedWork", "all_gather_rows", "all_gather_bytes"]
+
+
+class DividedWork(dist._Work):
+    """A torch ``Work`` whose ``wait()`` also runs ``finish()`` (once): the division or copy-back that follows a sum.
+    A torch Work itself, so that the stall inspector bounds its wait as gloo's (a timed wait ends the collective)."""
+
+    def __init__(self, handle: Any, finish: Callable[[], None]):
+        super().__init__()
+        self._handle, self._finish = handle, finish
+
+    def wait(self, timeout: timedelta | None = None) -> Any:
+        result = self._handle.wait() if timeout is None else self._handle.wait(timeout)
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            finish()
+        return result
+
+    def is_completed(self) -> bool:
+        return self._handle.is_completed()
+
+    def get_future(self) -> torch.futures.Future:
+        """The sum's future (before ``finish``)."""
+        return self._handle.get_future()
+
+
+def _split(flat: torch.Tensor, outs: Sequence[torch.Tensor]) -> None:
+    offset = 0
+    for out in outs:
+        out.copy_(flat[offset: offset + out.numel()].view_as(out))
+        offset += out.numel()
 
 
 class TorchTransport:
@@ -44,8 +65,35 @@ class TorchTransport:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
 
-    def all_reduce(self, tensor: torch.Tensor, bucket: int | None = None) -> Any:
-        return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+    def all_reduce(self, tensor: torch.Tensor, bucket: int | None = None, divisor: float | None = None) -> Any:
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        return work if divisor is None else DividedWork(work, lambda: tensor.div_(divisor))
+
+    def reduce_tensors(self, tensors: Sequence[torch.Tensor], bucket: int | None = None, *,
+                       divisor: float | None = None, settle: bool = True,
+                       compress: torch.dtype | None = None) -> DividedWork:
+        """``tensors`` all-reduced in place through one flat copy (``settle``: nothing to settle, the copy is
+        private). ``compress``: torch's compression hook on that copy -- cast, divide, all-reduce, copy back."""
+        if compress not in (None, torch.bfloat16, torch.float16):
+            raise ValueError(f"reduce_tensors: compress must be None, torch.bfloat16 or torch.float16, got {compress}")
+        tensors = list(tensors)
+        if not tensors:
+            return DividedWork(_Done(), lambda: None)
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        if compress is not None:
+            flat = flat.to(compress)
+            if divisor is not None:
+                flat.div_(divisor)
+            divisor = None
+        # self.all_reduce without divisor: a subclass that only records the call sees it as a plain all-reduce
+        work = self.all_reduce(flat, bucket)
+
+        def finish() -> None:
+            if divisor is not None:
+                flat.div_(divisor)
+            _split(flat, tensors)
+
+        return DividedWork(work, finish)
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         # src is a rank of this group; torch wants the global rank.
@@ -55,37 +103,27 @@ class TorchTransport:
     def barrier(self) -> None:
         dist.barrier(group=self.group)
 
+    def allocate(self, numel: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+        return torch.zeros(numel, dtype=dtype, device=device)
+
     def __repr__(self) -> str:
         return f"TorchTransport(rank={self.rank}, world_size={self.world_size}, backend={dist.get_backend(self.group)})"
 
 
-class DividedWork:
-    """A transport's handle whose ``wait()`` also divides the tensor by ``divisor`` (once): an average from a
-    transport without ``supports_divisor``."""
+class _Done:
+    def wait(self, *args: Any) -> None:
+        return None
 
-    def __init__(self, handle: Any, tensor: torch.Tensor, divisor: float):
-        self._handle, self._tensor, self._divisor = handle, tensor, divisor
+    def is_completed(self) -> bool:
+        return True
 
-    def wait(self, *args: Any, **kwargs: Any) -> Any:
-        result = self._handle.wait(*args, **kwargs)
-        if self._divisor is not None:
-            self._tensor.div_(self._divisor)
-            self._divisor = None
-        return result
+    def get_future(self) -> torch.futures.Future:
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(None)
+        return fut
 
 
-def issue_all_reduce(transport: Any, tensor: torch.Tensor, bucket: int | None = None,
-                     divisor: float | None = None) -> Any:
-    """``transport.all_reduce`` of ``tensor`` labelled ``bucket``; with ``divisor`` the result is the sum divided by
-    it -- by the transport in its pass over memory where it can (``supports_divisor``), else after the wait."""
-    if divisor is None:
-        return transport.all_reduce(tensor, bucket=bucket)
-    if getattr(transport, "supports_divisor", False):
-        return transport.all_reduce(tensor, bucket=bucket, divisor=divisor)
-    return DividedWork(transport.all_reduce(tensor, bucket=bucket), tensor, divisor)
-
-
-def all_gather_rows(transport: Any, row: torch.Tensor) -> torch.Tensor:
+def all_gather_rows(transport: Transport, row: torch.Tensor) -> torch.Tensor:
     """Every rank's float32 ``row`` (same length everywhere), stacked by rank: one all-reduce of a zero matrix
     whose row ``rank`` this rank fills. Values must be integers below 2**24 for the sum to be exact."""
     table = torch.zeros(transport.world_size, row.numel(), dtype=torch.float32, device=row.device)
@@ -94,7 +132,7 @@ def all_gather_rows(transport: Any, row: torch.Tensor) -> torch.Tensor:
     return table
 
 
-def all_gather_bytes(transport: Any, data: bytes, device: torch.device | str = "cpu") -> list[bytes]:
+def all_gather_bytes(transport: Transport, data: bytes, device: torch.device | str = "cpu") -> list[bytes]:
     """Every rank's ``data`` by rank, in two fixed-shape all-reduces (lengths, then the padded bytes)."""
     lengths = all_gather_rows(transport, torch.tensor([float(len(data))], device=device))[:, 0].long().tolist()
     if max(lengths) == 0:

@@ -4,16 +4,16 @@ Layers: ``buckets <- bucket_layout <- bucket_paths <- reducer``. ``BucketLayout`
 ``buckets.py`` into memory: one flat tensor per bucket (in the bucket dtype: the parameters' own, or mixed
 precision's ``reduce_dtype``) and a view of it per dense parameter; sparse parameters have no bucket. After the
 first synchronised backward the layout is rebuilt, once, from the order in which gradients became ready on rank 0
-(broadcast, so that every rank builds the same buckets); the rebuilt buckets may live in memory the transport's
-peers can read (``ShmTransport.allocate``).
+(broadcast, so that every rank builds the same buckets); where a hook fills the buckets, the rebuilt ones live in
+the memory the transport reduces fastest (``Transport.allocate``: for ``ShmTransport``, memory its peers read).
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
+from ..collectives.protocol import Transport
 from .buckets import assign_buckets, rebuild_order
 
 __all__ = ["BucketLayout"]
@@ -24,7 +24,7 @@ class BucketLayout:
 
     params: list[torch.nn.Parameter]
     sparse: list[bool]
-    transport: Any
+    transport: Transport
     as_view: bool
     _direct: bool
 
@@ -69,13 +69,12 @@ class BucketLayout:
                     p.grad = self._views[i]
 
     def _bucket_memory(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        # A transport that offers memory its peers can read (ShmTransport.allocate) all-reduces a bucket there
-        # in place, without copying it into its own buffers. Taken once, for the buckets rebuilt after the first
-        # backward, as every rank rebuilds the same buckets at the same point (allocate is collective).
-        take = self.rebuilt and device.type == "cpu" and not self._direct  # direct: buckets never hold data
-        allocate = getattr(self.transport, "allocate", None) if take else None
-        flat = allocate(numel, dtype) if callable(allocate) else None
-        return flat if flat is not None else torch.zeros(numel, dtype=dtype, device=device)
+        # The transport's memory (ShmTransport's: all-reduced in place, no copy into its ring) for the buckets
+        # rebuilt after the first backward: every rank rebuilds the same buckets at the same point (allocate is
+        # collective). Not on the direct path, whose buckets never hold data.
+        if self.rebuilt and not self._direct:
+            return self.transport.allocate(numel, dtype, device)
+        return torch.zeros(numel, dtype=dtype, device=device)
 
     def _workspace(self, b: int, dtype: torch.dtype) -> torch.Tensor:
         """Bucket ``b``'s scratch tensor of ``dtype`` (a compression hook's narrow copy), kept across steps. Every
@@ -88,10 +87,12 @@ class BucketLayout:
 
     def _rebuild(self, ready_order: list[int]) -> None:
         """Adopt rank 0's observed gradient-ready order, once, so that every rank builds the same buckets."""
+        if self.rebuilt:
+            return
         order = torch.tensor(rebuild_order(ready_order, len(self.params)), dtype=torch.float32)
         self.transport.broadcast(order, 0)
         self.rebuilt = True
         new = [int(i) for i in order.tolist()]
         current = [i for members in self.buckets for i in members]
-        if [i for i in new if not self.sparse[i]] != current or callable(getattr(self.transport, "allocate", None)):
-            self._build(new)
+        if [i for i in new if not self.sparse[i]] != current or not self._direct:
+            self._build(new)  # a hook's buckets move into the transport's memory

@@ -1,9 +1,10 @@
-"""How one bucket is reduced: straight from ``.grad`` (``reduce_tensors``), into ``.grad`` (``reduce_into``), or
-through the flat bucket and a comm hook; the wait that brings each result back, and its write into ``.grad``.
+"""How one bucket is reduced: the built-in hooks by the transport straight from ``.grad`` (``reduce_tensors``), any
+other hook on the flat bucket (``GradBucket``); the wait that brings each result back, and its write into ``.grad``.
 
-Layers: ``bucket_layout <- bucket_paths <- reducer``; the transports are ``collectives`` and ``shm``, the hooks
-``comm_hooks.py``. The path is chosen from settings only (hook, ``gradient_as_bucket_view``, dtypes, transport),
-so it is the same on every rank, and once per change of those settings rather than in every parameter's hook.
+Layers: ``bucket_layout <- bucket_paths <- reducer``; the transport is ``collectives.Transport`` (how it reduces the
+gradients -- peer reads, shared memory, a flat copy of its own -- is its business), the hooks ``comm_hooks.py``.
+The path is chosen from settings only (hook, ``gradient_as_bucket_view``, dtypes), so it is the same on every rank,
+and once per change of those settings rather than in every parameter's hook.
 """
 from __future__ import annotations
 
@@ -28,7 +29,6 @@ class BucketPaths(BucketLayout):
     hook_state: Any
     divisor: int
     batched: bool
-    all_reduce: Callable[..., Any]
     _shadowing: bool
     _pending: set
     _temps: dict
@@ -36,16 +36,16 @@ class BucketPaths(BucketLayout):
     _graph_grads: dict
 
     def _choose_path(self) -> None:
-        # _direct: the built-in hooks on a transport that all-reduces the gradients where autograd left them
-        # (ShmTransport reading its peers' memory): no copy into the bucket at all; the compression hooks' bits come
-        # from rounding where the values are read. _into: the default hook on a transport that writes a bucket's
-        # average straight into .grad. Neither under mixed precision, whose gradients change dtype on their way.
-        t, hook = self.transport, self.hook
-        fp32 = all(p.dtype == torch.float32 for p in self.params)  # what the compressing transports take
-        plain = not self.as_view and self.reduce_dtype is None
-        self._direct = plain and hook in BUILT_IN and (BUILT_IN[hook] is None or fp32) and \
-            bool(getattr(t, "supports_reduce_tensors", False))
-        self._into = plain and hook is allreduce_hook and bool(getattr(t, "supports_reduce_into", False))
+        # _direct: the built-in hooks, handed to the transport as the .grad tensors themselves (reduce_tensors), no
+        # bucket of ours in between. Not under gradient_as_bucket_view (.grad is the bucket) nor mixed precision
+        # (gradients change dtype on their way); compression as the Protocol takes it, for float32 gradients.
+        fp32 = all(p.dtype == torch.float32 for p in self.params)
+        self._direct = not self.as_view and self.reduce_dtype is None and self.hook in BUILT_IN and \
+            (BUILT_IN[self.hook] is None or fp32)
+
+    def all_reduce(self, tensor: torch.Tensor, bucket: int | None = None, divisor: float | None = None) -> Any:
+        """Every all-reduce of the reducer but the gradients' (hooks, delayed parameters, the used-bitmap)."""
+        return self.transport.all_reduce(tensor, bucket, divisor)
 
     def set_comm_hook(self, state: Any, hook: Callable) -> None:
         if not callable(hook):
@@ -63,39 +63,31 @@ class BucketPaths(BucketLayout):
             if self.as_view:
                 p.grad = view  # from now on autograd accumulates straight into the bucket
 
-    def _grads(self, b: int, fresh: Callable[[torch.Tensor, Any], torch.Tensor]) -> list[torch.Tensor]:
-        """Bucket ``b``'s .grad tensors where a transport can work on them in place (contiguous, the bucket's dtype,
-        CPU, not a bucket view); else ``fresh(view, grad)``, a temporary that the write-back hands back."""
+    def _grads(self, b: int) -> list[torch.Tensor]:
+        """Bucket ``b``'s .grad tensors where the transport can work on them in place (contiguous, the bucket's
+        dtype); else a temporary (zeros for a missing one) that the write-back hands back."""
         out = []
         for i in self.buckets[b]:
             g, view = None if self._shadowing else self.params[i].grad, self._views[i]  # joined: its .grad stays
-            if g is None or g is view or not g.is_contiguous() or g.dtype != view.dtype or g.device.type != "cpu":
-                g = self._temps[i] = fresh(view, g)
+            if g is None or g is view or not g.is_contiguous() or g.dtype != view.dtype:
+                g = self._temps[i] = torch.zeros_like(view) if g is None else torch.empty_like(view).copy_(g)
             out.append(g)
         return out
 
     def _launch(self, b: int) -> None:
+        last = b == len(self.buckets) - 1
         if self._direct:
-            # Each .grad is all-reduced where it is (a parameter without one contributes zeros). Only the last
-            # bucket waits for the peers to finish reading this rank's gradients: every earlier bucket's readers
-            # are done by then, and nothing changes a gradient before the end of backward.
-            tensors = self._grads(b, lambda v, g: torch.zeros_like(v) if g is None else torch.empty_like(v).copy_(g))
-            narrow = BUILT_IN[self.hook]
-            self._futures[b] = self.transport.reduce_tensors(tensors, bucket=b, divisor=self.divisor,
-                                                             settle=b == len(self.buckets) - 1,
-                                                             **({} if narrow is None else {"compress": narrow}))
+            # Only the last bucket waits for the peers to be done with this rank's gradients (settle): every earlier
+            # bucket's are by then, and nothing changes a gradient before the end of backward.
+            self._futures[b] = self.transport.reduce_tensors(self._grads(b), bucket=b, divisor=self.divisor,
+                                                             settle=last, compress=BUILT_IN[self.hook])
             return
         for i in [i for i in self.buckets[b] if i in self._pending]:
             self._copy_in(i, self.params[i])  # batched_grad_copy: the bucket's copies, together
-        if self._into:  # the bucket (copied in) is averaged straight into .grad: nothing copied out at the end
-            outs = self._grads(b, lambda v, g: torch.empty_like(v))
-            self._futures[b] = self.transport.reduce_into(self.flats[b], outs, bucket=b, divisor=self.divisor)
-        else:
-            members = self.buckets[b]
-            bucket = GradBucket(b, self.flats[b], [self.params[i] for i in members],
-                                [self._views[i] for i in members], b == len(self.buckets) - 1, self.divisor,
-                                self.all_reduce, self._workspace)
-            self._futures[b] = self.hook(self.hook_state, bucket)
+        members = self.buckets[b]
+        bucket = GradBucket(b, self.flats[b], [self.params[i] for i in members], [self._views[i] for i in members],
+                            last, self.divisor, self.all_reduce, self._workspace)
+        self._futures[b] = self.hook(self.hook_state, bucket)
 
     def _wait_all(self) -> None:
         for b, fut in enumerate(self._futures):
@@ -112,14 +104,13 @@ class BucketPaths(BucketLayout):
     def _write_back(self, used: list[float] | None, sparse: dict[int, torch.Tensor]) -> None:
         """The averages into ``.grad``: ``used[i]`` ranks used parameter i (None: all); ``sparse``: the averaged
         sparse gradients by parameter."""
-        into = self._into or self._direct
         for i, p in enumerate(self.params):
             if used is not None and used[i] == 0:
                 continue  # no rank used it: leave .grad as a single process would (None)
             view, temp = self._views[i], self._temps.get(i)
             if self.sparse[i]:
                 p.grad = sparse[i].to(p.dtype)
-            elif into:  # .grad holds the average already, unless it had none usable: then a fresh tensor does
+            elif self._direct:  # .grad holds the average already, unless it had none usable: then a fresh tensor does
                 if temp is not None:
                     p.grad = temp if p.grad is None else p.grad.copy_(temp)
             elif self.as_view:

@@ -7,8 +7,7 @@ forward first re-syncs the buffers from rank 0 (the first forward included; not 
 or without grad), in place without bumping autograd's version counters, so a second forward before the backward
 (GANs, pytorch#22095) is safe; it then tells the reducer whether the coming backward synchronises and hooks the
 outputs, where the backward starts. ``join()`` lets ranks with fewer batches shadow the others (``join.py``). Every
-collective goes through the transport (``collectives``): shared memory when every rank shares this host
-(``shm``), else torch.distributed, or anything with the same methods.
+collective goes through one ``collectives.Transport``: shared memory when every rank shares this host, else torch's.
 
 A DDP model can be pickled, deep-copied and saved whole (``torch.save``) as torch's can: the transport and the
 reducer are left out and built again, by every rank, at the copy's first forward. Discarding the wrapper removes
@@ -45,7 +44,7 @@ class DistributedDataParallel(nn.Module):
     """Wrap ``module`` (already on this process's device) for data-parallel training over a process group.
 
     Takes every keyword of torch's DistributedDataParallel (2.13), each with torch's meaning or refused with an
-    error (``docs/ddp-compat.md``), plus ``transport`` ("torch", "shm" or a transport object; default
+    error (``docs/ddp-compat.md``), plus ``transport`` ("torch", "shm" or a ``collectives.Transport``; default
     ``$FANFOLD_TRANSPORT``, else "shm" when every rank shares this host and its CPU, "torch" otherwise),
     ``first_bucket_cap_mb`` (1 MiB) and ``stall_timeout`` (seconds a collective may wait before ``StallError``
     names the ranks that never arrived; default ``$FANFOLD_STALL_TIMEOUT`` or 300).
@@ -105,14 +104,9 @@ class DistributedDataParallel(nn.Module):
         self._build_reducer()
         self._share_transport()
 
-    @property
-    def broadcast_buffers(self) -> bool:
-        """torch's older name of ``forward_sync_buffers``."""
-        return self.forward_sync_buffers
-
-    @broadcast_buffers.setter
-    def broadcast_buffers(self, value: bool) -> None:
-        self.forward_sync_buffers = value
+    # torch's older name of forward_sync_buffers
+    broadcast_buffers = property(lambda self: self.forward_sync_buffers,
+                                 lambda self, value: setattr(self, "forward_sync_buffers", value))
 
     # ---- construction ---------------------------------------------------------------------------------------
     def _build_reducer(self) -> None:
@@ -131,8 +125,7 @@ class DistributedDataParallel(nn.Module):
     def _ensure_built(self) -> None:
         """After unpickling: the transport and the reducer, built by every rank at the copy's first forward."""
         if self.reducer is None:
-            self.transport = inspected(resolve_transport(self._transport_arg, self.process_group),
-                                       self._stall_timeout)
+            self.transport = inspected(resolve_transport(self._transport_arg, self.process_group), self._stall_timeout)
             self._build_reducer()
             self._share_transport()
 

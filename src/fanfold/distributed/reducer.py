@@ -1,15 +1,14 @@
 """The gradient reducer: per-parameter hooks fill flat buckets, each bucket's all-reduce starts as soon as it is
 full, and the end of backward waits, averages and writes the gradients back.
 
-Layers: ``buckets <- readiness, bucket_layout <- bucket_paths <- reducer <- ddp``; every collective goes through a
-transport (``collectives``), sparse gradients through ``sparse.py``. Collectives match by issue order, so buckets
-are launched strictly in bucket order on every rank: a bucket that fills early waits for those before it.
+Layers: ``buckets <- readiness, bucket_layout <- bucket_paths <- reducer <- ddp``; every collective goes through one
+``collectives.Transport``, sparse gradients through ``sparse.py``. Collectives match by issue order, so buckets are
+launched strictly in bucket order on every rank: a bucket that fills early waits for those before it.
 
-The end of backward is a callback queued where the backward reaches DDP's outputs (hooks set by
-``DistributedDataParallel.forward``): it runs when the outermost backward ends, not at the end of a reentrant one
-nested in it (``checkpoint(..., use_reentrant=True)``). It launches what is left, reduces the sparse gradients and
-the delayed parameters, waits for every bucket in order and writes the averages back. Nothing raises in the middle
-of a backward: an error found in a hook (a parameter ready twice, a static graph that changed) or at the end (a
+The end of backward is a callback queued where the backward reaches DDP's outputs (hooks set by ``DDP.forward``):
+it runs when the outermost backward ends, not a reentrant one nested in it (``checkpoint(use_reentrant=True)``), and
+launches what is left, reduces the sparse and delayed gradients, waits for every bucket and writes back. No raise
+mid-backward: an error found in a hook (a parameter ready twice, a static graph that changed) or at the end (a
 parameter without gradient) is raised there once every collective of the step is issued, so no peer is left
 waiting. A parameter without gradient contributes zeros (``find_unused_parameters=True``, a static graph: a bitmap
 all-reduce tells whether some rank used it; one no rank used keeps ``grad=None``) or is named by that error.
@@ -18,14 +17,13 @@ the next backward -- a gradient penalty -- is averaged too: both give the one-pr
 """
 from __future__ import annotations
 
-import functools
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from ..collectives.transport import issue_all_reduce
+from ..collectives.protocol import Transport
 from .bucket_paths import BucketPaths
 from .comm_hooks import allreduce_hook
 from .delayed import reduce_delayed
@@ -36,9 +34,8 @@ __all__ = ["Reducer"]
 
 
 def _remove_handles(handles: list) -> None:
-    for h in handles:
-        h.remove()
-    handles.clear()
+    while handles:
+        handles.pop().remove()
 
 
 def _hook(ref: weakref.ref, i: int | None) -> Callable[[torch.Tensor], None]:
@@ -57,7 +54,7 @@ class Reducer(BucketPaths):
     sparse; ``reduce_dtype``: the buckets' dtype; ``delayed``: averaged at the end of backward, outside the buckets."""
 
     def __init__(
-        self, params: Sequence[torch.nn.Parameter], names: Sequence[str], transport: Any, caps: Sequence[int],
+        self, params: Sequence[torch.nn.Parameter], names: Sequence[str], transport: Transport, caps: Sequence[int],
         find_unused_parameters: bool = False, gradient_as_bucket_view: bool = False, *, static_graph: bool = False,
         sparse: Sequence[bool] | None = None, reduce_dtype: torch.dtype | None = None, batched_copy: bool = False,
         skip_unused: bool = False, delayed: Sequence[torch.nn.Parameter] = (),
@@ -68,7 +65,6 @@ class Reducer(BucketPaths):
         self.sparse = [bool(sparse[k]) if sparse is not None else False for k in keep]
         self.delayed = [p for p in delayed if p.requires_grad]
         self.transport = transport
-        self.all_reduce = functools.partial(issue_all_reduce, transport)  # every all-reduce of the reducer
         self.find_unused, self.as_view = bool(find_unused_parameters), bool(gradient_as_bucket_view)
         self.batched, self.skip_unused = bool(batched_copy), bool(skip_unused)
         self.divisor = transport.world_size
@@ -90,7 +86,7 @@ class Reducer(BucketPaths):
         weakref.finalize(self, _remove_handles, self._handles)  # hooks leave with the reducer
 
     def _reset(self) -> None:
-        self._temps: dict[int, torch.Tensor] = {}  # reduce_into's outputs for parameters without a usable .grad
+        self._temps: dict[int, torch.Tensor] = {}  # reduce_tensors' tensors for parameters without a usable .grad
         self._graph_grads: dict[int, torch.Tensor] = {}  # create_graph: this rank's differentiable gradients
         self._pending: set[int] = set()  # batched_grad_copy: ready, not yet copied into its bucket
         self.readiness.reset()
@@ -270,8 +266,7 @@ class Reducer(BucketPaths):
         return all_reduce_sparse(self.transport, grad.to(self.reduce_dtype or grad.dtype), self.divisor)
 
     def _end_step(self) -> None:
-        if not self.rebuilt:
-            self._rebuild(self.readiness.order)
+        self._rebuild(self.readiness.order)
         self._used = [False] * len(self.params)
         self._reset()
         self.expect_sync = False
@@ -298,8 +293,7 @@ class Reducer(BucketPaths):
             delayed()
         finally:
             self._shadowing = False
-        if not self.rebuilt:
-            self._rebuild(self.readiness.order)
+        self._rebuild(self.readiness.order)
         self._reset()
 
     def remove_hooks(self) -> None:

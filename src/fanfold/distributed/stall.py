@@ -1,7 +1,7 @@
 """Stall inspector: every fanfold collective is numbered, every wait is bounded, and a stall names its cause.
 
-Layer: between a transport (``collectives``, ``shm``) and its users (reducer, DDP). ``InspectedTransport(inner)``
-has the transport interface (``all_reduce``, ``broadcast``, ``barrier``) and forwards to ``inner``. Each collective
+Layer: between a transport (``collectives``) and its users (reducer, DDP). ``InspectedTransport(inner)`` implements
+the collective interface (``collectives.Transport``) by delegating each method to ``inner`` once. Each collective
 gets the next sequence number; each rank keeps its progress (the last collective started and the ones still in
 flight: number, kind, bucket, the user's source line that triggered it; pid and host) in one key of the process
 group's store, written by a background thread (~18 us a collective on the training thread, on a 2-core CPU host).
@@ -23,13 +23,14 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from ..collectives.protocol import Transport
 from ..collectives.timeouts import DEFAULT_STALL_TIMEOUT, ENV_VAR, resolve_stall_timeout
 from .progress import Collective, Publisher, caller_line, process_gone, read_progress
 
@@ -228,20 +229,19 @@ def _store_prefix(group: Any) -> str:
 
 
 class InspectedTransport:
-    """``inner`` (any transport: ``all_reduce(tensor, bucket=None) -> handle``, ``broadcast(tensor, src)``,
-    ``barrier()``) with numbered, published, bounded collectives. ``timeout`` in seconds (default
-    ``$FANFOLD_STALL_TIMEOUT`` or 300); ``group``, ``rank`` and ``world_size`` default to the inner transport's (or the
-    world's); ``store`` to the default process group's store. ``barrier()`` is the inspector's own, through the store:
-    every rank reached it (collectives still in flight are not waited for)."""
+    """``inner`` (a ``collectives.Transport``) with numbered, published, bounded collectives. ``timeout`` in
+    seconds (default ``$FANFOLD_STALL_TIMEOUT`` or 300); ``group``, ``rank`` and ``world_size`` default to the inner
+    transport's (or the world's); ``store`` to the default process group's store. ``barrier()`` is the inspector's
+    own, through the store: every rank reached it (collectives still in flight are not waited for)."""
 
-    def __init__(self, inner: Any, *, timeout: float | timedelta | None = None, group: Any = None,
+    def __init__(self, inner: Transport, *, timeout: float | timedelta | None = None, group: Any = None,
                  store: dist.Store | None = None, rank: int | None = None, world_size: int | None = None):
         self.inner = inner
         group = group if group is not None else getattr(inner, "group", None)
         rank = rank if rank is not None else getattr(inner, "rank", None)
-        rank = dist.get_rank(group) if rank is None else rank
+        self.rank = rank = dist.get_rank(group) if rank is None else rank
         world_size = world_size if world_size is not None else getattr(inner, "world_size", None)
-        world_size = dist.get_world_size(group) if world_size is None else world_size
+        self.world_size = world_size = dist.get_world_size(group) if world_size is None else world_size
         if store is None:
             store = dist.PrefixStore(_store_prefix(group), dist.distributed_c10d._get_default_store())
         # Each rank counts its own transports in the store, so the n-th transport of every rank shares key space
@@ -249,18 +249,13 @@ class InspectedTransport:
         instance = store.add(f"instances/{rank}", 1)
         self.inspector = StallInspector(dist.PrefixStore(f"{instance}/", store), rank, world_size, timeout)
 
-    def all_reduce(self, tensor: torch.Tensor, bucket: int | None = None, **kwargs: Any) -> Any:
-        # kwargs: a transport's own options (ShmTransport's divisor), passed through only when given
-        return self.inspector.run("all_reduce", bucket,
-                                  lambda: self.inner.all_reduce(tensor, bucket=bucket, **kwargs))
+    def all_reduce(self, tensor: torch.Tensor, bucket: int | None = None, divisor: float | None = None) -> Any:
+        return self.inspector.run("all_reduce", bucket, lambda: self.inner.all_reduce(tensor, bucket, divisor))
 
-    def reduce_into(self, tensor: torch.Tensor, outs: list, bucket: int | None = None, **kwargs: Any) -> Any:
-        return self.inspector.run("all_reduce", bucket,
-                                  lambda: self.inner.reduce_into(tensor, outs, bucket=bucket, **kwargs))
-
-    def reduce_tensors(self, tensors: list, bucket: int | None = None, **kwargs: Any) -> Any:
-        return self.inspector.run("all_reduce", bucket,
-                                  lambda: self.inner.reduce_tensors(tensors, bucket=bucket, **kwargs))
+    def reduce_tensors(self, tensors: Sequence[torch.Tensor], bucket: int | None = None, *,
+                       divisor: float | None = None, settle: bool = True, compress: torch.dtype | None = None) -> Any:
+        return self.inspector.run("all_reduce", bucket, lambda: self.inner.reduce_tensors(
+            tensors, bucket, divisor=divisor, settle=settle, compress=compress))
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> Any:
         return self.inspector.run(f"broadcast(src={src})", None, lambda: self.inner.broadcast(tensor, src))
@@ -268,10 +263,10 @@ class InspectedTransport:
     def barrier(self) -> None:
         self.inspector.barrier()
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
+    def allocate(self, numel: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+        return self.inner.allocate(numel, dtype, device)  # collective through the store, not numbered
 
 
-def inspected(transport: Any, timeout: float | timedelta | None = None) -> InspectedTransport:
+def inspected(transport: Transport, timeout: float | timedelta | None = None) -> InspectedTransport:
     """``transport`` wrapped in an :class:`InspectedTransport`, unless it already is one."""
     return transport if isinstance(transport, InspectedTransport) else InspectedTransport(transport, timeout=timeout)

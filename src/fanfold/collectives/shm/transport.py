@@ -1,10 +1,9 @@
 """``ShmTransport``: collectives through one shared-memory segment for ranks that share a host (the choice between it
-and torch's collectives, :func:`select_transport`, is in ``shm_select.py`` and re-exported here).
+and torch's collectives is ``collectives/select.py``).
 
-Layer: a transport (the interface of ``transport.py``: ``all_reduce(tensor, bucket=None) -> handle``, ``broadcast``,
-``barrier``), used by the reducer and DDP; below it ``shm_engine.py`` (the algorithms) and ``shm_segment.py`` (the
-memory and the bounded waits). Process groups, rendezvous and launching stay torch.distributed's: only the
-segment's name and each rank's host identity travel, through the group's store.
+Layer: the collective interface (``collectives/protocol.py``), used by the reducer and DDP; below it ``engine.py``
+(the algorithms) and ``segment.py`` (the memory and the bounded waits). Process groups, rendezvous and launching
+stay torch.distributed's: only the segment's name and each rank's host identity travel, through the group's store.
 
 all_reduce goes chunk by chunk (``chunk_bytes``, 1 MiB) through a ring of shared areas: every rank copies its chunk
 into its slot, then either every rank sums all slots into its own tensor (up to 3 ranks: one synchronisation a
@@ -15,9 +14,9 @@ once. A tensor in memory from :meth:`ShmTransport.allocate` (every rank maps eve
 each rank sums its shard of each chunk from all copies into its own, in the same rank order, and copies the other
 shards from the peers' copies -- no copy in, half the memory traffic. Private tensors (a plain all_reduce above a
 quarter chunk, :meth:`ShmTransport.reduce_tensors`: DDP's gradients) skip the copy too where every rank may read its
-peers' memory (``process_vm_readv``, probed at start-up; ``shm_peer.py``).
-Requests run in FIFO order on one background thread per transport, so a reducer keeps several buckets in
-flight while backward runs; every wait for a peer is bounded by ``timeout``.
+peers' memory (``process_vm_readv``, probed at start-up: ``peer_read``; ``peer.py``), else ``reduce_tensors``
+copies into memory from allocate() kept per bucket label. Requests run in FIFO order on one background thread per
+transport, so a reducer keeps several buckets in flight while backward runs; every wait for a peer is bounded.
 """
 from __future__ import annotations
 
@@ -71,16 +70,14 @@ def _split_into(flat: torch.Tensor, outs: list[torch.Tensor]) -> None:
 
 
 class ShmTransport:
-    """The transport interface through shared memory, for a group whose ranks all share this host's /dev/shm.
-
+    """The transport interface (``protocol.Transport``) through shared memory, for ranks sharing this host's /dev/shm.
     Collective: every rank of ``group`` (None: the default group) constructs it, in the same order as its other
     transports. ``timeout`` (seconds or timedelta; default ``$FANFOLD_STALL_TIMEOUT``, else the process group's
     timeout) bounds every wait for a peer; a peer that never arrives, dies or fails makes the waiting rank raise
     :class:`ShmTimeoutError` naming both ranks and the collective. ``chunk_bytes`` is the pipelining unit;
     ``direct_bytes`` (default: a whole chunk up to 3 ranks, else 64 KiB) the largest chunk that every rank sums
-    whole instead of by shards. :meth:`allocate` gives tensors that are all-reduced in place, without the copy into
-    the ring (DDP's buckets). Call :meth:`close` when done (also run when the object is collected).
-    """
+    whole instead of by shards; ``peer_read`` (None: where the probe allows) whether ranks read their peers' memory.
+    Call :meth:`close` when done (also run when the object is collected)."""
 
     def __init__(self, group: Any = None, timeout: float | timedelta | None = None, *, chunk_bytes: int = 1 << 20,
                  direct_bytes: int | None = None, peer_read: bool | None = None):
@@ -98,7 +95,8 @@ class ShmTransport:
         self._seq, self._lock, self._chunk_bytes = 0, threading.Lock(), chunk_bytes
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = self._segment = None
-        self.supports_reduce_tensors = False  # reduce_tensors reads the peers' memory (probed below)
+        self.peer_read = False  # reduce_tensors reads the peers' memory (probed below)
+        self._stages: dict[tuple, torch.Tensor] = {}  # without peer reads: reduce_tensors' copies, by bucket label
         self._regions: list[tuple[int, int, list[torch.Tensor], Segment]] = []  # from allocate(), see _shared
         if self.world_size > 1:
             store = group_store(group, "shm", self.rank)
@@ -108,12 +106,11 @@ class ShmTransport:
             self._segment = Segment(store, self.rank, self.world_size, ring + self.world_size * TABLE_BYTES,
                                     self.timeout, check_pids=False)
             # Collective whatever this rank's peer_read: every rank takes the probe's steps.
-            self.supports_reduce_tensors, why = probe(self._segment, self.rank, self.world_size,
-                                                      peer_read is not False)
-            if peer_read is None and not self.supports_reduce_tensors:
+            self.peer_read, why = probe(self._segment, self.rank, self.world_size, peer_read is not False)
+            if peer_read is None and not self.peer_read:
                 warnings.warn(f"rank {self.rank}: fanfold's shm transport copies private tensors into shared memory "
                               f"(the slower path): {why}", stacklevel=2)
-            if peer_read and not self.supports_reduce_tensors:
+            if peer_read and not self.peer_read:
                 self._segment.close()
                 raise RuntimeError(f"rank {self.rank}: ShmTransport(peer_read=True), but some rank of the group "
                                    "may not read its peers' memory (process_vm_readv: ptrace rights, seccomp)")
@@ -122,7 +119,7 @@ class ShmTransport:
             self._segment.check_pids = len(spaces) == 1 and b"" not in spaces
             if direct_bytes is None:  # up to 3 ranks, summing everything on every rank moves fewer bytes
                 direct_bytes = chunk_bytes if self.world_size <= 3 else 64 << 10
-            tables = self._segment.data[ring:] if self.supports_reduce_tensors else None
+            tables = self._segment.data[ring:] if self.peer_read else None
             engine = Engine(self._segment, self.rank, self.world_size, chunk_bytes, direct_bytes, areas, tables)
             self._thread = threading.Thread(target=_serve, args=(self._requests, engine), daemon=True,
                                             name=f"fanfold-shm-rank{self.rank}")
@@ -151,7 +148,7 @@ class ShmTransport:
         elif shared is not None:
             op = SHARED_ALL_REDUCE
         targets = outs  # the engine's: reduce_into's outputs, or the tensors that a peer-read all-reduce sums
-        if shared is None and big and self.supports_reduce_tensors:  # private memory the peers can read: no copy
+        if shared is None and big and self.peer_read:  # private memory the peers can read: no copy
             op, targets = REDUCE_TENSORS, [flat]  # into the ring; reduce_into's outs are filled by `finish`
         fut = torch.futures.Future()
         with self._lock:  # numbering and queueing together: the FIFO order is the numbering order
@@ -168,14 +165,13 @@ class ShmTransport:
                 return [v[offset: offset + nbytes].view(flat.dtype) for v in views], index << 40 | offset
         return None
 
-    def allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
-        """A zeroed 1-d tensor of ``numel`` ``dtype`` in memory every rank of the group can read, or None where
-        that brings nothing (one rank, an unsupported dtype). An all_reduce of it (or of a contiguous part of it)
-        sums in place, each rank reading its peers' copies: no copy into the transport's ring, half the memory
-        traffic. Collective: every rank allocates the same sizes in the same order (the reducer's buckets do).
-        The memory lives until :meth:`close` and the last tensor using it are gone."""
-        if self.world_size == 1 or dtype not in DTYPES or numel <= 0:
-            return None
+    def allocate(self, numel: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+        """A zeroed 1-d tensor of ``numel`` ``dtype`` in memory every rank can read (ordinary memory where that
+        brings nothing: one rank, an unsupported dtype, not CPU). An all_reduce of it (or of a contiguous part of it)
+        sums in place, each rank reading its peers' copies: no copy into the ring, half the memory traffic.
+        Collective: every rank allocates the same sizes in the same order; lives until close() and its last user."""
+        if self.world_size == 1 or dtype not in DTYPES or numel <= 0 or torch.device(device).type != "cpu":
+            return torch.zeros(numel, dtype=dtype, device=device)
         if not self._finalizer.alive:
             raise RuntimeError(f"rank {self.rank}: allocate on a closed ShmTransport")
         nbytes = numel * torch.empty(0, dtype=dtype).element_size()
@@ -189,15 +185,12 @@ class ShmTransport:
         except RuntimeError as exc:  # every rank gets this error (/dev/shm full): all fall back to the ring
             warnings.warn(f"ShmTransport.allocate({numel}, {dtype}) falls back to ordinary memory: {exc}",
                           stacklevel=2)
-            return None
+            return torch.zeros(numel, dtype=dtype)
         views = [region.data[r * stride:][:nbytes] for r in range(self.world_size)]
         self._regions.append((views[self.rank].data_ptr(), nbytes, views, region))
         return views[self.rank].view(dtype)
 
-    supports_divisor = True  # all_reduce(..., divisor=d) averages in the same pass over memory
-    supports_reduce_into = True  # reduce_into(tensor, outs): the result lands in private tensors
-
-    def all_reduce(self, tensor: torch.Tensor, bucket: int | None = None, *, divisor: float | None = None) -> ShmWork:
+    def all_reduce(self, tensor: torch.Tensor, bucket: int | None = None, divisor: float | None = None) -> ShmWork:
         """Sum ``tensor`` over the group, in place, asynchronously; ``bucket`` labels errors. With ``divisor`` the
         result is the sum divided by it (bitwise what dividing afterwards gives), at no extra pass over memory."""
         if divisor is not None and not (isinstance(divisor, (int, float)) and divisor > 0):
@@ -208,8 +201,8 @@ class ShmTransport:
                     divisor: float | None = None) -> ShmWork:
         """All-reduce contiguous ``tensor`` into ``outs`` (contiguous tensors of its dtype whose lengths add up to
         its length, in order); what ``tensor`` holds afterwards is unspecified. For memory from :meth:`allocate` up to 3
-        ranks, each rank sums straight from every copy into ``outs``: the fewest bytes moved (DDP's buckets when
-        ``.grad`` is not a view of them). Otherwise an all_reduce in place, then a copy into ``outs``."""
+        ranks, each rank sums straight from every copy into ``outs``: the fewest bytes moved (``reduce_tensors``
+        without peer reads). Otherwise an all_reduce in place, then a copy into ``outs``."""
         if divisor is not None and not (isinstance(divisor, (int, float)) and divisor > 0):
             raise ValueError(f"reduce_into: divisor must be a positive number, got {divisor!r}")
         outs = [o.view(-1) for o in outs]
@@ -224,18 +217,14 @@ class ShmTransport:
     def reduce_tensors(self, tensors: list[torch.Tensor], bucket: int | None = None, *,
                        divisor: float | None = None, settle: bool = True,
                        compress: torch.dtype | None = None) -> ShmWork:
-        """All-reduce each of ``tensors`` (contiguous CPU tensors of one dtype, laid end to end as one logical
-        tensor) in place. Where every rank may read its peers' memory (``supports_reduce_tensors``, probed at
-        start-up) nothing is copied into shared memory: each rank sums its shard from the peers' own tensors and
-        copies the other shards from theirs (DDP's gradients, straight from autograd). Otherwise the tensors are
-        concatenated, all-reduced and copied back. The tensors must not change until the handle's wait returns; with
-        ``settle=False`` (every rank alike), not until a later collective of this transport has returned either: the
-        handle completes once this rank has its result, while peers may still be copying from its tensors (one
-        synchronisation less; DDP's reducer settles only its last bucket). ``compress`` (torch.bfloat16 or
-        torch.float16, float32 tensors): the result is bitwise what the compression hooks give (cast to it --
-        float16 after dividing by ``divisor`` --, all-reduce, cast back); with peer reads every rank rounds the values
-        as it reads them, so compression costs no extra pass over memory (and saves none: the bytes it would save
-        are a copy's, not a link's)."""
+        """The Protocol's ``reduce_tensors`` (CPU tensors). Where every rank may read its peers' memory
+        (``peer_read``) nothing is copied into shared memory: each rank sums its shard from the peers' own tensors
+        and copies the other shards from theirs (DDP's gradients, straight from autograd); ``settle=False``: the
+        handle completes once this rank has its result, while peers may still read its tensors (one
+        synchronisation less). Otherwise the tensors are copied into this bucket label's memory from
+        :meth:`allocate` (kept, grown as needed), all-reduced and copied back. ``compress``: bitwise fanfold's
+        compression hooks (cast -- float16 after dividing by ``divisor`` --, all-reduce, cast back); with peer reads
+        every rank rounds the values as it reads them, at no extra pass over memory."""
         if divisor is not None and not (isinstance(divisor, (int, float)) and divisor > 0):
             raise ValueError(f"reduce_tensors: divisor must be a positive number, got {divisor!r}")
         tensors = list(tensors)
@@ -257,15 +246,17 @@ class ShmTransport:
         pre = divisor if compress == torch.float16 else None
         if pre is not None:
             divisor = None
-        if not tensors or self.world_size == 1 or not self.supports_reduce_tensors:
+        if not tensors or self.world_size == 1 or not self.peer_read:
             if not tensors:
                 return _completed(tensors)
-            flat = torch.cat([t.view(-1) for t in tensors])
+            numel = sum(t.numel() for t in tensors)
             if compress is None:
+                flat = torch.cat([t.view(-1) for t in tensors], out=self._stage(bucket, numel, tensors[0].dtype))
                 return self.reduce_into(flat, tensors, bucket, divisor=divisor)
-            narrow = (flat if pre is None else flat.div_(pre)).to(compress)
+            flat = torch.cat([t.view(-1) for t in tensors])
+            narrow = self._stage(bucket, numel, compress).copy_(flat if pre is None else flat.div_(pre))
             work = self.all_reduce(narrow, bucket, divisor=divisor)
-            return ShmWork(work.get_future().then(lambda _: _split_into(narrow, tensors)))
+            return ShmWork(work.get_future().then(lambda _: _split_into(narrow, [t.view(-1) for t in tensors])))
         if not self._finalizer.alive:
             raise RuntimeError(f"rank {self.rank}: reduce_tensors on a closed ShmTransport")
         fut = torch.futures.Future()
@@ -275,6 +266,15 @@ class ShmTransport:
                                 (REDUCE_TENSORS, tensors[0].view(-1), self._seq, bucket, 0, None, divisor, tensors,
                                  bool(settle), None if compress is None else (compress, pre))))
         return ShmWork(fut)
+
+    def _stage(self, bucket: int | None, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        # Collective like allocate(): every rank reduces the same bucket labels with the same sizes in order.
+        if bucket is None or self.world_size == 1 or numel * dtype.itemsize <= self._chunk_bytes // 4:
+            return torch.empty(numel, dtype=dtype)  # small: the ring is faster than shared memory anyway
+        stage = self._stages.get((bucket, dtype))
+        if stage is None or stage.numel() < numel:
+            stage = self._stages[(bucket, dtype)] = self.allocate(numel, dtype)
+        return stage[:numel]
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         """Copy rank ``src``'s ``tensor`` into every rank's, in place (after the collectives queued before it)."""

@@ -1,0 +1,61 @@
+"""The collective interface: what the reducer, DDP, join, SyncBatchNorm and the stall inspector ask of a transport.
+
+Layer: ``collectives`` (imports torch only). Implemented in full by ``TorchTransport`` (``transport.py``, on a
+torch.distributed process group) and ``ShmTransport`` (``shm/transport.py``, shared memory on one host), and by the
+stall inspector's wrapper (``distributed/stall.py``), which delegates each method once. Nothing is optional: where a
+transport has a faster way (the shm transport's peer reads and shared buckets), it takes it inside the method.
+Collectives match by issue order, so every rank calls the same methods with the same sizes in the same order.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+__all__ = ["Transport", "Work"]
+
+
+@runtime_checkable
+class Work(Protocol):
+    """The handle of an asynchronous collective: ``wait()`` blocks until its result is in place."""
+
+    def wait(self) -> Any: ...
+
+
+@runtime_checkable
+class Transport(Protocol):
+    """Collectives over the ranks ``0..world_size-1`` of one group; this process is ``rank``."""
+
+    rank: int
+    world_size: int
+
+    def all_reduce(self, tensor: torch.Tensor, bucket: int | None = None, divisor: float | None = None) -> Work:
+        """In-place SUM of ``tensor`` over the group, divided by ``divisor`` when given (bitwise the sum, then a
+        division). ``bucket`` is a label for diagnostics (the gradient bucket index, None otherwise)."""
+        ...
+
+    def reduce_tensors(self, tensors: Sequence[torch.Tensor], bucket: int | None = None, *,
+                       divisor: float | None = None, settle: bool = True,
+                       compress: torch.dtype | None = None) -> Work:
+        """All-reduce ``tensors`` (contiguous, one dtype, not overlapping), laid end to end as one tensor, in place:
+        DDP's gradients where autograd left them. ``divisor``: as ``all_reduce``. The tensors must not change until
+        the wait returns; with ``settle=False`` (every rank alike) not until a later collective of this transport
+        has returned either. ``compress`` (torch.bfloat16 or torch.float16, float32 tensors): cast to it, average,
+        cast back, as the compression hook of that name does on a bucket of these tensors. ``TorchTransport``: bitwise
+        torch's hook; ``ShmTransport``: fanfold's (``comm_hooks``: the same bits on 2 ranks, but for values in
+        float16's subnormal range, which fanfold rounds once where torch rounds twice)."""
+        ...
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        """Rank ``src``'s ``tensor`` into every rank's, in place, synchronously."""
+        ...
+
+    def barrier(self) -> None:
+        """Return once every rank has reached it."""
+        ...
+
+    def allocate(self, numel: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+        """A zeroed 1-d tensor that this transport all-reduces fastest (DDP's buckets, where a hook fills them).
+        Collective: every rank allocates the same sizes in the same order."""
+        ...
