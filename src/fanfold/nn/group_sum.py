@@ -4,9 +4,10 @@ in ``DistributedDataParallel.join()``.
 Layer: ``fanfold.nn``, over ``fanfold.distributed`` (the join state); used by ``syncbn.py``. Any backend that sums
 a float64 tensor works (gloo, NCCL, ...): the collective is torch.distributed's own, on the layer's
 ``process_group`` -- or, under fanfold DDP on that same group, DDP's transport (``use_transport``): the shared-memory
-one when the ranks share a host, at a fraction of gloo's latency, and every wait bounded and diagnosed by the stall
-inspector. All ranks issue these in the same order as DDP's own collectives (autograd runs the same graph on each),
-so sharing DDP's channel is safe -- except under ``join()``, below.
+one when the ranks share a host, at a fraction of gloo's latency: the transport under DDP's stall inspector, its
+waits bounded by the transport itself, on the caller's thread where it can (``caller_thread_options``). All ranks
+issue these in the same order as DDP's own collectives (autograd runs the same graph on each), so sharing DDP's
+channel is safe -- except under ``join()``, below.
 
 Under ``join()`` (uneven inputs) a rank that ran out of data no longer runs forward or backward, yet the ranks still
 training issue these collectives. So while a join context is open, every collective a layer issues is recorded in

@@ -184,8 +184,9 @@ class SyncBatchNorm(_BatchNorm):
         # thread of its own) about doubled their latency. Their waits stay bounded by the transport itself (the
         # shm transport's timeout; the process group's for torch.distributed).
         inner = getattr(transport, "inner", transport)
-        self._transport = weakref.ref(inner) if same_group(process_group, self.process_group) else None
-        self._inline = caller_thread_options(inner)
+        shared = same_group(process_group, self.process_group)
+        self._transport = weakref.ref(inner) if shared else None
+        self._inline = caller_thread_options(inner) if shared else {}
 
     def set_join_state(self, state: JoinState | None) -> None:
         """Called by DistributedDataParallel.join() on entry (the state) and on exit (None)."""
