@@ -10,7 +10,9 @@ from torch import nn
 
 import fanfold
 from fanfold import SyncBatchNorm, revert_sync_batchnorm
+from fanfold.distributed.join import FORWARD
 from fanfold.distributed.participants import DDPParticipant
+from fanfold.nn.group_sum import GroupSum
 from fanfold.parallel.replicate import LinkedReplicas
 
 OPTIONS = [dict(), dict(affine=False), dict(track_running_stats=False), dict(momentum=None), dict(bias=False),
@@ -132,6 +134,36 @@ def test_it_takes_part_in_ddp_and_in_dataparallel_and_copies_without_them():
 
     transport = Transport()
     bn.use_transport(transport, None)
-    assert bn._transport() is transport
+    assert bn._transport() is transport and bn._inline == {}
     for copied in (copy.deepcopy(bn), pickle.loads(pickle.dumps(bn))):
         assert copied._transport is None and copied.state_dict().keys() == nn.BatchNorm2d(3).state_dict().keys()
+
+
+def test_under_the_stall_inspector_it_takes_the_inspected_transport_and_its_caller_thread_path():
+    calls = []
+
+    class Done:
+        def wait(self):
+            return True
+
+    class Shm:  # a transport whose all_reduce can run a small collective on the caller's thread
+        def all_reduce(self, tensor, bucket=None, *, divisor=None, inline=False):
+            calls.append(inline)
+            tensor.mul_(2)  # what a sum over two ranks holding the same vector gives
+            return Done()
+
+    class Inspected:  # DDP's wrapper: bookkeeping the layer's small blocking collectives do without
+        def __init__(self, inner):
+            self.inner = inner
+
+        def all_reduce(self, tensor, bucket=None, **kwargs):
+            raise AssertionError("SyncBatchNorm must not go through the inspector")
+
+    bn, shm = SyncBatchNorm(3), Shm()
+    bn.use_transport(Inspected(shm), None)
+    assert bn._transport() is shm
+    vec = torch.arange(7, dtype=torch.float64)
+    out = GroupSum(None, None, "SyncBatchNorm(3)", bn._transport(), bn._inline)(vec, FORWARD)
+    assert calls == [True] and torch.equal(out, 2 * torch.arange(7, dtype=torch.float64))
+    bn.use_transport(Inspected(shm), object())
+    assert bn._transport is None  # another group than the layer's: its own collectives, not DDP's

@@ -55,15 +55,16 @@ def _train(schedule, transport=None, join=False, count=False, replicas=None):
         return call
 
     all_reduce = dist.all_reduce
+    channel = getattr(ddp.transport, "inner", ddp.transport)  # SyncBatchNorm uses the one under the inspector
     if count:
         dist.all_reduce = counted("torch.distributed", all_reduce)
-        ddp.transport.all_reduce = counted("DDP's transport", ddp.transport.all_reduce)
+        channel.all_reduce = counted("DDP's transport", channel.all_reduce)
     try:
         with ddp.join() if join else nullcontext():
             rec = train(model, ddp, batches())
     finally:
         dist.all_reduce = all_reduce
-        vars(ddp.transport).pop("all_reduce", None)
+        vars(channel).pop("all_reduce", None)
     # leaving join() gave every rank the last active rank's model
     rec["state"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
     rec["collectives"] = seen

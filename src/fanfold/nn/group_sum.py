@@ -4,9 +4,10 @@ in ``DistributedDataParallel.join()``.
 Layer: ``fanfold.nn``, over ``fanfold.distributed`` (the join state); used by ``syncbn.py``. Any backend that sums
 a float64 tensor works (gloo, NCCL, ...): the collective is torch.distributed's own, on the layer's
 ``process_group`` -- or, under fanfold DDP on that same group, DDP's transport (``use_transport``): the shared-memory
-one when the ranks share a host, at a fraction of gloo's latency, and every wait bounded and diagnosed by the stall
-inspector. All ranks issue these in the same order as DDP's own collectives (autograd runs the same graph on each),
-so sharing DDP's channel is safe -- except under ``join()``, below.
+one when the ranks share a host, at a fraction of gloo's latency: the transport under DDP's stall inspector, its
+waits bounded by the transport itself, on the caller's thread where it can (``caller_thread_options``). All ranks
+issue these in the same order as DDP's own collectives (autograd runs the same graph on each), so sharing DDP's
+channel is safe -- except under ``join()``, below.
 
 Under ``join()`` (uneven inputs) a rank that ran out of data no longer runs forward or backward, yet the ranks still
 training issue these collectives. So while a join context is open, every collective a layer issues is recorded in
@@ -23,7 +24,8 @@ with the same group is refused (``check_channel``).
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+import inspect
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,7 +34,7 @@ import torch.distributed as dist
 from ..distributed import TorchTransport
 from ..distributed.join import BACKWARD, JoinState
 
-__all__ = ["group_size", "same_group", "GroupSum", "check_channel", "expect_in_join"]
+__all__ = ["group_size", "same_group", "GroupSum", "caller_thread_options", "check_channel", "expect_in_join"]
 
 
 def group_size(group: Any) -> int:
@@ -54,6 +56,7 @@ class GroupSum:
     join: JoinState | None
     name: str
     transport: Any = None  # DDP's, on the same group; not used inside join()
+    options: dict = field(default_factory=dict)  # the transport's all_reduce keywords (caller_thread_options)
 
     def __call__(self, vec: torch.Tensor, phase: int) -> torch.Tensor:
         join = self.join
@@ -68,12 +71,23 @@ class GroupSum:
                     "join(), or accumulate gradients outside it.")
             join = None  # all ranks are here; nothing to record (a shadow replays synchronised backwards only)
         if self.transport is not None and self.join is None:
-            self.transport.all_reduce(vec).wait()
+            self.transport.all_reduce(vec, **self.options).wait()
         else:
             dist.all_reduce(vec, group=self.group)
         if join is not None:
             join.record(phase, functools.partial(_zeros_all_reduce, vec.numel(), vec.dtype, vec.device, self.group))
         return vec
+
+
+def caller_thread_options(transport: Any) -> dict:
+    """The keywords of ``transport.all_reduce`` that run a small collective on the calling thread when nothing else
+    is in flight: the shared-memory transport's ``inline=True``, where it has it. SyncBatchNorm waits for each of
+    its collectives at once, so a hand-off to the transport's thread and back would be all latency."""
+    try:
+        takes = "inline" in inspect.signature(transport.all_reduce).parameters
+    except (AttributeError, TypeError, ValueError):  # no signature to read: no options
+        takes = False
+    return {"inline": True} if takes else {}
 
 
 def same_group(a: Any, b: Any) -> bool:

@@ -34,7 +34,7 @@ from ..distributed.join import BACKWARD, FORWARD, JoinState
 from ..distributed.stall import resolve_stall_timeout
 from .convert import convert, rebuild_plain
 from .functions import BatchStats, Normalize, StatsPlan, SyncNormalize
-from .group_sum import GroupSum, check_channel, expect_in_join, group_size, same_group
+from .group_sum import GroupSum, caller_thread_options, check_channel, expect_in_join, group_size, same_group
 from .moments import Moments, pack_moments, stats_dtype, unpack_moments, wide_dtype
 from .rendezvous import Rendezvous, ReplicaLink
 
@@ -66,6 +66,7 @@ class SyncBatchNorm(_BatchNorm):
         self._join: JoinState | None = None
         self._replica: ReplicaLink | str | None = None
         self._transport: weakref.ref | None = None  # DDP's, when on this layer's group; DDP owns it
+        self._inline: dict = {}  # its all_reduce's keywords for a small collective waited for at once
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() < 2:
@@ -100,7 +101,7 @@ class SyncBatchNorm(_BatchNorm):
                     "(a rank that has joined would have to stand in for every replica's backward); use one "
                     "process per device under join()")
             transport = self._transport() if self._transport is not None else None
-            outer = GroupSum(self.process_group, self._join, self._name(), transport)
+            outer = GroupSum(self.process_group, self._join, self._name(), transport, self._inline)
         if link is None and outer is None:  # nothing to synchronise with: plain BatchNorm
             return F.batch_norm(input, self.running_mean if track else None, self.running_var if track else None,
                                 self.weight, self.bias, True, factor, self.eps)
@@ -178,7 +179,14 @@ class SyncBatchNorm(_BatchNorm):
     # ---- DistributedDataParallel: its transport, its join() -------------------------------------------------
     def use_transport(self, transport: Any, process_group: Any) -> None:
         """Called by fanfold.DistributedDataParallel at construction: its collectives' transport and group."""
-        self._transport = weakref.ref(transport) if same_group(process_group, self.process_group) else None
+        # Under DDP's stall inspector, the transport it inspects: these collectives are small and waited for at
+        # once, and the inspector's bookkeeping (two progress records a collective, written to the store by a
+        # thread of its own) about doubled their latency. Their waits stay bounded by the transport itself (the
+        # shm transport's timeout; the process group's for torch.distributed).
+        inner = getattr(transport, "inner", transport)
+        shared = same_group(process_group, self.process_group)
+        self._transport = weakref.ref(inner) if shared else None
+        self._inline = caller_thread_options(inner) if shared else {}
 
     def set_join_state(self, state: JoinState | None) -> None:
         """Called by DistributedDataParallel.join() on entry (the state) and on exit (None)."""
@@ -193,7 +201,7 @@ class SyncBatchNorm(_BatchNorm):
 
     def __getstate__(self) -> dict:
         # what belongs to one DDP, join() context or forward is not pickled (torch.save(model), copy.deepcopy)
-        return {**super().__getstate__(), "_transport": None, "_join": None, "_replica": None}
+        return {**super().__getstate__(), "_transport": None, "_inline": {}, "_join": None, "_replica": None}
 
     @classmethod
     def convert_sync_batchnorm(cls, module: nn.Module, process_group: Any = None) -> nn.Module:
