@@ -14,15 +14,14 @@ gradients of each worker's outputs into its slots; the workers differentiate con
 gradients into their gradient slots, which the caller sums in replica order and hands to autograd, so ``.grad``
 accumulates (or is created) exactly as for the bare module and parameter hooks run once.
 
-Start method: a forkserver that has imported torch, or ``fork`` when a module's class is defined in ``__main__`` (a
-notebook cell; a forkserver child could not unpickle it): a forked child cannot use the OpenMP threads its parent
-has used, so then each worker runs one intra-op thread. Every wait is bounded and polls the workers: a dead worker
-is an error within a second or so, never a hang.
-Layer: ``process_worker`` <- ``process_engine`` <- ``data_parallel``.
+Threads: the workers share the caller's intra-op threads (``torch.get_num_threads() // replicas`` each; one where
+they are forked, which cannot use the OpenMP threads their parent has used), and the caller runs one until
+``close()``: its idle OpenMP threads would otherwise spin after each of its small operations on the workers' cores.
+Every wait is bounded and polls the workers: a dead worker is an error within a second or so, never a hang.
+Layer: ``process_worker`` / ``process_start`` <- ``process_engine`` <- ``data_parallel``.
 """
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import time
 import warnings
@@ -40,7 +39,8 @@ from torch.autograd import Function
 from .._core.tree import flatten, unflatten
 from .parallel_backward import _tensor, _with_tensor
 from .process_slots import Arena, layout, shared_bytes, unpack, view
-from .process_worker import Backward, Failure, Forward, Gradients, Outputs, Ready, Stop, worker_main
+from .process_start import start_context, stop_workers, structure
+from .process_worker import Backward, Failure, Forward, Gradients, Outputs, Ready, worker_main
 
 START_TIMEOUT = 120.0  # a forkserver's first start imports torch: slow on a loaded machine
 STEP_TIMEOUT = 600.0  # one forward or backward of one replica
@@ -50,37 +50,6 @@ _ERRORS = {e.__name__: e for e in (ValueError, TypeError, IndexError, KeyError, 
 
 class WorkerDied(RuntimeError):
     """A replica's worker process ended without answering; the engine restarts its workers on the next call."""
-
-
-def _context(module: nn.Module) -> tuple[Any, bool]:
-    in_main = any(type(m).__module__ == "__main__" for m in module.modules())
-    if in_main or "forkserver" not in mp.get_all_start_methods():
-        return mp.get_context("fork"), True
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.multiprocessing", "fanfold"])
-    return ctx, False
-
-
-def _signature(module: nn.Module) -> list:
-    tensors = [*module.parameters(), *module.buffers()]
-    return [type(m) for m in module.modules()] + [
-        (id(t), t.data_ptr(), t.shape, t.dtype, t.requires_grad) for t in tensors]
-
-
-def _stop(procs: list, conns: list) -> None:
-    for c in conns:
-        try:
-            c.send(Stop())
-        except (OSError, ValueError):
-            pass
-    deadline = time.monotonic() + 3.0
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-        if p.is_alive():
-            p.kill()
-            p.join(2.0)
-    for c in conns:
-        c.close()
 
 
 @dataclass
@@ -136,11 +105,11 @@ class _Remote(Function):
             for pos, g in zip(positions, unpack(engine._outboxes[i], reply.inputs, copy=True)):
                 chunk_grads[pos] = g
         sums: list = []
-        for k, slot in enumerate(engine._grad_slots):
+        for k in range(len(engine._grad_slots)):
             total = None
             for i, reply in enumerate(replies):  # replica order: the same sum every step
                 if reply.parameters[k]:
-                    g = view(engine._grads[i], slot)
+                    g = engine._grad_views[i][k]
                     total = g.clone() if total is None else total.add_(g)
             sums.append(total)
         return (None, None, *chunk_grads, *sums)
@@ -161,22 +130,24 @@ class ProcessEngine:
         self._outboxes: list[torch.Tensor] = []  # per worker, its slot buffer (outputs, input gradients)
         self._grads: list[torch.Tensor] = []  # per worker, its parameter gradients' buffer
         self._grad_slots: list = []  # where each parameter that requires grad lies in those buffers
+        self._grad_views: list[list[torch.Tensor]] = []  # per worker, per parameter: its slot, as a tensor
 
     def close(self) -> None:
         if self._finalizer is not None:
-            self._finalizer()  # runs _stop once
+            self._finalizer()  # runs stop_workers once
         self._procs, self._conns, self._signature, self._finalizer = [], [], None, None
 
     def _start(self, module: nn.Module) -> None:
         self.close()
         for t in [*module.parameters(), *module.buffers()]:
             t.share_memory_()
-        ctx, forked = _context(module)
+        ctx, forked = start_context(module)
         n = self.num_replicas
         threads = 1 if forked else max(1, torch.get_num_threads() // n)
         procs, conns = [], []
         self._grad_slots, size = layout([p for p in module.parameters() if p.requires_grad])
         self._grads = [shared_bytes(max(size, 1)) for _ in range(n)]
+        self._grad_views = [[view(buffer, slot) for slot in self._grad_slots] for buffer in self._grads]
         self._inboxes = [Arena() for _ in range(n)]
         self._outboxes = [torch.empty(0, dtype=torch.uint8) for _ in range(n)]
         try:
@@ -197,15 +168,20 @@ class ProcessEngine:
                 procs.append(p)
                 conns.append(ours)
             self._procs, self._conns = procs, conns
-            self._finalizer = weakref.finalize(self, _stop, procs, conns)
+            self._finalizer = weakref.finalize(self, stop_workers, procs, conns, torch.get_num_threads())
+            # see the module docstring: idle OpenMP threads of the caller spin on the workers' cores
+            torch.set_num_threads(1)
             ready = self._receive(list(range(n)), START_TIMEOUT, "start")
             if not all(isinstance(r, Ready) for r in ready):
                 raise RuntimeError(f"DataParallel(engine='process'): a worker failed to start: {ready}")
         except BaseException:
-            _stop(procs, conns)
+            if self._finalizer is not None:
+                self._finalizer()
+            else:
+                stop_workers(procs, conns)
             self._procs, self._conns, self._finalizer = [], [], None
             raise
-        self._signature = _signature(module)
+        self._signature = structure(module)
 
     def _receive(self, indices: list[int], timeout: float, what: str) -> list:
         """One message from each worker in ``indices``; bounded, and a dead worker is an error at once."""
@@ -264,7 +240,7 @@ class ProcessEngine:
                 self.close()
                 raise WorkerDied(f"DataParallel(engine='process'): the worker process of replica {i} died since the "
                                  f"last call (exit code {code}); its workers are restarted on the next call")
-        if not self._procs or _signature(module) != self._signature:
+        if not self._procs or structure(module) != self._signature:
             self._start(module)
         grad = torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
         training = [m.training for m in module.modules()]
