@@ -2,8 +2,9 @@
 
 ``comm`` (broadcast, scatter, gather, reduce-add between devices) <- ``functions`` (their autograd duals) <-
 ``scatter_gather`` (nested inputs) and ``replicate`` <- ``parallel_apply`` (the replicas' forward on a persistent
-pool) <- ``parallel_backward`` (their backward, concurrently) <- ``process_worker`` / ``process_engine`` (replicas
-in worker processes, ``engine="process"``) <- ``data_parallel`` (the four verbs composed).
+pool) <- ``parallel_backward`` (their backward, concurrently) <- ``process_slots`` (shared-memory slots) <-
+``process_worker`` <- ``process_start`` <- ``process_engine`` (replicas in worker processes, ``engine="process"``)
+<- ``data_parallel`` (the four verbs composed).
 May import ``fanfold._core`` and ``fanfold.collectives``; never ``distributed``, ``training`` or the CLI.
 """
 from .data_parallel import DataParallel, data_parallel, unwrap

@@ -66,7 +66,8 @@ class DataParallel(nn.Module):
     must be on ``device_ids[0]``. ``parallel_backward``: with several CPU replicas, run their backward in the
     worker threads (default) rather than serially on the caller's thread. ``engine``: ``"thread"`` (default) runs
     the replicas in threads of this process; ``"process"`` (CPU replicas only) in persistent worker processes whose
-    parameters alias the module's, moved to shared memory (``process_engine.py``); ``close()`` stops either.
+    parameters alias the module's, moved to shared memory (``process_engine.py``; the caller then runs one intra-op
+    thread until ``close()``); ``close()`` stops either.
     """
 
     def __init__(

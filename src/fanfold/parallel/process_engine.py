@@ -6,21 +6,22 @@ shared memory in place (``share_memory_()``): the optimizer keeps stepping the s
 them. The workers are restarted when the module's structure changes (a parameter or buffer replaced, moved, re-typed
 or its ``requires_grad`` flipped), after a worker died, and after Ctrl-C.
 
-The caller scatters the batch (``DataParallel.scatter``), sends each worker its chunk, and receives the outputs. One
-autograd Function, ``_Remote``, joins them to the caller's graph: its inputs are the chunks that require grad and the
-parameters that do, its outputs the workers' outputs. Its backward sends each worker the gradients of its outputs;
-the workers differentiate concurrently and return parameter gradients, which are summed in replica order and handed
-to autograd, so ``.grad`` accumulates (or is created) exactly as for the bare module and parameter hooks run once.
+The caller scatters the batch (``DataParallel.scatter``), copies each worker's chunk into that worker's shared slot
+buffer and sends it a small header (``process_slots``: no tensor is pickled per step), and reads the outputs back
+from the worker's buffer. One autograd Function, ``_Remote``, joins them to the caller's graph: its inputs are the
+chunks that require grad and the parameters that do, its outputs the workers' outputs. Its backward writes the
+gradients of each worker's outputs into its slots; the workers differentiate concurrently and write parameter
+gradients into their gradient slots, which the caller sums in replica order and hands to autograd, so ``.grad``
+accumulates (or is created) exactly as for the bare module and parameter hooks run once.
 
-Start method: a forkserver that has imported torch, or ``fork`` when a module's class is defined in ``__main__`` (a
-notebook cell; a forkserver child could not unpickle it): a forked child cannot use the OpenMP threads its parent
-has used, so then each worker runs one intra-op thread. Every wait is bounded and polls the workers: a dead worker
-is an error within a second or so, never a hang.
-Layer: ``process_worker`` <- ``process_engine`` <- ``data_parallel``.
+Threads: the workers share the caller's intra-op threads (``torch.get_num_threads() // replicas`` each; one where
+they are forked, which cannot use the OpenMP threads their parent has used), and the caller runs one until
+``close()``: its idle OpenMP threads would otherwise spin after each of its small operations on the workers' cores.
+Every wait is bounded and polls the workers: a dead worker is an error within a second or so, never a hang.
+Layer: ``process_worker`` / ``process_start`` <- ``process_engine`` <- ``data_parallel``.
 """
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import time
 import warnings
@@ -37,7 +38,9 @@ from torch.autograd import Function
 
 from .._core.tree import flatten, unflatten
 from .parallel_backward import _tensor, _with_tensor
-from .process_worker import Backward, Failure, Forward, Gradients, Outputs, Ready, Stop, worker_main
+from .process_slots import Arena, layout, shared_bytes, unpack, view
+from .process_start import start_context, stop_workers, structure
+from .process_worker import Backward, Failure, Forward, Gradients, Outputs, Ready, worker_main
 
 START_TIMEOUT = 120.0  # a forkserver's first start imports torch: slow on a loaded machine
 STEP_TIMEOUT = 600.0  # one forward or backward of one replica
@@ -47,37 +50,6 @@ _ERRORS = {e.__name__: e for e in (ValueError, TypeError, IndexError, KeyError, 
 
 class WorkerDied(RuntimeError):
     """A replica's worker process ended without answering; the engine restarts its workers on the next call."""
-
-
-def _context(module: nn.Module) -> tuple[Any, bool]:
-    in_main = any(type(m).__module__ == "__main__" for m in module.modules())
-    if in_main or "forkserver" not in mp.get_all_start_methods():
-        return mp.get_context("fork"), True
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.multiprocessing", "fanfold"])
-    return ctx, False
-
-
-def _signature(module: nn.Module) -> list:
-    tensors = [*module.parameters(), *module.buffers()]
-    return [type(m) for m in module.modules()] + [
-        (id(t), t.data_ptr(), t.shape, t.dtype, t.requires_grad) for t in tensors]
-
-
-def _stop(procs: list, conns: list) -> None:
-    for c in conns:
-        try:
-            c.send(Stop())
-        except (OSError, ValueError):
-            pass
-    deadline = time.monotonic() + 3.0
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-        if p.is_alive():
-            p.kill()
-            p.join(2.0)
-    for c in conns:
-        c.close()
 
 
 @dataclass
@@ -119,20 +91,26 @@ class _Remote(Function):
         if torch.is_grad_enabled():
             raise RuntimeError("DataParallel(engine='process'): double backward (create_graph=True) is not "
                                "supported by the process engine; use engine='thread'")
-        step = ctx.step
-        msgs = [Backward(s, list(grads[lo:hi])) for s, (lo, hi) in zip(step.steps, step.slices)]
-        replies: list[Gradients] = step.engine._exchange(msgs)
+        step, engine = ctx.step, ctx.step.engine
+        if len(engine._procs) < len(step.steps):
+            raise RuntimeError("DataParallel(engine='process'): the workers were stopped since this forward (close(), "
+                               "a dead worker or Ctrl-C); run the forward again")
+        msgs = []
+        for i, (s, (lo, hi)) in enumerate(zip(step.steps, step.slices)):
+            packed, grown = engine._inboxes[i].pack(list(grads[lo:hi]))
+            msgs.append(Backward(s, packed, grown))
+        replies: list[Gradients] = engine._exchange(msgs)
         chunk_grads: list = [None] * step.num_chunks
-        for reply, positions in zip(replies, step.inputs):
-            for pos, g in zip(positions, reply.inputs):
+        for i, (reply, positions) in enumerate(zip(replies, step.inputs)):
+            for pos, g in zip(positions, unpack(engine._outboxes[i], reply.inputs, copy=True)):
                 chunk_grads[pos] = g
         sums: list = []
-        for k in range(len(replies[0].parameters)):
+        for k in range(len(engine._grad_slots)):
             total = None
-            for reply in replies:  # replica order: the same sum every step
-                g = reply.parameters[k]
-                if g is not None:
-                    total = g if total is None else total.add_(g)
+            for i, reply in enumerate(replies):  # replica order: the same sum every step
+                if reply.parameters[k]:
+                    g = engine._grad_views[i][k]
+                    total = g.clone() if total is None else total.add_(g)
             sums.append(total)
         return (None, None, *chunk_grads, *sums)
 
@@ -148,24 +126,35 @@ class ProcessEngine:
         self._step = 0
         self._released: list[int] = []
         self._finalizer: Any = None
+        self._inboxes: list[Arena] = []  # per worker, the caller's slot buffer (inputs, output gradients)
+        self._outboxes: list[torch.Tensor] = []  # per worker, its slot buffer (outputs, input gradients)
+        self._grads: list[torch.Tensor] = []  # per worker, its parameter gradients' buffer
+        self._grad_slots: list = []  # where each parameter that requires grad lies in those buffers
+        self._grad_views: list[list[torch.Tensor]] = []  # per worker, per parameter: its slot, as a tensor
 
     def close(self) -> None:
         if self._finalizer is not None:
-            self._finalizer()  # runs _stop once
+            self._finalizer()  # runs stop_workers once
         self._procs, self._conns, self._signature, self._finalizer = [], [], None, None
 
     def _start(self, module: nn.Module) -> None:
         self.close()
         for t in [*module.parameters(), *module.buffers()]:
             t.share_memory_()
-        ctx, forked = _context(module)
+        ctx, forked = start_context(module)
         n = self.num_replicas
         threads = 1 if forked else max(1, torch.get_num_threads() // n)
         procs, conns = [], []
+        self._grad_slots, size = layout([p for p in module.parameters() if p.requires_grad])
+        self._grads = [shared_bytes(max(size, 1)) for _ in range(n)]
+        self._grad_views = [[view(buffer, slot) for slot in self._grad_slots] for buffer in self._grads]
+        self._inboxes = [Arena() for _ in range(n)]
+        self._outboxes = [torch.empty(0, dtype=torch.uint8) for _ in range(n)]
         try:
             for i in range(n):
                 ours, theirs = ctx.Pipe()
-                p = ctx.Process(target=worker_main, args=(i, module, theirs, threads, os.getpid()),
+                p = ctx.Process(target=worker_main, args=(i, module, theirs, threads, os.getpid(), self._grads[i],
+                                                          self._grad_slots),
                                 name=f"fanfold-replica-{i}", daemon=True)
                 with warnings.catch_warnings():  # the caller's hooks stay in the caller: the workers need none
                     warnings.filterwarnings("ignore", "backward hook .* will not be serialized")
@@ -179,15 +168,20 @@ class ProcessEngine:
                 procs.append(p)
                 conns.append(ours)
             self._procs, self._conns = procs, conns
-            self._finalizer = weakref.finalize(self, _stop, procs, conns)
+            self._finalizer = weakref.finalize(self, stop_workers, procs, conns, torch.get_num_threads())
+            # see the module docstring: idle OpenMP threads of the caller spin on the workers' cores
+            torch.set_num_threads(1)
             ready = self._receive(list(range(n)), START_TIMEOUT, "start")
             if not all(isinstance(r, Ready) for r in ready):
                 raise RuntimeError(f"DataParallel(engine='process'): a worker failed to start: {ready}")
         except BaseException:
-            _stop(procs, conns)
+            if self._finalizer is not None:
+                self._finalizer()
+            else:
+                stop_workers(procs, conns)
             self._procs, self._conns, self._finalizer = [], [], None
             raise
-        self._signature = _signature(module)
+        self._signature = structure(module)
 
     def _receive(self, indices: list[int], timeout: float, what: str) -> list:
         """One message from each worker in ``indices``; bounded, and a dead worker is an error at once."""
@@ -220,9 +214,6 @@ class ProcessEngine:
 
     def _exchange(self, msgs: list) -> list:
         """Send ``msgs[i]`` to worker i, gather the answers; a Failure is raised as the replica's exception."""
-        if len(self._procs) < len(msgs):
-            raise RuntimeError("DataParallel(engine='process'): the workers were stopped since this forward (close(), "
-                               "a dead worker or Ctrl-C); run the forward again")
         try:
             for conn, msg in zip(self._conns, msgs):
                 conn.send(msg)
@@ -230,6 +221,9 @@ class ProcessEngine:
         except KeyboardInterrupt:
             self.close()  # the workers may be mid-step: stop them; the next call starts fresh ones
             raise
+        for i, reply in enumerate(replies):  # first every new buffer, also where another replica failed
+            if getattr(reply, "arena", None) is not None:
+                self._outboxes[i] = reply.arena
         for reply in replies:
             if isinstance(reply, Failure):
                 message = (f"in replica {reply.index} (engine='process'): {reply.kind}: {reply.message}\n\n"
@@ -246,7 +240,7 @@ class ProcessEngine:
                 self.close()
                 raise WorkerDied(f"DataParallel(engine='process'): the worker process of replica {i} died since the "
                                  f"last call (exit code {code}); its workers are restarted on the next call")
-        if not self._procs or _signature(module) != self._signature:
+        if not self._procs or structure(module) != self._signature:
             self._start(module)
         grad = torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
         training = [m.training for m in module.modules()]
@@ -262,10 +256,12 @@ class ProcessEngine:
             chunks.extend(_tensor(values[k]) for k in wanted)
             sent = [v if _tensor(v) is None else _with_tensor(v, _tensor(v).detach()) for v in values]
             self._step += 1
-            msgs.append(Forward(self._step, sent, spec, wanted if grad else [], grad, training, release))
+            packed, grown = self._inboxes[i].pack(sent)
+            msgs.append(Forward(self._step, packed, spec, wanted if grad else [], grad, training, release, grown))
         replies: list[Outputs] = self._exchange(msgs)
         flat, slices, rebuilt = [], [], []
-        for reply in replies:
+        for i, reply in enumerate(replies):
+            reply.leaves = unpack(self._outboxes[i], reply.leaves, copy=True)
             lo = len(flat)
             flat.extend(t for t in (_tensor(v) for v in reply.leaves) if t is not None)
             slices.append((lo, len(flat)))

@@ -5,8 +5,9 @@ buffers alias the caller's shared memory, so an optimizer step in the caller is 
 requires grad is replaced by a leaf of the worker's own sharing its memory (as ``parallel_backward`` does for threads),
 so the worker's graph ends at these leaves and the caller's hooks never run here. Replica 0 writes the module's
 buffers (BatchNorm's statistics), every other replica works on private copies refreshed from them at each forward:
-torch's DataParallel semantics. Tensors travel in the messages through torch's shared-memory reductions (a file
-descriptor per storage, nothing named in /dev/shm).
+torch's DataParallel semantics. A step's tensors travel through fixed shared-memory slots (``process_slots``): the
+messages carry only small headers; a slot buffer crosses the pipe (torch's reductions, a file descriptor) only when it
+is created or grows. Parameter gradients are written into this worker's gradient slots, which the caller sums.
 
 A forward that records a graph keeps it under its ``step`` until the caller sends the gradients of its outputs
 (``Backward``) or says the caller's graph is gone (``Forward.release``). The worker exits on ``Stop``, when the caller's
@@ -27,6 +28,7 @@ from torch import nn
 
 from .._core.tree import Spec, flatten, unflatten
 from .parallel_backward import _alias_parameters, _tensor, _with_tensor
+from .process_slots import Arena, Slot, unpack, view
 
 
 @dataclass
@@ -38,12 +40,14 @@ class Forward:
     grad: bool  # the caller's grad mode
     training: list[bool]  # module.training of every submodule, in modules() order
     release: list[int] = field(default_factory=list)  # steps whose graph the caller has dropped
+    arena: torch.Tensor | None = None  # the caller's slot buffer for this worker, when new
 
 
 @dataclass
 class Backward:
     step: int
-    grads: list  # one per output tensor, None where the caller has none
+    grads: list  # one per output tensor (its Slot), None where the caller has none
+    arena: torch.Tensor | None = None
 
 
 @dataclass
@@ -59,14 +63,16 @@ class Ready:
 
 @dataclass
 class Outputs:
-    leaves: list  # the output flattened, tensors detached
+    leaves: list  # the output flattened, tensors as Slots of the worker's buffer
     spec: Spec
+    arena: torch.Tensor | None = None  # the worker's slot buffer, when new
 
 
 @dataclass
 class Gradients:
-    parameters: list  # one per parameter that requires grad (None where unused)
-    inputs: list  # one per ``Forward.differentiable`` position
+    parameters: list[bool]  # per parameter that requires grad: whether its gradient slot holds one (else unused)
+    inputs: list  # one per ``Forward.differentiable`` position: a Slot, or None
+    arena: torch.Tensor | None = None
 
 
 @dataclass
@@ -88,15 +94,26 @@ def _private_buffers(module: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor
     return pairs
 
 
+@dataclass
+class _Buffers:
+    """This worker's shared slot buffers: the caller's (read), its own (written), and its parameter gradients'."""
+
+    inbox: torch.Tensor
+    outbox: Arena
+    grads: torch.Tensor
+    grad_slots: list[Slot]
+
+
 def _detach(leaf: Any) -> Any:
     t = _tensor(leaf)
     return leaf if t is None else _with_tensor(leaf, t.detach())
 
 
-def _forward(module: nn.Module, msg: Forward, graphs: dict, params: list) -> Outputs:
+def _forward(module: nn.Module, msg: Forward, graphs: dict, params: list, io: _Buffers) -> Outputs:
     for m, flag in zip(module.modules(), msg.training):
         m.training = flag
-    leaves = list(msg.leaves)
+    # copies: the graph may save an input for backward, and the caller reuses its buffer for the next forward
+    leaves = unpack(io.inbox, msg.leaves, copy=True)
     inputs = []
     for k in msg.differentiable:
         t = _tensor(leaves[k]).requires_grad_(msg.grad)
@@ -110,30 +127,39 @@ def _forward(module: nn.Module, msg: Forward, graphs: dict, params: list) -> Out
     if msg.grad:
         tensors = [t for t in (_tensor(v) for _, v in out_leaves) if t is not None]
         graphs[msg.step] = (tensors, params + inputs, len(inputs))
-    return Outputs([_detach(v) for _, v in out_leaves], spec)
+    packed, grown = io.outbox.pack([_detach(v) for _, v in out_leaves])
+    return Outputs(packed, spec, grown)
 
 
-def _backward(msg: Backward, graphs: dict) -> Gradients:
+def _backward(msg: Backward, graphs: dict, io: _Buffers) -> Gradients:
     if msg.step not in graphs:
         raise RuntimeError("this worker holds no graph of that forward: the workers were restarted since (a "
                            "structure change, a dead worker or close()); run the forward again")
     outs, targets, n_inputs = graphs[msg.step]  # kept (retain_graph) until the caller releases it
-    pairs = [(o, g) for o, g in zip(outs, msg.grads) if g is not None and o.requires_grad]
+    grads_out = unpack(io.inbox, msg.grads, copy=False)  # read before this worker answers: no copy needed
+    pairs = [(o, g) for o, g in zip(outs, grads_out) if g is not None and o.requires_grad]
     if pairs and targets:
         grads = list(torch.autograd.grad([o for o, _ in pairs], targets, [g for _, g in pairs],
                                          retain_graph=True, allow_unused=True))
     else:
         grads = [None] * len(targets)
     split = len(targets) - n_inputs
-    return Gradients(grads[:split], grads[split:])
+    with torch.no_grad():
+        for g, slot in zip(grads[:split], io.grad_slots):
+            if g is not None:
+                view(io.grads, slot).copy_(g)
+    packed, grown = io.outbox.pack(grads[split:])
+    return Gradients([g is not None for g in grads[:split]], packed, grown)
 
 
-def worker_main(index: int, module: nn.Module, conn: Any, threads: int, caller: int) -> None:
+def worker_main(index: int, module: nn.Module, conn: Any, threads: int, caller: int, grads: torch.Tensor,
+                grad_slots: list[Slot]) -> None:
     """The worker process's entry point: serve ``conn`` until told to stop or the caller is gone."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(threads)
     _, aliases, _ = _alias_parameters([module])
     refresh = _private_buffers(module) if index > 0 else []
+    io = _Buffers(torch.empty(0, dtype=torch.uint8), Arena(), grads, grad_slots)
     graphs: dict = {}
     conn.send(Ready(index, os.getpid()))
     while True:
@@ -146,15 +172,17 @@ def worker_main(index: int, module: nn.Module, conn: Any, threads: int, caller: 
         if isinstance(msg, Stop):
             return
         try:
+            if msg.arena is not None:
+                io.inbox = msg.arena
             if isinstance(msg, Forward):
                 for step in msg.release:
                     graphs.pop(step, None)
                 with torch.no_grad():
                     for shared, private in refresh:
                         private.copy_(shared)
-                reply: Any = _forward(module, msg, graphs, aliases[0])
+                reply: Any = _forward(module, msg, graphs, aliases[0], io)
             else:
-                reply = _backward(msg, graphs)
+                reply = _backward(msg, graphs, io)
         except Exception as exc:
             reply = Failure(index, type(exc).__name__, str(exc), traceback.format_exc())
         del msg

@@ -1,0 +1,83 @@
+"""Fixed shared-memory slots for the process engine: a step's tensors cross between the caller and a worker unpickled.
+
+Sending a tensor through a pipe with torch's reductions copies it into a fresh shared-memory storage and passes that
+storage's file descriptor over a connection of its own: about a millisecond per tensor, several times per step. Here
+each direction of each worker owns one shared byte buffer, an ``Arena``: the sender copies the step's tensors into it
+and sends small ``Slot`` headers (offset, shape, dtype), the receiver reads them as views of the buffer and copies
+what must outlive the next message. The buffer itself crosses only when it is created or grows. Parameter gradients
+get a buffer of their own per worker, laid out once when the workers start (``layout``), one slot per parameter.
+Tensors that are not plain dense CPU tensors (sparse, quantized, subclasses, PackedSequence) are left in the message
+and pickled as before.
+Layer: ``process_slots`` <- ``process_worker`` <- ``process_engine``.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+ALIGN = 64  # bytes: every slot starts on a cache line, so any dtype's view of the byte buffer is aligned
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one contiguous tensor lies in a byte buffer."""
+
+    offset: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _plain(value: Any) -> bool:
+    return (type(value) is torch.Tensor and value.layout == torch.strided and value.device.type == "cpu"
+            and not value.is_quantized)
+
+
+def layout(tensors: Sequence[torch.Tensor]) -> tuple[list[Slot], int]:
+    """One slot per tensor, packed in order; and the bytes they take in all."""
+    slots, size = [], 0
+    for t in tensors:
+        slots.append(Slot(size, tuple(t.shape), t.dtype))
+        size += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+    return slots, size
+
+
+def view(buffer: torch.Tensor, slot: Slot) -> torch.Tensor:
+    """The tensor ``slot`` describes, as a view of ``buffer`` (no copy)."""
+    nbytes = math.prod(slot.shape) * slot.dtype.itemsize
+    return buffer[slot.offset:slot.offset + nbytes].view(slot.dtype).view(slot.shape)
+
+
+def shared_bytes(size: int) -> torch.Tensor:
+    """A byte buffer in shared memory (file-descriptor backed: nothing named is left in /dev/shm)."""
+    return torch.empty(size, dtype=torch.uint8).share_memory_()
+
+
+class Arena:
+    """One direction's buffer for one worker; it grows, and must then be sent again, only when a step needs more."""
+
+    def __init__(self) -> None:
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+
+    def pack(self, leaves: Sequence[Any]) -> tuple[list, torch.Tensor | None]:
+        """``leaves`` with each plain tensor copied into the buffer and replaced by its Slot; the new buffer if the
+        old one was too small, else None."""
+        found = [(k, v) for k, v in enumerate(leaves) if _plain(v)]
+        slots, size = layout([t for _, t in found])
+        grown = None
+        if size > self.buffer.numel():
+            self.buffer = grown = shared_bytes(max(size, 2 * self.buffer.numel()))
+        packed = list(leaves)
+        with torch.no_grad():
+            for (k, t), slot in zip(found, slots):
+                view(self.buffer, slot).copy_(t)
+                packed[k] = slot
+        return packed, grown
+
+
+def unpack(buffer: torch.Tensor, leaves: Sequence[Any], copy: bool) -> list:
+    """``leaves`` with each Slot read from ``buffer``: a copy where the tensor must outlive the next message."""
+    return [(view(buffer, v).clone() if copy else view(buffer, v)) if isinstance(v, Slot) else v for v in leaves]

@@ -1,0 +1,57 @@
+"""How the process engine's workers are started and stopped: the start method, the module's structure (a change
+restarts the workers), and a bounded stop that also gives the caller its intra-op threads back.
+
+Start method: a forkserver that has imported torch, or ``fork`` when a module's class is defined in ``__main__`` (a
+notebook cell; a forkserver child could not unpickle it).
+Layer: ``process_worker`` <- ``process_start`` <- ``process_engine``.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from itertools import chain
+from typing import Any
+
+import torch
+from torch import nn
+
+from .process_worker import Stop
+
+
+def start_context(module: nn.Module) -> tuple[Any, bool]:
+    """The multiprocessing context for ``module``'s workers, and whether it forks."""
+    in_main = any(type(m).__module__ == "__main__" for m in module.modules())
+    if in_main or "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("fork"), True
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.multiprocessing", "fanfold"])
+    return ctx, False
+
+
+def structure(module: nn.Module) -> list:
+    """What the workers' copy of ``module`` depends on; compared at every forward, so one walk over the dicts."""
+    sig: list = []
+    for m in module.modules():
+        sig.append(type(m))
+        sig.extend((id(t), t.data_ptr(), t.shape, t.dtype, t.requires_grad)
+                   for t in chain(m._parameters.values(), m._buffers.values()) if t is not None)
+    return sig
+
+
+def stop_workers(procs: list, conns: list, caller_threads: int = 0) -> None:
+    """Ask the workers to stop, kill those that do not within seconds; give the caller ``caller_threads`` back."""
+    for c in conns:
+        try:
+            c.send(Stop())
+        except (OSError, ValueError):
+            pass
+    deadline = time.monotonic() + 3.0
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join(2.0)
+    for c in conns:
+        c.close()
+    if caller_threads > 1 and torch.get_num_threads() == 1:  # unless the user has set another count since
+        torch.set_num_threads(caller_threads)
