@@ -52,8 +52,8 @@ def collectives(backend: str, latency_kb: list[int], bandwidth_mb: list[int], it
     for mb in bandwidth_mb:
         x, part = torch.randn(mb * 262144), torch.empty(mb * 262144 // n)
         calls = {"all_reduce": lambda: dist.all_reduce(x),
-                 "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, x),
-                 "all_gather": lambda: dist.all_gather_into_tensor(x, part)}
+                 "reduce_scatter": lambda: dist.reduce_scatter_single(part, x),  # reduce_scatter_tensor's new name
+                 "all_gather": lambda: dist.all_gather_single(x, part)}  # all_gather_into_tensor's
         for name, call in calls.items():
             _timed(call, 1)
             seconds = statistics.median(_timed(call, max(3, iters // 10)))
