@@ -7,8 +7,8 @@ Rows: all_reduce latency (fp32, 4-64 KB; p50 over ``--iters`` calls, each call t
 reduce_scatter_tensor / all_gather_into_tensor bandwidth (fp32, 4-64 MB; bytes of the full tensor / median time),
 and torch's own DistributedDataParallel on the 16.7M-parameter MLP of ``benchmarks/ddp.py`` (median step time over
 ``--steps`` after warm-up). Each backend runs in one fresh launch (``fanfold.launch``) per section; the time of a
-call is the slowest rank's. reduce_scatter and all_gather are gloo's on both backends until the shared-memory engine
-has them (docs/backend.md), so their ratio shows the wrapper's overhead only.
+call is the slowest rank's. On ``fanfold`` all four run in shared memory (docs/backend.md); the latency rows take
+its caller-thread path (an all_reduce of at most 64 KiB while nothing is queued).
 """
 from __future__ import annotations
 
@@ -52,8 +52,8 @@ def collectives(backend: str, latency_kb: list[int], bandwidth_mb: list[int], it
     for mb in bandwidth_mb:
         x, part = torch.randn(mb * 262144), torch.empty(mb * 262144 // n)
         calls = {"all_reduce": lambda: dist.all_reduce(x),
-                 "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, x),
-                 "all_gather": lambda: dist.all_gather_into_tensor(x, part)}
+                 "reduce_scatter": lambda: dist.reduce_scatter_single(part, x),  # reduce_scatter_tensor's new name
+                 "all_gather": lambda: dist.all_gather_single(x, part)}  # all_gather_into_tensor's
         for name, call in calls.items():
             _timed(call, 1)
             seconds = statistics.median(_timed(call, max(3, iters // 10)))

@@ -1,15 +1,20 @@
-"""torch's own collective tests (``DistributedTest._DistTestBase``, CPU, 2 ranks) on gloo and on ``fanfold``.
+"""torch's own collective tests (``DistributedTest._DistTestBase``, CPU, 2 or 3 ranks) on gloo and on ``fanfold``.
 
-    python conformance/collectives.py --backend gloo     # build/conformance-backend/gloo.json
+    python conformance/collectives.py --backend gloo     # build/conformance-backend/gloo-2.json
     python conformance/collectives.py --backend fanfold  # every rank's gloo groups become fanfold groups
-    python conformance/collectives.py --report           # docs/conformance-backend.md from both
+    python conformance/collectives.py --backend fanfold --world-size 3 --only test_all_gather test_barrier
+    python conformance/collectives.py --report           # docs/conformance-backend.md from every size run
 
-The suite is set up as torch's own driver does (``BACKEND=gloo``, ``WORLD_SIZE=2``, ``TestDistBackend`` spawning
-fresh rank processes per test), so the suite takes the same decisions (skips, expectations) in both runs. With
-``--backend fanfold`` each rank process, when it imports this module, rebinds ``torch.distributed``'s
-``init_process_group`` and ``new_group`` so that a gloo group is created as a ``fanfold`` one: the only difference
-between the two runs is the backend under the collectives. Tests are those whose names name a collective, without
-DDP and GPU ones. Layer: a tool beside the package (imports ``fanfold`` only to register the backend).
+The suite is set up as torch's own driver does (``BACKEND=gloo``, ``WORLD_SIZE`` from ``--world-size``, default 2;
+``TestDistBackend`` spawning fresh rank processes per test), so the suite takes the same decisions (skips,
+expectations) in both runs. With ``--backend fanfold`` each rank process, when it imports this module, rebinds
+``torch.distributed``'s ``init_process_group`` and ``new_group`` so that a gloo group is created as a ``fanfold``
+one: the only difference between the two runs is the backend under the collectives. Tests are those whose names
+name a collective, without DDP and GPU ones. Every collective the backend runs in shared memory is covered:
+all_reduce (and coalesced), broadcast, barrier and all_gather by the suite's tests; all_to_all_single (which the
+suite runs on CPU with MPI only), all_gather_into_tensor and reduce_scatter_tensor (CUDA only there) by the suite's
+own helpers called with CPU tensors (``cpu_collectives.py``).
+Layer: a tool beside the package (imports ``fanfold`` only to register the backend).
 """
 from __future__ import annotations
 
@@ -23,6 +28,10 @@ import unittest
 from pathlib import Path
 
 os.environ.setdefault("BACKEND", "gloo")
+if __name__ == "__main__":  # torch's suite reads WORLD_SIZE: set before it is imported, inherited by the ranks
+    _early = argparse.ArgumentParser(add_help=False)
+    _early.add_argument("--world-size", type=int, default=2)
+    os.environ["WORLD_SIZE"] = str(_early.parse_known_args()[0].world_size)
 os.environ.setdefault("WORLD_SIZE", "2")
 os.environ.setdefault("DISTRIBUTED_TESTS_DEFAULT_TIMEOUT", "120")  # the harness's bound per test (torch: 300 s)
 SWAP_ENV = "FANFOLD_CONFORMANCE_BACKEND"
@@ -30,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "build" / "conformance-backend"
 
 import torch.distributed as dist  # noqa: E402
+from cpu_collectives import CpuCollectives  # noqa: E402 - after WORLD_SIZE is set
 from torch.testing._internal.distributed.distributed_test import DistributedTest, TestDistBackend  # noqa: E402
 
 import fanfold  # noqa: E402,F401 - registers the backend, in this process and in every rank process
@@ -62,11 +72,11 @@ _DROP = re.compile(r"ddp|DistributedDataParallel|cuda|nccl|gpu|full_group|profil
 
 
 def collective_tests() -> list[str]:
-    return sorted(n for n in dir(DistributedTest._DistTestBase)
+    return sorted(n for n in dir(TestDistBackendCollectives)
                   if n.startswith("test_") and _PICK.search(n) and not _DROP.search(n))
 
 
-class TestDistBackendCollectives(TestDistBackend, DistributedTest._DistTestBase):
+class TestDistBackendCollectives(CpuCollectives, TestDistBackend, DistributedTest._DistTestBase):
     def setUp(self) -> None:
         super().setUp()
         self._spawn_processes()
@@ -91,33 +101,44 @@ def run(backend: str, tests: list[str], path: Path) -> dict:
 
 
 def report(page: Path) -> None:
-    runs = {b: json.loads((OUT / f"{b}.json").read_text()) for b in ("gloo", "fanfold") if (OUT / f"{b}.json").exists()}
-    if set(runs) != {"gloo", "fanfold"}:
-        raise SystemExit(f"run both backends first (found {sorted(runs)} in {OUT})")
+    sizes = sorted(int(p.stem.split("-")[1]) for p in OUT.glob("gloo-*.json")
+                   if (OUT / f"fanfold-{p.stem.split('-')[1]}.json").exists())
+    if not sizes:
+        raise SystemExit(f"run both backends first (no gloo-N.json and fanfold-N.json pair in {OUT})")
+    lines = ["# Conformance: torch's collective tests on the `fanfold` backend", "",
+             "torch's own `DistributedTest._DistTestBase` collective tests (CPU), run by "
+             "`conformance/collectives.py` with gloo and with every gloo group created as a `fanfold` group "
+             f"(harness bound per test: {os.environ['DISTRIBUTED_TESTS_DEFAULT_TIMEOUT']} s; a test that overruns it "
+             "fails). A test passes on fanfold where it passes on gloo unless the table says otherwise."]
+    for size in sizes:
+        lines += ["", f"## {size} ranks", ""] + _table(
+            {b: json.loads((OUT / f"{b}-{size}.json").read_text()) for b in ("gloo", "fanfold")})
+    page.write_text("\n".join(lines) + "\n")
+
+
+def _table(runs: dict) -> list[str]:
     tests = sorted(set(runs["gloo"]) | set(runs["fanfold"]))
     count = {b: {s: sum(r.get(t, {}).get("status") == s for t in tests) for s in ("pass", "fail", "skip")}
              for b, r in runs.items()}
-    lines = ["# Conformance: torch's collective tests on the `fanfold` backend", "",
-             "torch's own `DistributedTest._DistTestBase` collective tests (CPU, 2 ranks), run by "
-             "`conformance/collectives.py` with gloo and with every gloo group created as a `fanfold` group "
-             f"(harness bound per test: {os.environ['DISTRIBUTED_TESTS_DEFAULT_TIMEOUT']} s; a test that overruns it "
-             "fails). A test passes on fanfold where it passes on gloo unless the table says otherwise.", "",
-             "| backend | pass | fail | skip |", "|---|---|---|---|"]
+    lines = ["| backend | pass | fail | skip |", "|---|---|---|---|"]
     lines += [f"| {b} | {c['pass']} | {c['fail']} | {c['skip']} |" for b, c in count.items()]
     lines += ["", "| test | gloo | fanfold | note |", "|---|---|---|---|"]
     for t in tests:
         g, f = runs["gloo"].get(t, {}), runs["fanfold"].get(t, {})
         shown = f if f.get("status") != "pass" else g  # why fanfold's did not pass, else why gloo's did not
-        note = shown.get("detail", "").strip().splitlines()[-1:] if "fail" in (g.get("status"), f.get("status")) else []
+        lines_of = shown.get("detail", "").strip().splitlines()
+        errors = [x for x in lines_of if re.search(r"Error|Exception", x)] or lines_of  # not torch's repro hint
+        note = errors[-1:] if "fail" in (g.get("status"), f.get("status")) else []
         lines.append(f"| {t} | {g.get('status', '-')} | {f.get('status', '-')} | "
                      f"{(note[0] if note else '').replace('|', '/')[:160]} |")
-    page.write_text("\n".join(lines) + "\n")
+    return lines
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backend", choices=("gloo", "fanfold"))
     parser.add_argument("--only", nargs="+", metavar="TEST")
+    parser.add_argument("--world-size", type=int, default=2, choices=(2, 3), help="ranks per test (default 2)")
     parser.add_argument("--report", action="store_true")
     args = parser.parse_args()
     if args.report:
@@ -126,7 +147,7 @@ def main() -> int:
     if args.backend is None:
         parser.error("--backend or --report")
     OUT.mkdir(parents=True, exist_ok=True)
-    run(args.backend, args.only or collective_tests(), OUT / f"{args.backend}.json")
+    run(args.backend, args.only or collective_tests(), OUT / f"{args.backend}-{args.world_size}.json")
     return 0
 
 

@@ -3,10 +3,12 @@ own collectives -- and so torch's DDP, ZeroRedundancyOptimizer and FSDP2 -- with
 ranks share a host.
 
 Layer: collectives (above ``shm/``). :class:`FanfoldProcessGroup` is a ``dist.ProcessGroup`` written in Python:
-torch calls its ``allreduce``, ``allreduce_coalesced``, ``broadcast`` and ``barrier``; each takes the shared-memory
-transport (``shm.ShmTransport``) when the tensors allow it, else the inner gloo backend built on the same store.
-Every other collective (all_gather, reduce_scatter, all_to_all, send/recv, gather, scatter, reduce) goes straight
-to that gloo backend, registered as the group's CPU backend, so no call fails for the choice of backend.
+torch calls its ``allreduce``, ``allreduce_coalesced``, ``broadcast``, ``barrier``, ``allgather``,
+``all_gather_single``, ``reduce_scatter``, ``reduce_scatter_single`` and ``all_to_all_single`` (and their older
+names); each takes the shared-memory transport (``shm.ShmTransport``) when the tensors allow it, else the inner gloo
+backend built on the same store. Every other collective (the coalesced gathers, list all_to_all, send/recv, gather,
+scatter, reduce) goes straight to that gloo backend, registered as the group's CPU backend, so no call fails for
+the choice of backend.
 
 Which path a collective takes depends only on what is the same on every rank (the op, the dtype, the device, the
 number of tensors), never on a rank's own state, so every rank takes the same path. The transport is created at
@@ -27,8 +29,8 @@ import torch
 import torch.distributed as dist
 
 from .select import ENV_VAR
-from .shm.engine import DTYPES
 from .shm.host import host_key
+from .shm.request import DTYPES
 from .shm.transport import ShmTransport
 from .store import StoreGroup
 from .work import FanfoldWork, completed_work
@@ -55,6 +57,33 @@ def _supported(tensors: list[torch.Tensor], op: str | None = "sum") -> bool:
     dtype = tensors[0].dtype
     return all(t.device.type == "cpu" and t.dtype == dtype and not t.is_sparse for t in tensors) and (
         dtype in DTYPES and (op == "sum" or dtype.is_floating_point))
+
+
+def _unflatten(flat: torch.Tensor, outs: list[torch.Tensor]) -> None:
+    offset = 0
+    for t in outs:
+        t.detach().copy_(flat[offset: offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
+def _all_to_all_counts(output: torch.Tensor, input: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                       n: int) -> tuple[list[int], list[int]] | None:
+    """all_to_all_single's element counts (sent to each rank, received from each rank) from torch's split sizes
+    (rows of dim 0; empty: equal parts), or None where they do not describe the tensors (gloo says why)."""
+    if input.dim() == 0 or output.dim() == 0:
+        return None
+    counts = []
+    for t, splits in ((input, in_splits), (output, out_splits)):
+        rows = t.shape[0]
+        if not splits:
+            if rows % n:
+                return None
+            splits = [rows // n] * n
+        if len(splits) != n or sum(splits) != rows or min(splits) < 0:
+            return None
+        row = t.numel() // rows if rows else 0
+        counts.append([k * row for k in splits])
+    return counts[0], counts[1]
 
 
 class FanfoldProcessGroup(dist.ProcessGroup):
@@ -128,7 +157,9 @@ class FanfoldProcessGroup(dist.ProcessGroup):
             return self.gloo.allreduce(tensors, opts)
         divisor = self.size() if op == "avg" else None
         # detach: collectives write a tensor's data whatever autograd thinks of it (a Parameter), as gloo does
-        return FanfoldWork(shm.all_reduce(tensors[0].detach(), divisor=divisor).get_future(), tensors)
+        # inline: a small tensor is summed on this thread when nothing is queued (the latency path)
+        work = shm.all_reduce(tensors[0].detach(), divisor=divisor, inline=True)
+        return FanfoldWork(work.get_future(), tensors)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
@@ -139,12 +170,8 @@ class FanfoldProcessGroup(dist.ProcessGroup):
         flat = torch.cat([t.detach().reshape(-1) for t in tensors])
         divisor = self.size() if op == "avg" else None
 
-        def unpack() -> None:
-            offset = 0
-            for t in tensors:
-                t.detach().copy_(flat[offset: offset + t.numel()].view_as(t))
-                offset += t.numel()
-        return FanfoldWork(shm.all_reduce(flat, divisor=divisor).get_future(), tensors, unpack)
+        return FanfoldWork(shm.all_reduce(flat, divisor=divisor).get_future(), tensors,
+                           lambda: _unflatten(flat, tensors))
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         opts = opts if opts is not None else dist.BroadcastOptions()
@@ -153,6 +180,69 @@ class FanfoldProcessGroup(dist.ProcessGroup):
             return self.gloo.broadcast(tensors, opts)
         shm.broadcast(tensors[0].detach(), opts.rootRank)  # returns once done: broadcasts are rare and small
         return completed_work(tensors)
+
+    def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
+                  opts: Any = None) -> dist.Work:
+        opts = opts if opts is not None else dist.AllgatherOptions()
+        outs = output_tensors[0] if len(output_tensors) == 1 and len(input_tensors) == 1 else []
+        shm = self._exchange_ok(input_tensors, outs, len(outs) == self.size() and
+                                all(o.shape == input_tensors[0].shape for o in outs))
+        if shm is None:
+            return self.gloo.allgather(output_tensors, input_tensors, opts)
+        flat = torch.empty(self.size() * input_tensors[0].numel(), dtype=input_tensors[0].dtype)
+        work = shm.all_gather(input_tensors[0].detach(), flat)
+        return FanfoldWork(work.get_future(), output_tensors, lambda: _unflatten(flat, outs))
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> dist.Work:
+        opts = opts if opts is not None else dist.AllgatherOptions()
+        shm = self._exchange_ok([input], [output], output.numel() == self.size() * input.numel())
+        if shm is None:
+            return self.gloo._allgather_base(output, input, opts)
+        return FanfoldWork(shm.all_gather(input.detach(), output.detach()).get_future(), [output])
+
+    _allgather_base = all_gather_single  # torch's older name
+
+    def reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
+                       opts: Any = None) -> dist.Work:
+        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        ins = input_tensors[0] if len(input_tensors) == 1 and len(output_tensors) == 1 else []
+        op = _op_name(opts.reduceOp)
+        shm = self._exchange_ok(output_tensors, ins, len(ins) == self.size() and op is not None and all(
+            t.shape == output_tensors[0].shape for t in ins), op)
+        if shm is None:
+            return self.gloo.reduce_scatter(output_tensors, input_tensors, opts)
+        flat = torch.cat([t.detach().reshape(-1) for t in ins])
+        work = shm.reduce_scatter(flat, output_tensors[0].detach(), divisor=self.size() if op == "avg" else None)
+        return FanfoldWork(work.get_future(), output_tensors)
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> dist.Work:
+        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        op = _op_name(opts.reduceOp)
+        shm = self._exchange_ok([input], [output], op is not None and input.numel() == self.size() * output.numel(),
+                                op)
+        if shm is None:
+            return self.gloo._reduce_scatter_base(output, input, opts)
+        divisor = self.size() if op == "avg" else None
+        return FanfoldWork(shm.reduce_scatter(input.detach(), output.detach(), divisor=divisor).get_future(), [output])
+
+    _reduce_scatter_base = reduce_scatter_single  # torch's older name
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
+                          input_split_sizes: list[int], opts: Any = None) -> dist.Work:
+        opts = opts if opts is not None else dist.AllToAllOptions()
+        counts = _all_to_all_counts(output, input, list(output_split_sizes), list(input_split_sizes), self.size())
+        shm = self._exchange_ok([input], [output], counts is not None)
+        if shm is None:
+            return self.gloo.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)
+        work = shm.all_to_all(input.detach(), output.detach(), counts[0], counts[1])
+        return FanfoldWork(work.get_future(), [output])
+
+    alltoall_base = all_to_all_single  # torch's older name
+
+    def _exchange_ok(self, ins: list[torch.Tensor], outs: list[torch.Tensor], shapes_ok: bool,
+                     op: str | None = "sum") -> ShmTransport | None:
+        # One input, CPU, one supported dtype for inputs and outputs: all equal on every rank of a correct program
+        return self._fast() if len(ins) == 1 and shapes_ok and _supported(ins + outs, op) else None
 
     def barrier(self, opts: Any = None) -> dist.Work:
         shm = self._fast()

@@ -1,21 +1,26 @@
-"""The shm transport's background thread and the handles of its collectives.
+"""The shm transport's worker: the thread that runs its collectives, the caller-thread path for small ones, and
+the handles of both.
 
-Layer: used by ``shm.py`` (the transport queues requests here); runs ``shm_engine.Engine`` and closes the
-``shm_segment.Segment`` mappings. One thread per transport serves requests in FIFO order -- every rank issues its
-collectives in the same order, so the n-th request of every rank is the same collective.
+Layer: used by ``transport.py`` (which builds the requests); runs ``engine.Engine`` and closes the ``segment.Segment``
+mappings. Collectives run in the order they were numbered -- every rank issues its collectives in the same order, so
+the n-th collective of every rank is the same one: queued ones in FIFO order on one thread per transport, and a
+small one on the caller's thread only when nothing is queued or running (no hand-off to the thread: its latency is
+the peers' alone; the waits spin a little before sleeping, ``Segment.wait_all``).
 """
 from __future__ import annotations
 
 import queue
 import threading
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from .engine import Engine
+from .request import Collective, Request
 from .segment import Segment
 
-__all__ = ["ShmWork", "completed", "serve", "stop"]
+__all__ = ["ShmWork", "completed", "Worker"]
 
 
 class ShmWork:
@@ -44,36 +49,80 @@ def completed(value: Any) -> ShmWork:
     return ShmWork(fut)
 
 
-def serve(requests: queue.SimpleQueue, engine: Engine) -> None:
-    """The transport's thread: requests in FIFO order (every rank issues them in the same order). After a failure
-    the transport is unusable (the peers were told through the abort word); later requests get the same error."""
-    error = None
-    while True:
-        item = requests.get()
-        if item is None:
+class Worker:
+    """Numbers the collectives of one transport and runs them on ``engine``: queued for its thread, or on the
+    caller's thread (``inline``) when nothing is queued or running. After a failure the transport is unusable (the
+    peers were told through the abort word); later collectives get the same error."""
+
+    def __init__(self, engine: Engine, name: str):
+        self.engine = engine
+        self.seq = 0  # the collectives numbered so far
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()  # numbering, queueing and the count of unfinished collectives, together
+        self._running = threading.Lock()  # held while the engine runs: one collective at a time, in number order
+        self._pending = 0
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._serve, daemon=True, name=name)
+        self._thread.start()
+
+    def submit(self, c: Collective, value: Any, finish: Any = None, inline: bool = False) -> torch.futures.Future:
+        """Number ``c`` and run it; the future yields ``value`` once it (and ``finish``) ran. ``inline``: run it on
+        this thread, before returning, if nothing is queued or running (otherwise it is queued like the rest)."""
+        fut = torch.futures.Future()
+        with self._lock:  # numbering and queueing together: the FIFO order is the numbering order
+            self.seq += 1
+            request = Request(fut, value, finish, replace(c, seq=self.seq))
+            inline = inline and self._pending == 0
+            self._pending += 1
+            if inline:
+                # Nothing unfinished: the thread is not running (it releases the engine before it counts down)
+                self._running.acquire()
+            else:
+                self._requests.put(request)
+        if inline:
+            try:
+                self._execute(request)
+            finally:
+                self._running.release()
+                self._done()
+        return fut
+
+    def _serve(self) -> None:
+        while True:
+            request = self._requests.get()
+            if request is None:
+                return
+            with self._running:  # behind a collective running on a caller's thread, numbered before this one
+                self._execute(request)
+            self._done()
+
+    def _done(self) -> None:
+        with self._lock:
+            self._pending -= 1
+
+    def _execute(self, request: Request) -> None:
+        if self._error is not None:
+            request.future.set_exception(
+                RuntimeError(f"the shm transport failed earlier and cannot be used: {self._error}"))
             return
-        fut, value, finish, args = item
-        if error is not None:
-            fut.set_exception(RuntimeError(f"the shm transport failed earlier and cannot be used: {error}"))
-            continue
         try:
-            engine.run(*args)
-            if finish is not None:
-                finish()
+            self.engine.run(request.collective)
+            if request.finish is not None:
+                request.finish()
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the waiting caller
-            error = exc
-            engine.seg.abort(f"rank {engine.rank}: {type(exc).__name__}: {exc}")
-            fut.set_exception(exc)
-            continue
-        fut.set_result(value)
+            self._error = exc
+            self.engine.seg.abort(f"rank {self.engine.rank}: {type(exc).__name__}: {exc}")
+            request.future.set_exception(exc)
+            return
+        request.future.set_result(request.value)
 
-
-def stop(requests: queue.SimpleQueue, thread: threading.Thread, segment: Segment | None, regions: list) -> None:
-    if thread is not None and thread.is_alive():
-        requests.put(None)
-        thread.join(5.0)
-    if segment is not None and (thread is None or not thread.is_alive()):
-        segment.close()
-        for *_, region in regions:  # mappings still used by tensors stay until those go (Segment.close)
-            region.close()
-        regions.clear()
+    def stop(self, segment: Segment, regions: list) -> None:
+        """Finish the queued collectives, stop the thread, unmap the segment and the regions."""
+        if self._thread.is_alive():
+            self._requests.put(None)
+            self._thread.join(5.0)
+        if not self._thread.is_alive():
+            segment.close()
+            for *_, region in regions:  # mappings still used by tensors stay until those go (Segment.close)
+                region.close()
+            regions.clear()

@@ -1,28 +1,17 @@
-"""``ShmTransport``: collectives through one shared-memory segment for ranks that share a host (the choice between it
-and torch's collectives is ``collectives/select.py``).
+"""``ShmTransport``: collectives through one shared-memory segment for ranks that share a host.
 
-Layer: the collective interface (``collectives/protocol.py``), used by the reducer and DDP; below it ``engine.py``
-(the algorithms) and ``segment.py`` (the memory and the bounded waits). Process groups, rendezvous and launching
-stay torch.distributed's: only the segment's name and each rank's host identity travel, through the group's store.
-
-all_reduce goes chunk by chunk (``chunk_bytes``, 1 MiB) through a ring of shared areas: every rank copies its chunk
-into its slot, then either every rank sums all slots into its own tensor (up to 3 ranks: one synchronisation a
-chunk, fewest bytes moved), or rank r sums shard r into a result area that every rank then copies out
-(reduce-scatter + all-gather, more ranks). Either way each element is summed in rank order 0..N-1 with the same
-float32 operations, so every rank gets the same bits, run after run; bf16/fp16 are summed in float32 and rounded
-once. A tensor in memory from :meth:`ShmTransport.allocate` (every rank maps every rank's copy) skips the ring:
-each rank sums its shard of each chunk from all copies into its own, in the same rank order, and copies the other
-shards from the peers' copies -- no copy in, half the memory traffic. Private tensors (a plain all_reduce above a
-quarter chunk, :meth:`ShmTransport.reduce_tensors`: DDP's gradients) skip the copy too where every rank may read its
-peers' memory (``process_vm_readv``, probed at start-up: ``peer_read``; ``peer.py``), else ``reduce_tensors``
-copies into memory from allocate() kept per bucket label. Requests run in FIFO order on one background thread per
-transport, so a reducer keeps several buckets in flight while backward runs; every wait for a peer is bounded.
+Layer: the top of ``shm/``; used by the ``fanfold`` backend (``backend.py``), the transport choice (``select.py``)
+and fanfold's DDP. Below it ``thread.py`` (the thread that runs requests in FIFO order, so several buckets are in
+flight while backward runs), ``engine.py`` / ``exchange.py`` (the algorithms: rank-ordered sums, bitwise equal on
+every rank) and ``segment.py`` (the memory and the bounded waits). Process groups, rendezvous and launching stay
+torch.distributed's: only the segment's name and each rank's host identity travel, through the group's store.
+Private tensors above a quarter chunk skip the copy into the ring where every rank may read its peers' memory
+(``process_vm_readv``, probed at start-up: ``peer_read``; ``peer.py``), else ``reduce_tensors`` copies them into
+memory from :meth:`ShmTransport.allocate` kept per bucket label; memory from allocate() skips the copy always.
 """
 from __future__ import annotations
 
 import os
-import queue
-import threading
 import warnings
 import weakref
 from collections.abc import Callable
@@ -36,40 +25,31 @@ from ..._core.group import require_initialized
 from ..store import StoreGroup, group_store
 from ..timeouts import ENV_VAR as STALL_ENV_VAR
 from ..timeouts import resolve_stall_timeout
-from .engine import ALL_REDUCE, BARRIER, BROADCAST, DTYPES, OPS, REDUCE_INTO, REDUCE_TENSORS, SHARED_ALL_REDUCE, Engine
+from .engine import Engine
+from .exchanges import Exchanges
 from .peer import TABLE_BYTES, probe
+from .request import (
+    ALL_REDUCE,
+    BARRIER,
+    BROADCAST,
+    DTYPES,
+    OPS,
+    REDUCE_INTO,
+    REDUCE_TENSORS,
+    SHARED_ALL_REDUCE,
+    Collective,
+)
 from .segment import Segment, ShmTimeoutError, pid_namespace
-from .thread import ShmWork
+from .tensors import check_reduce_tensors, flat_view, split_into
+from .thread import ShmWork, Worker
 from .thread import completed as _completed
-from .thread import serve as _serve
-from .thread import stop as _stop
 
-__all__ = ["ShmTransport", "ShmWork", "ShmTimeoutError"]
+__all__ = ["ShmTransport", "ShmWork", "ShmTimeoutError", "INLINE_BYTES"]
 
-
-def _flat(tensor: torch.Tensor, what: str) -> tuple[torch.Tensor, Callable[[], None] | None]:
-    """A contiguous 1-d view of ``tensor`` in a supported dtype, and the copy back when it had to be a copy."""
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{what} needs a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.device.type != "cpu":
-        raise ValueError(f"the shm transport works on CPU tensors; {what} got one on {tensor.device}")
-    t = torch.view_as_real(tensor) if tensor.is_complex() else tensor
-    if t.dtype not in DTYPES:
-        raise TypeError(f"{what}: dtype {tensor.dtype} is not supported by the shm transport ({DTYPES})")
-    if t.is_contiguous():
-        return t.view(-1), None
-    flat = t.contiguous().view(-1)
-    return flat, lambda: t.copy_(flat.view_as(t))
+INLINE_BYTES = 64 << 10  # all_reduce(inline=True) up to this size runs on the caller's thread
 
 
-def _split_into(flat: torch.Tensor, outs: list[torch.Tensor]) -> None:
-    offset = 0
-    for out in outs:
-        out.copy_(flat[offset: offset + out.numel()])
-        offset += out.numel()
-
-
-class ShmTransport:
+class ShmTransport(Exchanges):
     """The transport interface (``protocol.Transport``) through shared memory, for ranks sharing this host's /dev/shm.
     Collective: every rank of ``group`` (None: the default group) constructs it, in the same order as its other
     transports. ``timeout`` (seconds or timedelta; default ``$FANFOLD_STALL_TIMEOUT``, else the process group's
@@ -92,9 +72,8 @@ class ShmTransport:
         if timeout is None and not os.environ.get(STALL_ENV_VAR):  # the process group's own timeout
             timeout = (group.store if own else dist.distributed_c10d._get_default_store()).timeout
         self.timeout = resolve_stall_timeout(timeout)
-        self._seq, self._lock, self._chunk_bytes = 0, threading.Lock(), chunk_bytes
-        self._requests: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = self._segment = None
+        self._chunk_bytes = chunk_bytes
+        self._worker = self._segment = None
         self.peer_read = False  # reduce_tensors reads the peers' memory (probed below)
         self._stages: dict[tuple, torch.Tensor] = {}  # without peer reads: reduce_tensors' copies, by bucket label
         self._regions: list[tuple[int, int, list[torch.Tensor], Segment]] = []  # from allocate(), see _shared
@@ -121,25 +100,24 @@ class ShmTransport:
                 direct_bytes = chunk_bytes if self.world_size <= 3 else 64 << 10
             tables = self._segment.data[ring:] if self.peer_read else None
             engine = Engine(self._segment, self.rank, self.world_size, chunk_bytes, direct_bytes, areas, tables)
-            self._thread = threading.Thread(target=_serve, args=(self._requests, engine), daemon=True,
-                                            name=f"fanfold-shm-rank{self.rank}")
-            self._thread.start()
-        self._finalizer = weakref.finalize(self, _stop, self._requests, self._thread, self._segment, self._regions)
+            self._worker = Worker(engine, f"fanfold-shm-rank{self.rank}")
+            self._finalizer = weakref.finalize(self, self._worker.stop, self._segment, self._regions)
+        else:
+            self._finalizer = weakref.finalize(self, lambda: None)
 
     def _submit(self, op: int, tensor: torch.Tensor | None, bucket: int | None = None, src: int = 0,
-                divisor: float | None = None, outs: list[torch.Tensor] | None = None) -> ShmWork:
-        flat, finish = _flat(tensor, OPS[op]) if tensor is not None else (None, None)
+                divisor: float | None = None, outs: list[torch.Tensor] | None = None, inline: bool = False
+                ) -> ShmWork:
+        flat, finish = flat_view(tensor, OPS[op]) if tensor is not None else (None, None)
         contiguous = finish is None
         if outs is not None:  # reduce_into: the result goes to outs, whichever algorithm runs
             if not contiguous or op != ALL_REDUCE:
                 raise ValueError("reduce_into needs a contiguous tensor")
-            finish = lambda: _split_into(flat, outs)  # noqa: E731 - dropped below when the sum writes outs itself
+            finish = lambda: split_into(flat, outs)  # noqa: E731 - dropped below when the sum writes outs itself
         if self.world_size == 1:
             if divisor is not None:
                 tensor.div_(divisor)
             return _completed(tensor)
-        if not self._finalizer.alive:
-            raise RuntimeError(f"rank {self.rank}: {OPS[op]} on a closed ShmTransport")
         # Small tensors (up to a quarter chunk) take the ring even from shared memory: one synchronisation, not 3.
         big = op == ALL_REDUCE and contiguous and flat.numel() * flat.element_size() > self._chunk_bytes // 4
         shared = self._shared(flat) if big and self._regions else None
@@ -150,11 +128,15 @@ class ShmTransport:
         targets = outs  # the engine's: reduce_into's outputs, or the tensors that a peer-read all-reduce sums
         if shared is None and big and self.peer_read:  # private memory the peers can read: no copy
             op, targets = REDUCE_TENSORS, [flat]  # into the ring; reduce_into's outs are filled by `finish`
-        fut = torch.futures.Future()
-        with self._lock:  # numbering and queueing together: the FIFO order is the numbering order
-            self._seq += 1
-            self._requests.put((fut, tensor, finish, (op, flat, self._seq, bucket, src, shared, divisor, targets)))
-        return ShmWork(fut)
+        inline = inline and op == ALL_REDUCE and outs is None and flat.numel() * flat.element_size() <= INLINE_BYTES
+        return self._enqueue(Collective(op, 0, flat, bucket, src, shared, divisor, targets), tensor, finish, inline)
+
+    def _enqueue(self, c: Collective, value: Any, finish: Callable[[], None] | None, inline: bool = False
+                 ) -> ShmWork:
+        """Number ``c`` and run it (``Worker.submit``); the handle's future yields ``value``."""
+        if not self._finalizer.alive:
+            raise RuntimeError(f"rank {self.rank}: {OPS[c.op]} on a closed ShmTransport")
+        return ShmWork(self._worker.submit(c, value, finish, inline))
 
     def _shared(self, flat: torch.Tensor) -> tuple[list[torch.Tensor], int] | None:
         """Every rank's copy of ``flat`` (by rank) and where it lies, when it lies in memory from allocate()."""
@@ -190,12 +172,15 @@ class ShmTransport:
         self._regions.append((views[self.rank].data_ptr(), nbytes, views, region))
         return views[self.rank].view(dtype)
 
-    def all_reduce(self, tensor: torch.Tensor, bucket: int | None = None, divisor: float | None = None) -> ShmWork:
+    def all_reduce(self, tensor: torch.Tensor, bucket: int | None = None, divisor: float | None = None, *,
+                   inline: bool = False) -> ShmWork:
         """Sum ``tensor`` over the group, in place, asynchronously; ``bucket`` labels errors. With ``divisor`` the
-        result is the sum divided by it (bitwise what dividing afterwards gives), at no extra pass over memory."""
+        result is the sum divided by it (bitwise what dividing afterwards gives), at no extra pass over memory.
+        ``inline``: a tensor of at most :data:`INLINE_BYTES` is summed on this thread before the call returns when
+        no collective is queued or running (the latency path: no hand-off to the transport's thread)."""
         if divisor is not None and not (isinstance(divisor, (int, float)) and divisor > 0):
             raise ValueError(f"all_reduce: divisor must be a positive number, got {divisor!r}")
-        return self._submit(ALL_REDUCE, tensor, bucket, divisor=divisor)
+        return self._submit(ALL_REDUCE, tensor, bucket, divisor=divisor, inline=inline)
 
     def reduce_into(self, tensor: torch.Tensor, outs: list[torch.Tensor], bucket: int | None = None, *,
                     divisor: float | None = None) -> ShmWork:
@@ -210,7 +195,7 @@ class ShmTransport:
             raise ValueError(f"reduce_into: outs must add up to the tensor's {tensor.numel()} {tensor.dtype} "
                              f"elements, got {[(o.numel(), o.dtype) for o in outs]}")
         if self.world_size == 1:
-            _split_into(tensor.view(-1) if divisor is None else tensor.view(-1) / divisor, outs)
+            split_into(tensor.view(-1) if divisor is None else tensor.view(-1) / divisor, outs)
             return _completed(tensor)
         return self._submit(ALL_REDUCE, tensor, bucket, divisor=divisor, outs=outs)
 
@@ -227,21 +212,7 @@ class ShmTransport:
         every rank rounds the values as it reads them, at no extra pass over memory."""
         if divisor is not None and not (isinstance(divisor, (int, float)) and divisor > 0):
             raise ValueError(f"reduce_tensors: divisor must be a positive number, got {divisor!r}")
-        tensors = list(tensors)
-        for k, t in enumerate(tensors):
-            _flat(t, f"reduce_tensors (tensor {k})")
-            if not t.is_contiguous() or t.dtype != tensors[0].dtype or t.is_complex():
-                raise ValueError(f"reduce_tensors: tensor {k} must be a contiguous real tensor of "
-                                 f"{tensors[0].dtype}, like tensor 0; got {t.dtype}, contiguous={t.is_contiguous()}")
-        spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), k)
-                       for k, t in enumerate(tensors) if t.numel())
-        for (_, end, j), (start, _, k) in zip(spans, spans[1:]):
-            if start < end:  # summed in place shard by shard: two names for one memory would corrupt both
-                raise ValueError(f"reduce_tensors: tensors {min(j, k)} and {max(j, k)} overlap in memory")
-        if compress is not None and (compress not in (torch.bfloat16, torch.float16) or
-                                     any(t.dtype != torch.float32 for t in tensors)):
-            raise ValueError(f"reduce_tensors: compress must be torch.bfloat16 or torch.float16, for float32 tensors; "
-                             f"got {compress} for {tensors[0].dtype if tensors else 'no'} tensors")
+        tensors = check_reduce_tensors(tensors, compress)
         # float16 overflows on the sum of a few large gradients: it divides first (as fp16_compress_hook does)
         pre = divisor if compress == torch.float16 else None
         if pre is not None:
@@ -256,16 +227,10 @@ class ShmTransport:
             flat = torch.cat([t.view(-1) for t in tensors])
             narrow = self._stage(bucket, numel, compress).copy_(flat if pre is None else flat.div_(pre))
             work = self.all_reduce(narrow, bucket, divisor=divisor)
-            return ShmWork(work.get_future().then(lambda _: _split_into(narrow, [t.view(-1) for t in tensors])))
-        if not self._finalizer.alive:
-            raise RuntimeError(f"rank {self.rank}: reduce_tensors on a closed ShmTransport")
-        fut = torch.futures.Future()
-        with self._lock:
-            self._seq += 1
-            self._requests.put((fut, tensors, None,
-                                (REDUCE_TENSORS, tensors[0].view(-1), self._seq, bucket, 0, None, divisor, tensors,
-                                 bool(settle), None if compress is None else (compress, pre))))
-        return ShmWork(fut)
+            return ShmWork(work.get_future().then(lambda _: split_into(narrow, [t.view(-1) for t in tensors])))
+        return self._enqueue(Collective(REDUCE_TENSORS, 0, tensors[0].view(-1), bucket, divisor=divisor, outs=tensors,
+                                        settle=bool(settle), compress=None if compress is None else (compress, pre)),
+                             tensors, None)
 
     def _stage(self, bucket: int | None, numel: int, dtype: torch.dtype) -> torch.Tensor:
         # Collective like allocate(): every rank reduces the same bucket labels with the same sizes in order.
@@ -285,6 +250,11 @@ class ShmTransport:
     def barrier(self) -> None:
         """Return once every rank has reached this barrier (and finished the collectives queued before it)."""
         self._submit(BARRIER, None).wait()
+
+    @property
+    def issued(self) -> int:
+        """How many collectives this rank has issued on the transport (run or queued)."""
+        return 0 if self._worker is None else self._worker.seq
 
     def close(self) -> None:
         """Finish queued collectives, stop the thread and unmap the segment. Idempotent."""

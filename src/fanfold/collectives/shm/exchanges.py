@@ -1,0 +1,62 @@
+"""The shared-memory transport's all_gather, reduce_scatter and all_to_all: argument checks and the requests.
+
+Part of ``collectives/shm``: a base class of ``ShmTransport`` (``transport.py``), which supplies the numbering and
+the thread (``_enqueue``); the algorithms are ``exchange.py``'s, the flat views ``tensors.py``'s.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .request import ALL_GATHER, ALL_TO_ALL, OPS, REDUCE_SCATTER, Collective
+from .tensors import exchange_counts, exchange_tensors
+from .thread import ShmWork
+from .thread import completed as _completed
+
+__all__ = ["Exchanges"]
+
+
+class Exchanges:
+    """all_gather, reduce_scatter and all_to_all for a transport with ``world_size``, ``_chunk_bytes`` and
+    ``_enqueue(collective, value, finish)``."""
+
+    world_size: int
+    _chunk_bytes: int
+    _enqueue: Callable[..., Any]
+
+    def all_gather(self, tensor: torch.Tensor, out: torch.Tensor) -> ShmWork:
+        """Every rank's ``tensor`` (same numel and dtype on every rank) into ``out`` (world_size times as many
+        elements: rank r's at r * numel), asynchronously."""
+        flat, out_flat, finish = exchange_tensors("all_gather", tensor, out, times=self.world_size)
+        return self._exchange(Collective(ALL_GATHER, 0, flat, out=out_flat), out, finish)
+
+    def reduce_scatter(self, tensor: torch.Tensor, out: torch.Tensor, *, divisor: float | None = None) -> ShmWork:
+        """Sum ``tensor`` (world_size x ``out``'s elements) over the group and keep this rank's shard in ``out``
+        (rank r: elements r * numel .. (r + 1) * numel), asynchronously; with ``divisor``, divided by it. Summed in
+        rank order: bitwise what :meth:`all_reduce` gives that shard."""
+        if divisor is not None and not (isinstance(divisor, (int, float)) and divisor > 0):
+            raise ValueError(f"reduce_scatter: divisor must be a positive number, got {divisor!r}")
+        flat, out_flat, finish = exchange_tensors("reduce_scatter", tensor, out, per=self.world_size)
+        return self._exchange(Collective(REDUCE_SCATTER, 0, flat, divisor=divisor, out=out_flat), out, finish)
+
+    def all_to_all(self, tensor: torch.Tensor, out: torch.Tensor, send: list[int], recv: list[int]) -> ShmWork:
+        """Send ``send[q]`` consecutive elements of ``tensor`` to rank q and receive ``recv[p]`` from rank p into
+        ``out`` (in rank order), asynchronously. Every rank's ``recv[p]`` must equal rank p's ``send`` to it:
+        checked on every rank before anything moves."""
+        flat, out_flat, finish, splits = exchange_counts(tensor, out, send, recv, self.world_size)
+        return self._exchange(Collective(ALL_TO_ALL, 0, flat, out=out_flat, splits=splits), out, finish)
+
+    def _exchange(self, c: Collective, out: torch.Tensor, finish: Callable[[], None] | None) -> ShmWork:
+        if 16 * self.world_size > self._chunk_bytes:  # all_to_all's table of counts, a piece per rank in a chunk
+            raise ValueError(f"{OPS[c.op]}: {self.world_size} ranks need chunk_bytes >= {16 * self.world_size}")
+        if self.world_size == 1:
+            if c.op == REDUCE_SCATTER and c.divisor is not None:
+                torch.div(c.flat, c.divisor, out=c.out)
+            else:
+                c.out.copy_(c.flat)
+            if finish is not None:
+                finish()
+            return _completed(out)
+        return self._enqueue(c, out, finish)

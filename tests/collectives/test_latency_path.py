@@ -1,0 +1,64 @@
+"""The latency path of the ``fanfold`` backend, 2 and 3 ranks, against gloo in the same processes: a small all_reduce
+issued while nothing is queued runs on the caller's thread and is complete when the call returns; one issued behind
+queued collectives waits its turn (issue order kept); every result is gloo's (integers: exactly)."""
+import threading
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fanfold
+
+
+def _x(n, r, seed):
+    return (torch.randn(n, generator=torch.Generator().manual_seed(100 * seed + r)) * 1000).round().to(torch.int64)
+
+
+def _latency_path():
+    torch.set_num_threads(1)
+    dist.init_process_group("cpu:fanfold", timeout=timedelta(seconds=60))
+    r = dist.get_rank()
+    gloo = dist.new_group(backend="gloo")
+    dist.barrier()
+    engine = dist.group.WORLD.transport._worker.engine
+    threads, run = [], engine.run
+
+    def recording(c):
+        threads.append(threading.current_thread() is threading.main_thread())
+        run(c)
+    engine.run = recording
+    out = {"bad": []}
+    # nothing queued: on this thread, done when the call returns
+    for k, n in enumerate([1, 1000, 8192]):  # 8192 int64: 64 KiB, the largest inline size
+        x = _x(n, r, k)
+        want = x.clone()
+        dist.all_reduce(want, group=gloo)
+        work = dist.all_reduce(x, async_op=True)
+        if not (work.is_completed() and torch.equal(x, want)):
+            out["bad"].append(("inline", n))
+    out["inline"] = list(threads)
+    threads.clear()
+    # behind a large collective in flight: queued in issue order, not run ahead of it
+    big, small, larger = _x(3_000_000, r, 7), _x(10, r, 8), _x(8193, r, 9)
+    wants = [t.clone() for t in (big, small, larger)]
+    for w in wants:
+        dist.all_reduce(w, group=gloo)
+    works = [dist.all_reduce(t, async_op=True) for t in (big, small, larger)]
+    for w in works:
+        w.wait()
+    if not all(torch.equal(a, b) for a, b in zip((big, small, larger), wants)):
+        out["bad"].append("queued")
+    out["queued"] = list(threads)
+    engine.run = run
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_small_all_reduce_runs_on_the_callers_thread_in_order(nprocs):
+    for out in fanfold.launch(_latency_path, nprocs=nprocs, timeout=240):
+        assert out["bad"] == [], out["bad"]
+        assert out["inline"] == [True, True, True], out["inline"]
+        # the small one behind the large one went through the transport's thread; so did the one above 64 KiB
+        assert out["queued"][1:] == [False, False], out["queued"]
