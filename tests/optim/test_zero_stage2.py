@@ -11,7 +11,9 @@ import torch.distributed as dist
 from test_zero_training import MAX_NORM, OPTS, STEPS, _data, _loss, _model, oracle
 
 import fanfold
+from fanfold.collectives.transport import TorchTransport
 from fanfold.distributed import init_process_group
+from fanfold.distributed.shard_collectives import ShardOps, all_gather, reduce_scatter
 
 CAPS = dict(bucket_cap_mb=0.01, first_bucket_cap_mb=0.005)  # several buckets of the 5,768-element MLP
 
@@ -46,7 +48,7 @@ def _state_elements(optim):
     return sum(t.numel() for s in optim.state.values() for t in s.values() if isinstance(t, torch.Tensor))
 
 
-def _train(name, transport, hook=None, stage2=True):
+def _train(name, transport, hook=None, stage2=True, native=None):
     model = _model()
     ddp = fanfold.DistributedDataParallel(model, transport=transport, **CAPS)
     if hook is not None:
@@ -55,6 +57,7 @@ def _train(name, transport, hook=None, stage2=True):
     opt = fanfold.ZeroRedundancyOptimizer(model.parameters(), cls, **kw) if stage2 else cls(model.parameters(), **kw)
     if stage2:
         ddp.shard_gradients(opt)
+        ddp.reducer.shards.ops.native = native  # True: torch's reduce_scatter_tensor and all-gather, even on gloo
     r, n, norms, grads = dist.get_rank(), dist.get_world_size(), [], 0
     for step in range(STEPS):
         opt.zero_grad()
@@ -115,12 +118,44 @@ def _ranks(plan):
     out = {key: _train(*args) for key, args in plan.items()}
     if dist.get_world_size() == 2:
         out["unused"] = _unused()
+        out["native"] = _native_ops()
+        out["errors"] = _errors()
+    return out
+
+
+def _native_ops():
+    """torch's reduce-scatter (average) and all-gather of 10 elements through ShardOps."""
+    ops, r = ShardOps(TorchTransport(), set(), native=True), dist.get_rank()
+    out, full = torch.empty(5, dtype=torch.float64), torch.empty(10, dtype=torch.float64)
+    reduce_scatter(ops, out, torch.arange(10, dtype=torch.float64) * (r + 1), 0, 2).wait()
+    all_gather(ops, full, torch.full((5,), float(r + 7), dtype=torch.float64), 0).wait()
+    return out, full
+
+
+def _errors():
+    model = _model()
+    ddp = fanfold.DistributedDataParallel(model, transport="torch")
+    out = []
+    for make in (lambda: torch.optim.Adam(model.parameters()),
+                 lambda: fanfold.ZeroRedundancyOptimizer(list(model.parameters())[:-1], torch.optim.Adam)):
+        try:
+            ddp.shard_gradients(make())
+        except (TypeError, ValueError) as exc:
+            out.append(f"{type(exc).__name__}: {exc}")
     return out
 
 
 PLAN2 = {**{f"{name}/torch": (name, "torch") for name in OPTS}, "adam/plain": ("adam", "torch", None, False),
          "adam/shm/bf16": ("adam", "shm", fanfold.distributed.bf16_compress_hook),
          "adam/torch/fp16": ("adam", "torch", fanfold.distributed.fp16_compress_hook)}
+def torch_style_hook(state, bucket):
+    """A comm hook as written for torch's DDP: all-reduce the whole bucket, divide."""
+    fut = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0].div_(dist.get_world_size()))
+
+
+PLAN2["adamw/native"] = ("adamw", "torch", None, True, True)
+PLAN2["sgd/hook"] = ("sgd", "torch", torch_style_hook)
 PLAN3 = {f"{name}/shm": (name, "shm") for name in OPTS}
 
 
@@ -145,10 +180,26 @@ def test_stage2_no_sync_clipping_equal_single_process(two_ranks, three_ranks, wo
     results, key = (two_ranks, f"{name}/torch") if world == 2 else (three_ranks, f"{name}/shm")
     want, biggest = oracle(name)
     assert biggest > MAX_NORM  # clipping was active
+    keys = [key, *{"adamw": ["adamw/native"], "sgd": ["sgd/hook"]}.get(name, [])] if world == 2 else [key]
     for res in results:
-        _assert_params(res[key]["params"], want)
-        assert res[key]["all_grads_none"]  # the full gradients are freed
+        for k in keys:
+            _assert_params(res[k]["params"], want)
+            assert res[k]["all_grads_none"]  # the full gradients are freed
     assert len({tuple(res[key]["norms"]) for res in results}) == 1
+
+
+def test_torch_reduce_scatter_and_all_gather(two_ranks):
+    for r, res in enumerate(two_ranks):
+        out, full = res["native"]
+        torch.testing.assert_close(out, torch.arange(10, dtype=torch.float64)[5 * r:5 * r + 5] * 1.5)
+        torch.testing.assert_close(full, torch.tensor([7.0] * 5 + [8.0] * 5, dtype=torch.float64))
+
+
+def test_shard_gradients_refuses_other_optimizers(two_ranks):
+    for res in two_ranks:
+        plain, subset = res["errors"]
+        assert plain.startswith("TypeError") and "fanfold.ZeroRedundancyOptimizer" in plain
+        assert subset.startswith("ValueError") and "exactly the DistributedDataParallel's trainable" in subset
 
 
 @pytest.mark.parametrize("key", ["adam/shm/bf16", "adam/torch/fp16"])

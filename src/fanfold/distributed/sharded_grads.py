@@ -65,11 +65,12 @@ class BucketShard:
 
 @dataclass
 class _Flight:
-    """The bucket whose reduction is under way: its handle, where its result lands, and whether to add it."""
+    """The bucket whose reduction is under way: its handle, where its result lands (this rank's part, or the
+    members' own gradients reduced in place), and whether to add it to what the part holds."""
 
     bucket: int
     handle: Any
-    result: torch.Tensor
+    result: torch.Tensor | list[torch.Tensor]
     accumulate: bool
 
 
@@ -105,11 +106,24 @@ class GradientShards:
             self._staging[key] = torch.empty(size, dtype=key[0], device=s.device)
         return self._staging[key][:s.chunk * self.world_size]
 
+    def _in_place(self, s: BucketShard) -> bool:
+        # A transport that all-reduces tensors where they lie (ShmTransport reading its peers' memory) and has no
+        # reduce-scatter: nothing is copied into a staging buffer, for the gradients or the gathered parameters.
+        t, narrow = self.reducer.transport, BUILT_IN.get(self.reducer.hook)
+        return bool(getattr(t, "supports_reduce_tensors", False)) and not getattr(t, "supports_reduce_scatter",
+                                                                                  False) \
+            and self.reducer.hook in BUILT_IN and (narrow is None or s.dtype == torch.float32) \
+            and s.device.type == "cpu" and self.world_size > 1
+
     def launch(self, b: int) -> None:
         """Bucket ``b`` is full: its gradients into the staging buffer (their ``.grad`` freed), its reduction
         started. Called in bucket order on every rank, as every collective must be."""
         self.finish()  # the bucket in flight gives the staging buffer back
         r, s = self.reducer, self.layout[b]
+        self._launched.append(b)
+        if self._in_place(s):
+            self._launch_in_place(s)
+            return
         flat = self._stage(s)
         for k, i in enumerate(s.members):
             p, view = self.params[i], flat[s.offsets[k]:s.offsets[k] + s.numels[k]]
@@ -136,7 +150,22 @@ class GradientShards:
             out = torch.empty(s.chunk, dtype=s.dtype, device=s.device)
             handle = _HookPart(r, b, s, flat, out)
         self._flight = _Flight(b, handle, out, accumulate)
-        self._launched.append(b)
+
+    def _launch_in_place(self, s: BucketShard) -> None:
+        r = self.reducer
+        tensors = []
+        for i in s.members:
+            g = None if r._shadowing else self.params[i].grad
+            if g is None or not g.is_contiguous() or g.dtype != s.dtype:
+                fresh = torch.empty(self.params[i].shape, dtype=s.dtype, device=s.device)  # contiguous
+                g = fresh.zero_() if g is None else fresh.copy_(g)
+            tensors.append(g.view(-1))
+        self.ops.fallback("reduce_scatter", "each bucket is all-reduced in place and this rank keeps its part")
+        narrow = BUILT_IN[r.hook]
+        # settle: the .grad tensors are freed at the wait, so the peers must be done reading them by then
+        handle = r.transport.reduce_tensors(tensors, bucket=s.index, divisor=r.divisor, settle=True,
+                                            **({} if narrow is None else {"compress": narrow}))
+        self._flight = _Flight(s.index, handle, tensors, self.filled[s.index])
 
     def finish(self) -> None:
         """Wait for the bucket in flight; its result into this rank's part."""
@@ -144,8 +173,14 @@ class GradientShards:
         if f is None:
             return
         f.handle.wait()
-        part = self.parts[f.bucket]
-        if f.accumulate:
+        part, s = self.parts[f.bucket], self.layout[f.bucket]
+        if isinstance(f.result, list):  # reduced in place: this rank's part out of the members' gradients
+            for k, a, b, at in s.spans(s.lo, s.hi):
+                mine = part[at:at + b - a]
+                mine.add_(f.result[k][a:b]) if f.accumulate else mine.copy_(f.result[k][a:b])
+            for i in s.members:
+                self.params[i].grad = None
+        elif f.accumulate:
             part.add_(f.result.to(part.dtype))
         elif f.result is not part:
             part.copy_(f.result)
@@ -192,6 +227,16 @@ class GradientShards:
         if n == 1:
             return
         for s in self.layout:
+            if self._in_place(s):  # zeros around this rank's part, summed where the parameters lie
+                flat = [self.params[i].detach().view(-1) for i in s.members]
+                for k, (o, m) in enumerate(zip(s.offsets, s.numels)):
+                    a, b = min(max(s.lo - o, 0), m), max(min(s.hi - o, m), 0)
+                    flat[k][:a].zero_()
+                    flat[k][max(a, b):].zero_()
+                self.ops.fallback("all_gather", "the parameters are gathered by an all-reduce in place, with zeros "
+                                                "around this rank's part")
+                self.reducer.transport.reduce_tensors(flat, bucket=s.index, settle=True).wait()
+                continue
             out = self._stage(s)
             part = out[r * s.chunk:(r + 1) * s.chunk]
             flat = [self.params[i].detach().view(-1) for i in s.members]
