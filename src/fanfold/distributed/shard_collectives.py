@@ -7,11 +7,11 @@ announcing ``supports_reduce_scatter`` -- ``reduce_scatter(out, tensor, bucket=N
 ``divisor`` when given; ``tensor`` may be overwritten -- and ``supports_all_gather`` -- ``all_gather(out, part,
 bucket=None) -> handle``: ``out`` (``N`` parts) gets every rank's ``part`` by rank. Without them: torch's own
 collectives on the group of a ``TorchTransport`` (``reduce_scatter_tensor``, ``all_gather_single``), except on
-gloo, whose all-reduce is faster than both (2 ranks, 8.4M float32 elements, contended 2-core host: all-reduce
-85 ms, reduce-scatter 194 ms, all-gather 164 ms). Otherwise -- gloo, and the shm transport until it has its own --
-an all-reduce of the whole tensor, of which this rank keeps its part (for the gather: zeros around this rank's
-part): the same result and memory for twice the bytes; announced once per process for a transport that is not
-torch's.
+gloo, whose all-reduce and broadcasts are faster (2 ranks, 8.4M float32 elements, contended 2-core host:
+all-reduce 85 ms, reduce-scatter 194 ms, all-gather 164 ms; two broadcasts of halves 15 ms). Otherwise -- gloo,
+and the shm transport until it has its own -- the reduction is an all-reduce of the whole tensor, of which this
+rank keeps its part (the same result and memory for twice the bytes; announced once per process for a transport
+that is not torch's), and the gather is one broadcast per piece from its owner (``gathers`` says which).
 """
 from __future__ import annotations
 
@@ -102,30 +102,22 @@ def reduce_scatter(ops: ShardOps, out: torch.Tensor, tensor: torch.Tensor, bucke
     return _KeepPart(issue_all_reduce(t, tensor, bucket, divisor), tensor, out, t.rank)
 
 
+def gathers(ops: ShardOps) -> bool:
+    """Whether :func:`all_gather` has a true all-gather to use; else the caller broadcasts each piece."""
+    return bool(getattr(ops.transport, "supports_all_gather", False)) or ops.torch_group[0]
+
+
 def all_gather(ops: ShardOps, out: torch.Tensor, part: torch.Tensor, bucket: int) -> Any:
-    """Start ``out`` = every rank's ``part``, by rank; ``part`` may be a view of ``out`` (this rank's place)."""
+    """Start ``out`` = every rank's ``part``, by rank (where :func:`gathers`); ``part`` may be a view of ``out``
+    (this rank's place)."""
     t = ops.transport
-    if t.world_size == 1:
-        if part.data_ptr() != out.data_ptr():
-            out.copy_(part)
-        return _Done()
     if getattr(t, "supports_all_gather", False):
         return ops.run("all_gather", bucket, lambda: t.all_gather(out, part, bucket=bucket))
-    native, group = ops.torch_group
-    if native:
-        send = part.clone() if _overlaps(part, out) else part  # in-place all-gathers are not promised
-        # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        return ops.run("all_gather", bucket, lambda: gather(out, send, group=group, async_op=True))
-    # Everyone else's parts zero, this rank's in place: the sum is the gather.
-    ops.fallback("all_gather", "the parameters are gathered by all-reducing each bucket with zeros around this "
-                               "rank's part")
-    n, r = part.numel(), t.rank
-    if not _overlaps(part, out):
-        out[r * n:(r + 1) * n].copy_(part)
-    out[:r * n].zero_()
-    out[(r + 1) * n:].zero_()
-    return issue_all_reduce(t, out, bucket)
+    _, group = ops.torch_group
+    send = part.clone() if _overlaps(part, out) else part  # in-place all-gathers are not promised
+    # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return ops.run("all_gather", bucket, lambda: gather(out, send, group=group, async_op=True))
 
 
 def _overlaps(part: torch.Tensor, out: torch.Tensor) -> bool:

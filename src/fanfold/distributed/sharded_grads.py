@@ -23,7 +23,7 @@ import torch
 
 from .bucket_paths import BUILT_IN
 from .comm_hooks import GradBucket
-from .shard_collectives import ShardOps, all_gather, reduce_scatter
+from .shard_collectives import ShardOps, all_gather, gathers, reduce_scatter
 
 __all__ = ["BucketShard", "GradientShards", "ShardConsumer", "shard_gradients"]
 
@@ -221,25 +221,21 @@ class GradientShards:
 
     @torch.no_grad()
     def gather_params(self) -> None:
-        """Every rank's part of every parameter to every rank (collective), one bucket at a time through the
-        staging buffer: the step's extra memory is that one buffer."""
+        """Every rank's part of every parameter to every rank (collective): by an all-gather, one bucket at a time
+        through the staging buffer, or (without one) by a broadcast of each piece from its owner, in place."""
         n, r = self.world_size, self.rank
         if n == 1:
             return
         for s in self.layout:
-            if self._in_place(s):  # zeros around this rank's part, summed where the parameters lie
-                flat = [self.params[i].detach().view(-1) for i in s.members]
-                for k, (o, m) in enumerate(zip(s.offsets, s.numels)):
-                    a, b = min(max(s.lo - o, 0), m), max(min(s.hi - o, m), 0)
-                    flat[k][:a].zero_()
-                    flat[k][max(a, b):].zero_()
-                self.ops.fallback("all_gather", "the parameters are gathered by an all-reduce in place, with zeros "
-                                                "around this rank's part")
-                self.reducer.transport.reduce_tensors(flat, bucket=s.index, settle=True).wait()
+            flat = [self.params[i].detach().view(-1) for i in s.members]
+            if not gathers(self.ops):  # each piece is contiguous in its parameter: no copy at all
+                for q in range(n):
+                    lo = min(q * s.chunk, s.numel)
+                    for k, a, b, _ in s.spans(lo, min(lo + s.chunk, s.numel)):
+                        self.reducer.transport.broadcast(flat[k][a:b], q)
                 continue
             out = self._stage(s)
             part = out[r * s.chunk:(r + 1) * s.chunk]
-            flat = [self.params[i].detach().view(-1) for i in s.members]
             for k, a, b, at in s.spans(s.lo, s.hi):
                 part[at:at + b - a].copy_(flat[k][a:b])
             part[s.hi - s.lo:].zero_()
