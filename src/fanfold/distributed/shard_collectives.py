@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from ..collectives.transport import DividedWork, TorchTransport, issue_all_reduce
 
-__all__ = ["ShardOps", "reduce_scatter", "all_gather"]
+__all__ = ["ShardOps", "reduce_scatter", "all_gather", "gathers", "completed"]
 
 
 @dataclass
@@ -123,3 +123,11 @@ def all_gather(ops: ShardOps, out: torch.Tensor, part: torch.Tensor, bucket: int
 def _overlaps(part: torch.Tensor, out: torch.Tensor) -> bool:
     lo, hi = out.data_ptr(), out.data_ptr() + out.numel() * out.element_size()
     return lo <= part.data_ptr() < hi
+
+
+def completed(handle: Any) -> bool:
+    """Whether a handle is done, without waiting (False when it cannot tell)."""
+    if callable(getattr(handle, "is_completed", None)):
+        return bool(handle.is_completed())
+    future = handle.get_future() if callable(getattr(handle, "get_future", None)) else None
+    return future is not None and future.done()

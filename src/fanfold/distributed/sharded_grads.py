@@ -10,12 +10,15 @@ rank ``r`` owns elements ``r * chunk`` to ``(r + 1) * chunk`` of the bucket's fl
 from the first backward's order), since the optimizer's state is laid out after them.
 
 Memory after a synchronised backward: this rank's parts (``sum ceil(L / N)``, about ``P / N``) and one staging
-buffer of the largest bucket; no ``.grad`` and no full bucket. One bucket is in flight at a time: the next bucket's
-copy into the staging buffer waits for it, while the backward computes the gradients in between.
+buffer of the largest bucket; no ``.grad`` and no full bucket. Through the staging buffer one bucket is in flight
+at a time (the next one's copy waits for it, while the backward computes in between); a transport that reduces the
+``.grad`` tensors where they lie (the shm one) needs no staging, keeps every launched bucket in flight and frees
+each one's ``.grad`` once reduced.
 """
 from __future__ import annotations
 
 from bisect import bisect_right
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -23,7 +26,7 @@ import torch
 
 from .bucket_paths import BUILT_IN
 from .comm_hooks import GradBucket
-from .shard_collectives import ShardOps, all_gather, gathers, reduce_scatter
+from .shard_collectives import ShardOps, all_gather, completed, gathers, reduce_scatter
 
 __all__ = ["BucketShard", "GradientShards", "ShardConsumer", "shard_gradients"]
 
@@ -92,10 +95,10 @@ class GradientShards:
             self.layout.append(BucketShard(b, tuple(members), offsets, numels, total, chunk, lo,
                                            min(lo + chunk, total), p.dtype, p.device))
         self.parts = [torch.zeros(s.chunk, dtype=s.dtype, device=s.device) for s in self.layout]
-        self.filled = [False] * len(self.layout)  # parts[b] holds gradients not yet zeroed (they accumulate)
-        self.present = [False] * len(self.params)  # parameter i has a gradient (some rank used it)
+        self.filled = [False] * len(self.layout)  # parts[b] holds gradients not yet zeroed: they accumulate
+        self.present = [False] * len(self.params)  # parameter i has a gradient: some rank used it
         self._staging: dict[tuple, torch.Tensor] = {}  # one buffer per (dtype, device): the largest bucket
-        self._flight: _Flight | None = None
+        self._flights: deque[_Flight] = deque()  # launched, not yet finished, in bucket order
         self._launched: list[int] = []
 
     # ---- the reducer's side: launch, wait, write-back -------------------------------------------------------
@@ -118,12 +121,13 @@ class GradientShards:
     def launch(self, b: int) -> None:
         """Bucket ``b`` is full: its gradients into the staging buffer (their ``.grad`` freed), its reduction
         started. Called in bucket order on every rank, as every collective must be."""
-        self.finish()  # the bucket in flight gives the staging buffer back
         r, s = self.reducer, self.layout[b]
         self._launched.append(b)
-        if self._in_place(s):
+        if self._in_place(s):  # no staging buffer: as many in flight as the backward launches
+            self.finish(only_done=True)
             self._launch_in_place(s)
             return
+        self.finish()  # the bucket in flight gives the staging buffer back
         flat = self._stage(s)
         for k, i in enumerate(s.members):
             p, view = self.params[i], flat[s.offsets[k]:s.offsets[k] + s.numels[k]]
@@ -149,7 +153,7 @@ class GradientShards:
         else:  # any other hook reduces the whole bucket; this rank keeps its part
             out = torch.empty(s.chunk, dtype=s.dtype, device=s.device)
             handle = _HookPart(r, b, s, flat, out)
-        self._flight = _Flight(b, handle, out, accumulate)
+        self._flights.append(_Flight(b, handle, out, accumulate))
 
     def _launch_in_place(self, s: BucketShard) -> None:
         r = self.reducer
@@ -165,13 +169,15 @@ class GradientShards:
         # settle: the .grad tensors are freed at the wait, so the peers must be done reading them by then
         handle = r.transport.reduce_tensors(tensors, bucket=s.index, divisor=r.divisor, settle=True,
                                             **({} if narrow is None else {"compress": narrow}))
-        self._flight = _Flight(s.index, handle, tensors, self.filled[s.index])
+        self._flights.append(_Flight(s.index, handle, tensors, self.filled[s.index]))
 
-    def finish(self) -> None:
-        """Wait for the bucket in flight; its result into this rank's part."""
-        f, self._flight = self._flight, None
-        if f is None:
-            return
+    def finish(self, only_done: bool = False) -> None:
+        """Wait for the buckets in flight (``only_done``: take those already complete, in order); their results into
+        this rank's parts."""
+        while self._flights and (not only_done or completed(self._flights[0].handle)):
+            self._finish(self._flights.popleft())
+
+    def _finish(self, f: _Flight) -> None:
         f.handle.wait()
         part, s = self.parts[f.bucket], self.layout[f.bucket]
         if isinstance(f.result, list):  # reduced in place: this rank's part out of the members' gradients
@@ -200,8 +206,7 @@ class GradientShards:
         self._launched = []
         self._drop_staging()
 
-    def _drop_staging(self) -> None:
-        # One staging buffer stays (the next backward needs it); the narrow ones of the compression hooks go.
+    def _drop_staging(self) -> None:  # one staging buffer stays (the next backward's); compression's narrow ones go
         for key in [k for k in self._staging if k[0] not in {s.dtype for s in self.layout}]:
             del self._staging[key]
 
