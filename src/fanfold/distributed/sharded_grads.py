@@ -123,8 +123,7 @@ class GradientShards:
         started. Called in bucket order on every rank, as every collective must be."""
         r, s = self.reducer, self.layout[b]
         self._launched.append(b)
-        if self._in_place(s):  # no staging buffer: as many in flight as the backward launches
-            self.finish(only_done=True)
+        if self._in_place(s):  # no staging buffer: every bucket in flight until the end of backward
             self._launch_in_place(s)
             return
         self.finish()  # the bucket in flight gives the staging buffer back
@@ -166,8 +165,10 @@ class GradientShards:
             tensors.append(g.view(-1))
         self.ops.fallback("reduce_scatter", "each bucket is all-reduced in place and this rank keeps its part")
         narrow = BUILT_IN[r.hook]
-        # settle: the .grad tensors are freed at the wait, so the peers must be done reading them by then
-        handle = r.transport.reduce_tensors(tensors, bucket=s.index, divisor=r.divisor, settle=True,
+        # The .grad tensors are freed at the end of backward: only the last bucket waits for the peers to finish
+        # reading this rank's, as the earlier buckets' readers are done by then (every bucket, if some are skipped).
+        settle = s.index == len(self.layout) - 1 or r.skip_unused
+        handle = r.transport.reduce_tensors(tensors, bucket=s.index, divisor=r.divisor, settle=settle,
                                             **({} if narrow is None else {"compress": narrow}))
         self._flights.append(_Flight(s.index, handle, tensors, self.filled[s.index]))
 
