@@ -235,10 +235,13 @@ class GradientShards:
         for s in self.layout:
             flat = [self.params[i].detach().view(-1) for i in s.members]
             if not gathers(self.ops):  # each piece is contiguous in its parameter: no copy at all
+                # Past the stall inspector: its bookkeeping per collective (published by a thread) cost more than
+                # these small broadcasts; each is bounded by the transport's own timeout (shm's, the group's).
+                plain = getattr(self.reducer.transport, "inner", self.reducer.transport)
                 for q in range(n):
                     lo = min(q * s.chunk, s.numel)
                     for k, a, b, _ in s.spans(lo, min(lo + s.chunk, s.numel)):
-                        self.reducer.transport.broadcast(flat[k][a:b], q)
+                        plain.broadcast(flat[k][a:b], q)
                 continue
             out = self._stage(s)
             part = out[r * s.chunk:(r + 1) * s.chunk]
