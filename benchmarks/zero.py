@@ -116,14 +116,17 @@ def main() -> int:
     n = results[ROWS[0]][0][0]["params"]
     print(f"torch {torch.__version__}, MLP {n / 1e6:.1f}M parameters, Adam, 2 ranks x 1 thread, gloo; "
           f"{args.runs} runs x {args.steps} steps (+{args.warmup} warm-up); results checked equal\n")
-    base = statistics.median(max(r["seconds"] for r in pr) for pr in results[ROWS[0]])
-    print("| row | step (ms, median) | vs fanfold DDP + Adam | peak RSS per rank (MiB) | optimizer state elements "
-          "per rank |\n|---|---|---|---|---|")
+    def median(row: str) -> float:
+        return statistics.median(max(r["seconds"] for r in pr) for pr in results[row])
+
+    base, torch_pair = median(ROWS[0]), median(ROWS[2])
+    print("| row | step (ms, median) | vs fanfold DDP + Adam | vs torch's pair | peak RSS per rank (MiB) | optimizer "
+          "state elements per rank |\n|---|---|---|---|---|---|")
     for row in ROWS:
-        t = statistics.median(max(r["seconds"] for r in pr) for pr in results[row])
+        t = median(row)
         rss = " / ".join(f"{statistics.median(pr[k]['rss'] for pr in results[row]):.0f}" for k in range(2))
         state = " / ".join(str(r["state"]) for r in results[row][-1])
-        print(f"| {row} | {1e3 * t:.1f} | {t / base:.3f} | {rss} | {state} |")
+        print(f"| {row} | {1e3 * t:.1f} | {t / base:.3f} | {t / torch_pair:.3f} | {rss} | {state} |")
     return 0
 
 
