@@ -1,14 +1,15 @@
 """ZeRO stage 2 (``DistributedDataParallel.shard_gradients``) on 2 and 3 gloo ranks against one process training on
 the whole batch with the plain torch optimizer (SGD with momentum, Adam, AdamW), 20 steps, with no_sync accumulation
 and ``fanfold.clip_grad_norm_``; the torch transport (a true reduce-scatter) and the shm one (its all-reduce
-fallback); the bf16/fp16 comm hooks; unused parameters; memory held after backward, counted by walking every
-tensor the reducer and the optimizer hold, against plain DDP + a plain optimizer.
+fallback); torch's own reduce-scatter and all-gather; a comm hook written for torch's DDP; the bf16/fp16 comm hooks;
+unused parameters; a checkpoint saved at 2 ranks and resumed at 3; memory held after backward, counted by walking
+every tensor the reducer and the optimizer hold, against plain DDP + a plain optimizer.
 """
 
 import pytest
 import torch
 import torch.distributed as dist
-from test_zero_training import MAX_NORM, OPTS, STEPS, _data, _loss, _model, oracle
+from test_zero_training import MAX_NORM, OPTS, SAVE_AT, STEPS, _data, _loss, _model, oracle
 
 import fanfold
 from fanfold.collectives.transport import TorchTransport
@@ -48,7 +49,7 @@ def _state_elements(optim):
     return sum(t.numel() for s in optim.state.values() for t in s.values() if isinstance(t, torch.Tensor))
 
 
-def _train(name, transport, hook=None, stage2=True, native=None):
+def _train(name, transport, hook=None, stage2=True, native=None, save=None, resume=None):
     model = _model()
     ddp = fanfold.DistributedDataParallel(model, transport=transport, **CAPS)
     if hook is not None:
@@ -59,12 +60,15 @@ def _train(name, transport, hook=None, stage2=True, native=None):
         ddp.shard_gradients(opt)
         ddp.reducer.shards.ops.native = native  # True: torch's reduce_scatter_tensor and all-gather, even on gloo
     r, n, norms, grads = dist.get_rank(), dist.get_world_size(), [], 0
-    for step in range(STEPS):
+    start = fanfold.load(resume, {"model": ddp, "optimizer": opt})["step"] if resume else 0
+    for step in range(start, STEPS):
+        if save and step == SAVE_AT:
+            fanfold.save(save, {"model": ddp, "optimizer": opt, "step": step})
         opt.zero_grad()
         with ddp.no_sync():
             _loss(ddp, *_data(step, 0, r, n)).backward()
         _loss(ddp, *_data(step, 1, r, n)).backward()
-        if step == 1:  # after the backward: every gradient the model, the reducer and the optimizer hold
+        if step == start + 1:  # after the backward: every gradient the model, the reducer and the optimizer hold
             grads = _held(ddp.reducer, opt, *model.parameters(), params=list(model.parameters()))
         clip = fanfold.clip_grad_norm_(opt, MAX_NORM) if stage2 else \
             torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
@@ -113,9 +117,10 @@ def _unused(stage2=True):
     return [p.detach().clone() for p in model.parameters()], None if sd is None else sorted(sd["state"])
 
 
-def _ranks(plan):
+def _ranks(plan, path):
     init_process_group(timeout=60)
-    out = {key: _train(*args) for key, args in plan.items()}
+    out = {key: _train(*args, **({"save": path} if key == "adam/torch" else
+                                 {"resume": path} if key == "adam/resumed" else {})) for key, args in plan.items()}
     if dist.get_world_size() == 2:
         out["unused"] = _unused()
         out["native"] = _native_ops()
@@ -156,17 +161,22 @@ def torch_style_hook(state, bucket):
 
 PLAN2["adamw/native"] = ("adamw", "torch", None, True, True)
 PLAN2["sgd/hook"] = ("sgd", "torch", torch_style_hook)
-PLAN3 = {f"{name}/shm": (name, "shm") for name in OPTS}
+PLAN3 = {**{f"{name}/shm": (name, "shm") for name in OPTS}, "adam/resumed": ("adam", "shm")}
 
 
 @pytest.fixture(scope="module")
-def two_ranks():
-    return fanfold.launch(_ranks, PLAN2, nprocs=2, timeout=300)
+def checkpoint(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("zero2") / "adam.pt")
 
 
 @pytest.fixture(scope="module")
-def three_ranks():
-    return fanfold.launch(_ranks, PLAN3, nprocs=3, timeout=300)
+def two_ranks(checkpoint):
+    return fanfold.launch(_ranks, PLAN2, checkpoint, nprocs=2, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def three_ranks(two_ranks, checkpoint):
+    return fanfold.launch(_ranks, PLAN3, checkpoint, nprocs=3, timeout=300)
 
 
 def _assert_params(got, want, rtol=1e-6, atol=1e-9):
@@ -233,3 +243,9 @@ def test_stage2_unused_parameters_as_single_process(two_ranks):
         _assert_params(res["unused"][0], want)
     assert two_ranks[0]["unused"][1] == want_state  # the never-used parameters got no state, as in torch
     assert len(want_state) == len(want) - 2
+
+
+def test_stage2_saved_at_two_ranks_resumes_at_three(three_ranks):
+    want, _ = oracle("adam")  # the 2-rank run saved at step SAVE_AT; 3 ranks load it and train to the end
+    for res in three_ranks:
+        _assert_params(res["adam/resumed"]["params"], want)
