@@ -4,7 +4,9 @@ Shards are contiguous equal slices of a flat view of all parameters (``layout``)
 rank holds ``1/N`` of the state whatever the parameter sizes. Each rank's inner optimizer (``.optim``, an instance
 of ``optimizer_class``) steps 1-D views of its slice of the parameters, in place; the updated slices are then
 all-gathered so that every rank holds the whole model again. As with torch's ``ZeroRedundancyOptimizer`` the
-gradients must already be averaged over the ranks (DistributedDataParallel does that). Part of ``fanfold.optim``:
+gradients must already be averaged over the ranks (DistributedDataParallel does that). Stage 2: after
+``DistributedDataParallel.shard_gradients(opt)`` the slices are the parts of DDP's buckets (``zero_stage2``) whose
+averaged gradients the reducer leaves this rank, and the gather is the reducer's. Part of ``fanfold.optim``:
 imports ``torch.distributed`` and the layout and state helpers beside it.
 """
 from __future__ import annotations
