@@ -7,8 +7,8 @@ announcing ``supports_reduce_scatter`` -- ``reduce_scatter(out, tensor, bucket=N
 ``divisor`` when given; ``tensor`` may be overwritten -- and ``supports_all_gather`` -- ``all_gather(out, part,
 bucket=None) -> handle``: ``out`` (``N`` parts) gets every rank's ``part`` by rank. Without them: torch's own
 collectives on the group of a ``TorchTransport`` (``reduce_scatter_tensor``, ``all_gather_single``), except on
-gloo, whose all-reduce and broadcasts are faster (2 ranks, 8.4M float32 elements, contended 2-core host:
-all-reduce 85 ms, reduce-scatter 194 ms, all-gather 164 ms; two broadcasts of halves 15 ms). Otherwise -- gloo,
+gloo, whose all-reduce and broadcasts were faster than its reduce-scatter and all-gather in a first (contended)
+measurement, to be confirmed on a quiet machine. Otherwise -- gloo,
 and the shm transport until it has its own -- the reduction is an all-reduce of the whole tensor, of which this
 rank keeps its part (the same result and memory for twice the bytes; announced once per process for a transport
 that is not torch's), and the gather is one broadcast per piece from its owner (``gathers`` says which).
