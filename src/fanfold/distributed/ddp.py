@@ -31,6 +31,7 @@ from .mixed_precision import MixedPrecision
 from .model_check import broadcast_tensors, check_same_model
 from .participants import DDPParticipant
 from .reducer import Reducer
+from .sharded_grads import shard_gradients
 from .stall import inspected
 
 __all__ = ["DistributedDataParallel", "DDP"]
@@ -207,6 +208,13 @@ class DistributedDataParallel(nn.Module):
         self.reducer.set_comm_hook(state, hook)
         self._comm_hook = (state, hook)
 
+    def shard_gradients(self, optimizer: Any) -> None:
+        """ZeRO stage 2 with ``optimizer`` (a ``fanfold.ZeroRedundancyOptimizer`` over this model's parameters):
+        each bucket is reduce-scattered, this rank keeps the average of its part and ``.grad`` stays None; the
+        optimizer steps the parts and all-gathers the parameters (``sharded_grads.py``). Collective: every rank."""
+        self._ensure_built()
+        shard_gradients(self.reducer, optimizer)
+
     @contextmanager
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
              throw_on_early_termination: bool = False) -> Iterator[None]:
@@ -220,6 +228,9 @@ class DistributedDataParallel(nn.Module):
         if self._options.skip_unused:
             raise NotImplementedError("DistributedDataParallel.join() with skip_all_reduce_unused_params=True: a rank "
                                       "that has joined cannot tell which buckets the others skip")
+        if self.reducer is not None and self.reducer.shards is not None:  # stage 2 seam
+            raise NotImplementedError("DistributedDataParallel.join() with shard_gradients(): a joined rank would "
+                                      "have to step its part of the optimizer too")
         self._ensure_built()
         state = JoinState(self.transport, divide_by_initial_world_size, throw_on_early_termination)
         state.begin_backward = self.reducer.begin_backward

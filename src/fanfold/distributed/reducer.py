@@ -79,6 +79,7 @@ class Reducer(BucketPaths):
         self._double = False  # this backward differentiates the gradients of a create_graph one: averaged too
         self._used = [False] * len(self.params)  # got a gradient since the last synchronisation (no_sync included)
         self._device = (self.params or self.delayed or [torch.zeros(0)])[0].device
+        self.shards: Any = None  # ZeRO stage 2 (sharded_grads.py): launches, waits and writes back instead
         super().__init__(caps, reduce_dtype)
         self._reset()
         self._handles = [p.register_post_accumulate_grad_hook(_hook(weakref.ref(self), i))
@@ -166,7 +167,7 @@ class Reducer(BucketPaths):
         self._own_grad(i, p)
         if self.sparse[i]:
             return  # reduced at the end of backward
-        if not self._direct:
+        if not self._direct and self.shards is None:  # stage 2 copies a bucket's gradients at its launch
             if self.batched:
                 self._pending.add(i)
             else:
@@ -197,7 +198,7 @@ class Reducer(BucketPaths):
     def _launch_ready(self) -> None:
         while self._next < len(self.buckets) and self._left[self._next] == 0:
             if not self._skipped(self._next):
-                self._launch(self._next)
+                (self._launch if self.shards is None else self.shards.launch)(self._next)  # stage 2 seam
             self._next += 1
 
     def _skipped(self, b: int) -> bool:
@@ -225,19 +226,19 @@ class Reducer(BucketPaths):
             for i in missing:  # contribute what the parameter holds (no_sync accumulation) or zeros
                 self._own_grad(i, self.params[i])
                 if not self.sparse[i]:
-                    if not self._direct:
+                    if not self._direct and self.shards is None:  # stage 2 copies at the launch
                         self._copy_in(i, self.params[i])
                     self._left[self._loc[i][0]] = 0
             self._launch_ready()
             used = self._used_everywhere(counting)
             delayed = reduce_delayed(self.all_reduce, self.delayed, self.divisor, self._shadowing, self.reduce_dtype)
             sparse = {i: self._reduce_sparse(i) for i, s in enumerate(self.sparse) if s}
-            self._wait_all()
+            (self._wait_all if self.shards is None else self.shards.finish)()  # stage 2 seam
             delayed()
             if self.params_back is not None:
                 self.params_back()
-            if self._error is None:
-                self._write_back(used, sparse)
+            if self._error is None:  # stage 2 seam: the averages are this rank's parts, .grad stays None
+                self._write_back(used, sparse) if self.shards is None else self.shards.write_back(used)
         finally:
             error = self._error
             self._end_step()

@@ -1,5 +1,6 @@
 """fanfold.optim: sharded optimizers. ``ZeroRedundancyOptimizer`` (state sharded in equal flat slices: ``layout``,
-``shard_state``, ``zero``) and ``clip_grad_norm_`` over sharded gradients (``clip``).
+``shard_state``, ``zero``; stage 2 with DDP's sharded gradients: ``zero_stage2``) and ``clip_grad_norm_`` over
+sharded gradients (``clip``).
 May import ``fanfold.distributed``, ``fanfold.parallel``, ``fanfold.collectives`` and ``fanfold._core``; ``training``
 (checkpoints) imports it.
 """

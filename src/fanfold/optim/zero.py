@@ -4,7 +4,9 @@ Shards are contiguous equal slices of a flat view of all parameters (``layout``)
 rank holds ``1/N`` of the state whatever the parameter sizes. Each rank's inner optimizer (``.optim``, an instance
 of ``optimizer_class``) steps 1-D views of its slice of the parameters, in place; the updated slices are then
 all-gathered so that every rank holds the whole model again. As with torch's ``ZeroRedundancyOptimizer`` the
-gradients must already be averaged over the ranks (DistributedDataParallel does that). Part of ``fanfold.optim``:
+gradients must already be averaged over the ranks (DistributedDataParallel does that). Stage 2: after
+``DistributedDataParallel.shard_gradients(opt)`` the slices are the parts of DDP's buckets (``zero_stage2``) whose
+averaged gradients the reducer leaves this rank, and the gather is the reducer's. Part of ``fanfold.optim``:
 imports ``torch.distributed`` and the layout and state helpers beside it.
 """
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch.distributed as dist
 
 from .layout import Piece, pieces_of, plan_spaces, spans
 from .shard_state import PieceState, assemble, cut
+from .zero_stage2 import bucket_pieces, check_shards
 
 __all__ = ["ZeroRedundancyOptimizer"]
 
@@ -72,6 +75,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._user_defaults = dict(defaults)
         self._consolidated: dict | None = None
         self._consolidated_to: int | None = None
+        self._stage2: Any = None  # DDP's GradientShards once use_gradient_shards ran (stage 2)
         super().__init__(params, defaults)
         self._check_same_params()
         self._build()
@@ -104,7 +108,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"ZeroRedundancyOptimizer: parameter {i} (shape {tuple(p.shape)}) is not contiguous; "
                                  f"its slices cannot be viewed in place")
         self._spaces = plan_spaces(self._params, self.world_size)
-        self._pieces: list[Piece] = pieces_of(self._spaces, self._params, groups, self.rank)
+        self._pieces: list[Piece] = pieces_of(self._spaces, self._params, groups, self.rank) if self._stage2 is None \
+            else bucket_pieces(self._stage2, check_shards(self._stage2, self._params, self.rank, self.world_size),
+                               groups)
         self._views = [self._params[pc.index].detach().view(-1)[pc.start:pc.stop] for pc in self._pieces]
         inner = [{**{k: v for k, v in g.items() if k != "params"},
                   "params": [v for pc, v in zip(self._pieces, self._views) if pc.group == gi]}
@@ -122,6 +128,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     def _shard_grads(self) -> list[torch.Tensor]:
         """Point each piece's ``.grad`` at its slice of the parameter's gradient; return those slices."""
         grads = []
+        if self._stage2 is not None:  # the reducer's parts of the averaged gradients
+            for pc, v in zip(self._pieces, self._views):
+                v.grad = self._stage2.grad(self._ddp_index[pc.index], pc.space, pc.offset, pc.numel)
+            return [v.grad for v in self._views if v.grad is not None]
         for pc, v in zip(self._pieces, self._views):
             p = self._params[pc.index]
             if p.grad is None:
@@ -149,9 +159,27 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         finally:
             for v in self._views:  # a view would keep the whole gradient alive after zero_grad
                 v.grad = None
-        self._gather_params()
+        self._gather_params() if self._stage2 is None else self._stage2.gather_params()
         self._consolidated = None
         return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch's ``zero_grad``; with sharded gradients it also clears this rank's parts (until then they
+        accumulate over synchronised backward passes, as ``.grad`` would)."""
+        super().zero_grad(set_to_none)
+        if self._stage2 is not None:
+            self._stage2.zero_grad(set_to_none)
+
+    def use_gradient_shards(self, shards: Any) -> None:
+        """Stage 2, called by ``DistributedDataParallel.shard_gradients(self)`` on every rank (collective): the
+        slices become the parts of DDP's buckets that the reducer leaves this rank; the state moves to match."""
+        index = check_shards(shards, self._params, self.rank, self.world_size)
+        full = self._full_state_everywhere()
+        self._stage2 = shards
+        self._ddp_index = {k: i for i, k in enumerate(index)}
+        self._build()
+        self._load_full(full)
+        self._consolidated = None
 
     @torch.no_grad()
     def _gather_params(self) -> None:
@@ -259,6 +287,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         if not self._ready:  # torch.optim.Optimizer.__init__ adds the constructor's groups through here
             super().add_param_group(param_group)
             return
+        if self._stage2 is not None:
+            raise RuntimeError("ZeroRedundancyOptimizer.add_param_group: not possible once gradients are sharded "
+                               "(DistributedDataParallel.shard_gradients): the slices follow DDP's buckets")
         full = self._full_state_everywhere()
         super().add_param_group(param_group)
         self._check_same_params()
