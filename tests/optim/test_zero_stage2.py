@@ -58,7 +58,9 @@ def _train(name, transport, hook=None, stage2=True, native=None, save=None, resu
     opt = fanfold.ZeroRedundancyOptimizer(model.parameters(), cls, **kw) if stage2 else cls(model.parameters(), **kw)
     if stage2:
         ddp.shard_gradients(opt)
-        ddp.reducer.shards.ops.native = native  # True: torch's reduce_scatter_tensor and all-gather, even on gloo
+    if stage2 and native is not None:  # True: torch's reduce_scatter_tensor and all-gather, even on gloo
+        t = ddp.reducer.transport
+        getattr(t, "inner", t).native_scatter = native
     r, n, norms, grads = dist.get_rank(), dist.get_world_size(), [], 0
     start = fanfold.load(resume, {"model": ddp, "optimizer": opt})["step"] if resume else 0
     for step in range(start, STEPS):
@@ -130,7 +132,7 @@ def _ranks(plan, path):
 
 def _native_ops():
     """torch's reduce-scatter (average) and all-gather of 10 elements through ShardOps."""
-    ops, r = ShardOps(TorchTransport(), set(), native=True), dist.get_rank()
+    ops, r = ShardOps(TorchTransport(native_scatter=True)), dist.get_rank()
     out, full = torch.empty(5, dtype=torch.float64), torch.empty(10, dtype=torch.float64)
     reduce_scatter(ops, out, torch.arange(10, dtype=torch.float64) * (r + 1), 0, 2).wait()
     all_gather(ops, full, torch.full((5,), float(r + 7), dtype=torch.float64), 0).wait()

@@ -47,6 +47,17 @@ class Transport(Protocol):
         float16's subnormal range, which fanfold rounds once where torch rounds twice)."""
         ...
 
+    def reduce_scatter(self, tensor: torch.Tensor, out: torch.Tensor, bucket: int | None = None, *,
+                       divisor: float | None = None) -> Work:
+        """The sum over the group of ``tensor`` (world_size times ``out``'s elements), divided by ``divisor`` when
+        given; this rank's part (rank r: elements r * n .. (r + 1) * n) into ``out``. ``tensor`` may be overwritten.
+        ZeRO stage 2's gradient reduction."""
+        ...
+
+    def all_gather(self, tensor: torch.Tensor, out: torch.Tensor, bucket: int | None = None) -> Work:
+        """Every rank's ``tensor`` (the same size on every rank) into ``out``, by rank. ZeRO's parameter gather."""
+        ...
+
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         """Rank ``src``'s ``tensor`` into every rank's, in place, synchronously."""
         ...

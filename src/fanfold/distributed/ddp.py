@@ -25,7 +25,7 @@ from torch import nn
 
 from .._core.tree import flatten, unflatten
 from ..collectives.select import resolve_transport
-from .ddp_options import check_devices, no_trainable_parameters, resolve_options, sparse_flags
+from .ddp_options import check_devices, check_join, no_trainable_parameters, resolve_options, sparse_flags
 from .join import BACKWARD, FORWARD, JoinState
 from .mixed_precision import MixedPrecision
 from .model_check import broadcast_tensors, check_same_model
@@ -223,14 +223,8 @@ class DistributedDataParallel(nn.Module):
         if not enable:
             yield
             return
-        if self._join is not None:
-            raise RuntimeError("DistributedDataParallel.join() contexts cannot be nested")
-        if self._options.skip_unused:
-            raise NotImplementedError("DistributedDataParallel.join() with skip_all_reduce_unused_params=True: a rank "
-                                      "that has joined cannot tell which buckets the others skip")
-        if self.reducer is not None and self.reducer.shards is not None:  # stage 2 seam
-            raise NotImplementedError("DistributedDataParallel.join() with shard_gradients(): a joined rank would "
-                                      "have to step its part of the optimizer too")
+        check_join(self._join is not None, self._options.skip_unused,
+                   self.reducer is not None and self.reducer.shards is not None)
         self._ensure_built()
         state = JoinState(self.transport, divide_by_initial_world_size, throw_on_early_termination)
         state.begin_backward = self.reducer.begin_backward

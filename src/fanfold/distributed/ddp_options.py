@@ -17,7 +17,7 @@ from torch import nn
 from .._core.devices import normalize_device
 from .buckets import bucket_cap_list, bucket_caps
 
-__all__ = ["DDPOptions", "resolve_options", "check_devices", "sparse_flags", "no_trainable_parameters"]
+__all__ = ["DDPOptions", "resolve_options", "check_devices", "sparse_flags", "no_trainable_parameters", "check_join"]
 
 
 @dataclass
@@ -160,3 +160,14 @@ def no_trainable_parameters(module: nn.Module, delayed: Sequence[str]) -> bool:
     """torch refuses such a module: nothing to average (delayed parameters count as something)."""
     return not any(p.requires_grad for n, p in module.named_parameters() if n not in delayed) and not delayed
 
+
+def check_join(nested: bool, skip_unused: bool, sharded: bool) -> None:
+    """Refuse what ``DistributedDataParallel.join()`` cannot do, naming it."""
+    if nested:
+        raise RuntimeError("DistributedDataParallel.join() contexts cannot be nested")
+    if skip_unused:
+        raise NotImplementedError("DistributedDataParallel.join() with skip_all_reduce_unused_params=True: a rank "
+                                  "that has joined cannot tell which buckets the others skip")
+    if sharded:
+        raise NotImplementedError("DistributedDataParallel.join() with shard_gradients(): a joined rank would "
+                                  "have to step its part of the optimizer too")

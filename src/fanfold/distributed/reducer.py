@@ -13,7 +13,8 @@ parameter without gradient) is raised there once every collective of the step is
 waiting. A parameter without gradient contributes zeros (``find_unused_parameters=True``, a static graph: a bitmap
 all-reduce tells whether some rank used it; one no rank used keeps ``grad=None``) or is named by that error.
 ``backward(create_graph=True)``: the average stays differentiable in this rank's own gradient (the identity), and
-the next backward -- a gradient penalty -- is averaged too: both give the one-process gradients.
+the next backward -- a gradient penalty -- is averaged too: both give the one-process gradients. ZeRO stage 2
+(``sharded_grads.py``, ``self.shards``) takes over the launch, the wait and the write-back (the "stage 2 seam"s).
 """
 from __future__ import annotations
 
@@ -79,7 +80,7 @@ class Reducer(BucketPaths):
         self._double = False  # this backward differentiates the gradients of a create_graph one: averaged too
         self._used = [False] * len(self.params)  # got a gradient since the last synchronisation (no_sync included)
         self._device = (self.params or self.delayed or [torch.zeros(0)])[0].device
-        self.shards: Any = None  # ZeRO stage 2 (sharded_grads.py): launches, waits and writes back instead
+        self.shards: Any = None
         super().__init__(caps, reduce_dtype)
         self._reset()
         self._handles = [p.register_post_accumulate_grad_hook(_hook(weakref.ref(self), i))
@@ -287,9 +288,7 @@ class Reducer(BucketPaths):
             self._used = [False] * len(self.params)
             self._used_everywhere(counting)
             delayed = reduce_delayed(self.all_reduce, self.delayed, self.divisor, self._shadowing, self.reduce_dtype)
-            for i, s in enumerate(self.sparse):
-                if s:
-                    self._reduce_sparse(i)
+            [self._reduce_sparse(i) for i, s in enumerate(self.sparse) if s]
             self._wait_all()
             delayed()
         finally:

@@ -26,7 +26,7 @@ import torch
 
 from .bucket_paths import BUILT_IN
 from .comm_hooks import GradBucket
-from .shard_collectives import ShardOps, all_gather, completed, gathers, reduce_scatter
+from .shard_collectives import ShardOps, all_gather, completed, gathers, plain, reads_peers, reduce_scatter
 
 __all__ = ["BucketShard", "GradientShards", "ShardConsumer", "shard_gradients"]
 
@@ -84,7 +84,7 @@ class GradientShards:
         self.reducer, self.params = reducer, reducer.params
         t = reducer.transport
         self.rank, self.world_size = t.rank, t.world_size
-        self.ops = ShardOps(t, set())
+        self.ops = ShardOps(t)
         n, self.layout = self.world_size, []
         for b, members in enumerate(reducer.buckets):
             numels = tuple(self.params[i].numel() for i in members)
@@ -110,12 +110,10 @@ class GradientShards:
         return self._staging[key][:s.chunk * self.world_size]
 
     def _in_place(self, s: BucketShard) -> bool:
-        # A transport that all-reduces tensors where they lie (ShmTransport reading its peers' memory) and has no
-        # reduce-scatter: nothing is copied into a staging buffer, for the gradients or the gathered parameters.
+        # A transport that all-reduces tensors where they lie (ShmTransport reading its peers' memory): nothing is
+        # copied into a staging buffer; twice the bytes of a reduce-scatter, but no copy into the ring and back.
         t, narrow = self.reducer.transport, BUILT_IN.get(self.reducer.hook)
-        return bool(getattr(t, "supports_reduce_tensors", False)) and not getattr(t, "supports_reduce_scatter",
-                                                                                  False) \
-            and self.reducer.hook in BUILT_IN and (narrow is None or s.dtype == torch.float32) \
+        return reads_peers(t) and self.reducer.hook in BUILT_IN and (narrow is None or s.dtype == torch.float32) \
             and s.device.type == "cpu" and self.world_size > 1
 
     def launch(self, b: int) -> None:
@@ -163,7 +161,6 @@ class GradientShards:
                 fresh = torch.empty(self.params[i].shape, dtype=s.dtype, device=s.device)  # contiguous
                 g = fresh.zero_() if g is None else fresh.copy_(g)
             tensors.append(g.view(-1))
-        self.ops.fallback("reduce_scatter", "each bucket is all-reduced in place and this rank keeps its part")
         narrow = BUILT_IN[r.hook]
         # The .grad tensors are freed at the end of backward: only the last bucket waits for the peers to finish
         # reading this rank's, as the earlier buckets' readers are done by then (every bucket, if some are skipped).
@@ -237,11 +234,11 @@ class GradientShards:
             if not gathers(self.ops):  # each piece is contiguous in its parameter: no copy at all
                 # Past the stall inspector: its bookkeeping per collective (published by a thread) cost more than
                 # these small broadcasts; each is bounded by the transport's own timeout (shm's, the group's).
-                plain = getattr(self.reducer.transport, "inner", self.reducer.transport)
+                direct = plain(self.reducer.transport)
                 for q in range(n):
                     lo = min(q * s.chunk, s.numel)
                     for k, a, b, _ in s.spans(lo, min(lo + s.chunk, s.numel)):
-                        plain.broadcast(flat[k][a:b], q)
+                        direct.broadcast(flat[k][a:b], q)
                 continue
             out = self._stage(s)
             part = out[r * s.chunk:(r + 1) * s.chunk]

@@ -257,6 +257,14 @@ class InspectedTransport:
         return self.inspector.run("all_reduce", bucket, lambda: self.inner.reduce_tensors(
             tensors, bucket, divisor=divisor, settle=settle, compress=compress))
 
+    def reduce_scatter(self, tensor: torch.Tensor, out: torch.Tensor, bucket: int | None = None, *,
+                       divisor: float | None = None) -> Any:
+        return self.inspector.run("reduce_scatter", bucket, lambda: self.inner.reduce_scatter(
+            tensor, out, bucket, divisor=divisor))
+
+    def all_gather(self, tensor: torch.Tensor, out: torch.Tensor, bucket: int | None = None) -> Any:
+        return self.inspector.run("all_gather", bucket, lambda: self.inner.all_gather(tensor, out, bucket))
+
     def broadcast(self, tensor: torch.Tensor, src: int) -> Any:
         return self.inspector.run(f"broadcast(src={src})", None, lambda: self.inner.broadcast(tensor, src))
 

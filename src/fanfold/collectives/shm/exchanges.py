@@ -26,20 +26,23 @@ class Exchanges:
     _chunk_bytes: int
     _enqueue: Callable[..., Any]
 
-    def all_gather(self, tensor: torch.Tensor, out: torch.Tensor) -> ShmWork:
+    def all_gather(self, tensor: torch.Tensor, out: torch.Tensor, bucket: int | None = None) -> ShmWork:
         """Every rank's ``tensor`` (same numel and dtype on every rank) into ``out`` (world_size times as many
-        elements: rank r's at r * numel), asynchronously."""
+        elements: rank r's at r * numel), asynchronously; ``bucket`` labels errors."""
+        if tensor.numel() and out.numel() and _overlaps(tensor, out):
+            tensor = tensor.clone()  # this rank's place in out: the engine reads and writes them at once
         flat, out_flat, finish = exchange_tensors("all_gather", tensor, out, times=self.world_size)
-        return self._exchange(Collective(ALL_GATHER, 0, flat, out=out_flat), out, finish)
+        return self._exchange(Collective(ALL_GATHER, 0, flat, bucket, out=out_flat), out, finish)
 
-    def reduce_scatter(self, tensor: torch.Tensor, out: torch.Tensor, *, divisor: float | None = None) -> ShmWork:
+    def reduce_scatter(self, tensor: torch.Tensor, out: torch.Tensor, bucket: int | None = None, *,
+                       divisor: float | None = None) -> ShmWork:
         """Sum ``tensor`` (world_size x ``out``'s elements) over the group and keep this rank's shard in ``out``
         (rank r: elements r * numel .. (r + 1) * numel), asynchronously; with ``divisor``, divided by it. Summed in
         rank order: bitwise what :meth:`all_reduce` gives that shard."""
         if divisor is not None and not (isinstance(divisor, (int, float)) and divisor > 0):
             raise ValueError(f"reduce_scatter: divisor must be a positive number, got {divisor!r}")
         flat, out_flat, finish = exchange_tensors("reduce_scatter", tensor, out, per=self.world_size)
-        return self._exchange(Collective(REDUCE_SCATTER, 0, flat, divisor=divisor, out=out_flat), out, finish)
+        return self._exchange(Collective(REDUCE_SCATTER, 0, flat, bucket, divisor=divisor, out=out_flat), out, finish)
 
     def all_to_all(self, tensor: torch.Tensor, out: torch.Tensor, send: list[int], recv: list[int]) -> ShmWork:
         """Send ``send[q]`` consecutive elements of ``tensor`` to rank q and receive ``recv[p]`` from rank p into
@@ -60,3 +63,8 @@ class Exchanges:
                 finish()
             return _completed(out)
         return self._enqueue(c, out, finish)
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    lo, hi = b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()
+    return lo <= a.data_ptr() < hi
