@@ -3,7 +3,8 @@
     .venv/bin/python benchmarks/backend.py             # latency, bandwidth, torch DDP on the 16.7M MLP (minutes)
     .venv/bin/python benchmarks/backend.py --quick     # tiny sizes, few iterations: a smoke test of the set-up
 
-Rows: all_reduce latency (fp32, 4-64 KB; p50 over ``--iters`` calls, each call timed alone), all_reduce /
+Rows: all_reduce latency (fp32, 4-64 KB; median over ``--iters`` / 10 samples, each 20 calls back to back after
+one untimed call, divided by 20), all_reduce /
 reduce_scatter_tensor / all_gather_into_tensor bandwidth (fp32, 4-64 MB; bytes of the full tensor / median time),
 and torch's own DistributedDataParallel on the 16.7M-parameter MLP of ``benchmarks/ddp.py`` (median step time over
 ``--steps`` after warm-up). Each backend runs in one fresh launch (``fanfold.launch``) per section; the time of a
@@ -28,14 +29,18 @@ import fanfold
 BACKENDS = ("gloo", "fanfold")
 
 
-def _timed(call, iters: int) -> list[float]:
-    """Seconds per call, each the slowest rank's (a MAX all-reduce of the times on a gloo side group)."""
+def _timed(call, iters: int, repeat: int = 1) -> list[float]:
+    """Seconds per call, each the slowest rank's (a MAX all-reduce of the times on a gloo side group). ``repeat``
+    calls back to back per sample, divided: the ranks leave a barrier up to hundreds of microseconds apart (gloo's
+    goes through TCP), which would otherwise be timed as the latency of a small collective."""
     times = []
     for _ in range(iters):
         dist.barrier()
+        call()  # the ranks in step again: the first call absorbs the barrier's skew
         t0 = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - t0)
+        for _ in range(repeat):
+            call()
+        times.append((time.perf_counter() - t0) / repeat)
     slowest = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     return slowest.tolist()
@@ -48,7 +53,8 @@ def collectives(backend: str, latency_kb: list[int], bandwidth_mb: list[int], it
     for kb in latency_kb:
         x = torch.randn(kb * 256)
         _timed(lambda: dist.all_reduce(x), 3)
-        out[f"all_reduce {kb} KB p50 (us)"] = statistics.median(_timed(lambda: dist.all_reduce(x), iters)) * 1e6
+        per_call = _timed(lambda: dist.all_reduce(x), max(3, iters // 10), repeat=20)
+        out[f"all_reduce {kb} KB p50 (us)"] = statistics.median(per_call) * 1e6
     for mb in bandwidth_mb:
         x, part = torch.randn(mb * 262144), torch.empty(mb * 262144 // n)
         calls = {"all_reduce": lambda: dist.all_reduce(x),

@@ -259,3 +259,34 @@ def _turned_off():
 def test_turned_off_by_environment():
     for same, used in fanfold.launch(_turned_off, nprocs=2, timeout=120, env={"FANFOLD_TRANSPORT": "torch"}):
         assert same and not used
+
+
+def _fanfold_ddp():
+    """fanfold's DDP on the fanfold group runs on the group's own transport; torch's DDP over gloo is the oracle."""
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    r, n, gloo = _init()
+    results = {}
+    for name in ("torch-gloo", "fanfold-group"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 4))
+        wrapped = (TorchDDP(model, process_group=gloo) if name == "torch-gloo"
+                   else fanfold.DistributedDataParallel(model))  # on the default group: the fanfold backend's
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(3):
+            x, y = _x((6, 8), r, torch.float32, 10 + step), _x((6, 4), r, torch.float32, 20 + step)
+            opt.zero_grad()
+            nn.functional.mse_loss(wrapped(x), y).backward()
+            opt.step()
+        results[name] = [p.detach().clone() for p in model.parameters()]
+        if name == "fanfold-group":
+            inner = getattr(wrapped.transport, "inner", wrapped.transport)
+            results["same_transport"] = inner is dist.group.WORLD.transport and inner is not None
+    dist.destroy_process_group()
+    return results
+
+
+def test_fanfold_ddp_uses_the_groups_transport():
+    for res in fanfold.launch(_fanfold_ddp, nprocs=2, timeout=240):
+        assert res["same_transport"]
+        torch.testing.assert_close(res["fanfold-group"], res["torch-gloo"])

@@ -5,11 +5,11 @@ bound every layer shares (``timeouts``).
 May import ``fanfold._core`` only.
 """
 from .backend import FanfoldProcessGroup
-from .protocol import Transport, Work
+from .protocol import Transport, TransportOwner, Work
 from .select import resolve_transport, select_transport
 from .shm.segment import ShmTimeoutError
 from .shm.transport import ShmTransport
 from .transport import TorchTransport
 
-__all__ = ["FanfoldProcessGroup", "Transport", "Work", "TorchTransport", "ShmTransport", "ShmTimeoutError",
-           "select_transport", "resolve_transport"]
+__all__ = ["FanfoldProcessGroup", "Transport", "TransportOwner", "Work", "TorchTransport", "ShmTransport",
+           "ShmTimeoutError", "select_transport", "resolve_transport"]

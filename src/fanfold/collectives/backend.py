@@ -113,6 +113,11 @@ class FanfoldProcessGroup(dist.ProcessGroup):
     def transport(self) -> ShmTransport | None:
         return self._shm
 
+    def shared_transport(self) -> ShmTransport | None:
+        """``protocol.TransportOwner``: the shared-memory transport, created now if no fast collective has run yet
+        (collective then, as the first fast collective is); fanfold's DDP on this group runs on it."""
+        return self._fast()
+
     def _fast(self) -> ShmTransport | None:
         """The shared-memory transport, created at the first call (collective: every rank makes the same first
         fast collective); None where the ranks do not all share this host, or it is turned off."""

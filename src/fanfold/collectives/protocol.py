@@ -13,7 +13,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["Transport", "Work"]
+__all__ = ["Transport", "Work", "TransportOwner"]
 
 
 @runtime_checkable
@@ -69,4 +69,14 @@ class Transport(Protocol):
     def allocate(self, numel: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
         """A zeroed 1-d tensor that this transport all-reduces fastest (DDP's buckets, where a hook fills them).
         Collective: every rank allocates the same sizes in the same order."""
+        ...
+
+
+@runtime_checkable
+class TransportOwner(Protocol):
+    """A process group that runs its collectives on a transport of its own (the ``fanfold`` backend's group):
+    fanfold's DDP on such a group uses that transport, so torch's calls and DDP's share one collective layer."""
+
+    def shared_transport(self) -> Transport | None:
+        """The group's transport (None: it has none, e.g. ranks on different hosts). Collective at first use."""
         ...

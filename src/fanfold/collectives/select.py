@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from .._core.devices import accelerator_type
 from .._core.group import require_initialized
+from .protocol import TransportOwner
 from .shm.host import host_key
 from .shm.transport import ShmTransport
 from .store import group_store
@@ -57,11 +58,15 @@ def select_transport(group: Any = None, transport: str | None = None, device: An
 
 
 def resolve_transport(transport: Any = None, group: Any = None) -> Any:
-    """The transport named by ``transport``: None -> ``$FANFOLD_TRANSPORT``, else "shm" when every rank shares this
-    host and the CPU (``shm.select_transport``, collective), else "torch"; "torch" -> TorchTransport; "shm" -> the
+    """The transport named by ``transport``: None -> the group's own where it has one (``TransportOwner``: the
+    ``fanfold`` backend's group), else ``$FANFOLD_TRANSPORT``, else "shm" when every rank shares this host and the
+    CPU (``select_transport``, collective), else "torch"; "torch" -> TorchTransport; "shm" -> the
     shared-memory transport; an object implementing ``protocol.Transport`` -> used as is."""
     source = "transport"
     if transport is None:
+        pg = group if group is not None or not dist.is_initialized() else dist.distributed_c10d._get_default_group()
+        if isinstance(pg, TransportOwner):  # the fanfold backend's group: one collective layer for torch and DDP
+            return pg.shared_transport() or TorchTransport(group)
         transport, source = select_transport(group), ENV_VAR
     if isinstance(transport, str):
         if transport == "torch":
@@ -69,7 +74,7 @@ def resolve_transport(transport: Any = None, group: Any = None) -> Any:
         if transport == "shm":
             return ShmTransport(group)
         raise ValueError(f"{source} must be 'torch', 'shm' or a transport object, got {transport!r}")
-    methods = ("all_reduce", "reduce_tensors", "broadcast", "barrier", "allocate")
+    methods = ("all_reduce", "reduce_tensors", "reduce_scatter", "all_gather", "broadcast", "barrier", "allocate")
     missing = [m for m in methods if not callable(getattr(transport, m, None))]
     missing += [a for a in ("rank", "world_size") if not isinstance(getattr(transport, a, None), int)]
     if missing:

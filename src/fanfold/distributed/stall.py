@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ..collectives.protocol import Transport
+from ..collectives.store import StoreGroup
 from ..collectives.timeouts import DEFAULT_STALL_TIMEOUT, ENV_VAR, resolve_stall_timeout
 from .progress import Collective, Publisher, caller_line, process_gone, read_progress
 
@@ -242,8 +243,9 @@ class InspectedTransport:
         self.rank = rank = dist.get_rank(group) if rank is None else rank
         world_size = world_size if world_size is not None else getattr(inner, "world_size", None)
         self.world_size = world_size = dist.get_world_size(group) if world_size is None else world_size
-        if store is None:
-            store = dist.PrefixStore(_store_prefix(group), dist.distributed_c10d._get_default_store())
+        if store is None:  # the group's store; a group under construction (the fanfold backend's) knows its own
+            store = dist.PrefixStore("fanfold/stall/", group.store) if isinstance(group, StoreGroup) else \
+                dist.PrefixStore(_store_prefix(group), dist.distributed_c10d._get_default_store())
         # Each rank counts its own transports in the store, so the n-th transport of every rank shares key space
         # n without any process-wide state, and two DDP models on one group do not mix their numbering.
         instance = store.add(f"instances/{rank}", 1)
