@@ -209,9 +209,8 @@ class DistributedDataParallel(nn.Module):
         self._comm_hook = (state, hook)
 
     def shard_gradients(self, optimizer: Any) -> None:
-        """ZeRO stage 2 with ``optimizer`` (a ``fanfold.ZeroRedundancyOptimizer`` over this model's parameters):
-        each bucket is reduce-scattered, this rank keeps the average of its part and ``.grad`` stays None; the
-        optimizer steps the parts and all-gathers the parameters (``sharded_grads.py``). Collective: every rank."""
+        """ZeRO stage 2 with ``optimizer`` (a ``fanfold.ZeroRedundancyOptimizer`` over this model's parameters): this
+        rank keeps the average of its part of each bucket, ``.grad`` stays None (``sharded_grads.py``). Collective."""
         self._ensure_built()
         shard_gradients(self.reducer, optimizer)
 
