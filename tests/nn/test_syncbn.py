@@ -6,12 +6,14 @@ import pickle
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import fanfold
 from fanfold import SyncBatchNorm, revert_sync_batchnorm
 from fanfold.distributed.join import FORWARD
 from fanfold.distributed.participants import DDPParticipant
+from fanfold.distributed.stall import InspectedTransport
 from fanfold.nn.group_sum import GroupSum
 from fanfold.parallel.replicate import LinkedReplicas
 
@@ -152,11 +154,11 @@ def test_under_the_stall_inspector_it_takes_the_inspected_transport_and_its_call
             tensor.mul_(2)  # what a sum over two ranks holding the same vector gives
             return Done()
 
-    class Inspected:  # DDP's wrapper: bookkeeping the layer's small blocking collectives do without
+    class Inspected(InspectedTransport):  # DDP's wrapper: bookkeeping that these small collectives do without
         def __init__(self, inner):
-            self.inner = inner
+            super().__init__(inner, store=dist.HashStore(), rank=0, world_size=1)
 
-        def all_reduce(self, tensor, bucket=None, **kwargs):
+        def all_reduce(self, tensor, bucket=None, divisor=None):
             raise AssertionError("SyncBatchNorm must not go through the inspector")
 
     bn, shm = SyncBatchNorm(3), Shm()

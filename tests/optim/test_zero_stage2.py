@@ -14,7 +14,7 @@ from test_zero_training import MAX_NORM, OPTS, SAVE_AT, STEPS, _data, _loss, _mo
 import fanfold
 from fanfold.collectives.transport import TorchTransport
 from fanfold.distributed import init_process_group
-from fanfold.distributed.shard_collectives import ShardOps, all_gather, reduce_scatter
+from fanfold.distributed.shard_collectives import all_gather, reduce_scatter
 
 CAPS = dict(bucket_cap_mb=0.01, first_bucket_cap_mb=0.005)  # several buckets of the 5,768-element MLP
 
@@ -41,7 +41,7 @@ def _held(*roots, params=()):
         elif isinstance(obj, dict):
             stack.extend(obj.values())
         elif type(obj).__module__.startswith("fanfold") and hasattr(obj, "__dict__"):
-            stack.extend(v for k, v in vars(obj).items() if k not in ("transport", "ops", "inspector", "optim"))
+            stack.extend(v for k, v in vars(obj).items() if k not in ("transport", "inspector", "optim"))
     return sum(storages.values())
 
 
@@ -131,8 +131,8 @@ def _ranks(plan, path):
 
 
 def _native_ops():
-    """torch's reduce-scatter (average) and all-gather of 10 elements through ShardOps."""
-    ops, r = ShardOps(TorchTransport(native_scatter=True)), dist.get_rank()
+    """torch's reduce-scatter (average) and all-gather of 10 elements through stage 2's collectives."""
+    ops, r = TorchTransport(native_scatter=True), dist.get_rank()
     out, full = torch.empty(5, dtype=torch.float64), torch.empty(10, dtype=torch.float64)
     reduce_scatter(ops, out, torch.arange(10, dtype=torch.float64) * (r + 1), 0, 2).wait()
     all_gather(ops, full, torch.full((5,), float(r + 7), dtype=torch.float64), 0).wait()

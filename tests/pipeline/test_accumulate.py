@@ -19,10 +19,9 @@ def _model() -> nn.Sequential:
     return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8, bias=False), nn.ReLU(), nn.Linear(8, 3)).double()
 
 
-def _autograd_grads(model: nn.Module, x: torch.Tensor, chunks: int, fused: bool,
-                    min_rows: int = 5) -> list[torch.Tensor]:
+def _autograd_grads(model: nn.Module, x: torch.Tensor, chunks: int, fused: bool) -> list[torch.Tensor]:
     model.zero_grad(set_to_none=True)
-    acc = WeightGradAccumulator(min_rows)
+    acc = WeightGradAccumulator()
     for xc in x.chunk(chunks):
         if fused:
             with acc.linears(model):
@@ -30,29 +29,28 @@ def _autograd_grads(model: nn.Module, x: torch.Tensor, chunks: int, fused: bool,
         else:
             model(xc).pow(2).sum().backward()
         acc.step()
-    acc.flush()
     return [p.grad.clone() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("min_rows", [1, 5, 12, 100])
-def test_equals_autograd_accumulation_and_writes_in_place(min_rows):
+def test_equals_autograd_accumulation_and_writes_in_place():
     model, x = _model(), torch.randn(12, 6, dtype=torch.float64)
     expected = _autograd_grads(model, x, 4, fused=False)
     model.zero_grad(set_to_none=True)
-    acc = WeightGradAccumulator(min_rows)
-    for k, xc in enumerate(x.chunk(4)):
+    acc = WeightGradAccumulator()
+    for xc in x.chunk(4):
+        before = None if model[0].weight.grad is None else model[0].weight.grad.clone()
         with acc.linears(model):
             model(xc).pow(2).sum().backward()
+        # backward gave autograd the input gradients only: the weight gradients wait for step()
+        assert (model[0].weight.grad is None) if before is None else torch.equal(model[0].weight.grad, before)
         acc.step()
-        # min_rows rows (or the flush) make a product: nothing reaches .grad before
-        assert (model[0].weight.grad is None) == (3 * (k + 1) < min_rows)
-    acc.flush()
+        assert model[0].weight.grad is not None and (before is None or not torch.equal(model[0].weight.grad, before))
     assert_close([p.grad for p in model.parameters()], expected)
     # a .grad that exists already is added into, the same tensor (no fresh tensor per micro-batch)
     before = [p.grad for p in model.parameters()]
     with acc.linears(model):
         model(x).pow(2).sum().backward()
-    acc.flush()
+    acc.step()
     assert all(p.grad is g for p, g in zip(model.parameters(), before))
     assert_close([p.grad for p in model.parameters()], [2 * e for e in expected])
     assert all("forward" not in vars(m) for m in model.modules())  # restored on the way out

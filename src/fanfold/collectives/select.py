@@ -64,7 +64,7 @@ def resolve_transport(transport: Any = None, group: Any = None) -> Any:
     shared-memory transport; an object implementing ``protocol.Transport`` -> used as is."""
     source = "transport"
     if transport is None:
-        pg = group if group is not None or not dist.is_initialized() else dist.distributed_c10d._get_default_group()
+        pg = group if group is not None or not dist.is_initialized() else dist.group.WORLD
         if isinstance(pg, TransportOwner):  # the fanfold backend's group: one collective layer for torch and DDP
             return pg.shared_transport() or TorchTransport(group)
         transport, source = select_transport(group), ENV_VAR

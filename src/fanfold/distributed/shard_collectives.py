@@ -9,7 +9,6 @@ its reduce-scatter and all-gather).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,26 +16,15 @@ import torch
 from ..collectives.protocol import Transport
 from ..collectives.shm.transport import ShmTransport
 from ..collectives.transport import TorchTransport
+from .stall import uninspected
 
-__all__ = ["ShardOps", "reduce_scatter", "all_gather", "gathers", "completed", "plain", "reads_peers"]
-
-
-def plain(transport: Transport) -> Transport:
-    """The transport under the stall inspector (``stall.py``), or ``transport`` itself."""
-    return getattr(transport, "inner", transport)
+__all__ = ["reduce_scatter", "all_gather", "gathers", "completed", "reads_peers"]
 
 
 def reads_peers(transport: Transport) -> bool:
     """Whether ``transport`` all-reduces tensors where they lie (the shm transport reading its peers' memory)."""
-    inner = plain(transport)
+    inner = uninspected(transport)
     return isinstance(inner, ShmTransport) and inner.peer_read
-
-
-@dataclass
-class ShardOps:
-    """The transport stage 2 runs its collectives on (DDP's, the stall inspector included)."""
-
-    transport: Transport
 
 
 class _Done:
@@ -44,26 +32,25 @@ class _Done:
         return None
 
 
-def reduce_scatter(ops: ShardOps, out: torch.Tensor, tensor: torch.Tensor, bucket: int,
+def reduce_scatter(t: Transport, out: torch.Tensor, tensor: torch.Tensor, bucket: int,
                    divisor: float | None) -> Any:
     """Start ``out`` = (sum over ranks of part ``rank`` of ``tensor``) / ``divisor``; a handle with ``wait()``."""
-    t = ops.transport
     if t.world_size == 1:
         out.copy_(tensor if divisor is None else tensor / divisor)
         return _Done()
     return t.reduce_scatter(tensor, out, bucket, divisor=divisor)
 
 
-def gathers(ops: ShardOps) -> bool:
+def gathers(t: Transport) -> bool:
     """Whether :func:`all_gather` is the way to gather; else the caller broadcasts each piece (gloo)."""
-    inner = plain(ops.transport)
+    inner = uninspected(t)
     return not isinstance(inner, TorchTransport) or inner.native_scatter
 
 
-def all_gather(ops: ShardOps, out: torch.Tensor, part: torch.Tensor, bucket: int) -> Any:
+def all_gather(t: Transport, out: torch.Tensor, part: torch.Tensor, bucket: int) -> Any:
     """Start ``out`` = every rank's ``part``, by rank (where :func:`gathers`); ``part`` may be a view of ``out``
     (this rank's place)."""
-    return ops.transport.all_gather(part, out, bucket)
+    return t.all_gather(part, out, bucket)
 
 
 def completed(handle: Any) -> bool:

@@ -26,7 +26,8 @@ import torch
 
 from .bucket_paths import BUILT_IN
 from .comm_hooks import GradBucket
-from .shard_collectives import ShardOps, all_gather, completed, gathers, plain, reads_peers, reduce_scatter
+from .shard_collectives import all_gather, completed, gathers, reads_peers, reduce_scatter
+from .stall import uninspected
 
 __all__ = ["BucketShard", "GradientShards", "ShardConsumer", "shard_gradients"]
 
@@ -84,7 +85,6 @@ class GradientShards:
         self.reducer, self.params = reducer, reducer.params
         t = reducer.transport
         self.rank, self.world_size = t.rank, t.world_size
-        self.ops = ShardOps(t)
         n, self.layout = self.world_size, []
         for b, members in enumerate(reducer.buckets):
             numels = tuple(self.params[i].numel() for i in members)
@@ -146,7 +146,7 @@ class GradientShards:
                 send = self._stage(s, narrow).copy_(flat)
             out = self.parts[b] if narrow is None and not accumulate else \
                 torch.empty(s.chunk, dtype=send.dtype, device=s.device)
-            handle = reduce_scatter(self.ops, out, send, b, divisor)
+            handle = reduce_scatter(r.transport, out, send, b, divisor)
         else:  # any other hook reduces the whole bucket; this rank keeps its part
             out = torch.empty(s.chunk, dtype=s.dtype, device=s.device)
             handle = _HookPart(r, b, s, flat, out)
@@ -231,10 +231,10 @@ class GradientShards:
             return
         for s in self.layout:
             flat = [self.params[i].detach().view(-1) for i in s.members]
-            if not gathers(self.ops):  # each piece is contiguous in its parameter: no copy at all
+            if not gathers(self.reducer.transport):  # each piece is contiguous in its parameter: no copy at all
                 # Past the stall inspector: its bookkeeping per collective (published by a thread) cost more than
                 # these small broadcasts; each is bounded by the transport's own timeout (shm's, the group's).
-                direct = plain(self.reducer.transport)
+                direct = uninspected(self.reducer.transport)
                 for q in range(n):
                     lo = min(q * s.chunk, s.numel)
                     for k, a, b, _ in s.spans(lo, min(lo + s.chunk, s.numel)):
@@ -245,7 +245,7 @@ class GradientShards:
             for k, a, b, at in s.spans(s.lo, s.hi):
                 part[at:at + b - a].copy_(flat[k][a:b])
             part[s.hi - s.lo:].zero_()
-            all_gather(self.ops, out, part, s.index).wait()
+            all_gather(self.reducer.transport, out, part, s.index).wait()
             for q in range(n):
                 if q != r:  # this rank's part was stepped in place
                     lo = min(q * s.chunk, s.numel)

@@ -35,7 +35,7 @@ from ..collectives.store import StoreGroup
 from ..collectives.timeouts import DEFAULT_STALL_TIMEOUT, ENV_VAR, resolve_stall_timeout
 from .progress import Collective, Publisher, caller_line, process_gone, read_progress
 
-__all__ = ["StallError", "InspectedTransport", "StallInspector", "inspected", "resolve_stall_timeout",
+__all__ = ["uninspected", "StallError", "InspectedTransport", "StallInspector", "inspected", "resolve_stall_timeout",
            "DEFAULT_STALL_TIMEOUT"]
 
 _MAX_PENDING = 64
@@ -275,6 +275,11 @@ class InspectedTransport:
 
     def allocate(self, numel: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
         return self.inner.allocate(numel, dtype, device)  # collective through the store, not numbered
+
+
+def uninspected(transport: Transport) -> Transport:
+    """The transport an :class:`InspectedTransport` inspects, or ``transport`` itself."""
+    return transport.inner if isinstance(transport, InspectedTransport) else transport
 
 
 def inspected(transport: Transport, timeout: float | timedelta | None = None) -> InspectedTransport:

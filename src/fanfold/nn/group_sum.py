@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from ..distributed import TorchTransport
 from ..distributed.join import BACKWARD, JoinState
+from ..distributed.stall import uninspected
 
 __all__ = ["group_size", "same_group", "GroupSum", "caller_thread_options", "check_channel", "expect_in_join"]
 
@@ -98,7 +99,7 @@ def same_group(a: Any, b: Any) -> bool:
 
 def check_channel(state: JoinState, group: Any, name: str) -> None:
     """Refuse a join context whose DDP collectives go over the same torch.distributed group as this layer's."""
-    inner = getattr(state.transport, "inner", state.transport)  # under the stall inspector
+    inner = uninspected(state.transport)
     if not isinstance(inner, TorchTransport):
         return  # the shared-memory transport, or a transport of the user's: a channel of its own
     if same_group(inner.group, group):

@@ -31,7 +31,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..distributed.join import BACKWARD, FORWARD, JoinState
-from ..distributed.stall import resolve_stall_timeout
+from ..distributed.stall import resolve_stall_timeout, uninspected
 from .convert import convert, rebuild_plain
 from .functions import BatchStats, Normalize, StatsPlan, SyncNormalize
 from .group_sum import GroupSum, caller_thread_options, check_channel, expect_in_join, group_size, same_group
@@ -183,7 +183,7 @@ class SyncBatchNorm(_BatchNorm):
         # once, and the inspector's bookkeeping (two progress records a collective, written to the store by a
         # thread of its own) about doubled their latency. Their waits stay bounded by the transport itself (the
         # shm transport's timeout; the process group's for torch.distributed).
-        inner = getattr(transport, "inner", transport)
+        inner = uninspected(transport)
         shared = same_group(process_group, self.process_group)
         self._transport = weakref.ref(inner) if shared else None
         self._inline = caller_thread_options(inner) if shared else {}

@@ -6,10 +6,10 @@ product is a freshly allocated full-size tensor that ``AccumulateGrad`` then add
 and small micro-batches that costs about as much as the product: new pages, then a read-add-write of the whole
 weight), and it is computed before the input gradient goes on to the previous stage, which waits for it. Here the
 backward of such a layer computes only the input gradient and keeps the micro-batch's output-gradient and input
-rows; the stage calls ``step()`` after it has sent its input gradients upstream (and ``flush()`` after its last
-backward step), and the products of layers with ``min_rows`` pending rows are added into ``.grad`` with one
-``addmm_`` each, which accumulates where it writes. Measured in ``docs/pipeline.md``: the measured bubble falls to
-the ideal. The result is the same sum in another order: equal to autograd's within float rounding.
+rows; the stage calls ``step()`` after it has sent its input gradients upstream, and the pending products are
+added into ``.grad`` with one ``addmm_`` per layer, which accumulates where it writes. Measured
+(``docs/benchmarks.md``): the measured bubble falls to the ideal. The result is the same sum in another order:
+equal to autograd's within float rounding.
 
 Only where that is indistinguishable from autograd's accumulation: exact ``nn.Linear`` layers (not subclasses,
 which may compute something else), grad enabled, no autocast, input, weight and bias of one floating dtype, a
@@ -51,7 +51,6 @@ class _Rows:
     bias: nn.Parameter | None
     grads: list[torch.Tensor] = field(default_factory=list)
     inputs: list[torch.Tensor] = field(default_factory=list)
-    rows: int = 0
 
 
 class _DeferredLinear(torch.autograd.Function):
@@ -74,10 +73,9 @@ class _DeferredLinear(torch.autograd.Function):
 
 
 class WeightGradAccumulator:
-    """One stage's pending weight-gradient rows during one pass; ``flush()`` after its last backward step."""
+    """One stage's pending weight-gradient rows; ``step()`` after each backward step."""
 
-    def __init__(self, min_rows: int = 1):
-        self.min_rows = min_rows
+    def __init__(self) -> None:
         self._pending: dict[int, _Rows] = {}
 
     @contextlib.contextmanager
@@ -105,16 +103,10 @@ class WeightGradAccumulator:
         pending = self._pending.setdefault(id(weight), _Rows(weight, bias))
         pending.grads.append(grad)
         pending.inputs.append(x)
-        pending.rows += grad.shape[0]
 
     def step(self) -> None:
-        """The products of the layers that have ``min_rows`` rows into ``.grad``: called after a backward step has
-        sent its input gradients on, so that these products do not delay the previous stage."""
-        for key in [k for k, rows in self._pending.items() if rows.rows >= self.min_rows]:
-            self._apply(self._pending.pop(key))
-
-    def flush(self) -> None:
-        """Every pending product into ``.grad``."""
+        """Every pending product into ``.grad``: called after a backward step has sent its input gradients on, so
+        that these products do not delay the previous stage."""
         while self._pending:
             self._apply(self._pending.popitem()[1])
 

@@ -103,7 +103,6 @@ class StageRun:
     _leaves: dict[int, list] = field(default_factory=dict)
     _started: float | None = None
     _weights: WeightGradAccumulator = field(default_factory=WeightGradAccumulator)
-    _backwards: int = 0
 
     @property
     def first(self) -> bool:
@@ -124,11 +123,7 @@ class StageRun:
                 self.backward(step.microbatch)
                 # the weight gradients after the input gradients went upstream: the previous stage is not kept
                 # waiting for products that only this stage needs
-                self._backwards += 1
-                if self._backwards == self.microbatches:
-                    self._weights.flush()
-                else:
-                    self._weights.step()
+                self._weights.step()
         end = time.perf_counter()
         self.timeline.append(StepTime(step.stage, step.microbatch, step.phase, self._started or end, end))
 
