@@ -21,13 +21,18 @@ def _latency_path():
     r = dist.get_rank()
     gloo = dist.new_group(backend="gloo")
     dist.barrier()
-    engine = dist.group.WORLD.transport._worker.engine
-    threads, run = [], engine.run
+    worker = dist.group.WORLD.transport._worker
+    engine, small = worker.engine, worker.small
+    threads, run, run_small = [], engine.run, small.run
 
     def recording(c):
         threads.append(threading.current_thread() is threading.main_thread())
         run(c)
-    engine.run = recording
+
+    def recording_small(*args):
+        threads.append(threading.current_thread() is threading.main_thread())
+        run_small(*args)
+    engine.run, small.run = recording, recording_small
     out = {"bad": []}
     # nothing queued: on this thread, done when the call returns
     for k, n in enumerate([1, 1000, 8192]):  # 8192 int64: 64 KiB, the largest inline size
@@ -50,7 +55,7 @@ def _latency_path():
     if not all(torch.equal(a, b) for a, b in zip((big, small, larger), wants)):
         out["bad"].append("queued")
     out["queued"] = list(threads)
-    engine.run = run
+    engine.run, small.run = run, run_small
     dist.destroy_process_group()
     return out
 
@@ -62,3 +67,33 @@ def test_small_all_reduce_runs_on_the_callers_thread_in_order(nprocs):
         assert out["inline"] == [True, True, True], out["inline"]
         # the small one behind the large one went through the transport's thread; so did the one above 64 KiB
         assert out["queued"][1:] == [False, False], out["queued"]
+
+
+def _latency_path_errors():
+    torch.set_num_threads(1)
+    dist.init_process_group("cpu:fanfold", timeout=timedelta(seconds=60))
+    r = dist.get_rank()
+    gloo = dist.new_group(backend="gloo")
+    out = {}
+    # a Parameter that requires grad is summed in place, as gloo does, on the latency path
+    p = torch.nn.Parameter(torch.arange(6.0).view(2, 3) * (r + 1))
+    want = p.detach().clone()
+    dist.all_reduce(want, group=gloo)
+    dist.all_reduce(p)
+    out["param"] = torch.equal(p.detach(), want) and p.requires_grad
+    # ranks disagree on the dtype: the async call returns a Work, and its wait() raises naming the mismatch
+    x = torch.ones(4, dtype=torch.float32 if r == 0 else torch.float64)
+    work = dist.all_reduce(x, async_op=True)
+    try:
+        work.wait()
+        out["error"] = None
+    except RuntimeError as exc:
+        out["error"] = str(exc)
+    dist.destroy_process_group()
+    return out
+
+
+def test_small_all_reduce_errors_surface_at_wait_and_parameters_are_summed():
+    for out in fanfold.launch(_latency_path_errors, nprocs=2, timeout=240):
+        assert out["param"]
+        assert out["error"] is not None and "same collectives" in out["error"], out["error"]

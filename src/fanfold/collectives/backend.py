@@ -32,18 +32,19 @@ from .select import ENV_VAR
 from .shm.host import host_key
 from .shm.request import DTYPES
 from .shm.transport import ShmTransport
+from .splits import all_to_all_counts, unflatten
 from .store import StoreGroup
-from .work import FanfoldWork, completed_work
+from .work import DoneWork, FanfoldWork, completed_work, failed_work
 
 __all__ = ["FanfoldProcessGroup", "register", "BACKEND"]
 
 BACKEND = "fanfold"
-_FAST_OPS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg"}
+_SUM, _AVG = dist.ReduceOp.SUM, dist.ReduceOp.AVG
+_FAST_OPS = {_SUM: "sum", _AVG: "avg"}
 
 
 def _op_name(op: Any) -> str | None:
-    """"sum" or "avg" for the reductions the shared memory computes (fixed rank order, bitwise equal on every rank);
-    None for the rest (MIN, MAX, PRODUCT, bitwise ops, PREMUL_SUM: gloo's)."""
+    """"sum" or "avg" where shared memory computes it (fixed rank order); None: gloo's (MIN, MAX, PRODUCT, ...)."""
     for fast, name in _FAST_OPS.items():
         if op == fast:
             return name
@@ -57,33 +58,6 @@ def _supported(tensors: list[torch.Tensor], op: str | None = "sum") -> bool:
     dtype = tensors[0].dtype
     return all(t.device.type == "cpu" and t.dtype == dtype and not t.is_sparse for t in tensors) and (
         dtype in DTYPES and (op == "sum" or dtype.is_floating_point))
-
-
-def _unflatten(flat: torch.Tensor, outs: list[torch.Tensor]) -> None:
-    offset = 0
-    for t in outs:
-        t.detach().copy_(flat[offset: offset + t.numel()].view_as(t))
-        offset += t.numel()
-
-
-def _all_to_all_counts(output: torch.Tensor, input: torch.Tensor, out_splits: list[int], in_splits: list[int],
-                       n: int) -> tuple[list[int], list[int]] | None:
-    """all_to_all_single's element counts (sent to each rank, received from each rank) from torch's split sizes
-    (rows of dim 0; empty: equal parts), or None where they do not describe the tensors (gloo says why)."""
-    if input.dim() == 0 or output.dim() == 0:
-        return None
-    counts = []
-    for t, splits in ((input, in_splits), (output, out_splits)):
-        rows = t.shape[0]
-        if not splits:
-            if rows % n:
-                return None
-            splits = [rows // n] * n
-        if len(splits) != n or sum(splits) != rows or min(splits) < 0:
-            return None
-        row = t.numel() // rows if rows else 0
-        counts.append([k * row for k in splits])
-    return counts[0], counts[1]
 
 
 class FanfoldProcessGroup(dist.ProcessGroup):
@@ -121,10 +95,14 @@ class FanfoldProcessGroup(dist.ProcessGroup):
     def _fast(self) -> ShmTransport | None:
         """The shared-memory transport, created at the first call (collective: every rank makes the same first
         fast collective); None where the ranks do not all share this host, or it is turned off."""
+        if self._decided:  # set once, under the lock, after _shm: no lock on every collective
+            return self._shm
         with self._lock:
             if not self._decided:
-                self._decided = True
-                self._shm = self._create()
+                try:
+                    self._shm = self._create()
+                finally:
+                    self._decided = True  # a failed creation is not retried: the error was raised once
             return self._shm
 
     def _create(self) -> ShmTransport | None:
@@ -155,6 +133,17 @@ class FanfoldProcessGroup(dist.ProcessGroup):
     # The collectives torch calls from Python; each falls back to gloo with the same arguments.
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        # The latency path first, with as few checks as make it safe (run_small checks the tensor): a small SUM, or
+        # AVG of floating point, summed on this thread when nothing is queued.
+        if opts is not None and len(tensors) == 1 and self._decided and self._shm is not None:
+            t, op = tensors[0], opts.reduceOp
+            try:
+                if op == _SUM and self._shm.run_small(t):
+                    return DoneWork(tensors)
+                if op == _AVG and t.is_floating_point() and self._shm.run_small(t, self.size()):
+                    return DoneWork(tensors)
+            except Exception as exc:  # noqa: BLE001 - raised by wait(), as gloo's errors are
+                return failed_work(exc, tensors)
         opts = opts if opts is not None else dist.AllreduceOptions()
         op = _op_name(opts.reduceOp)
         shm = self._fast() if len(tensors) == 1 and _supported(tensors, op) else None
@@ -162,9 +151,13 @@ class FanfoldProcessGroup(dist.ProcessGroup):
             return self.gloo.allreduce(tensors, opts)
         divisor = self.size() if op == "avg" else None
         # detach: collectives write a tensor's data whatever autograd thinks of it (a Parameter), as gloo does
-        # inline: a small tensor is summed on this thread when nothing is queued (the latency path)
-        work = shm.all_reduce(tensors[0].detach(), divisor=divisor, inline=True)
-        return FanfoldWork(work.get_future(), tensors)
+        tensor = tensors[0].detach()
+        try:
+            if shm.run_small(tensor, divisor):  # the first fast collective, small, nothing queued
+                return DoneWork(tensors)
+        except Exception as exc:  # noqa: BLE001
+            return failed_work(exc, tensors)
+        return FanfoldWork(shm.all_reduce(tensor, divisor=divisor).get_future(), tensors)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
@@ -176,7 +169,7 @@ class FanfoldProcessGroup(dist.ProcessGroup):
         divisor = self.size() if op == "avg" else None
 
         return FanfoldWork(shm.all_reduce(flat, divisor=divisor).get_future(), tensors,
-                           lambda: _unflatten(flat, tensors))
+                           lambda: unflatten(flat, tensors))
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         opts = opts if opts is not None else dist.BroadcastOptions()
@@ -196,7 +189,7 @@ class FanfoldProcessGroup(dist.ProcessGroup):
             return self.gloo.allgather(output_tensors, input_tensors, opts)
         flat = torch.empty(self.size() * input_tensors[0].numel(), dtype=input_tensors[0].dtype)
         work = shm.all_gather(input_tensors[0].detach(), flat)
-        return FanfoldWork(work.get_future(), output_tensors, lambda: _unflatten(flat, outs))
+        return FanfoldWork(work.get_future(), output_tensors, lambda: unflatten(flat, outs))
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> dist.Work:
         opts = opts if opts is not None else dist.AllgatherOptions()
@@ -235,7 +228,7 @@ class FanfoldProcessGroup(dist.ProcessGroup):
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
                           input_split_sizes: list[int], opts: Any = None) -> dist.Work:
         opts = opts if opts is not None else dist.AllToAllOptions()
-        counts = _all_to_all_counts(output, input, list(output_split_sizes), list(input_split_sizes), self.size())
+        counts = all_to_all_counts(output, input, list(output_split_sizes), list(input_split_sizes), self.size())
         shm = self._exchange_ok([input], [output], counts is not None)
         if shm is None:
             return self.gloo.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["FanfoldWork", "completed_work"]
+__all__ = ["FanfoldWork", "DoneWork", "completed_work", "failed_work"]
 
 
 class FanfoldWork(dist._Work):
@@ -68,3 +68,36 @@ def completed_work(result: Any) -> FanfoldWork:
     fut = torch.futures.Future()
     fut.set_result(result)
     return FanfoldWork(fut, result)
+
+
+def failed_work(error: BaseException, result: Any) -> FanfoldWork:
+    """The Work of a collective that failed before its call returned: ``wait()`` raises ``error``."""
+    fut = torch.futures.Future()
+    fut.set_exception(error)
+    return FanfoldWork(fut, result)
+
+
+class DoneWork(dist._Work):
+    """The Work of a collective that completed before its call returned (the latency path): nothing to wait for;
+    ``get_future()`` yields ``result`` (the output tensors, as gloo's futures do)."""
+
+    def __init__(self, result: Any):
+        super().__init__()
+        self._value = result
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+    def exception(self) -> BaseException | None:
+        return None
+
+    def get_future(self) -> torch.futures.Future:
+        fut = torch.futures.Future()
+        fut.set_result(self._value)
+        return fut

@@ -53,6 +53,7 @@ class Engine:
         self.seg, self.rank, self.n = segment, rank, world_size
         self.chunk_bytes, self.direct_bytes, self.areas = chunk_bytes, direct_bytes, areas
         self._views: dict[torch.dtype, list] = {}
+        self.written: list[Header | None] = [None, None]  # the latency path's header in place, by seq parity
         self._scratch = torch.empty(chunk_bytes // 2, dtype=torch.float32)  # a chunk of half values, widened
         self._divisor = None  # of the collective being run: its sums are divided while the chunk is in cache
         self._peer = None if tables is None else PeerReader(segment, rank, world_size, tables, chunk_bytes,
@@ -67,12 +68,23 @@ class Engine:
         g = self.seg.arrived
         if g + 3 > self.areas:
             self.seg.wait_all(g + 3 - self.areas, describe)
+        area = self.area(dtype, g)
+        return g, area[: self.n], area[self.n]
+
+    def area(self, dtype: torch.dtype, g: int) -> list[torch.Tensor]:
+        # step g's area: slots 0..N-1 and the result, as ``dtype`` views (made once per dtype)
         if dtype not in self._views:
             cap, data = self.chunk_bytes, self.seg.data
             self._views[dtype] = [[data[(b * (self.n + 1) + a) * cap:][:cap].view(dtype) for a in range(self.n + 1)]
                                   for b in range(self.areas)]
-        area = self._views[dtype][g % self.areas]
-        return g, area[: self.n], area[self.n]
+        return self._views[dtype][g % self.areas]
+
+    def desc_words(self, seq: int) -> HeaderWords:
+        """This rank's header words for collective ``seq`` (by parity)."""
+        return self._desc[self.rank][seq & 1]
+
+    def set_divisor(self, divisor: float | None) -> None:
+        self._divisor = divisor
 
     def sum_into(self, parts: list[torch.Tensor], out: torch.Tensor) -> None:
         # Rank order, every time: the bits depend only on the inputs, not on which rank sums or how fast it is.
@@ -127,6 +139,7 @@ class Engine:
         place = len(c.outs) if op == REDUCE_TENSORS else c.shared[1] if c.shared is not None else 0
         header = Header.of(c, numel, place)
         header.write(self._desc[self.rank][seq & 1])
+        self.written[seq & 1] = None
         cap = self.chunk_bytes // (flat.element_size() if flat is not None else 1)
         if op == SHARED_ALL_REDUCE:
             cap *= self.n  # a chunk holds one shard of chunk_bytes per rank

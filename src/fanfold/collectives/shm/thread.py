@@ -19,6 +19,7 @@ import torch
 from .engine import Engine
 from .request import Collective, Request
 from .segment import Segment
+from .small import SmallAllReduce
 
 __all__ = ["ShmWork", "completed", "Worker"]
 
@@ -56,6 +57,7 @@ class Worker:
 
     def __init__(self, engine: Engine, name: str):
         self.engine = engine
+        self.small = SmallAllReduce(engine)
         self.seq = 0  # the collectives numbered so far
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()  # numbering, queueing and the count of unfinished collectives, together
@@ -86,6 +88,28 @@ class Worker:
                 self._running.release()
                 self._done()
         return fut
+
+    def run_small(self, t: torch.Tensor, divisor: float | None, bucket: int | None) -> bool:
+        """An all_reduce of contiguous ``t`` (at most a quarter chunk) on this thread, if nothing is queued or
+        running: True once done (raising the transport's error, as its handle would). False, with nothing done, when
+        it must queue."""
+        with self._lock:
+            if self._pending or self._error is not None:
+                return False
+            self.seq += 1
+            seq = self.seq
+            self._pending = 1
+            self._running.acquire()  # nothing unfinished: the thread is not running (see submit)
+        try:
+            self.small.run(t, divisor, seq, bucket)
+        except BaseException as exc:  # noqa: BLE001 - every peer must learn of the failure, as in _execute
+            self._error = exc
+            self.engine.seg.abort(f"rank {self.engine.rank}: {type(exc).__name__}: {exc}")
+            raise
+        finally:
+            self._running.release()
+            self._done()
+        return True
 
     def _serve(self) -> None:
         while True:

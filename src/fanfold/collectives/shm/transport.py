@@ -47,6 +47,7 @@ from .thread import completed as _completed
 __all__ = ["ShmTransport", "ShmWork", "ShmTimeoutError", "INLINE_BYTES"]
 
 INLINE_BYTES = 64 << 10  # all_reduce(inline=True) up to this size runs on the caller's thread
+_SMALL_DTYPES = frozenset(DTYPES)
 
 
 class ShmTransport(Exchanges):
@@ -73,6 +74,8 @@ class ShmTransport(Exchanges):
             timeout = (group.store if own else dist.distributed_c10d._get_default_store()).timeout
         self.timeout = resolve_stall_timeout(timeout)
         self._chunk_bytes = chunk_bytes
+        # the latency path's limit; small tensors take the ring, whatever memory they lie in (see _submit)
+        self._small_bytes = min(INLINE_BYTES, chunk_bytes // 4) if self.world_size > 1 else -1
         self._worker = self._segment = None
         self.peer_read = False  # reduce_tensors reads the peers' memory (probed below)
         self._stages: dict[tuple, torch.Tensor] = {}  # without peer reads: reduce_tensors' copies, by bucket label
@@ -180,7 +183,19 @@ class ShmTransport(Exchanges):
         no collective is queued or running (the latency path: no hand-off to the transport's thread)."""
         if divisor is not None and not (isinstance(divisor, (int, float)) and divisor > 0):
             raise ValueError(f"all_reduce: divisor must be a positive number, got {divisor!r}")
+        if inline and self.run_small(tensor, divisor, bucket):
+            return _completed(tensor)
         return self._submit(ALL_REDUCE, tensor, bucket, divisor=divisor, inline=inline)
+
+    def run_small(self, tensor: torch.Tensor, divisor: float | None = None, bucket: int | None = None) -> bool:
+        """The latency path: sum a contiguous CPU ``tensor`` of at most :data:`INLINE_BYTES` in place, on this
+        thread, now, if nothing is queued or running -- True once done. False (nothing done) for anything else; the
+        caller then queues it as usual. ``divisor`` is checked by the caller."""
+        if not (tensor.is_cpu and tensor.layout is torch.strided and tensor.dtype in _SMALL_DTYPES
+                and tensor.nbytes <= self._small_bytes and tensor.is_contiguous() and self._finalizer.alive):
+            return False
+        # detach: the sum is written into the tensor whatever autograd thinks of it (a Parameter), as gloo does
+        return self._worker.run_small(tensor.detach() if tensor.requires_grad else tensor, divisor, bucket)
 
     def reduce_into(self, tensor: torch.Tensor, outs: list[torch.Tensor], bucket: int | None = None, *,
                     divisor: float | None = None) -> ShmWork:
