@@ -58,6 +58,17 @@ class _PendingReads(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+def _pop_idle_modes() -> None:
+    """Pop every :class:`_PendingReads` on top of this thread's stack whose gathers are all done (or gone): a mode
+    cannot pop itself while it runs, and a mode under another one must stay until that one is popped."""
+    while (n := torch._C._len_torch_function_stack()) > 0:
+        top = torch._C._get_function_stack_at(n - 1)
+        gather = top.gather() if isinstance(top, _PendingReads) else None
+        if not isinstance(top, _PendingReads) or (gather is not None and gather.pending):
+            return
+        torch._C._pop_torch_function_stack()
+
+
 def _wait_all(ref: weakref.ref, *_: Any) -> None:
     gather = ref()
     if gather is not None:
@@ -83,7 +94,6 @@ class ParamGather:
         # The forward reads the parameters roughly in registration order; DDP's buckets hold them in reverse.
         self.order = sorted(range(len(layout)), key=lambda b: min(layout[b].members))
         self.pending: dict[int, Any] = {}  # bucket -> handle of its gather, in issue order
-        self._mode: _PendingReads | None = None
         self._announced: set[str] = set()
         self.why_not = None if gathers(transport) else \
             "the transport has no asynchronous all-gather here (gloo: one broadcast per rank's part)"
@@ -105,7 +115,7 @@ class ParamGather:
     @torch.no_grad()
     def issue(self) -> None:
         """Start gathering every bucket (collective); with the mode pushed, return with the gathers in flight."""
-        self.wait_all()
+        self.wait_all()  # also pops the modes left by earlier gathers (this one's or another model's)
         if self.world_size == 1:
             return
         if not gathers(self.transport):
@@ -120,8 +130,7 @@ class ParamGather:
             self._announce(why)
             self.wait_all()
             return
-        self._mode = _PendingReads(self)
-        torch._C._push_on_torch_function_stack(self._mode)
+        torch._C._push_on_torch_function_stack(_PendingReads(self))
 
     def _broadcast_parts(self) -> None:
         # Past the stall inspector: its bookkeeping per collective cost more than these broadcasts; each is bounded
@@ -148,11 +157,7 @@ class ParamGather:
                     break
 
     def wait_all(self) -> None:
-        """Wait for every gather in flight; pop the mode once it is on top of this thread's stack."""
+        """Wait for every gather in flight; pop the modes that have nothing left to wait for."""
         while self.pending:
             self.pending.pop(next(iter(self.pending))).wait()
-        mode = self._mode
-        n = torch._C._len_torch_function_stack()
-        if mode is not None and n and torch._C._get_function_stack_at(n - 1) is mode:
-            torch._C._pop_torch_function_stack()
-            self._mode = None
+        _pop_idle_modes()
