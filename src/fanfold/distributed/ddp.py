@@ -212,7 +212,7 @@ class DistributedDataParallel(nn.Module):
         """ZeRO stage 2 with ``optimizer`` (a ``fanfold.ZeroRedundancyOptimizer`` over this model's parameters): this
         rank keeps the average of its part of each bucket, ``.grad`` stays None (``sharded_grads.py``). Collective."""
         self._ensure_built()
-        shard_gradients(self.reducer, optimizer)
+        shard_gradients(self.reducer, optimizer, self.module)
 
     @contextmanager
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,

@@ -1,6 +1,7 @@
 """ZeRO stage 2 on the reducer's side: each bucket is reduce-scattered as soon as it is full, this rank keeps only
 the averaged gradient of its own part of it, and every full ``.grad`` of the bucket is freed; after the optimizer's
-step the updated parts are all-gathered back into the parameters.
+step the updated parts are all-gathered back into the parameters, which lie flat per bucket for that, overlapped
+with the next forward (``param_gather.py``).
 
 Layer: ``distributed``, beside ``reducer.py``, which hands its buckets over through a few marked lines (``Reducer.
 shards``: launch, wait, write-back). The optimizer above (``fanfold.optim.ZeroRedundancyOptimizer``) is reached only
@@ -26,8 +27,8 @@ import torch
 
 from .bucket_paths import BUILT_IN
 from .comm_hooks import GradBucket
-from .shard_collectives import all_gather, completed, gathers, reads_peers, reduce_scatter
-from .stall import uninspected
+from .param_gather import ParamGather
+from .shard_collectives import completed, reads_peers, reduce_scatter
 
 __all__ = ["BucketShard", "GradientShards", "ShardConsumer", "shard_gradients"]
 
@@ -35,7 +36,8 @@ __all__ = ["BucketShard", "GradientShards", "ShardConsumer", "shard_gradients"]
 class ShardConsumer(Protocol):
     """An optimizer that steps this rank's parts of the gradients (``fanfold.ZeroRedundancyOptimizer``)."""
 
-    def use_gradient_shards(self, shards: GradientShards) -> None: ...
+    def use_gradient_shards(self, shards: GradientShards) -> None:
+        """Accept (or raise), call ``shards.lay_flat()``, then take views of the parameters."""
 
 
 @dataclass(frozen=True)
@@ -81,8 +83,8 @@ class _Flight:
 class GradientShards:
     """This rank's parts of every bucket's averaged gradient, filled by the reducer, read by the optimizer."""
 
-    def __init__(self, reducer: Any):
-        self.reducer, self.params = reducer, reducer.params
+    def __init__(self, reducer: Any, module: torch.nn.Module | None = None):
+        self.reducer, self.params, self.module = reducer, reducer.params, module
         t = reducer.transport
         self.rank, self.world_size = t.rank, t.world_size
         n, self.layout = self.world_size, []
@@ -100,6 +102,7 @@ class GradientShards:
         self._staging: dict[tuple, torch.Tensor] = {}  # one buffer per (dtype, device): the largest bucket
         self._flights: deque[_Flight] = deque()  # launched, not yet finished, in bucket order
         self._launched: list[int] = []
+        self.gather: ParamGather | None = None  # the parameters laid flat (lay_flat) and their gather
 
     # ---- the reducer's side: launch, wait, write-back -------------------------------------------------------
     def _stage(self, s: BucketShard, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -222,35 +225,22 @@ class GradientShards:
         """Parameter ``i``'s averaged gradient at ``offset:offset + numel`` of this rank's part of bucket ``b``."""
         return self.parts[b][offset:offset + numel] if self.present[i] else None
 
-    @torch.no_grad()
+    def lay_flat(self) -> None:
+        """The consumer accepted the shards: the parameters become views of one flat tensor per bucket, so that
+        their gathers write straight into them (``param_gather.py``). Call before taking views of them."""
+        if self.gather is None:
+            self.gather = ParamGather(self.layout, self.params, self.reducer.transport, self.module)
+
     def gather_params(self) -> None:
-        """Every rank's part of every parameter to every rank (collective): by an all-gather, one bucket at a time
-        through the staging buffer, or (without one) by a broadcast of each piece from its owner, in place."""
-        n, r = self.world_size, self.rank
-        if n == 1:
-            return
-        for s in self.layout:
-            flat = [self.params[i].detach().view(-1) for i in s.members]
-            if not gathers(self.reducer.transport):  # each piece is contiguous in its parameter: no copy at all
-                # Past the stall inspector: its bookkeeping per collective (published by a thread) cost more than
-                # these small broadcasts; each is bounded by the transport's own timeout (shm's, the group's).
-                direct = uninspected(self.reducer.transport)
-                for q in range(n):
-                    lo = min(q * s.chunk, s.numel)
-                    for k, a, b, _ in s.spans(lo, min(lo + s.chunk, s.numel)):
-                        direct.broadcast(flat[k][a:b], q)
-                continue
-            out = self._stage(s)
-            part = out[r * s.chunk:(r + 1) * s.chunk]
-            for k, a, b, at in s.spans(s.lo, s.hi):
-                part[at:at + b - a].copy_(flat[k][a:b])
-            part[s.hi - s.lo:].zero_()
-            all_gather(self.reducer.transport, out, part, s.index).wait()
-            for q in range(n):
-                if q != r:  # this rank's part was stepped in place
-                    lo = min(q * s.chunk, s.numel)
-                    for k, a, b, at in s.spans(lo, min(lo + s.chunk, s.numel)):
-                        flat[k][a:b].copy_(out[q * s.chunk + at:q * s.chunk + at + b - a])
+        """Every rank's part of every parameter to every rank (collective), issued per bucket; returns with the
+        gathers in flight where every read of a parameter waits for its bucket (``param_gather.py``)."""
+        self.lay_flat()
+        self.gather.issue()
+
+    def settle(self) -> None:
+        """Wait for the gathers in flight (before the optimizer steps the parameters again)."""
+        if self.gather is not None:
+            self.gather.wait_all()
 
 
 class _HookPart:
@@ -272,7 +262,7 @@ class _HookPart:
         self._out[:s.hi - s.lo].copy_(result[s.lo:s.hi])
 
 
-def shard_gradients(reducer: Any, optimizer: Any) -> GradientShards:
+def shard_gradients(reducer: Any, optimizer: Any, module: torch.nn.Module | None = None) -> GradientShards:
     """Start stage 2 on ``reducer`` for ``optimizer`` (see ``DistributedDataParallel.shard_gradients``)."""
     rank = reducer.transport.rank
     if not callable(getattr(optimizer, "use_gradient_shards", None)):
@@ -285,7 +275,7 @@ def shard_gradients(reducer: Any, optimizer: Any) -> GradientShards:
            "a backward in progress" if reducer._queued or reducer._touched else None)
     if why:
         raise ValueError(f"DistributedDataParallel.shard_gradients (rank {rank}): not supported with {why}")
-    shards = GradientShards(reducer)
+    shards = GradientShards(reducer, module)  # module: where reads of the parameters wait for their gather
     optimizer.use_gradient_shards(shards)  # may refuse: then the reducer is left as it was
     reducer.rebuilt = True  # frozen buckets: the optimizer's state is laid out after them
     # The reducer's own full-size buckets are never written again: metadata only (no memory) from here on.

@@ -73,8 +73,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self.rank, self.world_size = _rank_world(process_group)
         self.optimizer_class = optimizer_class
         self._user_defaults = dict(defaults)
-        self._consolidated: dict | None = None
-        self._consolidated_to: int | None = None
+        self._consolidated, self._consolidated_to = None, None  # the state gathered by consolidate_state_dict
         self._stage2: Any = None  # DDP's GradientShards once use_gradient_shards ran (stage 2)
         super().__init__(params, defaults)
         self._check_same_params()
@@ -120,8 +119,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             for k, v in ig.items():
                 g.setdefault(k, v)
 
-    def _sync_hyper(self) -> None:
-        # LR schedulers and users change self.param_groups; the inner optimizer must step with those values.
+    def _sync_hyper(self) -> None:  # schedulers and users change self.param_groups: the inner optimizer follows
         for g, ig in zip(self.param_groups, self.optim.param_groups):
             ig.update({k: v for k, v in g.items() if k != "params"})
 
@@ -147,11 +145,14 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
 
     # ---- the step -----------------------------------------------------------------------------------------------
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        """Step this rank's slice with the inner optimizer, then all-gather the parameters (collective)."""
+        """Step this rank's slice with the inner optimizer, then all-gather the parameters (collective; stage 2:
+        returns with the gathers in flight, every read of a parameter waits for its own: docs/zero.md)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._stage2 is not None:
+            self._stage2.settle()  # the last step's gather, still in flight if no forward read the parameters
         self._sync_hyper()
         self._shard_grads()
         try:
@@ -175,6 +176,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         slices become the parts of DDP's buckets that the reducer leaves this rank; the state moves to match."""
         index = check_shards(shards, self._params, self.rank, self.world_size)
         full = self._full_state_everywhere()
+        shards.lay_flat()  # the parameters become views of DDP's buckets: the views below must be taken after
         self._stage2 = shards
         self._ddp_index = {k: i for i, k in enumerate(index)}
         self._build()

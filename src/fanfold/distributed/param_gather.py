@@ -1,0 +1,163 @@
+"""ZeRO stage 2's parameter gather after the optimizer's step, overlapped with what runs next (the next forward).
+
+Layer: ``distributed``, under ``sharded_grads.py`` (``GradientShards.lay_flat`` builds it, ``gather_params``
+starts it). The trainable parameters become views of one flat tensor per DDP bucket, laid out as the bucket is
+(``BucketShard``: members at their offsets, padded to ``N`` equal parts), so each bucket is gathered by one
+all-gather straight into the parameters: no copy in or out, and every bucket can be in flight at once without
+extra memory. The gathers are issued in the order the forward is expected to need them (the bucket holding the
+first registered parameter first) and return at once.
+
+Until a bucket's gather is waited for, its parameters must not be read. :class:`_PendingReads`, a
+``TorchFunctionMode`` pushed on this thread while gathers are in flight, waits for the bucket of every tensor
+that an operation is about to read (any view of a bucket's memory: the parameter, ``p.data``, the optimizer's
+slices), so a forward, an eval forward, a state_dict or a user's own read between ``step()`` and the forward sees
+the gathered values; metadata (``p.grad``, ``p.shape``) does not wait. The model's forward ends by waiting for
+every bucket (a forward hook on the root module) and popping the mode; ``step()`` and ``state_dict()`` wait too.
+Where the mode cannot see every read the gather is waited for before ``step()`` returns, announced once: another
+mode is active when ``step()`` ends (``with torch.device(...)``: ours could not be popped cleanly), the model
+holds TorchScript modules (their operations bypass Python), or the transport has no asynchronous all-gather
+(gloo: one broadcast per rank's part, in place).
+"""
+from __future__ import annotations
+
+import warnings
+import weakref
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from .shard_collectives import all_gather, gathers
+from .stall import uninspected
+
+__all__ = ["ParamGather"]
+
+# Tensor attributes and methods that read metadata only: no wait (zero_grad reads p.grad of every parameter).
+_META = frozenset(
+    [getattr(torch.Tensor, a).__get__ for a in ("grad", "shape", "dtype", "device", "requires_grad", "is_leaf",
+                                                "grad_fn", "layout", "is_sparse", "ndim", "_version", "is_cuda")]
+    + [torch.Tensor.grad.__set__, torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel,
+       torch.Tensor.is_contiguous, torch.Tensor.stride, torch.Tensor.element_size, torch.Tensor.requires_grad_,
+       torch.Tensor.register_hook, torch.Tensor.register_post_accumulate_grad_hook])
+
+
+class _PendingReads(TorchFunctionMode):
+    """Waits for the bucket of any tensor argument that lies in a bucket whose gather is in flight."""
+
+    def __init__(self, gather: ParamGather):
+        super().__init__()
+        self.gather = weakref.ref(gather)
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        gather = self.gather()
+        if gather is not None and gather.pending and func not in _META:
+            for a in (*args, *(kwargs or {}).values()):
+                for t in (a if isinstance(a, (list, tuple)) else (a,)):
+                    if isinstance(t, torch.Tensor):
+                        gather.wait_for(t)
+        return func(*args, **(kwargs or {}))
+
+
+def _pop_idle_modes() -> None:
+    """Pop every :class:`_PendingReads` on top of this thread's stack whose gathers are all done (or gone): a mode
+    cannot pop itself while it runs, and a mode under another one must stay until that one is popped."""
+    while (n := torch._C._len_torch_function_stack()) > 0:
+        top = torch._C._get_function_stack_at(n - 1)
+        gather = top.gather() if isinstance(top, _PendingReads) else None
+        if not isinstance(top, _PendingReads) or (gather is not None and gather.pending):
+            return
+        torch._C._pop_torch_function_stack()
+
+
+def _wait_all(ref: weakref.ref, *_: Any) -> None:
+    gather = ref()
+    if gather is not None:
+        gather.wait_all()
+
+
+class ParamGather:
+    """The parameters of ``layout``'s buckets laid flat, and their gather (issue, per-bucket waits)."""
+
+    def __init__(self, layout: list, params: list[torch.Tensor], transport: Any, module: torch.nn.Module | None):
+        self.layout, self.transport = layout, transport
+        self.rank, self.world_size = transport.rank, transport.world_size
+        self.flats: list[torch.Tensor] = []
+        with torch.no_grad():
+            for s in layout:
+                flat = torch.zeros(s.chunk * self.world_size, dtype=s.dtype, device=s.device)
+                for k, i in enumerate(s.members):
+                    view = flat[s.offsets[k]:s.offsets[k] + s.numels[k]]
+                    view.copy_(params[i].detach().reshape(-1))
+                    params[i].data = view.view(params[i].shape)  # the Parameter object, its hooks and .grad stay
+                self.flats.append(flat)
+        self._storage = {f.untyped_storage().data_ptr(): b for b, f in enumerate(self.flats)}
+        # The forward reads the parameters roughly in registration order; DDP's buckets hold them in reverse.
+        self.order = sorted(range(len(layout)), key=lambda b: min(layout[b].members))
+        self.pending: dict[int, Any] = {}  # bucket -> handle of its gather, in issue order
+        self._announced: set[str] = set()
+        self.why_not = None if gathers(transport) else \
+            "the transport has no asynchronous all-gather here (gloo: one broadcast per rank's part)"
+        if module is not None and any(isinstance(m, torch.jit.ScriptModule) for m in module.modules()):
+            self.why_not = "the model holds TorchScript modules, whose reads of the parameters cannot be seen"
+        self._hooks = []
+        if module is not None:
+            ref = weakref.ref(self)
+            self._hooks.append(module.register_forward_hook(lambda *a: _wait_all(ref)))
+            self._hooks += [m.register_state_dict_pre_hook(lambda *a: _wait_all(ref)) for m in module.modules()]
+            weakref.finalize(self, lambda hooks: [h.remove() for h in hooks], self._hooks)
+
+    def _announce(self, why: str) -> None:
+        if why not in self._announced:
+            self._announced.add(why)
+            warnings.warn(f"fanfold ZeRO stage 2 (rank {self.rank}): the parameter gather after step() is not "
+                          f"overlapped with the next forward, step() waits for it: {why}", stacklevel=4)
+
+    @torch.no_grad()
+    def issue(self) -> None:
+        """Start gathering every bucket (collective); with the mode pushed, return with the gathers in flight."""
+        self.wait_all()  # also pops the modes left by earlier gathers (this one's or another model's)
+        if self.world_size == 1:
+            return
+        if not gathers(self.transport):
+            self._broadcast_parts()
+        else:
+            for b in self.order:
+                s, flat = self.layout[b], self.flats[b]
+                self.pending[b] = all_gather(self.transport, flat, flat[self.rank * s.chunk:][:s.chunk], b)
+        why = self.why_not or (None if torch._C._len_torch_function_stack() == 0 else
+                               "another TorchFunctionMode is active when step() returns")
+        if why is not None:
+            self._announce(why)
+            self.wait_all()
+            return
+        torch._C._push_on_torch_function_stack(_PendingReads(self))
+
+    def _broadcast_parts(self) -> None:
+        # Past the stall inspector: its bookkeeping per collective cost more than these broadcasts; each is bounded
+        # by the transport's own timeout. One per rank's part of a bucket: contiguous in the flat parameters.
+        direct = uninspected(self.transport)
+        for b in self.order:
+            s, flat = self.layout[b], self.flats[b]
+            for q in range(self.world_size):
+                lo = min(q * s.chunk, s.numel)
+                hi = min(lo + s.chunk, s.numel)
+                if hi > lo:
+                    direct.broadcast(flat[lo:hi], q)
+
+    def wait_for(self, t: torch.Tensor) -> None:
+        """Wait for the gather of the bucket ``t`` lies in, if one is in flight."""
+        try:
+            b = self._storage.get(t.untyped_storage().data_ptr())
+        except (RuntimeError, NotImplementedError):  # sparse and other storage-less tensors: not a bucket
+            return
+        if b is not None and b in self.pending:
+            for done in list(self.pending):  # earlier ones first: the transports complete them in order
+                self.pending.pop(done).wait()
+                if done == b:
+                    break
+
+    def wait_all(self) -> None:
+        """Wait for every gather in flight; pop the modes that have nothing left to wait for."""
+        while self.pending:
+            self.pending.pop(next(iter(self.pending))).wait()
+        _pop_idle_modes()

@@ -1,0 +1,158 @@
+"""ZeRO stage 2's parameter gather overlapped with the next forward (``distributed/param_gather.py``), on 2 gloo ranks
+over the shm transport, against one process training on the whole batch with torch's Adam (20 steps, float64):
+the parameters after training; the parameters read between ``step()`` and the next forward (raw reads, the model's
+state_dict) and an eval forward under ``no_grad`` there, each against the oracle's values after the same step; a
+model whose forward reads a child's weight without calling the child, and a transformer (MultiheadAttention reads
+its ``out_proj`` weight the same way). The torch transport on gloo (no asynchronous all-gather) waits in ``step()``
+and says so once.
+"""
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from test_zero_training import STEPS
+
+import fanfold
+from _ddp_models import TinyLM, batch, loss_fn, mlp, shard
+from fanfold.distributed import init_process_group
+
+CAPS = dict(bucket_cap_mb=0.01, first_bucket_cap_mb=0.005)  # several buckets
+ROWS = 12
+
+
+class ReachIn(torch.nn.Module):
+    """The MLP, then a head whose weight the parent reads itself: the head module is never called."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = mlp()
+        self.head = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.body(x)
+        return h + F.linear(torch.tanh(h), self.head.weight, self.head.bias)
+
+
+def _build(kind):
+    torch.manual_seed(0)
+    return {"mlp": mlp, "lm": TinyLM, "reach": ReachIn}[kind]().double()
+
+
+def _batch(kind, step):
+    x, y = batch("lm" if kind == "lm" else "mlp", step, n=ROWS)
+    return (x, y) if kind == "lm" else (x.double(), y.double())
+
+
+def _eval_input(kind):
+    return _batch(kind, 999)[0]
+
+
+def _loss(kind, out, y):
+    return loss_fn("lm" if kind == "lm" else "mlp", out, y)
+
+
+def _snapshot(kind, model, reads):
+    if reads == "params":
+        return [p.detach().clone() for p in model.parameters()]
+    if reads == "state_dict":
+        return [v.clone() for v in model.state_dict().values()]
+    if reads == "eval":
+        model.eval()
+        with torch.no_grad():
+            out = model(_eval_input(kind)).clone()
+        model.train()
+        return [out]
+    return []
+
+
+def oracle(kind, reads):
+    """One process, the whole batch, torch's Adam: the final parameters and what ``reads`` sees after each step."""
+    model = _build(kind)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    seen = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        _loss(kind, model(_batch(kind, step)[0]), _batch(kind, step)[1]).backward()
+        opt.step()
+        seen.append(_snapshot(kind, model, reads))
+    return [p.detach().clone() for p in model.parameters()], seen
+
+
+def _train(kind, transport, reads):
+    model = _build(kind)
+    ddp = fanfold.DistributedDataParallel(model, transport=transport, **CAPS)
+    opt = fanfold.ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=0.01)
+    r, n = dist.get_rank(), dist.get_world_size()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ddp.shard_gradients(opt)
+        gather = ddp.reducer.shards.gather
+        seen, in_flight, stack = [], [], []
+        for step in range(STEPS):
+            opt.zero_grad()
+            x, y = _batch(kind, step)
+            out = ddp(shard(x, r, n))
+            stack.append(torch._C._len_torch_function_stack())  # the forward's end popped the mode
+            _loss(kind, out, shard(y, r, n)).backward()
+            opt.step()
+            before = len(gather.pending)
+            if reads == "params":  # the parameter registered first: its bucket is gathered first
+                next(iter(model.parameters())).detach().clone()
+            in_flight.append((before, len(gather.pending)))
+            seen.append(_snapshot(kind, ddp if reads == "eval" else model, reads))
+    return {"params": [p.detach().clone() for p in model.parameters()], "seen": seen, "in_flight": in_flight,
+            "stack": stack, "buckets": len(ddp.reducer.buckets),
+            "warnings": [str(w.message) for w in caught if "not overlapped" in str(w.message)]}
+
+
+PLAN = {"mlp/params": ("mlp", "shm", "params"), "mlp/state_dict": ("mlp", "shm", "state_dict"),
+        "mlp/eval": ("mlp", "shm", "eval"), "lm/eval": ("lm", "shm", "eval"), "lm/params": ("lm", "shm", "params"),
+        "reach": ("reach", "shm", None), "mlp/torch": ("mlp", "torch", "params")}
+
+
+def _ranks():
+    init_process_group(timeout=60)
+    torch.set_num_threads(1)
+    return {key: _train(*args) for key, args in PLAN.items()}
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return fanfold.launch(_ranks, nprocs=2, timeout=300)
+
+
+def _assert_close(got, want):
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("key", list(PLAN))
+def test_overlapped_gather_trains_as_single_process(two_ranks, key):
+    kind, transport, reads = PLAN[key]
+    want, want_seen = oracle(kind, reads)
+    for res in two_ranks:
+        _assert_close(res[key]["params"], want)
+        for got, expected in zip(res[key]["seen"], want_seen, strict=True):  # read between step() and forward
+            _assert_close(got, expected)
+        assert all(s == 0 for s in res[key]["stack"])  # no mode left on the stack after a forward
+
+
+@pytest.mark.parametrize("key", [k for k, v in PLAN.items() if v[1] == "shm"])
+def test_step_returns_with_every_bucket_in_flight(two_ranks, key):
+    for res in two_ranks:
+        buckets = res[key]["buckets"]
+        assert buckets > 1
+        for before, after in res[key]["in_flight"]:
+            assert before == buckets  # step() returned before any gather was waited for
+            if PLAN[key][2] == "params":
+                assert after == buckets - 1  # reading the first parameter waited for its bucket only
+        assert not res[key]["warnings"]
+
+
+def test_gloo_torch_transport_waits_in_step_and_says_so_once(two_ranks):
+    for res in two_ranks:
+        assert all(before == 0 for before, _ in res["mlp/torch"]["in_flight"])
+        assert len(res["mlp/torch"]["warnings"]) == 1
+        assert "no asynchronous all-gather" in res["mlp/torch"]["warnings"][0]
