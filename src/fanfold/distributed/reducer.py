@@ -27,6 +27,7 @@ import torch
 from ..collectives.protocol import Transport
 from .bucket_paths import BucketPaths
 from .comm_hooks import allreduce_hook
+from .deferred import Deferred, gradient_hook
 from .delayed import reduce_delayed
 from .readiness import Readiness, unused_message
 from .sparse import all_reduce_sparse, empty_sparse_like
@@ -37,16 +38,6 @@ __all__ = ["Reducer"]
 def _remove_handles(handles: list) -> None:
     while handles:
         handles.pop().remove()
-
-
-def _hook(ref: weakref.ref, i: int | None) -> Callable[[torch.Tensor], None]:
-    # A weak reference: the parameters must not keep a discarded reducer (and its hooks) alive.
-    def hook(param: torch.Tensor) -> None:
-        reducer = ref()
-        if reducer is not None:
-            reducer._on_ready(i, param)
-
-    return hook
 
 
 class Reducer(BucketPaths):
@@ -81,9 +72,10 @@ class Reducer(BucketPaths):
         self._used = [False] * len(self.params)  # got a gradient since the last synchronisation (no_sync included)
         self._device = (self.params or self.delayed or [torch.zeros(0)])[0].device
         self.shards: Any = None
+        self._deferred = Deferred()  # one bucket: the hooks only record, the end of backward settles (deferred.py)
         super().__init__(caps, reduce_dtype)
         self._reset()
-        self._handles = [p.register_post_accumulate_grad_hook(_hook(weakref.ref(self), i))
+        self._handles = [p.register_post_accumulate_grad_hook(gradient_hook(weakref.ref(self), self._deferred, i))
                          for i, p in [*enumerate(self.params), *((None, p) for p in self.delayed)]]
         weakref.finalize(self, _remove_handles, self._handles)  # hooks leave with the reducer
 
@@ -99,6 +91,7 @@ class Reducer(BucketPaths):
         self._touched = False  # a parameter's gradient hook fired in this backward
         self._announced = False  # begin_backward ran in this backward
         self._error: BaseException | None = None
+        self._deferred.order.clear()
 
     @property
     def _order(self) -> list[int]:
@@ -111,6 +104,7 @@ class Reducer(BucketPaths):
             self._reset()
         self._double = False
         self.expect_sync = sync and bool(self.params or self.delayed)
+        self._deferred.arm(self)
 
     # ---- during backward -----------------------------------------------------------------------------------
     def backward_started(self) -> None:
@@ -152,6 +146,8 @@ class Reducer(BucketPaths):
             self._fail(exc)
 
     def _end_of_backward(self) -> None:
+        if self._deferred.on and self._deferred.order:
+            self._deferred.settle(self)  # before _queued is cleared: what it replays must not queue this again
         self._queued = self._announced = False
         if not self._touched:
             return  # no parameter reached: a later backward of the same forward still synchronises
