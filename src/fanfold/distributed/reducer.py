@@ -130,16 +130,19 @@ class Reducer(BucketPaths):
         """Parameter ``i``'s gradient hook (None: a delayed parameter's, which only says the backward reached it)."""
         if i is not None:
             self._used[i] = True
-        self.backward_started()
+        if not self._queued:  # (the checks that begin with both calls, made here: this runs once per parameter)
+            self.backward_started()
         first, self._touched = not self._touched, True
         if not self.expect_sync or self._error is not None:
             return  # no_sync(), or a backward through the module outside DDP.forward: plain local accumulation
-        self.begin_backward()  # join's announcement (once): before any bucket, so it may raise here
+        if not self._announced:
+            self.begin_backward()  # join's announcement (once): before any bucket, so it may raise here
         try:
             r = self.readiness
-            for k in ([] if not first or r.counting or self._double else r.static_unused):
-                r.mark(k)  # a static graph's unused parameters are ready from the start
-                self._take(k, self.params[k])
+            if first and r.static and not r.counting and not self._double:
+                for k in r.static_unused:
+                    r.mark(k)  # a static graph's unused parameters are ready from the start
+                    self._take(k, self.params[k])
             if i is not None and r.hook(i, loose=self._double):
                 self._take(i, p)
         except Exception as exc:  # raised by the end of backward, once the peers have all their collectives
