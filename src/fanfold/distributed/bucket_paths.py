@@ -38,6 +38,7 @@ class BucketPaths(BucketLayout):
     _temps: dict
     _futures: list
     _graph_grads: dict
+    _known_grads: list | None = None
 
     def _choose_path(self) -> None:
         # _direct: the built-in hooks, handed to the transport as the .grad tensors themselves (reduce_tensors), no
@@ -102,7 +103,9 @@ class BucketPaths(BucketLayout):
         (a missing one into a temporary of zeros that the write-back hands back). The same sum and division."""
         flat, members = self.flats[b], self.buckets[b]
         views = [self._views[i] for i in members]
-        grads = [] if self._shadowing else [self.params[i].grad for i in members]  # joined: its .grad stays
+        known = self._known_grads  # the .grad of every parameter, just read (deferred.py), else None
+        grads = [] if self._shadowing else [self.params[i].grad for i in members] if known is None else \
+            [known[i] for i in members]  # joined: its .grad stays
         if self._shadowing:
             flat.zero_()
         else:

@@ -61,7 +61,11 @@ class Deferred:
         r.ready, r.counts, r.order = [True] * n, [1] * n, order
         if reducer._direct:
             reducer._left[0] = 0  # the bucket's tensors are the gradients themselves: nothing to copy here
-            reducer._launch_ready()
+            reducer._known_grads = grads  # read once: the launch takes them from here
+            try:
+                reducer._launch_ready()
+            finally:
+                reducer._known_grads = None
         else:
             for i in order:
                 reducer._take(i, params[i])
