@@ -1,9 +1,10 @@
 """The gradient reducer: per-parameter hooks fill flat buckets, each bucket's all-reduce starts as soon as it is
 full, and the end of backward waits, averages and writes the gradients back.
 
-Layers: ``buckets <- readiness, bucket_layout <- bucket_paths <- reducer <- ddp``; every collective goes through one
-``collectives.Transport``, sparse gradients through ``sparse.py``. Collectives match by issue order, so buckets are
-launched strictly in bucket order on every rank: a bucket that fills early waits for those before it.
+Layers: ``buckets <- readiness, deferred, bucket_layout <- bucket_paths <- reducer <- ddp``; every collective goes
+through one ``collectives.Transport``, sparse gradients through ``sparse.py``. Collectives match by issue order, so
+buckets are launched strictly in bucket order on every rank: a bucket that fills early waits for those before it.
+With one bucket the hooks only record and the end of backward settles readiness (``deferred.py``).
 
 The end of backward is a callback queued where the backward reaches DDP's outputs (hooks set by ``DDP.forward``):
 it runs when the outermost backward ends, not a reentrant one nested in it (``checkpoint(use_reentrant=True)``), and
