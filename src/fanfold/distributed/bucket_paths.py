@@ -14,12 +14,16 @@ from typing import Any
 import torch
 
 from .bucket_layout import BucketLayout
-from .comm_hooks import GradBucket, allreduce_hook, bf16_compress_hook, fp16_compress_hook
+from .comm_hooks import Future, GradBucket, allreduce_hook, bf16_compress_hook, fp16_compress_hook
 
-__all__ = ["BucketPaths", "BUILT_IN"]
+__all__ = ["BucketPaths", "BUILT_IN", "SMALL_TENSOR_BYTES"]
 
 # The hooks whose result the reducer can have a transport compute straight into .grad: hook -> compression dtype
 BUILT_IN = {allreduce_hook: None, bf16_compress_hook: torch.bfloat16, fp16_compress_hook: torch.float16}
+# Below this mean gradient size a bucket's gradients are copied into its flat tensor and back (one foreach copy
+# each way) rather than handed to reduce_tensors one by one: the transport's work per tensor costs more than the
+# copies (a bucket of LayerNorm weights and biases)
+SMALL_TENSOR_BYTES = 16 << 10
 
 
 class BucketPaths(BucketLayout):
@@ -34,6 +38,7 @@ class BucketPaths(BucketLayout):
     _temps: dict
     _futures: list
     _graph_grads: dict
+    _known_grads: list | None = None
 
     def _choose_path(self) -> None:
         # _direct: the built-in hooks, handed to the transport as the .grad tensors themselves (reduce_tensors), no
@@ -76,6 +81,10 @@ class BucketPaths(BucketLayout):
 
     def _launch(self, b: int) -> None:
         last = b == len(self.buckets) - 1
+        if self._direct and BUILT_IN[self.hook] is None and \
+                self.flats[b].numel() * self.flats[b].element_size() < SMALL_TENSOR_BYTES * len(self.buckets[b]):
+            self._futures[b] = self._launch_flat(b)
+            return
         if self._direct:
             # Only the last bucket waits for the peers to be done with this rank's gradients (settle): every earlier
             # bucket's are by then, and nothing changes a gradient before the end of backward.
@@ -88,6 +97,30 @@ class BucketPaths(BucketLayout):
         bucket = GradBucket(b, self.flats[b], [self.params[i] for i in members], [self._views[i] for i in members],
                             last, self.divisor, self.all_reduce, self._workspace)
         self._futures[b] = self.hook(self.hook_state, bucket)
+
+    def _launch_flat(self, b: int) -> Future:
+        """The direct path for a bucket of small gradients: into the flat bucket, all-reduced, back where they were
+        (a missing one into a temporary of zeros that the write-back hands back). The same sum and division."""
+        flat, members = self.flats[b], self.buckets[b]
+        views = [self._views[i] for i in members]
+        known = self._known_grads  # the .grad of every parameter, just read (deferred.py), else None
+        grads = [] if self._shadowing else [self.params[i].grad for i in members] if known is None else \
+            [known[i] for i in members]  # joined: its .grad stays
+        if self._shadowing:
+            flat.zero_()
+        else:
+            for k, g in enumerate(grads):
+                if g is None:
+                    grads[k] = self._temps[members[k]] = torch.zeros_like(views[k])
+            torch._foreach_copy_(views, grads)
+        work = self.transport.all_reduce(flat, b, self.divisor)
+
+        def finish() -> None:
+            work.wait()
+            if grads:
+                torch._foreach_copy_(grads, views)
+
+        return Future(finish)
 
     def _wait_all(self) -> None:
         for b, fut in enumerate(self._futures):
@@ -104,6 +137,8 @@ class BucketPaths(BucketLayout):
     def _write_back(self, used: list[float] | None, sparse: dict[int, torch.Tensor]) -> None:
         """The averages into ``.grad``: ``used[i]`` ranks used parameter i (None: all); ``sparse``: the averaged
         sparse gradients by parameter."""
+        if self._direct and used is None and not sparse and not self._temps and not self._graph_grads:
+            return  # every .grad holds its average already
         for i, p in enumerate(self.params):
             if used is not None and used[i] == 0:
                 continue  # no rank used it: leave .grad as a single process would (None)

@@ -4,10 +4,11 @@ Top of ``env <- buckets <- reducer <- ddp``; torch's keywords are checked in ``d
 lives in ``mixed_precision.py``. Construction checks that every rank holds the same model (``model_check.py``),
 broadcasts parameters and buffers from rank 0 and hooks the reducer onto the parameters. As in torch, each training
 forward first re-syncs the buffers from rank 0 (the first forward included; not after a forward under ``no_sync()``
-or without grad), in place without bumping autograd's version counters, so a second forward before the backward
-(GANs, pytorch#22095) is safe; it then tells the reducer whether the coming backward synchronises and hooks the
-outputs, where the backward starts. ``join()`` lets ranks with fewer batches shadow the others (``join.py``). Every
-collective goes through one ``collectives.Transport``: shared memory when every rank shares this host, else torch's.
+or without grad; never for a module that had none when wrapped), in place without bumping autograd's version
+counters, so a second forward before the backward (GANs, pytorch#22095) is safe; it then tells the reducer whether
+the coming backward synchronises and hooks the outputs, where the backward starts. ``join()`` lets ranks with fewer
+batches shadow the others (``join.py``). Every collective goes through one ``collectives.Transport``: shared memory
+when every rank shares this host, else torch's.
 
 A DDP model can be pickled, deep-copied and saved whole (``torch.save``) as torch's can: the transport and the
 reducer are left out and built again, by every rank, at the copy's first forward. Discarding the wrapper removes
@@ -77,18 +78,16 @@ class DistributedDataParallel(nn.Module):
         self.module = module
         self.dim = dim
         self.device_ids, self.output_device = check_devices(module, device_ids, output_device)
-        self._options = options
-        self.process_group = options.process_group
+        self._options, self.process_group = options, options.process_group
         self.forward_sync_buffers = options.forward_sync_buffers
-        self.find_unused_parameters = options.find_unused
-        self.gradient_as_bucket_view = options.as_view
-        self.static_graph = options.static_graph
-        self.mixed_precision = mixed_precision
-        self.require_backward_grad_sync = True
-        self.require_forward_param_sync = True  # torch's: buffers are synced before the next forward
+        self.find_unused_parameters, self.static_graph = options.find_unused, options.static_graph
+        self.gradient_as_bucket_view, self.mixed_precision = options.as_view, mixed_precision
+        # torch's: gradients synced in the next backward, buffers before the next forward
+        self.require_backward_grad_sync = self.require_forward_param_sync = True
         self._transport_arg, self._stall_timeout, self._comm_hook = transport, stall_timeout, None
         self._mp = MixedPrecision(mixed_precision, module) if mixed_precision is not None else None
         self._join: JoinState | None = None
+        self._had_buffers = next(iter(module.buffers()), None) is not None  # torch's: else no walk per forward
         # Every collective is numbered and its wait bounded by the stall inspector (stall.py).
         self.transport = inspected(resolve_transport(transport, self.process_group), stall_timeout)
         if init_sync:  # first, so that a model that differs between ranks is named as such on every rank
@@ -146,7 +145,8 @@ class DistributedDataParallel(nn.Module):
         self._ensure_built()
         grad = torch.is_grad_enabled()
         sync = grad and self.require_backward_grad_sync
-        buffers = self._module_buffers() if self.forward_sync_buffers and self.require_forward_param_sync else []
+        buffers = self._module_buffers() if self._had_buffers and self.forward_sync_buffers and \
+            self.require_forward_param_sync else []
         src = 0
         if self._join is not None:
             _, src = self._join.announce(FORWARD, bool(buffers))

@@ -65,18 +65,19 @@ class Readiness:
         """Parameter ``i``'s gradient hook fired: whether it became ready now. Raises RuntimeError when the hook is
         one too many. ``loose``: once, whatever the static graph says (the backward of a create_graph backward)."""
         self.counts[i] += 1
-        if self.counting and not loose:
-            if self.counts[i] == 1:
-                self.order.append(i)  # the first-seen order: what the buckets are rebuilt from
-            return False
         if self.static and not loose:
+            if self.expected is None:  # counting
+                if self.counts[i] == 1:
+                    self.order.append(i)  # the first-seen order: what the buckets are rebuilt from
+                return False
             if self.counts[i] > self.expected[i]:
                 raise RuntimeError(self._changed(i))
             if self.counts[i] < self.expected[i]:
                 return False
         if self.ready[i]:
             raise RuntimeError(marked_twice_message(self.rank, self.names[i]))
-        self.mark(i)
+        self.ready[i] = True
+        self.order.append(i)
         return True
 
     def mark(self, i: int) -> None:

@@ -1,9 +1,10 @@
 """The gradient reducer: per-parameter hooks fill flat buckets, each bucket's all-reduce starts as soon as it is
 full, and the end of backward waits, averages and writes the gradients back.
 
-Layers: ``buckets <- readiness, bucket_layout <- bucket_paths <- reducer <- ddp``; every collective goes through one
-``collectives.Transport``, sparse gradients through ``sparse.py``. Collectives match by issue order, so buckets are
-launched strictly in bucket order on every rank: a bucket that fills early waits for those before it.
+Layers: ``buckets <- readiness, deferred, bucket_layout <- bucket_paths <- reducer <- ddp``; every collective goes
+through one ``collectives.Transport``, sparse gradients through ``sparse.py``. Collectives match by issue order, so
+buckets are launched strictly in bucket order on every rank: a bucket that fills early waits for those before it.
+With one bucket the hooks only record and the end of backward settles readiness (``deferred.py``).
 
 The end of backward is a callback queued where the backward reaches DDP's outputs (hooks set by ``DDP.forward``):
 it runs when the outermost backward ends, not a reentrant one nested in it (``checkpoint(use_reentrant=True)``), and
@@ -27,6 +28,7 @@ import torch
 from ..collectives.protocol import Transport
 from .bucket_paths import BucketPaths
 from .comm_hooks import allreduce_hook
+from .deferred import Deferred, gradient_hook
 from .delayed import reduce_delayed
 from .readiness import Readiness, unused_message
 from .sparse import all_reduce_sparse, empty_sparse_like
@@ -37,16 +39,6 @@ __all__ = ["Reducer"]
 def _remove_handles(handles: list) -> None:
     while handles:
         handles.pop().remove()
-
-
-def _hook(ref: weakref.ref, i: int | None) -> Callable[[torch.Tensor], None]:
-    # A weak reference: the parameters must not keep a discarded reducer (and its hooks) alive.
-    def hook(param: torch.Tensor) -> None:
-        reducer = ref()
-        if reducer is not None:
-            reducer._on_ready(i, param)
-
-    return hook
 
 
 class Reducer(BucketPaths):
@@ -81,9 +73,10 @@ class Reducer(BucketPaths):
         self._used = [False] * len(self.params)  # got a gradient since the last synchronisation (no_sync included)
         self._device = (self.params or self.delayed or [torch.zeros(0)])[0].device
         self.shards: Any = None
+        self._deferred = Deferred()  # one bucket: the hooks only record, the end of backward settles (deferred.py)
         super().__init__(caps, reduce_dtype)
         self._reset()
-        self._handles = [p.register_post_accumulate_grad_hook(_hook(weakref.ref(self), i))
+        self._handles = [p.register_post_accumulate_grad_hook(gradient_hook(weakref.ref(self), self._deferred, i))
                          for i, p in [*enumerate(self.params), *((None, p) for p in self.delayed)]]
         weakref.finalize(self, _remove_handles, self._handles)  # hooks leave with the reducer
 
@@ -99,6 +92,7 @@ class Reducer(BucketPaths):
         self._touched = False  # a parameter's gradient hook fired in this backward
         self._announced = False  # begin_backward ran in this backward
         self._error: BaseException | None = None
+        self._deferred.order.clear()
 
     @property
     def _order(self) -> list[int]:
@@ -111,6 +105,7 @@ class Reducer(BucketPaths):
             self._reset()
         self._double = False
         self.expect_sync = sync and bool(self.params or self.delayed)
+        self._deferred.arm(self)
 
     # ---- during backward -----------------------------------------------------------------------------------
     def backward_started(self) -> None:
@@ -136,22 +131,27 @@ class Reducer(BucketPaths):
         """Parameter ``i``'s gradient hook (None: a delayed parameter's, which only says the backward reached it)."""
         if i is not None:
             self._used[i] = True
-        self.backward_started()
+        if not self._queued:  # (the checks that begin with both calls, made here: this runs once per parameter)
+            self.backward_started()
         first, self._touched = not self._touched, True
         if not self.expect_sync or self._error is not None:
             return  # no_sync(), or a backward through the module outside DDP.forward: plain local accumulation
-        self.begin_backward()  # join's announcement (once): before any bucket, so it may raise here
+        if not self._announced:
+            self.begin_backward()  # join's announcement (once): before any bucket, so it may raise here
         try:
             r = self.readiness
-            for k in ([] if not first or r.counting or self._double else r.static_unused):
-                r.mark(k)  # a static graph's unused parameters are ready from the start
-                self._take(k, self.params[k])
+            if first and r.static and not r.counting and not self._double:
+                for k in r.static_unused:
+                    r.mark(k)  # a static graph's unused parameters are ready from the start
+                    self._take(k, self.params[k])
             if i is not None and r.hook(i, loose=self._double):
                 self._take(i, p)
         except Exception as exc:  # raised by the end of backward, once the peers have all their collectives
             self._fail(exc)
 
     def _end_of_backward(self) -> None:
+        if self._deferred.on and self._deferred.order:
+            self._deferred.settle(self)  # before _queued is cleared: what it replays must not queue this again
         self._queued = self._announced = False
         if not self._touched:
             return  # no parameter reached: a later backward of the same forward still synchronises
