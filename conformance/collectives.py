@@ -33,7 +33,7 @@ if __name__ == "__main__":  # torch's suite reads WORLD_SIZE: set before it is i
     _early.add_argument("--world-size", type=int, default=2)
     os.environ["WORLD_SIZE"] = str(_early.parse_known_args()[0].world_size)
 os.environ.setdefault("WORLD_SIZE", "2")
-os.environ.setdefault("DISTRIBUTED_TESTS_DEFAULT_TIMEOUT", "120")  # the harness's bound per test (torch: 300 s)
+os.environ.setdefault("DISTRIBUTED_TESTS_DEFAULT_TIMEOUT", "300")  # the harness's bound per test, torch's default
 SWAP_ENV = "FANFOLD_CONFORMANCE_BACKEND"
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "build" / "conformance-backend"
@@ -68,12 +68,15 @@ if os.environ.get(SWAP_ENV) == "fanfold":
 
 _PICK = re.compile(r"all_reduce|allreduce|broadcast|all_gather|allgather|reduce_scatter|barrier|all_to_all|_reduce_|"
                    r"^test_reduce|gather|scatter")
-_DROP = re.compile(r"ddp|DistributedDataParallel|cuda|nccl|gpu|full_group|profil|hook|unused_parameters", re.I)
+# point-to-point is no collective, but the backend must hand it to its inner gloo group intact
+_P2P = re.compile(r"^test_(send_recv|send_recv_any_source|send_recv_with_tag|isend|irecv|batch_isend_irecv_gloo\w*)$")
+_DROP = re.compile(r"ddp|DistributedDataParallel|cuda|nccl|gpu|profil|hook|unused_parameters", re.I)
 
 
 def collective_tests() -> list[str]:
+    """The suite's collective tests (and its gloo point-to-point ones) that can run on CPU, by name."""
     return sorted(n for n in dir(TestDistBackendCollectives)
-                  if n.startswith("test_") and _PICK.search(n) and not _DROP.search(n))
+                  if n.startswith("test_") and (_PICK.search(n) or _P2P.match(n)) and not _DROP.search(n))
 
 
 class TestDistBackendCollectives(CpuCollectives, TestDistBackend, DistributedTest._DistTestBase):
@@ -82,10 +85,11 @@ class TestDistBackendCollectives(CpuCollectives, TestDistBackend, DistributedTes
         self._spawn_processes()
 
 
-def run(backend: str, tests: list[str], path: Path) -> dict:
-    """Run ``tests`` on ``backend``, rewriting ``path`` after each (a run cut short keeps what it had)."""
+def run(backend: str, tests: list[str], path: Path, keep: bool = False) -> dict:
+    """Run ``tests`` on ``backend``, rewriting ``path`` after each (a run cut short keeps what it had); with
+    ``keep``, the results already in ``path`` for other tests stay (a rerun of a few)."""
     os.environ[SWAP_ENV] = backend  # the spawned ranks read it when they import this module
-    results = {}
+    results = json.loads(path.read_text()) if keep and path.exists() else {}
     for name in tests:
         suite = unittest.TestSuite([TestDistBackendCollectives(name)])
         result = unittest.TestResult()
@@ -138,6 +142,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backend", choices=("gloo", "fanfold"))
     parser.add_argument("--only", nargs="+", metavar="TEST")
+    parser.add_argument("--keep", action="store_true", help="with --only: keep the other tests' results in the file")
     parser.add_argument("--world-size", type=int, default=2, choices=(2, 3), help="ranks per test (default 2)")
     parser.add_argument("--report", action="store_true")
     args = parser.parse_args()
@@ -147,7 +152,7 @@ def main() -> int:
     if args.backend is None:
         parser.error("--backend or --report")
     OUT.mkdir(parents=True, exist_ok=True)
-    run(args.backend, args.only or collective_tests(), OUT / f"{args.backend}-{args.world_size}.json")
+    run(args.backend, args.only or collective_tests(), OUT / f"{args.backend}-{args.world_size}.json", args.keep)
     return 0
 
 
