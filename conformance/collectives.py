@@ -35,11 +35,14 @@ if __name__ == "__main__":  # torch's suite reads WORLD_SIZE: set before it is i
 os.environ.setdefault("WORLD_SIZE", "2")
 os.environ.setdefault("DISTRIBUTED_TESTS_DEFAULT_TIMEOUT", "300")  # the harness's bound per test, torch's default
 SWAP_ENV = "FANFOLD_CONFORMANCE_BACKEND"
+START_ENV = "FANFOLD_CONFORMANCE_START"
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "build" / "conformance-backend"
 
+import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from cpu_collectives import CpuCollectives  # noqa: E402 - after WORLD_SIZE is set
+from torch.testing._internal.distributed import distributed_test  # noqa: E402
 from torch.testing._internal.distributed.distributed_test import DistributedTest, TestDistBackend  # noqa: E402
 
 import fanfold  # noqa: E402,F401 - registers the backend, in this process and in every rank process
@@ -50,7 +53,9 @@ def _swap(backend):
 
 
 def use_fanfold() -> None:
-    """Create every gloo group (the default one and new_group's) as a fanfold group instead."""
+    """Create every gloo group (the default one and new_group's) as a fanfold group instead (once per process)."""
+    if getattr(dist.init_process_group, "fanfold_swap", False):
+        return
     real_init, real_new = dist.init_process_group, dist.new_group
 
     def init_process_group(backend=None, *args, **kwargs):
@@ -60,6 +65,7 @@ def use_fanfold() -> None:
 
     def new_group(ranks=None, timeout=None, backend=None, *args, **kwargs):
         return real_new(ranks, timeout, _swap(backend), *args, **kwargs)
+    init_process_group.fanfold_swap = True
     dist.init_process_group, dist.new_group = init_process_group, new_group
 
 
@@ -80,15 +86,48 @@ def collective_tests() -> list[str]:
 
 
 class TestDistBackendCollectives(CpuCollectives, TestDistBackend, DistributedTest._DistTestBase):
+    """The suite's tests in fresh rank processes per test. torch's harness spawns each rank (a new interpreter
+    importing torch and the suite: seconds per rank and test); with ``START_ENV=forkserver`` the ranks are forked
+    from one server that imported the suite and fanfold once, and take the environment the parent had when it
+    started the test from ``<file_name>.env`` (the harness sets ``TEMP_DIR`` and ``INIT_METHOD`` anew per test)."""
+
     def setUp(self) -> None:
         super().setUp()
+        with open(self.file_name + ".env", "w") as f:
+            json.dump(dict(os.environ), f)
         self._spawn_processes()
 
+    def tearDown(self) -> None:
+        super().tearDown()
+        if os.path.exists(self.file_name + ".env"):
+            os.unlink(self.file_name + ".env")
 
-def run(backend: str, tests: list[str], path: Path, keep: bool = False) -> dict:
+    def _spawn_processes(self) -> None:
+        if os.environ.get(START_ENV, "spawn") == "spawn":
+            return super()._spawn_processes()
+        context = torch.multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload([distributed_test.__name__, "fanfold"])
+        self._start_processes(context.Process)
+
+    @classmethod
+    def _run(cls, rank: int, test_name: str, file_name: str, pipe, **kwargs) -> None:
+        # in the rank process, before the process group and the test
+        with open(file_name + ".env") as f:
+            environ = json.load(f)
+        os.environ.clear()
+        os.environ.update(environ)
+        torch.set_num_threads(1)  # a few small tensors per test: no thread pool per rank on a shared machine
+        if os.environ.get(SWAP_ENV) == "fanfold":
+            use_fanfold()
+        super()._run(rank, test_name, file_name, pipe, **kwargs)
+
+
+def run(backend: str, tests: list[str], path: Path, keep: bool = False, start: str = "forkserver") -> dict:
     """Run ``tests`` on ``backend``, rewriting ``path`` after each (a run cut short keeps what it had); with
-    ``keep``, the results already in ``path`` for other tests stay (a rerun of a few)."""
-    os.environ[SWAP_ENV] = backend  # the spawned ranks read it when they import this module
+    ``keep``, the results already in ``path`` for other tests stay (a rerun of a few). ``start``: how rank
+    processes start, "spawn" (torch's way) or "forkserver" (faster)."""
+    os.environ[SWAP_ENV] = backend  # the ranks read it when they start
+    os.environ[START_ENV] = start
     results = json.loads(path.read_text()) if keep and path.exists() else {}
     for name in tests:
         suite = unittest.TestSuite([TestDistBackendCollectives(name)])
@@ -143,6 +182,8 @@ def main() -> int:
     parser.add_argument("--backend", choices=("gloo", "fanfold"))
     parser.add_argument("--only", nargs="+", metavar="TEST")
     parser.add_argument("--keep", action="store_true", help="with --only: keep the other tests' results in the file")
+    parser.add_argument("--start-method", choices=("forkserver", "spawn"), default="forkserver",
+                        help="how rank processes start: forkserver (default, faster) or spawn (torch's way)")
     parser.add_argument("--world-size", type=int, default=2, choices=(2, 3), help="ranks per test (default 2)")
     parser.add_argument("--report", action="store_true")
     args = parser.parse_args()
@@ -152,7 +193,8 @@ def main() -> int:
     if args.backend is None:
         parser.error("--backend or --report")
     OUT.mkdir(parents=True, exist_ok=True)
-    run(args.backend, args.only or collective_tests(), OUT / f"{args.backend}-{args.world_size}.json", args.keep)
+    run(args.backend, args.only or collective_tests(), OUT / f"{args.backend}-{args.world_size}.json", args.keep,
+        args.start_method)
     return 0
 
 
