@@ -38,16 +38,21 @@ from .work import FanfoldWork, completed_work
 __all__ = ["FanfoldProcessGroup", "register", "BACKEND"]
 
 BACKEND = "fanfold"
-_FAST_OPS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg"}
+_FAST_OPS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg", dist.ReduceOp.MIN: "min", dist.ReduceOp.MAX: "max",
+             dist.ReduceOp.PRODUCT: "product"}
 
 
 def _op_name(op: Any) -> str | None:
-    """"sum" or "avg" for the reductions the shared memory computes (fixed rank order, bitwise equal on every rank);
-    None for the rest (MIN, MAX, PRODUCT, bitwise ops, PREMUL_SUM: gloo's)."""
+    """"sum", "avg", "min", "max" or "product" for the reductions the shared memory computes (fixed rank order,
+    bitwise equal on every rank); None for the rest (bitwise ops, PREMUL_SUM: gloo's)."""
     for fast, name in _FAST_OPS.items():
         if op == fast:
             return name
     return None
+
+
+def _shm_op(op: str) -> str:
+    return "sum" if op == "avg" else op  # an average is a sum with a divisor
 
 
 def _supported(tensors: list[torch.Tensor], op: str | None = "sum") -> bool:
@@ -56,7 +61,7 @@ def _supported(tensors: list[torch.Tensor], op: str | None = "sum") -> bool:
         return False
     dtype = tensors[0].dtype
     return all(t.device.type == "cpu" and t.dtype == dtype and not t.is_sparse for t in tensors) and (
-        dtype in DTYPES and (op == "sum" or dtype.is_floating_point))
+        dtype in DTYPES and (op != "avg" or dtype.is_floating_point))
 
 
 def _unflatten(flat: torch.Tensor, outs: list[torch.Tensor]) -> None:
@@ -163,7 +168,7 @@ class FanfoldProcessGroup(dist.ProcessGroup):
         divisor = self.size() if op == "avg" else None
         # detach: collectives write a tensor's data whatever autograd thinks of it (a Parameter), as gloo does
         # inline: a small tensor is summed on this thread when nothing is queued (the latency path)
-        work = shm.all_reduce(tensors[0].detach(), divisor=divisor, inline=True)
+        work = shm.all_reduce(tensors[0].detach(), divisor=divisor, inline=True, op=_shm_op(op))
         return FanfoldWork(work.get_future(), tensors)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
@@ -175,7 +180,7 @@ class FanfoldProcessGroup(dist.ProcessGroup):
         flat = torch.cat([t.detach().reshape(-1) for t in tensors])
         divisor = self.size() if op == "avg" else None
 
-        return FanfoldWork(shm.all_reduce(flat, divisor=divisor).get_future(), tensors,
+        return FanfoldWork(shm.all_reduce(flat, divisor=divisor, op=_shm_op(op)).get_future(), tensors,
                            lambda: _unflatten(flat, tensors))
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
@@ -217,7 +222,8 @@ class FanfoldProcessGroup(dist.ProcessGroup):
         if shm is None:
             return self.gloo.reduce_scatter(output_tensors, input_tensors, opts)
         flat = torch.cat([t.detach().reshape(-1) for t in ins])
-        work = shm.reduce_scatter(flat, output_tensors[0].detach(), divisor=self.size() if op == "avg" else None)
+        work = shm.reduce_scatter(flat, output_tensors[0].detach(), divisor=self.size() if op == "avg" else None,
+                                  op=_shm_op(op))
         return FanfoldWork(work.get_future(), output_tensors)
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> dist.Work:
@@ -228,7 +234,8 @@ class FanfoldProcessGroup(dist.ProcessGroup):
         if shm is None:
             return self.gloo._reduce_scatter_base(output, input, opts)
         divisor = self.size() if op == "avg" else None
-        return FanfoldWork(shm.reduce_scatter(input.detach(), output.detach(), divisor=divisor).get_future(), [output])
+        work = shm.reduce_scatter(input.detach(), output.detach(), divisor=divisor, op=_shm_op(op))
+        return FanfoldWork(work.get_future(), [output])
 
     _reduce_scatter_base = reduce_scatter_single  # torch's older name
 
