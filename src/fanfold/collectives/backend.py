@@ -127,9 +127,9 @@ class FanfoldProcessGroup(dist.ProcessGroup):
         """The shared-memory transport, created at the first call (collective: every rank makes the same first
         fast collective); None where the ranks do not all share this host, or it is turned off."""
         with self._lock:
-            if not self._decided:
-                self._decided = True
+            if not self._decided:  # decided once created (a rank that timed out waiting for its peers retries)
                 self._shm = self._create()
+                self._decided = True
             return self._shm
 
     def _create(self) -> ShmTransport | None:
@@ -140,7 +140,13 @@ class FanfoldProcessGroup(dist.ProcessGroup):
         choice = os.environ.get(ENV_VAR) or None
         local = platform.machine().lower() in ("x86_64", "amd64")  # the segment relies on x86's store order
         store.set(str(rank), json.dumps([choice, host_key(), local]))
-        store.wait([str(r) for r in range(size)], self._timeout)
+        try:
+            store.wait([str(r) for r in range(size)], self._timeout)
+        except RuntimeError as exc:  # the store's own message is "Wait timeout": say who and what
+            late = [r for r in range(size) if not store.check([str(r)])]
+            raise RuntimeError(f"fanfold backend: rank {rank} of {size} waited in its first shared-memory collective "
+                               f"for ranks {late}, which never arrived within {self._timeout.total_seconds():g} s, "
+                               "the timeout of the group") from exc
         views = [json.loads(store.get(str(r))) for r in range(size)]
         choices = {v[0] for v in views}
         if len(choices) > 1:
