@@ -48,3 +48,31 @@ def test_rank_alone_times_out_in_torchs_words():
         assert 0.9 <= waited < 30, (when, waited)
     for o in out:
         assert o["after"] == ([3.0, 3.0, 3.0], True), o["after"]
+
+
+def _monitored():
+    torch.set_num_threads(1)
+    dist.init_process_group("cpu:fanfold", timeout=timedelta(seconds=60))
+    r, out = dist.get_rank(), {}
+    try:  # torch's module-level function asks the backend's name, not the group
+        dist.monitored_barrier()
+        out["torch"] = None
+    except ValueError as exc:
+        out["torch"] = str(exc)
+    group = dist.new_group(backend="fanfold")  # gloo's pairs of a group whose monitored barrier failed are closed
+    group.monitored_barrier(timedelta(seconds=30))  # both ranks: passes
+    if r == 0:  # rank 1 skips this one: rank 0 names it
+        try:
+            group.monitored_barrier(timedelta(seconds=1))
+            out["alone"] = None
+        except RuntimeError as exc:
+            out["alone"] = str(exc)
+    dist.barrier()  # rank 1 stays until rank 0 has timed out
+    dist.destroy_process_group()
+    return out
+
+
+def test_groups_own_monitored_barrier_is_gloos():
+    out = fanfold.launch(_monitored, nprocs=2, timeout=120)
+    assert "Rank 1 failed to pass monitoredBarrier" in out[0]["alone"], out[0]["alone"]
+    assert all("only implemented for GLOO" in o["torch"] for o in out), out
