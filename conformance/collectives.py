@@ -186,7 +186,8 @@ def report(page: Path) -> None:
             "environment": f"torch {torch.__version__}, Python {sys.version.split()[0]}, CPU; rank processes "
                            f"forked from a forkserver that imported the suite and fanfold once (`--start-method "
                            f"forkserver`), {os.environ['DISTRIBUTED_TESTS_DEFAULT_TIMEOUT']} s bound per test (the "
-                           "harness's `DISTRIBUTED_TESTS_DEFAULT_TIMEOUT`, torch's default)"}
+                           "harness's `DISTRIBUTED_TESTS_DEFAULT_TIMEOUT`, torch's default)",
+            "bound": os.environ["DISTRIBUTED_TESTS_DEFAULT_TIMEOUT"]}
     write_page(page, OUT, meta, SELECTION.format(count=len(collective_tests())))
 
 
