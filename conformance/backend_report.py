@@ -77,6 +77,11 @@ def summary_lines(out: Path) -> list[str]:
         gloo_pass, both = _both_pass(r)
         cells = [" / ".join(str(c[b][s]) for s in STATUSES) for b in ("gloo", "fanfold")]
         lines.append(f"| {size} | " + " | ".join(cells) + f" | {both} of {gloo_pass} |")
+    lost = sorted({t for r in runs.values() for t, g in r["gloo"].items()
+                   if g["status"] == "pass" and r["fanfold"].get(t, {}).get("status") != "pass"})
+    if lost:
+        lines += ["", "Passing with gloo but not with fanfold: " + ", ".join(f"`{t}`" for t in lost)
+                  + f" (the reasons: [{PAGE}]({PAGE}#differences-and-their-reasons))."]
     return lines
 
 
