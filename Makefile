@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: run test lint demo bench conformance gpu-check clean
+.PHONY: run test lint demo bench conformance conformance-backend gpu-check clean
 
 $(STAMP): requirements.txt pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -29,9 +29,14 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/dp_overhead.py
 
-# torch's own DDP tests with torch's DDP and with fanfold's (CPU, gloo, 2 ranks) -> docs/conformance.md; not in `test`
-conformance: $(STAMP)
+# torch's own DDP tests with torch's DDP and with fanfold's (CPU, gloo, 2 ranks) -> docs/conformance.md, after the
+# backend's run (its counts go into that page too); not in `test`
+conformance: conformance-backend
 	$(BIN)/python conformance/run.py
+
+# torch's own collective tests on gloo and on the fanfold backend (CPU; 2, 3 and 8 ranks) -> docs/conformance-backend.md
+conformance-backend: $(STAMP)
+	$(BIN)/python conformance/collectives.py --all
 
 # on a CUDA machine: the gpu-marked tests (pytest -m gpu), then benchmarks/gpu.py -> docs/gpu.md
 gpu-check: $(STAMP)

@@ -12,9 +12,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from backend_report import summary_lines
 from reasons import INTERNAL, REASONS
 
-__all__ = ["Outcome", "write_page", "error_lines"]
+__all__ = ["Outcome", "write_page", "error_lines", "revision"]
 
 STATUSES = ("pass", "fail", "timeout", "skip")
 _EXCEPTION = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Exit|Failure|Interrupt|Timeout)\b):?\s?(.*)$")
@@ -91,7 +92,8 @@ def _md(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def _revision(root: Path) -> str:
+def revision(root: Path) -> str:
+    """The git revision of ``root``, noting uncommitted changes in src/."""
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
                               check=True).stdout.strip()
@@ -119,7 +121,7 @@ def write_page(page: Path, meta: dict, selected: list[str], outcomes: dict[str, 
         "`conformance/reasons.py`.",
         "",
         f"- command: `{meta['command']}`",
-        f"- date: {meta['started']}; fanfold revision {_revision(root)}",
+        f"- date: {meta['started']}; fanfold revision {revision(root)}",
         f"- torch {torch.__version__}, Python {sys.version.split()[0]}, CPU, gloo, 2 ranks "
         f"(`BACKEND=gloo WORLD_SIZE=2`), rank processes started by `{meta.get('start_method', 'spawn')}`",
         "- wall time: " + ", ".join(f"{k} {v // 60} min {v % 60} s" for k, v in meta.get("seconds", {}).items()),
@@ -164,6 +166,7 @@ def write_page(page: Path, meta: dict, selected: list[str], outcomes: dict[str, 
     out += ["", "## Every test", "", "| test | torch | fanfold |", "| --- | --- | --- |"]
     out += [f"| `{n}` | {_cell(t.get(n), why=True)} | {_cell(f.get(n))} |" for n in tests]
     out += ["", "## How to run", "", *HOW_TO_RUN]
+    out += ["", *summary_lines(root / "build" / "conformance-backend")]
     failing = [n for n in tests if n in f and f[n].status in ("fail", "timeout")]
     if failing:
         out += ["", "## fanfold's errors, as the ranks raised them", ""]

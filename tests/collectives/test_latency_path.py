@@ -97,3 +97,30 @@ def test_small_all_reduce_errors_surface_at_wait_and_parameters_are_summed():
     for out in fanfold.launch(_latency_path_errors, nprocs=2, timeout=240):
         assert out["param"]
         assert out["error"] is not None and "same collectives" in out["error"], out["error"]
+
+
+def _sum_after_max():
+    torch.set_num_threads(1)
+    dist.init_process_group("cpu:fanfold", timeout=timedelta(seconds=60))
+    r = dist.get_rank()
+    gloo = dist.new_group(backend="gloo")
+    bad = []
+    for k, (op, n) in enumerate([(dist.ReduceOp.MAX, 5), (dist.ReduceOp.SUM, 7), (dist.ReduceOp.PRODUCT, 300_000),
+                                 (dist.ReduceOp.SUM, 3), (dist.ReduceOp.AVG, 9)]):
+        x = _x(n, r, 20 + k).to(torch.float64)
+        want = x.clone()
+        dist.all_reduce(want, op=dist.ReduceOp.SUM if op == dist.ReduceOp.AVG else op, group=gloo)
+        if op == dist.ReduceOp.AVG:
+            want /= dist.get_world_size()
+        dist.all_reduce(x, op=op)
+        if not torch.equal(x, want):
+            bad.append((str(op), n))
+    dist.destroy_process_group()
+    return bad
+
+
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_small_sums_after_other_reductions_are_sums(nprocs):
+    # the latency path sums whatever reduction the engine ran last (MIN, MAX, PRODUCT on the queued path)
+    for bad in fanfold.launch(_sum_after_max, nprocs=nprocs, timeout=240):
+        assert bad == [], bad

@@ -22,6 +22,7 @@ from fanfold.collectives.shm.host import host_key
 from fanfold.collectives.shm.segment import SHM_DIR, pid_namespace
 from fanfold.collectives.shm.transport import ShmTimeoutError, ShmTransport
 from fanfold.distributed import free_port
+from fanfold.distributed.bucket_paths import SMALL_TENSOR_BYTES
 
 CHUNK = 64 << 10  # small chunks: many chunk edges and both algorithms (direct below 16 KB) at cheap sizes
 # elements: 1 .. 64 MB of float32, odd lengths, each side of the 16 KB / 64 KB edges
@@ -450,7 +451,9 @@ def _train(kind, transport, steps, hook=None, **kwargs):
     inner, r = ddp.transport.inner, ddp.reducer
     stages = list(getattr(inner, "_stages", {}).values())
     staged = bool(stages) and all(inner._shared(s) is not None for s in stages)
-    direct = r._direct and not any(f.any() for f in r.flats)
+    # (a bucket of small gradients goes through its flat tensor, one copy each way: bucket_paths.SMALL_TENSOR_BYTES)
+    small = [f.numel() * f.element_size() < SMALL_TENSOR_BYTES * len(m) for f, m in zip(r.flats, r.buckets)]
+    direct = r._direct and not any(f.any() for f, s in zip(r.flats, small) if not s)
     # Another hook, or .grad a view of the bucket: the bucket itself is all-reduced, rebuilt in the transport's memory
     shared = all(getattr(inner, "_shared", lambda f: None)(f) is not None for f in r.flats)
     return type(inner).__name__, params, staged, direct, bool(getattr(inner, "peer_read", False)), shared
@@ -487,7 +490,8 @@ def test_ddp_training_equivalent_on_both_transports():
     paths = {run: (s[run][2], s[run][3], s[run][5]) for s in shm for run in s}  # staged, direct, shared buckets
     peer = shm[0]["mlp"][4]  # whether this machine lets the ranks read each other's memory (else: fallbacks)
     plain, staged = (False, True, False), (True, True, False)
-    assert paths == {"mlp": plain, "in place": staged, "spare": staged, "spare direct": plain, "ring": plain,
+    # "in place": this MLP's buckets hold small gradients, reduced through the flat bucket (the ring, not allocate)
+    assert paths == {"mlp": plain, "in place": plain, "spare": staged, "spare direct": plain, "ring": plain,
                      "view": (False, False, True), "lm": plain, "bf16": plain, "bf16 hook": plain, "fp16": plain,
                      "fp16 hook": plain}, paths
     assert torch_[0]["mlp"][2:4] == (False, True)

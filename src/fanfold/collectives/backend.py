@@ -40,15 +40,21 @@ __all__ = ["FanfoldProcessGroup", "register", "BACKEND"]
 
 BACKEND = "fanfold"
 _SUM, _AVG = dist.ReduceOp.SUM, dist.ReduceOp.AVG
-_FAST_OPS = {_SUM: "sum", _AVG: "avg"}
+_FAST_OPS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg", dist.ReduceOp.MIN: "min", dist.ReduceOp.MAX: "max",
+             dist.ReduceOp.PRODUCT: "product"}
 
 
 def _op_name(op: Any) -> str | None:
-    """"sum" or "avg" where shared memory computes it (fixed rank order); None: gloo's (MIN, MAX, PRODUCT, ...)."""
+    """"sum", "avg", "min", "max" or "product" for the reductions the shared memory computes (fixed rank order,
+    bitwise equal on every rank); None for the rest (bitwise ops, PREMUL_SUM: gloo's)."""
     for fast, name in _FAST_OPS.items():
         if op == fast:
             return name
     return None
+
+
+def _shm_op(op: str) -> str:
+    return "sum" if op == "avg" else op  # an average is a sum with a divisor
 
 
 def _supported(tensors: list[torch.Tensor], op: str | None = "sum") -> bool:
@@ -57,7 +63,7 @@ def _supported(tensors: list[torch.Tensor], op: str | None = "sum") -> bool:
         return False
     dtype = tensors[0].dtype
     return all(t.device.type == "cpu" and t.dtype == dtype and not t.is_sparse for t in tensors) and (
-        dtype in DTYPES and (op == "sum" or dtype.is_floating_point))
+        dtype in DTYPES and (op != "avg" or dtype.is_floating_point))
 
 
 class FanfoldProcessGroup(dist.ProcessGroup):
@@ -98,11 +104,9 @@ class FanfoldProcessGroup(dist.ProcessGroup):
         if self._decided:  # set once, under the lock, after _shm: no lock on every collective
             return self._shm
         with self._lock:
-            if not self._decided:
-                try:
-                    self._shm = self._create()
-                finally:
-                    self._decided = True  # a failed creation is not retried: the error was raised once
+            if not self._decided:  # decided once created (a rank that timed out waiting for its peers retries)
+                self._shm = self._create()
+                self._decided = True
             return self._shm
 
     def _create(self) -> ShmTransport | None:
@@ -113,7 +117,13 @@ class FanfoldProcessGroup(dist.ProcessGroup):
         choice = os.environ.get(ENV_VAR) or None
         local = platform.machine().lower() in ("x86_64", "amd64")  # the segment relies on x86's store order
         store.set(str(rank), json.dumps([choice, host_key(), local]))
-        store.wait([str(r) for r in range(size)], self._timeout)
+        try:
+            store.wait([str(r) for r in range(size)], self._timeout)
+        except RuntimeError as exc:  # the store's own message is "Wait timeout": say who and what
+            late = [r for r in range(size) if not store.check([str(r)])]
+            raise RuntimeError(f"fanfold backend: rank {rank} of {size} waited in its first shared-memory collective "
+                               f"for ranks {late}, which never arrived within {self._timeout.total_seconds():g} s, "
+                               "the timeout of the group") from exc
         views = [json.loads(store.get(str(r))) for r in range(size)]
         choices = {v[0] for v in views}
         if len(choices) > 1:
@@ -152,12 +162,15 @@ class FanfoldProcessGroup(dist.ProcessGroup):
         divisor = self.size() if op == "avg" else None
         # detach: collectives write a tensor's data whatever autograd thinks of it (a Parameter), as gloo does
         tensor = tensors[0].detach()
-        try:
-            if shm.run_small(tensor, divisor):  # the first fast collective, small, nothing queued
-                return DoneWork(tensors)
-        except Exception as exc:  # noqa: BLE001
-            return failed_work(exc, tensors)
-        return FanfoldWork(shm.all_reduce(tensor, divisor=divisor).get_future(), tensors)
+        if op in ("sum", "avg"):
+            try:
+                if shm.run_small(tensor, divisor):  # the first fast collective, small, nothing queued
+                    return DoneWork(tensors)
+            except Exception as exc:  # noqa: BLE001
+                return failed_work(exc, tensors)
+        # inline: a small tensor is reduced on this thread when nothing is queued
+        work = shm.all_reduce(tensor, divisor=divisor, inline=True, op=_shm_op(op))
+        return FanfoldWork(work.get_future(), tensors)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
@@ -168,7 +181,7 @@ class FanfoldProcessGroup(dist.ProcessGroup):
         flat = torch.cat([t.detach().reshape(-1) for t in tensors])
         divisor = self.size() if op == "avg" else None
 
-        return FanfoldWork(shm.all_reduce(flat, divisor=divisor).get_future(), tensors,
+        return FanfoldWork(shm.all_reduce(flat, divisor=divisor, op=_shm_op(op)).get_future(), tensors,
                            lambda: unflatten(flat, tensors))
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
@@ -210,7 +223,8 @@ class FanfoldProcessGroup(dist.ProcessGroup):
         if shm is None:
             return self.gloo.reduce_scatter(output_tensors, input_tensors, opts)
         flat = torch.cat([t.detach().reshape(-1) for t in ins])
-        work = shm.reduce_scatter(flat, output_tensors[0].detach(), divisor=self.size() if op == "avg" else None)
+        work = shm.reduce_scatter(flat, output_tensors[0].detach(), divisor=self.size() if op == "avg" else None,
+                                  op=_shm_op(op))
         return FanfoldWork(work.get_future(), output_tensors)
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> dist.Work:
@@ -221,7 +235,8 @@ class FanfoldProcessGroup(dist.ProcessGroup):
         if shm is None:
             return self.gloo._reduce_scatter_base(output, input, opts)
         divisor = self.size() if op == "avg" else None
-        return FanfoldWork(shm.reduce_scatter(input.detach(), output.detach(), divisor=divisor).get_future(), [output])
+        work = shm.reduce_scatter(input.detach(), output.detach(), divisor=divisor, op=_shm_op(op))
+        return FanfoldWork(work.get_future(), [output])
 
     _reduce_scatter_base = reduce_scatter_single  # torch's older name
 

@@ -16,6 +16,7 @@ import torch
 
 from .exchange import run_exchange
 from .peer import PeerReader
+from .reduce_ops import SUM, combine
 from .request import (
     ALL_GATHER,
     ALL_REDUCE,
@@ -56,6 +57,7 @@ class Engine:
         self.written: list[Header | None] = [None, None]  # the latency path's header in place, by seq parity
         self._scratch = torch.empty(chunk_bytes // 2, dtype=torch.float32)  # a chunk of half values, widened
         self._divisor = None  # of the collective being run: its sums are divided while the chunk is in cache
+        self._reduce = SUM  # of the collective being run: what sum_into computes (reduce_ops.py)
         self._peer = None if tables is None else PeerReader(segment, rank, world_size, tables, chunk_bytes,
                                                             self.sum_into)
         # Parity: a rank rewrites descriptor seq % 2 only after the first step of seq + 1 completed, which its peers
@@ -83,11 +85,15 @@ class Engine:
         """This rank's header words for collective ``seq`` (by parity)."""
         return self._desc[self.rank][seq & 1]
 
-    def set_divisor(self, divisor: float | None) -> None:
-        self._divisor = divisor
+    def set_sum(self, divisor: float | None) -> None:
+        """What ``sum_into`` computes next: the sum (divided by ``divisor``), whatever the last collective was."""
+        self._divisor, self._reduce = divisor, SUM
 
     def sum_into(self, parts: list[torch.Tensor], out: torch.Tensor) -> None:
         # Rank order, every time: the bits depend only on the inputs, not on which rank sums or how fast it is.
+        if self._reduce != SUM:  # MIN, MAX, PRODUCT: the same rank order and rounding rule, no divisor
+            combine(parts, out, self._reduce, self._scratch)
+            return
         if out.dtype in (torch.bfloat16, torch.float16) and len(parts) > 2:
             acc, rest = self._scratch[: out.numel()].copy_(parts[0]), parts[1:]  # several halves: in float32
         elif any(p.data_ptr() == out.data_ptr() for p in parts[2:]):
@@ -120,7 +126,9 @@ class Engine:
             if theirs != mine:
                 what = theirs.describe()
                 same = replace(theirs, place=mine.place) == mine
-                if same and mine.op == REDUCE_TENSORS:
+                if theirs.reduce != mine.reduce:
+                    what += f" (op {theirs.reduce_name()}; rank {self.rank}'s: {mine.reduce_name()})"
+                elif same and mine.op == REDUCE_TENSORS:
                     what += f" as {theirs.place} tensors (rank {self.rank}: {mine.place})"
                 elif same:  # a shared all_reduce of another place in the buckets' memory
                     what += f" at {theirs.place & ((1 << 40) - 1)} bytes into region {theirs.place >> 40}"
@@ -132,7 +140,7 @@ class Engine:
     def run(self, c: Collective) -> None:
         """Run collective ``c`` (see :class:`~fanfold.collectives.shm.request.Collective` for its fields)."""
         op, flat, seq = c.op, c.flat, c.seq
-        self._divisor = c.divisor
+        self._divisor, self._reduce = c.divisor, c.reduce
         # all_to_all's lengths may differ by rank: its first step checks every pair of splits instead
         numel = (sum(t.numel() for t in c.outs) if op == REDUCE_TENSORS else
                  0 if flat is None or op == ALL_TO_ALL else flat.numel())

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from .reduce_ops import reduce_code
 from .request import ALL_GATHER, ALL_TO_ALL, OPS, REDUCE_SCATTER, Collective
 from .tensors import exchange_counts, exchange_tensors
 from .thread import ShmWork
@@ -35,14 +36,16 @@ class Exchanges:
         return self._exchange(Collective(ALL_GATHER, 0, flat, bucket, out=out_flat), out, finish)
 
     def reduce_scatter(self, tensor: torch.Tensor, out: torch.Tensor, bucket: int | None = None, *,
-                       divisor: float | None = None) -> ShmWork:
+                       divisor: float | None = None, op: str = "sum") -> ShmWork:
         """Sum ``tensor`` (world_size x ``out``'s elements) over the group and keep this rank's shard in ``out``
         (rank r: elements r * numel .. (r + 1) * numel), asynchronously; with ``divisor``, divided by it. Summed in
-        rank order: bitwise what :meth:`all_reduce` gives that shard."""
+        rank order: bitwise what :meth:`all_reduce` gives that shard. ``op``: "sum", "min", "max" or "product"."""
         if divisor is not None and not (isinstance(divisor, (int, float)) and divisor > 0):
             raise ValueError(f"reduce_scatter: divisor must be a positive number, got {divisor!r}")
+        reduce = reduce_code(op, divisor)
         flat, out_flat, finish = exchange_tensors("reduce_scatter", tensor, out, per=self.world_size)
-        return self._exchange(Collective(REDUCE_SCATTER, 0, flat, bucket, divisor=divisor, out=out_flat), out, finish)
+        return self._exchange(Collective(REDUCE_SCATTER, 0, flat, bucket, divisor=divisor, out=out_flat,
+                                         reduce=reduce), out, finish)
 
     def all_to_all(self, tensor: torch.Tensor, out: torch.Tensor, send: list[int], recv: list[int]) -> ShmWork:
         """Send ``send[q]`` consecutive elements of ``tensor`` to rank q and receive ``recv[p]`` from rank p into

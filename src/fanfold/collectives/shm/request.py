@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from .reduce_ops import REDUCE_OPS, SUM
+
 __all__ = ["DTYPES", "OPS", "ALL_REDUCE", "BROADCAST", "BARRIER", "SHARED_ALL_REDUCE", "REDUCE_INTO",
            "REDUCE_TENSORS", "ALL_GATHER", "REDUCE_SCATTER", "ALL_TO_ALL", "Collective", "Request", "Header",
            "HeaderWords", "HEADER_BYTES"]
@@ -37,7 +39,8 @@ class Collective:
     ``ShmTransport.allocate``. ``divisor``: sums are divided by it (an average). ``outs``: REDUCE_INTO's private
     outputs, or REDUCE_TENSORS' tensors. ``settle``, ``compress`` (dtype, pre_divisor): see ``PeerReader.run``.
     ``out``: the 1-d output of all_gather, reduce_scatter and all_to_all. ``splits``: all_to_all's element counts
-    (sent to each rank, received from each rank)."""
+    (sent to each rank, received from each rank). ``reduce``: the reduction's code (``reduce_ops``: SUM, MIN, MAX,
+    PRODUCT) of an all_reduce or reduce_scatter; a divisor goes with SUM only."""
 
     op: int
     seq: int
@@ -51,6 +54,7 @@ class Collective:
     compress: tuple[torch.dtype, float | None] | None = None
     out: torch.Tensor | None = None
     splits: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+    reduce: int = SUM
 
 
 @dataclass(frozen=True, eq=False)
@@ -68,8 +72,10 @@ class HeaderWords(ctypes.Structure):
     """A :class:`Header` in a rank's segment line (``Segment.line(rank, HeaderWords, offset)``)."""
 
     # Each field in its own word: a peer reads them one by one, and a mismatch names the field that differs.
-    _fields_ = [("op", ctypes.c_uint16), ("dtype", ctypes.c_uint16), ("src", ctypes.c_uint16),
-                ("narrow", ctypes.c_uint16), ("numel", ctypes.c_uint64), ("place", ctypes.c_uint64)]
+    # dtype and reduce share what was dtype's word: the header stays 24 bytes (the line's bytes 64.. are peer.py's)
+    _fields_ = [("op", ctypes.c_uint16), ("dtype", ctypes.c_uint8), ("reduce", ctypes.c_uint8),
+                ("src", ctypes.c_uint16), ("narrow", ctypes.c_uint16), ("numel", ctypes.c_uint64),
+                ("place", ctypes.c_uint64)]
 
 
 HEADER_BYTES = ctypes.sizeof(HeaderWords)
@@ -88,7 +94,7 @@ class Header:
     """What a rank announces of its current collective, compared by every peer after the first step: ``op``,
     ``dtype`` (index + 1 in DTYPES, 0: none), ``src`` (a broadcast's root), ``narrow`` (the dtype a compressed
     all-reduce rounds to, 0: none), ``numel`` and ``place`` (where a shared all-reduce's tensor lies, or how many
-    tensors REDUCE_TENSORS sums)."""
+    tensors REDUCE_TENSORS sums), ``reduce`` (the reduction, ``reduce_ops``)."""
 
     op: int
     dtype: int = 0
@@ -96,24 +102,30 @@ class Header:
     narrow: int = 0
     numel: int = 0
     place: int = 0
+    reduce: int = SUM
 
     @staticmethod
     def of(c: Collective, numel: int, place: int) -> Header:
         return Header(c.op, _dtype_code(None if c.flat is None else c.flat.dtype), c.src,
-                      _dtype_code(None if c.compress is None else c.compress[0]), numel, place)
+                      _dtype_code(None if c.compress is None else c.compress[0]), numel, place, c.reduce)
 
     def write(self, words: Any) -> None:
         words.op, words.dtype, words.src, words.narrow = self.op, self.dtype, self.src, self.narrow
-        words.numel, words.place = self.numel, self.place
+        words.numel, words.place, words.reduce = self.numel, self.place, self.reduce
 
     @staticmethod
     def read(words: Any) -> Header:
-        return Header(words.op, words.dtype, words.src, words.narrow, words.numel, words.place)
+        return Header(words.op, words.dtype, words.src, words.narrow, words.numel, words.place, words.reduce)
+
+    def reduce_name(self) -> str:
+        return REDUCE_OPS.get(self.reduce, f"reduction #{self.reduce}").upper()  # torch's ReduceOp names
 
     def describe(self) -> str:
         name = OPS.get(self.op, f"an unknown collective ({self.op})")
         if self.op == BARRIER:
             return name
+        if self.reduce != SUM:  # a sum goes unnamed: it is the reduction of every other collective too
+            name += f" ({self.reduce_name()})"
         what = f"{name} of {self.numel} {_dtype_name(self.dtype)}" if self.dtype else name
         if self.narrow:
             what += f" rounded to {_dtype_name(self.narrow)}"

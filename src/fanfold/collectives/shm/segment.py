@@ -241,7 +241,7 @@ class Segment:
                 self._fail(describe, p, k, f"; rank {a} gave up first: {self.abort_message()}")
             left = deadline - time.monotonic()
             if left <= 0:
-                self._fail(describe, p, k, f" within {self.timeout:g} s")
+                self._fail(describe, p, k, f" within {self.timeout:g} s, the timeout of every wait for a peer")
             if self.check_pids and not _alive(self.pid(p)):
                 self._fail(describe, p, k, f" (rank {p}'s process {self.pid(p)} is gone)")
             s = min(_SLICE, left)

@@ -51,7 +51,7 @@ class SmallAllReduce:
         if e.n == 2 and divisor is None:
             torch.add(slots[0], slots[1], out=t)  # Engine.sum_into's two-part case, without its checks
         else:
-            e.set_divisor(divisor)
+            e.set_sum(divisor)
             e.sum_into(slots, t)
 
     @staticmethod

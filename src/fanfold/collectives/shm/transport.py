@@ -28,6 +28,7 @@ from ..timeouts import resolve_stall_timeout
 from .engine import Engine
 from .exchanges import Exchanges
 from .peer import TABLE_BYTES, probe
+from .reduce_ops import SUM, reduce_code
 from .request import (
     ALL_REDUCE,
     BARRIER,
@@ -109,8 +110,8 @@ class ShmTransport(Exchanges):
             self._finalizer = weakref.finalize(self, lambda: None)
 
     def _submit(self, op: int, tensor: torch.Tensor | None, bucket: int | None = None, src: int = 0,
-                divisor: float | None = None, outs: list[torch.Tensor] | None = None, inline: bool = False
-                ) -> ShmWork:
+                divisor: float | None = None, outs: list[torch.Tensor] | None = None, inline: bool = False,
+                reduce: int = SUM) -> ShmWork:
         flat, finish = flat_view(tensor, OPS[op]) if tensor is not None else (None, None)
         contiguous = finish is None
         if outs is not None:  # reduce_into: the result goes to outs, whichever algorithm runs
@@ -132,7 +133,8 @@ class ShmTransport(Exchanges):
         if shared is None and big and self.peer_read:  # private memory the peers can read: no copy
             op, targets = REDUCE_TENSORS, [flat]  # into the ring; reduce_into's outs are filled by `finish`
         inline = inline and op == ALL_REDUCE and outs is None and flat.numel() * flat.element_size() <= INLINE_BYTES
-        return self._enqueue(Collective(op, 0, flat, bucket, src, shared, divisor, targets), tensor, finish, inline)
+        return self._enqueue(Collective(op, 0, flat, bucket, src, shared, divisor, targets, reduce=reduce), tensor,
+                             finish, inline)
 
     def _enqueue(self, c: Collective, value: Any, finish: Callable[[], None] | None, inline: bool = False
                  ) -> ShmWork:
@@ -176,16 +178,18 @@ class ShmTransport(Exchanges):
         return views[self.rank].view(dtype)
 
     def all_reduce(self, tensor: torch.Tensor, bucket: int | None = None, divisor: float | None = None, *,
-                   inline: bool = False) -> ShmWork:
+                   inline: bool = False, op: str = "sum") -> ShmWork:
         """Sum ``tensor`` over the group, in place, asynchronously; ``bucket`` labels errors. With ``divisor`` the
         result is the sum divided by it (bitwise what dividing afterwards gives), at no extra pass over memory.
+        ``op``: "sum", or "min", "max", "product" (in rank order as the sum, ``reduce_ops.py``; no divisor).
         ``inline``: a tensor of at most :data:`INLINE_BYTES` is summed on this thread before the call returns when
         no collective is queued or running (the latency path: no hand-off to the transport's thread)."""
         if divisor is not None and not (isinstance(divisor, (int, float)) and divisor > 0):
             raise ValueError(f"all_reduce: divisor must be a positive number, got {divisor!r}")
-        if inline and self.run_small(tensor, divisor, bucket):
+        reduce = reduce_code(op, divisor)
+        if inline and reduce == SUM and self.run_small(tensor, divisor, bucket):
             return _completed(tensor)
-        return self._submit(ALL_REDUCE, tensor, bucket, divisor=divisor, inline=inline)
+        return self._submit(ALL_REDUCE, tensor, bucket, divisor=divisor, inline=inline, reduce=reduce)
 
     def run_small(self, tensor: torch.Tensor, divisor: float | None = None, bucket: int | None = None) -> bool:
         """The latency path: sum a contiguous CPU ``tensor`` of at most :data:`INLINE_BYTES` in place, on this
