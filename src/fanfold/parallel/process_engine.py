@@ -25,6 +25,7 @@ Layer: ``process_worker`` / ``process_remote`` / ``process_start`` <- ``process_
 from __future__ import annotations
 
 import os
+import select
 import time
 import warnings
 import weakref
@@ -71,6 +72,7 @@ class ProcessEngine:
         self._step = 0
         self.released: list[list[int]] = []  # per worker, the steps whose graph the caller has dropped
         self._finalizer: Any = None
+        self._exits: Any = None  # select.poll() over the workers' sentinels, readable once a worker has exited
         self._local: nn.Module | None = None  # replica 0, run by the caller
         self._aliases: list[torch.Tensor] = []  # its leaves for the parameters
         self.params: list[torch.Tensor] = []  # the module's parameters that require grad
@@ -82,6 +84,7 @@ class ProcessEngine:
         if self._finalizer is not None:
             self._finalizer()  # runs stop_workers once
         self._procs, self._mailboxes, self._signature, self._finalizer, self._local = [], [], None, None, None
+        self._exits = None
         self.generation += 1
 
     def _start(self, module: nn.Module) -> None:
@@ -118,6 +121,9 @@ class ProcessEngine:
                 procs.append(p)
                 mailboxes.append(mailbox)
             self._procs, self._mailboxes = procs, mailboxes
+            self._exits = select.poll()
+            for p in procs:
+                self._exits.register(p.sentinel, select.POLLIN)
             self._finalizer = weakref.finalize(self, stop_workers, procs, mailboxes, caller_threads, threads)
             torch.set_num_threads(threads)  # see the module docstring
             ready = self._collect(list(range(workers)), START_TIMEOUT, "start")
@@ -128,13 +134,15 @@ class ProcessEngine:
                 self._finalizer()
             else:
                 stop_workers(procs, mailboxes)
-            self._procs, self._mailboxes, self._finalizer = [], [], None
+            self._procs, self._mailboxes, self._finalizer, self._exits = [], [], None, None
             raise
         self._local, self._aliases = local, aliases[0]
         self._signature = structure(module)[0]
         self.generation += 1
 
     def _check_alive(self, what: str) -> None:
+        if self._exits is not None and not self._exits.poll(0):
+            return  # no worker's sentinel has closed: one system call instead of one per worker
         for w, p in enumerate(self._procs):
             if not p.is_alive():
                 code = p.exitcode

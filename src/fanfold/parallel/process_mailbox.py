@@ -19,6 +19,7 @@ Layer: ``process_slots`` <- ``process_mailbox`` <- ``process_worker`` <- ``proce
 from __future__ import annotations
 
 import ctypes
+import io
 import pickle
 import platform
 import time
@@ -28,6 +29,7 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import torch
+import torch.multiprocessing  # noqa: F401  (torch's reductions: the pickler below must know them)
 
 from .process_slots import shared_bytes
 
@@ -82,17 +84,24 @@ class Mailbox:
         self._stop = ctypes.c_uint32.from_address(self._base + _STOP)
         self._lengths = [ctypes.c_int64.from_address(self._base + at) for at in _LENGTH]
         self._futex = _syscall()
+        # one pickler for every message: ForkingPickler.dumps would copy its dispatch table each time
+        self._buffer = io.BytesIO()
+        self._pickler = ForkingPickler(self._buffer, pickle.HIGHEST_PROTOCOL)
         self._timespec = _Timespec(0, int(_SLICE_S * 1e9))
         self.posted = 0  # messages this side has posted
         self.read = 0  # messages of the other side this side has read
 
     def send(self, message: Any) -> None:
         """Post ``message`` (the other side must have read the previous one: the protocol alternates)."""
-        data = ForkingPickler.dumps(message)
+        self._buffer.seek(0)
+        self._buffer.truncate()
+        self._pickler.clear_memo()
+        self._pickler.dump(message)
+        data = self._buffer.getvalue()
         if len(data) > _AREA:
             spilled = torch.frombuffer(bytearray(data), dtype=torch.uint8).share_memory_()
             data = ForkingPickler.dumps(_Spill(spilled))
-        ctypes.memmove(self._base + _HEADER + self.side * _AREA, bytes(data), len(data))
+        ctypes.memmove(self._base + _HEADER + self.side * _AREA, data, len(data))
         self._lengths[self.side].value = len(data)
         self.posted += 1
         self._mine.value = self.posted & 0xFFFFFFFF
@@ -126,15 +135,15 @@ class Mailbox:
         while True:
             if self.side == WORKER and self._stop.value:
                 raise Stopped
-            check()
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError
             seen = self._theirs.value
             if self.ready():
                 return
             self._futex(_SYS_FUTEX, address, _FUTEX_WAIT, seen, ctypes.addressof(self._timespec), None, 0)
             if self.ready():
                 return
+            check()  # woken by the slice's end (or a signal): the peer may be gone
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError
 
     def stop(self) -> None:
         """(Caller) set the stop word and wake the worker: it leaves its wait for the next request."""
