@@ -37,12 +37,12 @@ import torch.multiprocessing  # noqa: F401  (registers the reductions that send 
 from torch import nn
 
 from .._core.tree import flatten, unflatten
-from .parallel_backward import _alias_parameters, _tensor, _with_tensor
+from .parallel_backward import _tensor, _with_tensor
 from .process_mailbox import Mailbox
 from .process_remote import Remote, Step
 from .process_slots import Arena, layout, shared_bytes, unpack, view
 from .process_start import start_context, stop_workers, structure
-from .process_worker import Failure, Forward, Outputs, Ready, run_forward, worker_main
+from .process_worker import Failure, Forward, Outputs, Ready, Replica, replica_of, run_forward, worker_main
 from .replicate import replicate
 
 START_TIMEOUT = 120.0  # a forkserver's first start imports torch: slow on a loaded machine
@@ -73,8 +73,7 @@ class ProcessEngine:
         self.released: list[list[int]] = []  # per worker, the steps whose graph the caller has dropped
         self._finalizer: Any = None
         self._exits: Any = None  # select.poll() over the workers' sentinels, readable once a worker has exited
-        self._local: nn.Module | None = None  # replica 0, run by the caller
-        self._aliases: list[torch.Tensor] = []  # its leaves for the parameters
+        self._local: Replica | None = None  # replica 0, run by the caller
         self.params: list[torch.Tensor] = []  # the module's parameters that require grad
         self.inboxes: list[Arena] = []  # per worker, the caller's slot buffer (inputs, output gradients)
         self.outboxes: list[torch.Tensor] = []  # per worker, its slot buffer (outputs, input gradients)
@@ -94,8 +93,8 @@ class ProcessEngine:
         ctx, forked = start_context(module)
         caller_threads = torch.get_num_threads()
         threads = max(1, caller_threads // self.num_replicas)
-        local = replicate(module, ["cpu"])[0]  # shares the module's parameters and buffers (it writes BatchNorm's)
-        self.params, aliases, _ = _alias_parameters([local])
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        local = replica_of(replicate(module, ["cpu"])[0])  # shares the module's memory; writes its buffers (BatchNorm)
         slots, size = layout(self.params)
         workers = self.num_replicas - 1
         grads = [shared_bytes(max(size, 1)) for _ in range(workers)]
@@ -136,7 +135,7 @@ class ProcessEngine:
                 stop_workers(procs, mailboxes)
             self._procs, self._mailboxes, self._finalizer, self._exits = [], [], None, None
             raise
-        self._local, self._aliases = local, aliases[0]
+        self._local = local
         self._signature = structure(module)[0]
         self.generation += 1
 
@@ -230,7 +229,7 @@ class ProcessEngine:
 
         def local() -> tuple:
             sent, spec, wanted = flat_inputs[0]
-            return run_forward(self._local, sent, spec, wanted, grad, training, self._aliases)
+            return run_forward(self._local, sent, spec, wanted, grad, training)
 
         (values, spec, graph), replies = self.exchange(len(steps), post, local, "forward")
         outputs: list[tuple[list, Any]] = [([v if _tensor(v) is None else _with_tensor(v, _tensor(v).detach())

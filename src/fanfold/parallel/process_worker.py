@@ -117,11 +117,27 @@ class Graph:
     num_inputs: int
 
 
-def run_forward(module: nn.Module, leaves: list, spec: Spec, differentiable: list[int], grad: bool,
-                training: list[bool], params: list[torch.Tensor]) -> tuple[list, Spec, Graph | None]:
+@dataclass
+class Replica:
+    """A replica as ``run_forward`` runs it: the module, its submodules in ``modules()`` order (walked once), and its
+    own leaves for the parameters that require grad."""
+
+    module: nn.Module
+    modules: list[nn.Module]
+    params: list[torch.Tensor]
+
+
+def replica_of(module: nn.Module) -> Replica:
+    """``module`` as a replica: each parameter that requires grad swapped for a leaf of its own on the same memory."""
+    _, aliases, _ = _alias_parameters([module])
+    return Replica(module, list(module.modules()), aliases[0])
+
+
+def run_forward(replica: Replica, leaves: list, spec: Spec, differentiable: list[int], grad: bool,
+                training: list[bool]) -> tuple[list, Spec, Graph | None]:
     """Run one replica on its flattened arguments (tensors detached, owned by this call): its output's leaves, their
     spec, and its graph (None without grad). Shared by the workers and the caller's own replica 0."""
-    for m, flag in zip(module.modules(), training):
+    for m, flag in zip(replica.modules, training):
         if m.training is not flag:  # nn.Module.__setattr__ is slow: most steps change nothing
             m.training = flag
     inputs = []
@@ -132,13 +148,13 @@ def run_forward(module: nn.Module, leaves: list, spec: Spec, differentiable: lis
         leaves[k] = _with_tensor(leaves[k], t.clone() if grad else t)
     args, kwargs = unflatten(spec, leaves)
     with torch.set_grad_enabled(grad):
-        out = module(*args, **kwargs)
+        out = replica.module(*args, **kwargs)
     out_leaves, out_spec = flatten(out, "output")
     values = [v for _, v in out_leaves]
     if not grad:
         return values, out_spec, None
     tensors = [t for t in (_tensor(v) for v in values) if t is not None]
-    return values, out_spec, Graph(tensors, params + inputs, len(inputs))
+    return values, out_spec, Graph(tensors, replica.params + inputs, len(inputs))
 
 
 def run_backward(graph: Graph, grads: list) -> list:
@@ -151,10 +167,10 @@ def run_backward(graph: Graph, grads: list) -> list:
                                     retain_graph=True, allow_unused=True))
 
 
-def _forward(module: nn.Module, msg: Forward, graphs: dict, params: list, io: _Buffers) -> Outputs:
+def _forward(replica: Replica, msg: Forward, graphs: dict, io: _Buffers) -> Outputs:
     # copies: the graph may save an input for backward, and the caller reuses its buffer for the next forward
     leaves = unpack(io.inbox, msg.leaves, copy=True)
-    values, spec, graph = run_forward(module, leaves, msg.spec, msg.differentiable, msg.grad, msg.training, params)
+    values, spec, graph = run_forward(replica, leaves, msg.spec, msg.differentiable, msg.grad, msg.training)
     if graph is not None:
         graphs[msg.step] = graph
     packed, grown = io.outbox.pack([_detach(v) for v in values])
@@ -181,7 +197,7 @@ def worker_main(index: int, module: nn.Module, block: torch.Tensor, threads: int
     """The worker process's entry point: serve its mailbox until told to stop or the caller is gone."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(threads)
-    _, aliases, _ = _alias_parameters([module])
+    replica = replica_of(module)
     refresh = _private_buffers(module) if index > 0 else []
     io = _Buffers(torch.empty(0, dtype=torch.uint8), Arena(), grads, grad_slots)
     graphs: dict = {}
@@ -201,7 +217,7 @@ def worker_main(index: int, module: nn.Module, block: torch.Tensor, threads: int
                 with torch.no_grad():
                     for shared, private in refresh:
                         private.copy_(shared)
-                reply: Any = _forward(module, msg, graphs, aliases[0], io)
+                reply: Any = _forward(replica, msg, graphs, io)
             else:
                 reply = _backward(msg, graphs, io)
         except Exception as exc:
