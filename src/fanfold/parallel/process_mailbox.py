@@ -93,19 +93,21 @@ class Mailbox:
 
     def send(self, message: Any) -> None:
         """Post ``message`` (the other side must have read the previous one: the protocol alternates)."""
-        self._buffer.seek(0)
-        self._buffer.truncate()
-        self._pickler.clear_memo()
-        self._pickler.dump(message)
-        data = self._buffer.getvalue()
+        data = self._pickle(message)
         if len(data) > _AREA:
-            spilled = torch.frombuffer(bytearray(data), dtype=torch.uint8).share_memory_()
-            data = ForkingPickler.dumps(_Spill(spilled))
+            data = self._pickle(_Spill(torch.frombuffer(bytearray(data), dtype=torch.uint8).share_memory_()))
         ctypes.memmove(self._base + _HEADER + self.side * _AREA, data, len(data))
         self._lengths[self.side].value = len(data)
         self.posted += 1
         self._mine.value = self.posted & 0xFFFFFFFF
         self._futex(_SYS_FUTEX, ctypes.addressof(self._mine), _FUTEX_WAKE, 1, None, None, 0)
+
+    def _pickle(self, message: Any) -> bytes:
+        self._buffer.seek(0)
+        self._buffer.truncate()
+        self._pickler.clear_memo()
+        self._pickler.dump(message)
+        return self._buffer.getvalue()
 
     def ready(self) -> bool:
         """Whether the other side has posted a message this side has not read (no waiting)."""

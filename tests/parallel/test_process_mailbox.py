@@ -1,0 +1,116 @@
+"""The process engine's mailboxes (process_mailbox.py): messages in order, big ones spilled, every wait bounded; and,
+end to end, where the replicas run (replica 0 in the caller) and a spilled argument, against the bare module."""
+import copy
+import os
+import threading
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from fanfold import DataParallel
+from fanfold.parallel.process_mailbox import _AREA, WORKER, Mailbox, Stopped
+
+TOL = dict(rtol=1e-4, atol=1e-5)
+
+
+def no_check():
+    pass
+
+
+def test_messages_alternate_in_order_and_big_ones_are_spilled():
+    caller = Mailbox()
+    worker = Mailbox(caller.block, WORKER)
+    big = list(range(3 * _AREA // 8))  # pickles to more than one area
+    shared = torch.arange(5.0).share_memory_()
+    seen = []
+
+    def serve():
+        for _ in range(202):
+            msg = worker.receive(no_check, time.monotonic() + 30)
+            seen.append(msg)
+            worker.send(("echo", msg))
+
+    t = threading.Thread(target=serve)
+    t.start()
+    try:
+        for i in range(200):
+            caller.send(i)
+            assert caller.receive(no_check, time.monotonic() + 30) == ("echo", i)
+        caller.send({"big": big})
+        assert caller.receive(no_check, time.monotonic() + 30) == ("echo", {"big": big})
+        caller.send(shared)  # a tensor crosses by its file descriptor, as through a pipe
+        kind, echoed = caller.receive(no_check, time.monotonic() + 30)
+        assert kind == "echo" and torch.equal(echoed, shared)
+    finally:
+        t.join(30)
+    assert seen[:200] == list(range(200))
+
+
+def test_every_wait_is_bounded_and_stop_wakes_the_worker():
+    caller = Mailbox()
+    worker = Mailbox(caller.block, WORKER)
+    start = time.monotonic()
+    with pytest.raises(TimeoutError):
+        caller.receive(no_check, time.monotonic() + 0.3)
+    assert 0.25 < time.monotonic() - start < 5
+
+    def peer_gone():
+        raise RuntimeError("the peer's process is gone")
+
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="peer's process is gone"):
+        caller.receive(peer_gone)  # no deadline: the check still runs every 50 ms
+    assert time.monotonic() - start < 5
+
+    errors = []
+
+    def wait_for_request():
+        try:
+            worker.receive(no_check)
+        except Stopped as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=wait_for_request)
+    t.start()
+    time.sleep(0.2)
+    caller.stop()
+    t.join(5)
+    assert not t.is_alive() and len(errors) == 1
+
+
+class WhereAmI(nn.Module):
+    """Returns its output and, per row, the process that computed it; ``table`` is a big non-tensor argument."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+
+    def forward(self, x, table):
+        pid = torch.full((len(x),), os.getpid(), dtype=torch.int64)
+        return self.fc(x) * table[len(x)], pid
+
+
+@pytest.mark.parametrize("replicas", [2, 3])
+def test_replica_0_runs_in_the_caller_and_a_big_argument_is_spilled(replicas):
+    torch.manual_seed(0)
+    bare = WhereAmI()
+    dp = DataParallel(copy.deepcopy(bare), ["cpu"] * replicas, engine="process")
+    table = [float(i % 7) / 7 for i in range(3 * _AREA // 8)]  # pickled, bigger than a mailbox's area
+    x = torch.randn(6 * replicas, 3)
+    try:
+        out, pids = dp(x, table=table)
+        assert len(dp._processes._procs) == replicas - 1  # N replicas take N processes, the caller's included
+        chunks = pids.chunk(replicas)
+        assert set(chunks[0].tolist()) == {os.getpid()}
+        workers = [p.pid for p in dp._processes._procs]
+        assert [set(c.tolist()) for c in chunks[1:]] == [{pid} for pid in workers]
+        expected = torch.cat([bare(c, table)[0] for c in x.chunk(replicas)])
+        torch.testing.assert_close(out, expected, **TOL)
+        out.sum().backward()
+        torch.cat([bare(c, table)[0] for c in x.chunk(replicas)]).sum().backward()
+        for p, q in zip(bare.parameters(), dp.module.parameters(), strict=True):
+            torch.testing.assert_close(q.grad, p.grad, **TOL)
+    finally:
+        dp.close()
