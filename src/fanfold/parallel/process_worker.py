@@ -98,8 +98,7 @@ class _Buffers:
 
     inbox: torch.Tensor
     outbox: Arena
-    grads: torch.Tensor
-    grad_slots: list[Slot]
+    grads: list[torch.Tensor]  # per parameter that requires grad, its gradient slot (a view of one shared buffer)
 
 
 def _detach(leaf: Any) -> Any:
@@ -185,9 +184,9 @@ def _backward(msg: Backward, graphs: dict, io: _Buffers) -> Gradients:
     grads = run_backward(graph, unpack(io.inbox, msg.grads, copy=False))  # read before answering: no copy needed
     split = len(graph.targets) - graph.num_inputs
     with torch.no_grad():
-        for g, slot in zip(grads[:split], io.grad_slots):
+        for g, slot in zip(grads[:split], io.grads):
             if g is not None:
-                view(io.grads, slot).copy_(g)
+                slot.copy_(g)
     packed, grown = io.outbox.pack(grads[split:])
     return Gradients([g is not None for g in grads[:split]], packed, grown)
 
@@ -199,7 +198,7 @@ def worker_main(index: int, module: nn.Module, block: torch.Tensor, threads: int
     torch.set_num_threads(threads)
     replica = replica_of(module)
     refresh = _private_buffers(module) if index > 0 else []
-    io = _Buffers(torch.empty(0, dtype=torch.uint8), Arena(), grads, grad_slots)
+    io = _Buffers(torch.empty(0, dtype=torch.uint8), Arena(), [view(grads, slot) for slot in grad_slots])
     graphs: dict = {}
     mailbox = Mailbox(block, WORKER)
     mailbox.send(Ready(index, os.getpid()))
