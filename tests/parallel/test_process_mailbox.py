@@ -1,7 +1,9 @@
 """The process engine's mailboxes (process_mailbox.py): messages in order, big ones spilled, every wait bounded; and,
 end to end, where the replicas run (replica 0 in the caller) and a spilled argument, against the bare module."""
 import copy
+import multiprocessing
 import os
+import signal
 import threading
 import time
 
@@ -113,4 +115,36 @@ def test_replica_0_runs_in_the_caller_and_a_big_argument_is_spilled(replicas):
         for p, q in zip(bare.parameters(), dp.module.parameters(), strict=True):
             torch.testing.assert_close(q.grad, p.grad, **TOL)
     finally:
+        dp.close()
+
+
+class SleepsInTheWorkers(nn.Module):
+    """Replica 0 (in the caller) returns at once; the workers sleep: the caller waits in a mailbox."""
+
+    def __init__(self, seconds, caller):
+        super().__init__()
+        self.fc = nn.Linear(2, 2)
+        self.seconds, self.caller = seconds, caller
+
+    def forward(self, x):
+        if os.getpid() != self.caller:
+            time.sleep(self.seconds)
+        return self.fc(x)
+
+
+def test_ctrl_c_while_the_caller_waits_in_a_mailbox_stops_the_workers():
+    dp = DataParallel(SleepsInTheWorkers(30.0, os.getpid()), ["cpu"] * 2, engine="process")
+    x = torch.randn(4, 2)
+    timer = threading.Timer(3.0, os.kill, (os.getpid(), signal.SIGINT))
+    try:
+        timer.start()
+        start = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            dp(x)  # replica 0 is done at once: the caller waits for the sleeping worker (or for its start)
+        assert time.monotonic() - start < 20
+        assert not [p for p in multiprocessing.active_children() if p.name.startswith("fanfold-replica")]
+        dp.module.seconds = 0.0
+        torch.testing.assert_close(dp(x), dp.module(x), **TOL)
+    finally:
+        timer.cancel()
         dp.close()
