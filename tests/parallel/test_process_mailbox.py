@@ -148,3 +148,35 @@ def test_ctrl_c_while_the_caller_waits_in_a_mailbox_stops_the_workers():
     finally:
         timer.cancel()
         dp.close()
+
+
+class MaybeUnpicklable(nn.Module):
+    """With ``bad``, its output holds a lambda: the worker cannot send it."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+
+    def forward(self, x, bad=False, extra=None):
+        return self.fc(x), ((lambda: 0) if bad else None)
+
+
+def test_what_cannot_be_pickled_is_an_error_and_grown_slots_are_sent_again():
+    torch.manual_seed(0)
+    bare = MaybeUnpicklable()
+    dp = DataParallel(copy.deepcopy(bare), ["cpu"] * 2, engine="process")
+    small, big = torch.randn(4, 3), torch.randn(4000, 3)  # the big batch grows both slot buffers
+    try:
+        torch.testing.assert_close(dp(small)[0], bare(small)[0], **TOL)
+        with pytest.raises(RuntimeError, match=r"in replica 1 .*cannot send it its arguments"):
+            dp(big, extra=lambda: 0)  # replica 1's arguments: grown into its slots, then not picklable
+        with pytest.raises(RuntimeError, match=r"in replica 1 .*cannot send the replica's answer"):
+            dp(big, bad=True)  # replica 1's output: grown into its slots, then not picklable
+        out = dp(big)[0]  # both buffers must reach the worker and the caller again
+        torch.testing.assert_close(out, bare(big)[0], **TOL)
+        out.sum().backward()
+        bare(big)[0].sum().backward()
+        for p, q in zip(bare.parameters(), dp.module.parameters(), strict=True):
+            torch.testing.assert_close(q.grad, p.grad, **TOL)
+    finally:
+        dp.close()

@@ -57,7 +57,8 @@ class WorkerDied(RuntimeError):
 
 def _replica_error(index: int, exc: Exception) -> Exception:
     kind = type(exc).__name__
-    return _ERRORS.get(kind, RuntimeError)(f"in replica {index} (engine='process', in the caller): {kind}: {exc}")
+    where = "run by the caller" if index == 0 else "cannot send it its arguments"
+    return _ERRORS.get(kind, RuntimeError)(f"in replica {index} (engine='process', {where}): {kind}: {exc}")
 
 
 class ProcessEngine:
@@ -176,6 +177,7 @@ class ProcessEngine:
                 try:
                     self._mailboxes[w].send(post(w))
                 except Exception as exc:  # an argument that cannot be pickled: the posted ones must still answer
+                    self.inboxes[w] = Arena()  # it may have grown unsent: the next step sends a fresh one
                     failed = (w + 1, exc)
                     break
                 posted.append(w)

@@ -191,6 +191,20 @@ def _backward(msg: Backward, graphs: dict, io: _Buffers) -> Gradients:
     return Gradients([g is not None for g in grads[:split]], packed, grown)
 
 
+def _check_caller(pid: int) -> None:
+    """Raise OSError once the caller's process is gone (a zombie, killed but not yet reaped, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rpartition(")")[2].split()[0]
+    except FileNotFoundError:
+        raise ProcessLookupError(pid) from None
+    except OSError:  # no /proc: signal 0 tells whether the process exists
+        os.kill(pid, 0)
+        return
+    if state in ("Z", "X"):
+        raise ProcessLookupError(pid)
+
+
 def worker_main(index: int, module: nn.Module, block: torch.Tensor, threads: int, caller: int, grads: torch.Tensor,
                 grad_slots: list[Slot]) -> None:
     """The worker process's entry point: serve its mailbox until told to stop or the caller is gone."""
@@ -204,7 +218,7 @@ def worker_main(index: int, module: nn.Module, block: torch.Tensor, threads: int
     mailbox.send(Ready(index, os.getpid()))
     while True:
         try:
-            msg = mailbox.receive(lambda: os.kill(caller, 0))  # raises once the caller's process is gone
+            msg = mailbox.receive(lambda: _check_caller(caller))
         except (Stopped, OSError):
             return
         try:
@@ -225,6 +239,7 @@ def worker_main(index: int, module: nn.Module, block: torch.Tensor, threads: int
         try:
             mailbox.send(reply)
         except Exception as exc:  # an output that cannot be pickled: the caller must still get an answer
+            io.outbox = Arena()  # it may have grown unsent: the next answer sends a fresh one
             mailbox.send(Failure(index, type(exc).__name__, f"cannot send the replica's answer: {exc}",
                                  traceback.format_exc()))
         del reply
