@@ -1,10 +1,11 @@
 """The process engine's autograd Function: the replicas' outputs joined to the caller's graph, and their backward.
 
-``_Remote``'s inputs are the chunks that require grad and the parameters that do; its outputs are every replica's
+``Remote``'s inputs are the chunks that require grad and the parameters that do; its outputs are every replica's
 outputs (replica 0's, computed by the caller itself, detached; the workers', read from their slots). Its backward
 posts the gradients of each worker's outputs, differentiates replica 0's graph in the caller meanwhile, and sums the
-parameter gradients in replica order, out of place (one ``_foreach_add`` for all parameters when every replica has
-them all): the sum is handed to autograd, which accumulates it into ``.grad`` as for the bare module, so a parameter
+parameter gradients in replica order, out of place: one ``_foreach_add`` for all parameters when every replica has
+them all, dense; a sparse gradient (``nn.Embedding(sparse=True)``) comes pickled and stays sparse, as for the bare
+module. The sum is handed to autograd, which accumulates it into ``.grad`` as for the bare module, so a parameter
 hook runs once, on the sum.
 Layer: ``process_worker`` <- ``process_remote`` <- ``process_engine``.
 """
@@ -48,14 +49,10 @@ class _Token:
                 engine.released[w].append(step)
 
 
-def _dense(g: torch.Tensor | None) -> torch.Tensor | None:
-    # the workers' gradient slots are dense: a sparse gradient of replica 0 (nn.Embedding(sparse=True)) joins them so
-    return g if g is None or g.layout == torch.strided else g.to_dense()
-
-
 def _sum(local: list, replies: list[Gradients], views: list[list[torch.Tensor]]) -> list:
     """Per parameter, replica 0's gradient plus the workers', in replica order; a new tensor, or None if unused."""
-    if all(g is not None and g.layout == torch.strided for g in local) and all(all(r.parameters) for r in replies):
+    if all(g is not None and g.layout == torch.strided for g in local) and all(
+            all(p is True for p in r.parameters) for r in replies):
         if not replies:
             return [g.clone() for g in local]  # autograd may hand a tensor it holds elsewhere: not ours to give away
         total = torch._foreach_add(local, views[0])
@@ -63,12 +60,12 @@ def _sum(local: list, replies: list[Gradients], views: list[list[torch.Tensor]])
             torch._foreach_add_(total, views[w])
         return total
     sums = []
-    for k, g in enumerate(local):
-        parts = [_dense(g)] + [views[w][k] for w, r in enumerate(replies) if r.parameters[k]]
+    for k, g in enumerate(local):  # some replica did not use a parameter, or a gradient is sparse
+        parts = [g] + [views[w][k] if r.parameters[k] is True else r.parameters[k] for w, r in enumerate(replies)]
         parts = [p for p in parts if p is not None]
         total = parts[0].clone() if len(parts) == 1 else torch.add(parts[0], parts[1]) if parts else None
         for p in parts[2:]:
-            total.add_(p)
+            total = total + p
         sums.append(total)
     return sums
 

@@ -68,7 +68,9 @@ class Outputs:
 
 @dataclass
 class Gradients:
-    parameters: list[bool]  # per parameter that requires grad: whether its gradient slot holds one (else unused)
+    # per parameter that requires grad: True where its gradient slot holds it, None where unused, or the gradient
+    # itself where it is not dense (sparse: nn.Embedding(sparse=True)), pickled
+    parameters: list
     inputs: list  # one per ``Forward.differentiable`` position: a Slot, or None
     arena: torch.Tensor | None = None
 
@@ -185,10 +187,10 @@ def _backward(msg: Backward, graphs: dict, io: _Buffers) -> Gradients:
     split = len(graph.targets) - graph.num_inputs
     with torch.no_grad():
         for g, slot in zip(grads[:split], io.grads):
-            if g is not None:
+            if g is not None and g.layout == torch.strided:
                 slot.copy_(g)
     packed, grown = io.outbox.pack(grads[split:])
-    return Gradients([g is not None for g in grads[:split]], packed, grown)
+    return Gradients([g if g is None or g.layout != torch.strided else True for g in grads[:split]], packed, grown)
 
 
 def _check_caller(pid: int) -> None:
