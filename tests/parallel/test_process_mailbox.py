@@ -1,9 +1,7 @@
 """The process engine's mailboxes (process_mailbox.py): messages in order, big ones spilled, every wait bounded; and,
 end to end, where the replicas run (replica 0 in the caller) and a spilled argument, against the bare module."""
 import copy
-import multiprocessing
 import os
-import signal
 import threading
 import time
 
@@ -90,6 +88,8 @@ class WhereAmI(nn.Module):
         self.fc = nn.Linear(3, 2)
 
     def forward(self, x, table):
+        if x.isnan().any():
+            raise ValueError(f"nan in a chunk of {len(x)} rows")
         pid = torch.full((len(x),), os.getpid(), dtype=torch.int64)
         return self.fc(x) * table[len(x)], pid
 
@@ -114,39 +114,17 @@ def test_replica_0_runs_in_the_caller_and_a_big_argument_is_spilled(replicas):
         torch.cat([bare(c, table)[0] for c in x.chunk(replicas)]).sum().backward()
         for p, q in zip(bare.parameters(), dp.module.parameters(), strict=True):
             torch.testing.assert_close(q.grad, p.grad, **TOL)
+        workers = list(dp._processes._procs)
+        x[0, 0] = float("nan")  # replica 0's error, raised in the caller, names it and chains the original
+        with pytest.raises(ValueError, match=r"in replica 0 \(engine='process', run by the caller\).*nan in a chunk "
+                                             r"of 6 rows") as caught:
+            dp(x, table=table)
+        assert isinstance(caught.value.__cause__, ValueError)
+        assert dp._processes._procs == workers and all(p.is_alive() for p in workers)  # the workers stay up
+        x[0, 0] = 0.0
+        torch.testing.assert_close(dp(x, table=table)[0], torch.cat([bare(c, table)[0] for c in x.chunk(replicas)]),
+                                   **TOL)
     finally:
-        dp.close()
-
-
-class SleepsInTheWorkers(nn.Module):
-    """Replica 0 (in the caller) returns at once; the workers sleep: the caller waits in a mailbox."""
-
-    def __init__(self, seconds, caller):
-        super().__init__()
-        self.fc = nn.Linear(2, 2)
-        self.seconds, self.caller = seconds, caller
-
-    def forward(self, x):
-        if os.getpid() != self.caller:
-            time.sleep(self.seconds)
-        return self.fc(x)
-
-
-def test_ctrl_c_while_the_caller_waits_in_a_mailbox_stops_the_workers():
-    dp = DataParallel(SleepsInTheWorkers(30.0, os.getpid()), ["cpu"] * 2, engine="process")
-    x = torch.randn(4, 2)
-    timer = threading.Timer(3.0, os.kill, (os.getpid(), signal.SIGINT))
-    try:
-        timer.start()
-        start = time.monotonic()
-        with pytest.raises(KeyboardInterrupt):
-            dp(x)  # replica 0 is done at once: the caller waits for the sleeping worker (or for its start)
-        assert time.monotonic() - start < 20
-        assert not [p for p in multiprocessing.active_children() if p.name.startswith("fanfold-replica")]
-        dp.module.seconds = 0.0
-        torch.testing.assert_close(dp(x), dp.module(x), **TOL)
-    finally:
-        timer.cancel()
         dp.close()
 
 
