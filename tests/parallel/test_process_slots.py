@@ -115,3 +115,41 @@ def test_the_caller_runs_one_thread_while_the_workers_run_and_gets_its_threads_b
     finally:
         dp.close()
         torch.set_num_threads(before)
+
+
+class SparseBag(nn.Module):
+    """A sparse-gradient embedding, a dense layer and a frozen one."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 4, sparse=True)
+        self.fc = nn.Linear(4, 2)
+        self.frozen = nn.Linear(2, 2).requires_grad_(False)
+
+    def forward(self, idx):
+        return self.frozen(self.fc(self.emb(idx)))
+
+
+def test_sparse_gradients_stay_sparse_and_match_with_sparse_adam():
+    torch.manual_seed(0)
+    bare = SparseBag()
+    dp = DataParallel(copy.deepcopy(bare), ["cpu"] * 3, engine="process")
+    opts = [(torch.optim.SparseAdam([m.emb.weight], lr=0.1), torch.optim.SGD(m.fc.parameters(), lr=0.1))
+            for m in (bare, dp.module)]
+    g = torch.Generator().manual_seed(5)
+    try:
+        for rows in (6, 2, 1, 7):  # fewer rows than replicas too: some workers get nothing
+            idx = torch.randint(0, 10, (rows,), generator=g)
+            for m in (bare, dp):
+                m(idx).pow(2).sum().backward()
+            assert dp.module.emb.weight.grad.layout == torch.sparse_coo  # SparseAdam refuses dense gradients
+            torch.testing.assert_close(dp.module.emb.weight.grad.to_dense(), bare.emb.weight.grad.to_dense(), **TOL)
+            assert dp.module.frozen.weight.grad is None
+            for pair in opts:
+                for opt in pair:
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+            for p, q in zip(bare.parameters(), dp.module.parameters(), strict=True):
+                torch.testing.assert_close(q, p, **TOL)
+    finally:
+        dp.close()

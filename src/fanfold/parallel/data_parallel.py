@@ -13,8 +13,8 @@ so a subclass can swap one step. Beyond torch:
   alone would run them one after the other on the caller's thread). ``parallel_backward=False`` keeps autograd's
   way; double backward (``create_graph=True``) works with both, the default re-running the replicas' forward.
 
-- ``engine="process"``: CPU replicas in persistent worker processes sharing the module's memory
-  (``process_engine.py``), so that small operations do not serialise on the interpreter lock.
+- ``engine="process"``: replica 0 in the caller, the other CPU replicas in persistent worker processes sharing the
+  module's memory (``process_engine.py``), so that small operations do not serialise on the interpreter lock.
 
 What a forward with several replicas keeps (as in torch): replicas are discarded after the forward, so attributes
 they set are lost, and buffer updates are kept from the first replica on the module's device only: BatchNorm's
@@ -65,9 +65,10 @@ class DataParallel(nn.Module):
     ``output_device``: where outputs are gathered (default ``device_ids[0]``). The module's parameters and buffers
     must be on ``device_ids[0]``. ``parallel_backward``: with several CPU replicas, run their backward in the
     worker threads (default) rather than serially on the caller's thread. ``engine``: ``"thread"`` (default) runs
-    the replicas in threads of this process; ``"process"`` (CPU replicas only) in persistent worker processes whose
-    parameters alias the module's, moved to shared memory (``process_engine.py``; the caller then runs one intra-op
-    thread until ``close()``); ``close()`` stops either.
+    the replicas in threads of this process; ``"process"`` (CPU replicas only) runs replica 0 in the caller and the
+    others in persistent worker processes whose parameters alias the module's, moved to shared memory
+    (``process_engine.py``; every replica then runs ``threads // replicas`` intra-op threads, the caller's count
+    given back by ``close()``); ``close()`` stops either.
     """
 
     def __init__(

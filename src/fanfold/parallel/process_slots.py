@@ -57,24 +57,30 @@ def shared_bytes(size: int) -> torch.Tensor:
 
 
 class Arena:
-    """One direction's buffer for one worker; it grows, and must then be sent again, only when a step needs more."""
+    """One direction's buffer for one worker; it grows, and must then be sent again, only when a step needs more.
+    The slots and their views are kept while the tensors' shapes and dtypes repeat (every step of a training loop)."""
 
     def __init__(self) -> None:
         self.buffer = torch.empty(0, dtype=torch.uint8)
+        self._key: tuple | None = None  # (shape, dtype) of each tensor of the last pack
+        self._slots: list[Slot] = []
+        self._views: list[torch.Tensor] = []
 
     def pack(self, leaves: Sequence[Any]) -> tuple[list, torch.Tensor | None]:
         """``leaves`` with each plain tensor copied into the buffer and replaced by its Slot; the new buffer if the
         old one was too small, else None."""
         found = [(k, v) for k, v in enumerate(leaves) if _plain(v)]
-        slots, size = layout([t for _, t in found])
+        key = tuple((t.shape, t.dtype) for _, t in found)
         grown = None
-        if size > self.buffer.numel():
-            self.buffer = grown = shared_bytes(max(size, 2 * self.buffer.numel()))
+        if key != self._key:
+            slots, size = layout([t for _, t in found])
+            if size > self.buffer.numel():
+                self.buffer = grown = shared_bytes(max(size, 2 * self.buffer.numel()))
+            self._key, self._slots, self._views = key, slots, [view(self.buffer, slot) for slot in slots]
         packed = list(leaves)
-        with torch.no_grad():
-            for (k, t), slot in zip(found, slots):
-                view(self.buffer, slot).copy_(t)
-                packed[k] = slot
+        for (k, t), slot, target in zip(found, self._slots, self._views):
+            target.copy_(t.detach() if t.requires_grad else t)
+            packed[k] = slot
         return packed, grown
 
 

@@ -3,7 +3,7 @@ restarts the workers), and a bounded stop that also gives the caller its intra-o
 
 Start method: a forkserver that has imported torch, or ``fork`` when a module's class is defined in ``__main__`` (a
 notebook cell; a forkserver child could not unpickle it).
-Layer: ``process_worker`` <- ``process_start`` <- ``process_engine``.
+Layer: ``process_mailbox`` <- ``process_start`` <- ``process_engine``.
 """
 from __future__ import annotations
 
@@ -14,8 +14,6 @@ from typing import Any
 
 import torch
 from torch import nn
-
-from .process_worker import Stop
 
 
 def start_context(module: nn.Module) -> tuple[Any, bool]:
@@ -28,30 +26,29 @@ def start_context(module: nn.Module) -> tuple[Any, bool]:
     return ctx, False
 
 
-def structure(module: nn.Module) -> list:
-    """What the workers' copy of ``module`` depends on; compared at every forward, so one walk over the dicts."""
+def structure(module: nn.Module) -> tuple[list, list[bool]]:
+    """What the workers' copy of ``module`` depends on (compared at every forward), and every submodule's ``training``
+    flag (sent at every forward): one walk over the dicts."""
     sig: list = []
+    training = []
     for m in module.modules():
         sig.append(type(m))
+        training.append(m.training)
         sig.extend((id(t), t.data_ptr(), t.shape, t.dtype, t.requires_grad)
                    for t in chain(m._parameters.values(), m._buffers.values()) if t is not None)
-    return sig
+    return sig, training
 
 
-def stop_workers(procs: list, conns: list, caller_threads: int = 0) -> None:
-    """Ask the workers to stop, kill those that do not within seconds; give the caller ``caller_threads`` back."""
-    for c in conns:
-        try:
-            c.send(Stop())
-        except (OSError, ValueError):
-            pass
+def stop_workers(procs: list, mailboxes: list, caller_threads: int = 0, set_to: int = 0) -> None:
+    """Ask the workers to stop, kill those that do not within seconds; give the caller ``caller_threads`` back if its
+    count is still ``set_to`` (the one the engine set; the user may have set another since)."""
+    for m in mailboxes:
+        m.stop()
     deadline = time.monotonic() + 3.0
     for p in procs:
         p.join(max(0.0, deadline - time.monotonic()))
         if p.is_alive():
             p.kill()
             p.join(2.0)
-    for c in conns:
-        c.close()
-    if caller_threads > 1 and torch.get_num_threads() == 1:  # unless the user has set another count since
+    if caller_threads > 0 and torch.get_num_threads() == set_to != caller_threads:
         torch.set_num_threads(caller_threads)

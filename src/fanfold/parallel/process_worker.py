@@ -5,14 +5,16 @@ buffers alias the caller's shared memory, so an optimizer step in the caller is 
 requires grad is replaced by a leaf of the worker's own sharing its memory (as ``parallel_backward`` does for threads),
 so the worker's graph ends at these leaves and the caller's hooks never run here. Replica 0 writes the module's
 buffers (BatchNorm's statistics), every other replica works on private copies refreshed from them at each forward:
-torch's DataParallel semantics. A step's tensors travel through fixed shared-memory slots (``process_slots``): the
-messages carry only small headers; a slot buffer crosses the pipe (torch's reductions, a file descriptor) only when it
-is created or grows. Parameter gradients are written into this worker's gradient slots, which the caller sums.
+torch's DataParallel semantics (the caller runs replica 0 itself, so its workers are replicas 1 and up). A step's
+tensors travel through fixed shared-memory slots (``process_slots``): the messages carry only small headers; a slot
+buffer crosses (torch's reductions, a file descriptor) only when it is created or grows. Parameter gradients are
+written into this worker's gradient slots, which the caller sums.
 
 A forward that records a graph keeps it under its ``step`` until the caller sends the gradients of its outputs
-(``Backward``) or says the caller's graph is gone (``Forward.release``). The worker exits on ``Stop``, when the caller's
-end of the pipe closes, or when the caller's process is gone (checked every second). Ctrl-C is the caller's: the
-worker ignores SIGINT and is stopped by the caller.
+(``Backward``) or says the caller's graph is gone (``Forward.release``). Messages go through the worker's mailbox
+(``process_mailbox``: shared memory and futexes). The worker exits when the caller sets the stop word or when the
+caller's process is gone (checked every 50 ms while waiting). Ctrl-C is the caller's: the worker ignores SIGINT and is
+stopped by the caller. ``run_forward`` and ``run_backward`` are also how the caller runs replica 0 itself.
 Layer: ``parallel_backward`` (aliases) <- ``process_worker`` <- ``process_engine``.
 """
 from __future__ import annotations
@@ -28,6 +30,7 @@ from torch import nn
 
 from .._core.tree import Spec, flatten, unflatten
 from .parallel_backward import _alias_parameters, _tensor, _with_tensor
+from .process_mailbox import WORKER, Mailbox, Stopped
 from .process_slots import Arena, Slot, unpack, view
 
 
@@ -51,11 +54,6 @@ class Backward:
 
 
 @dataclass
-class Stop:
-    pass
-
-
-@dataclass
 class Ready:
     index: int
     pid: int
@@ -70,7 +68,9 @@ class Outputs:
 
 @dataclass
 class Gradients:
-    parameters: list[bool]  # per parameter that requires grad: whether its gradient slot holds one (else unused)
+    # per parameter that requires grad: True where its gradient slot holds it, None where unused, or the gradient
+    # itself where it is not dense (sparse: nn.Embedding(sparse=True)), pickled
+    parameters: list
     inputs: list  # one per ``Forward.differentiable`` position: a Slot, or None
     arena: torch.Tensor | None = None
 
@@ -100,8 +100,7 @@ class _Buffers:
 
     inbox: torch.Tensor
     outbox: Arena
-    grads: torch.Tensor
-    grad_slots: list[Slot]
+    grads: list[torch.Tensor]  # per parameter that requires grad, its gradient slot (a view of one shared buffer)
 
 
 def _detach(leaf: Any) -> Any:
@@ -109,25 +108,73 @@ def _detach(leaf: Any) -> Any:
     return leaf if t is None else _with_tensor(leaf, t.detach())
 
 
-def _forward(module: nn.Module, msg: Forward, graphs: dict, params: list, io: _Buffers) -> Outputs:
-    for m, flag in zip(module.modules(), msg.training):
-        m.training = flag
-    # copies: the graph may save an input for backward, and the caller reuses its buffer for the next forward
-    leaves = unpack(io.inbox, msg.leaves, copy=True)
+@dataclass
+class Graph:
+    """One replica's graph of one forward: its output tensors and what to differentiate (parameters, then the
+    inputs whose gradient the caller wants)."""
+
+    outputs: list[torch.Tensor]
+    targets: list[torch.Tensor]
+    num_inputs: int
+
+
+@dataclass
+class Replica:
+    """A replica as ``run_forward`` runs it: the module, its submodules in ``modules()`` order (walked once), and its
+    own leaves for the parameters that require grad."""
+
+    module: nn.Module
+    modules: list[nn.Module]
+    params: list[torch.Tensor]
+
+
+def replica_of(module: nn.Module) -> Replica:
+    """``module`` as a replica: each parameter that requires grad swapped for a leaf of its own on the same memory."""
+    _, aliases, _ = _alias_parameters([module])
+    return Replica(module, list(module.modules()), aliases[0])
+
+
+def run_forward(replica: Replica, leaves: list, spec: Spec, differentiable: list[int], grad: bool,
+                training: list[bool]) -> tuple[list, Spec, Graph | None]:
+    """Run one replica on its flattened arguments (tensors detached, owned by this call): its output's leaves, their
+    spec, and its graph (None without grad). Shared by the workers and the caller's own replica 0."""
+    for m, flag in zip(replica.modules, training):
+        if m.training is not flag:  # nn.Module.__setattr__ is slow: most steps change nothing
+            m.training = flag
     inputs = []
-    for k in msg.differentiable:
-        t = _tensor(leaves[k]).requires_grad_(msg.grad)
+    for k in differentiable:
+        t = _tensor(leaves[k]).requires_grad_(grad)
         inputs.append(t)
         # a clone, so that the module may modify its argument in place as it may a non-leaf in the caller
-        leaves[k] = _with_tensor(leaves[k], t.clone() if msg.grad else t)
-    args, kwargs = unflatten(msg.spec, leaves)
-    with torch.set_grad_enabled(msg.grad):
-        out = module(*args, **kwargs)
-    out_leaves, spec = flatten(out, "output")
-    if msg.grad:
-        tensors = [t for t in (_tensor(v) for _, v in out_leaves) if t is not None]
-        graphs[msg.step] = (tensors, params + inputs, len(inputs))
-    packed, grown = io.outbox.pack([_detach(v) for _, v in out_leaves])
+        leaves[k] = _with_tensor(leaves[k], t.clone() if grad else t)
+    args, kwargs = unflatten(spec, leaves)
+    with torch.set_grad_enabled(grad):
+        out = replica.module(*args, **kwargs)
+    out_leaves, out_spec = flatten(out, "output")
+    values = [v for _, v in out_leaves]
+    if not grad:
+        return values, out_spec, None
+    tensors = [t for t in (_tensor(v) for v in values) if t is not None]
+    return values, out_spec, Graph(tensors, replica.params + inputs, len(inputs))
+
+
+def run_backward(graph: Graph, grads: list) -> list:
+    """The gradients of ``graph.targets`` given those of its outputs (None where the caller has none), or None where
+    unused. The graph is kept (retain_graph) until its owner drops it."""
+    pairs = [(o, g) for o, g in zip(graph.outputs, grads) if g is not None and o.requires_grad]
+    if not pairs or not graph.targets:
+        return [None] * len(graph.targets)
+    return list(torch.autograd.grad([o for o, _ in pairs], graph.targets, [g for _, g in pairs],
+                                    retain_graph=True, allow_unused=True))
+
+
+def _forward(replica: Replica, msg: Forward, graphs: dict, io: _Buffers) -> Outputs:
+    # copies: the graph may save an input for backward, and the caller reuses its buffer for the next forward
+    leaves = unpack(io.inbox, msg.leaves, copy=True)
+    values, spec, graph = run_forward(replica, leaves, msg.spec, msg.differentiable, msg.grad, msg.training)
+    if graph is not None:
+        graphs[msg.step] = graph
+    packed, grown = io.outbox.pack([_detach(v) for v in values])
     return Outputs(packed, spec, grown)
 
 
@@ -135,41 +182,46 @@ def _backward(msg: Backward, graphs: dict, io: _Buffers) -> Gradients:
     if msg.step not in graphs:
         raise RuntimeError("this worker holds no graph of that forward: the workers were restarted since (a "
                            "structure change, a dead worker or close()); run the forward again")
-    outs, targets, n_inputs = graphs[msg.step]  # kept (retain_graph) until the caller releases it
-    grads_out = unpack(io.inbox, msg.grads, copy=False)  # read before this worker answers: no copy needed
-    pairs = [(o, g) for o, g in zip(outs, grads_out) if g is not None and o.requires_grad]
-    if pairs and targets:
-        grads = list(torch.autograd.grad([o for o, _ in pairs], targets, [g for _, g in pairs],
-                                         retain_graph=True, allow_unused=True))
-    else:
-        grads = [None] * len(targets)
-    split = len(targets) - n_inputs
+    graph = graphs[msg.step]  # kept until the caller releases it
+    grads = run_backward(graph, unpack(io.inbox, msg.grads, copy=False))  # read before answering: no copy needed
+    split = len(graph.targets) - graph.num_inputs
     with torch.no_grad():
-        for g, slot in zip(grads[:split], io.grad_slots):
-            if g is not None:
-                view(io.grads, slot).copy_(g)
+        for g, slot in zip(grads[:split], io.grads):
+            if g is not None and g.layout == torch.strided:
+                slot.copy_(g)
     packed, grown = io.outbox.pack(grads[split:])
-    return Gradients([g is not None for g in grads[:split]], packed, grown)
+    return Gradients([g if g is None or g.layout != torch.strided else True for g in grads[:split]], packed, grown)
 
 
-def worker_main(index: int, module: nn.Module, conn: Any, threads: int, caller: int, grads: torch.Tensor,
+def _check_caller(pid: int) -> None:
+    """Raise OSError once the caller's process is gone (a zombie, killed but not yet reaped, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rpartition(")")[2].split()[0]
+    except FileNotFoundError:
+        raise ProcessLookupError(pid) from None
+    except OSError:  # no /proc: signal 0 tells whether the process exists
+        os.kill(pid, 0)
+        return
+    if state in ("Z", "X"):
+        raise ProcessLookupError(pid)
+
+
+def worker_main(index: int, module: nn.Module, block: torch.Tensor, threads: int, caller: int, grads: torch.Tensor,
                 grad_slots: list[Slot]) -> None:
-    """The worker process's entry point: serve ``conn`` until told to stop or the caller is gone."""
+    """The worker process's entry point: serve its mailbox until told to stop or the caller is gone."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(threads)
-    _, aliases, _ = _alias_parameters([module])
+    replica = replica_of(module)
     refresh = _private_buffers(module) if index > 0 else []
-    io = _Buffers(torch.empty(0, dtype=torch.uint8), Arena(), grads, grad_slots)
+    io = _Buffers(torch.empty(0, dtype=torch.uint8), Arena(), [view(grads, slot) for slot in grad_slots])
     graphs: dict = {}
-    conn.send(Ready(index, os.getpid()))
+    mailbox = Mailbox(block, WORKER)
+    mailbox.send(Ready(index, os.getpid()))
     while True:
         try:
-            while not conn.poll(1.0):
-                os.kill(caller, 0)  # raises once the caller's process is gone
-            msg = conn.recv()
-        except (EOFError, OSError):
-            return
-        if isinstance(msg, Stop):
+            msg = mailbox.receive(lambda: _check_caller(caller))
+        except (Stopped, OSError):
             return
         try:
             if msg.arena is not None:
@@ -180,14 +232,16 @@ def worker_main(index: int, module: nn.Module, conn: Any, threads: int, caller: 
                 with torch.no_grad():
                     for shared, private in refresh:
                         private.copy_(shared)
-                reply: Any = _forward(module, msg, graphs, aliases[0], io)
+                reply: Any = _forward(replica, msg, graphs, io)
             else:
                 reply = _backward(msg, graphs, io)
         except Exception as exc:
             reply = Failure(index, type(exc).__name__, str(exc), traceback.format_exc())
         del msg
         try:
-            conn.send(reply)
-        except (EOFError, OSError):
-            return
+            mailbox.send(reply)
+        except Exception as exc:  # an output that cannot be pickled: the caller must still get an answer
+            io.outbox = Arena()  # it may have grown unsent: the next answer sends a fresh one
+            mailbox.send(Failure(index, type(exc).__name__, f"cannot send the replica's answer: {exc}",
+                                 traceback.format_exc()))
         del reply
