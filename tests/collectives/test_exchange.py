@@ -62,7 +62,13 @@ def _exchanges():
             dist.all_gather_into_tensor(oracle, x, group=gloo)
             if not torch.equal(into, oracle):
                 bad.append(("all_gather_into_tensor", dtype, m))
-            issued += 2
+            # in place, as ZeRO gathers its parameters: the input is this rank's own part of the output
+            inplace = torch.zeros(n * m, dtype=dtype)
+            inplace[r * m:(r + 1) * m] = x
+            dist.all_gather_into_tensor(inplace, inplace[r * m:(r + 1) * m])
+            if not torch.equal(inplace, oracle):
+                bad.append(("all_gather_into_tensor in place", dtype, m))
+            issued += 3
             full = _x((n * m,), r, dtype, seed=m + 1)
             for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
                 if op == dist.ReduceOp.AVG and not dtype.is_floating_point:

@@ -23,6 +23,7 @@ class Exchanges:
     """all_gather, reduce_scatter and all_to_all for a transport with ``world_size``, ``_chunk_bytes`` and
     ``_enqueue(collective, value, finish)``."""
 
+    rank: int
     world_size: int
     _chunk_bytes: int
     _enqueue: Callable[..., Any]
@@ -30,8 +31,8 @@ class Exchanges:
     def all_gather(self, tensor: torch.Tensor, out: torch.Tensor, bucket: int | None = None) -> ShmWork:
         """Every rank's ``tensor`` (same numel and dtype on every rank) into ``out`` (world_size times as many
         elements: rank r's at r * numel), asynchronously; ``bucket`` labels errors."""
-        if tensor.numel() and out.numel() and _overlaps(tensor, out):
-            tensor = tensor.clone()  # this rank's place in out: the engine reads and writes them at once
+        if tensor.numel() and out.numel() and _overlaps(tensor, out) and not _own_part(tensor, out, self.rank):
+            tensor = tensor.clone()  # overlapping other ranks' places in out: the engine would overwrite it
         flat, out_flat, finish = exchange_tensors("all_gather", tensor, out, times=self.world_size)
         return self._exchange(Collective(ALL_GATHER, 0, flat, bucket, out=out_flat), out, finish)
 
@@ -66,6 +67,14 @@ class Exchanges:
                 finish()
             return _completed(out)
         return self._enqueue(c, out, finish)
+
+
+def _own_part(tensor: torch.Tensor, out: torch.Tensor, rank: int) -> bool:
+    """Whether ``tensor`` is exactly this rank's place in ``out`` (an in-place all_gather, as ZeRO's): the engine
+    then leaves that place as it is."""
+    size = tensor.numel() * tensor.element_size()
+    return (tensor.is_contiguous() and out.is_contiguous() and tensor.dtype == out.dtype
+            and tensor.data_ptr() == out.data_ptr() + rank * size)
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
