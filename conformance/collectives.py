@@ -40,7 +40,6 @@ os.environ.setdefault("WORLD_SIZE", "2")
 os.environ.setdefault("DISTRIBUTED_TESTS_DEFAULT_TIMEOUT", "300")  # the harness's bound per test, torch's default
 os.environ.setdefault("PYTORCH_PRINT_REPRO_ON_FAILURE", "0")  # the error, not torch's hint, ends the traceback
 SWAP_ENV = "FANFOLD_CONFORMANCE_BACKEND"
-START_ENV = "FANFOLD_CONFORMANCE_START"
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "build" / "conformance-backend"
 
@@ -48,6 +47,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from backend_report import write_page  # noqa: E402
 from cpu_collectives import CpuCollectives  # noqa: E402 - after WORLD_SIZE is set
+from forked_ranks import START_ENV, ForkedRanks  # noqa: E402
 from report import revision  # noqa: E402
 from torch.testing._internal.distributed import distributed_test  # noqa: E402
 from torch.testing._internal.distributed.distributed_test import DistributedTest, TestDistBackend  # noqa: E402
@@ -92,41 +92,15 @@ def collective_tests() -> list[str]:
                   if n.startswith("test_") and (_PICK.search(n) or _P2P.match(n)) and not _DROP.search(n))
 
 
-class TestDistBackendCollectives(CpuCollectives, TestDistBackend, DistributedTest._DistTestBase):
-    """The suite's tests in fresh rank processes per test. torch's harness spawns each rank (a new interpreter
-    importing torch and the suite: seconds per rank and test); with ``START_ENV=forkserver`` the ranks are forked
-    from one server that imported the suite and fanfold once, and take the environment the parent had when it
-    started the test from ``<file_name>.env`` (the harness sets ``TEMP_DIR`` and ``INIT_METHOD`` anew per test)."""
+class TestDistBackendCollectives(CpuCollectives, ForkedRanks, TestDistBackend, DistributedTest._DistTestBase):
+    """The suite's tests in fresh rank processes per test (forked ranks: ``ForkedRanks``), on the chosen backend."""
 
-    def setUp(self) -> None:
-        super().setUp()
-        with open(self.file_name + ".env", "w") as f:
-            json.dump(dict(os.environ), f)
-        self._spawn_processes()
-
-    def tearDown(self) -> None:
-        super().tearDown()
-        if os.path.exists(self.file_name + ".env"):
-            os.unlink(self.file_name + ".env")
-
-    def _spawn_processes(self) -> None:
-        if os.environ.get(START_ENV, "spawn") == "spawn":
-            return super()._spawn_processes()
-        context = torch.multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload([distributed_test.__name__, "fanfold"])
-        self._start_processes(context.Process)
+    preload = (distributed_test.__name__, "fanfold")
 
     @classmethod
-    def _run(cls, rank: int, test_name: str, file_name: str, pipe, **kwargs) -> None:
-        # in the rank process, before the process group and the test
-        with open(file_name + ".env") as f:
-            environ = json.load(f)
-        os.environ.clear()
-        os.environ.update(environ)
-        torch.set_num_threads(1)  # a few small tensors per test: no thread pool per rank on a shared machine
+    def in_rank(cls) -> None:
         if os.environ.get(SWAP_ENV) == "fanfold":
             use_fanfold()
-        super()._run(rank, test_name, file_name, pipe, **kwargs)
 
 
 def run(backend: str, tests: list[str], path: Path, keep: bool = False, start: str = "forkserver") -> dict:

@@ -29,10 +29,10 @@ import unittest
 os.environ.setdefault("BACKEND", "gloo")
 os.environ.setdefault("WORLD_SIZE", "2")
 DDP_ENV = "FANFOLD_CONFORMANCE_DDP"
-START_ENV = "FANFOLD_CONFORMANCE_START"
 
 import torch  # noqa: E402
 import torch.nn.parallel.distributed as torch_ddp_module  # noqa: E402
+from forked_ranks import START_ENV, ForkedRanks  # noqa: E402
 from torch.testing._internal import common_distributed  # noqa: E402
 from torch.testing._internal.distributed import distributed_test  # noqa: E402
 from torch.testing._internal.distributed.distributed_test import DistributedTest, TestDistBackend  # noqa: E402
@@ -62,46 +62,19 @@ def use_ddp(impl: str) -> type:
     return cls
 
 
-class TestDistBackendGloo(TestDistBackend, DistributedTest._DistTestBase):
-    """torch's DDP tests in fresh rank processes per test, each with the chosen DDP.
+class TestDistBackendGloo(ForkedRanks, TestDistBackend, DistributedTest._DistTestBase):
+    """torch's DDP tests in fresh rank processes per test, each with the chosen DDP (forked ranks: ``ForkedRanks``)."""
 
-    torch's harness spawns each rank (a new interpreter importing torch and the suite: seconds per rank and test).
-    With ``START_ENV=forkserver`` the ranks are forked from one server process that imported this module once; a
-    forked rank then takes the environment the parent had when it started the test from ``<file_name>.env``, as a
-    spawned one would inherit it (the harness sets ``TEMP_DIR`` and ``INIT_METHOD`` anew for each test).
-    """
-
-    def setUp(self) -> None:
-        super().setUp()
-        with open(self.file_name + ".env", "w") as f:
-            json.dump(dict(os.environ), f)
-        self._spawn_processes()
+    preload = (distributed_test.__name__,)
 
     def tearDown(self) -> None:
         super().tearDown()
-        for path in (self.file_name, self.file_name + ".env"):
-            if os.path.exists(path):
-                os.unlink(path)
-
-    def _spawn_processes(self) -> None:
-        if os.environ.get(START_ENV, "spawn") == "spawn":
-            return super()._spawn_processes()
-        context = torch.multiprocessing.get_context("forkserver")
-        # the server imports torch and the suite once; each rank then re-runs only this module's top level (naming
-        # "__main__" here would be ignored: Python 3.11's forkserver never receives the main module's path)
-        context.set_forkserver_preload([distributed_test.__name__])
-        self._start_processes(context.Process)
+        if os.path.exists(self.file_name):
+            os.unlink(self.file_name)
 
     @classmethod
-    def _run(cls, rank: int, test_name: str, file_name: str, pipe, **kwargs) -> None:
-        # runs in the rank process, before the process group and the test
-        with open(file_name + ".env") as f:
-            environ = json.load(f)
-        os.environ.clear()
-        os.environ.update(environ)
-        torch.set_num_threads(1)
+    def in_rank(cls) -> None:
         use_ddp(os.environ[DDP_ENV])
-        super()._run(rank, test_name, file_name, pipe, **kwargs)
 
 
 class SelfCheck(TestDistBackendGloo):
