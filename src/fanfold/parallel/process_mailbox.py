@@ -3,7 +3,8 @@
 The caller and a worker alternate strictly (the caller posts a request, the worker answers it, and neither posts
 again before it has read the other's message), so one small block of shared memory per worker is enough: a counter
 of the messages each side has posted (each on a cache line of its own), a stop word, the two messages' lengths, and
-an area for each side's message. A message is pickled with multiprocessing's ``ForkingPickler``, so that what must
+an area for each side's message. A step's repeated messages cross in a compact form (``process_messages.Codec``);
+any other message is pickled with multiprocessing's ``ForkingPickler``, so that what must
 still cross as a file descriptor (a new slot buffer, a tensor that is not plain) does so through torch's reductions;
 a message too big for its area is spilled into a fresh shared buffer whose descriptor crosses instead.
 
@@ -31,6 +32,7 @@ from typing import Any
 import torch
 import torch.multiprocessing  # noqa: F401  (torch's reductions: the pickler below must know them)
 
+from .process_messages import Codec
 from .process_slots import shared_bytes
 
 CALLER, WORKER = 0, 1
@@ -43,6 +45,7 @@ _SPIN_S = 100e-6  # polling the peer's counter before sleeping (as collectives.s
 _SLICE_S = 0.05
 _SYS_FUTEX = {"x86_64": 202, "amd64": 202, "aarch64": 98, "arm64": 98}.get(platform.machine().lower())
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1
+_PICKLE = pickle.PROTO[0]  # the first byte of every pickle this side makes (protocol 2 and up)
 
 
 class _Timespec(ctypes.Structure):
@@ -88,19 +91,24 @@ class Mailbox:
         self._buffer = io.BytesIO()
         self._pickler = ForkingPickler(self._buffer, pickle.HIGHEST_PROTOCOL)
         self._timespec = _Timespec(0, int(_SLICE_S * 1e9))
+        self._codec = Codec()  # a training loop's repeated step messages cross as a few bytes, unpickled
+        self._mine_address = ctypes.addressof(self._mine)
         self.posted = 0  # messages this side has posted
         self.read = 0  # messages of the other side this side has read
 
     def send(self, message: Any) -> None:
         """Post ``message`` (the other side must have read the previous one: the protocol alternates)."""
-        data = self._pickle(message)
-        if len(data) > _AREA:
-            data = self._pickle(_Spill(torch.frombuffer(bytearray(data), dtype=torch.uint8).share_memory_()))
+        data = self._codec.encode(message)
+        if data is None:
+            data = self._pickle(message)
+            if len(data) > _AREA:
+                data = self._pickle(_Spill(torch.frombuffer(bytearray(data), dtype=torch.uint8).share_memory_()))
+            self._codec.sent(message)  # pickled: the receiver will have it
         ctypes.memmove(self._base + _HEADER + self.side * _AREA, data, len(data))
         self._lengths[self.side].value = len(data)
         self.posted += 1
         self._mine.value = self.posted & 0xFFFFFFFF
-        self._futex(_SYS_FUTEX, ctypes.addressof(self._mine), _FUTEX_WAKE, 1, None, None, 0)
+        self._futex(_SYS_FUTEX, self._mine_address, _FUTEX_WAKE, 1, None, None, 0)
 
     def _pickle(self, message: Any) -> bytes:
         self._buffer.seek(0)
@@ -120,9 +128,13 @@ class Mailbox:
         self.wait(check, deadline)
         self.read += 1
         n = self._lengths[1 - self.side].value
-        message = pickle.loads(ctypes.string_at(self._base + _HEADER + (1 - self.side) * _AREA, n))
+        data = ctypes.string_at(self._base + _HEADER + (1 - self.side) * _AREA, n)
+        if data[0] != _PICKLE:
+            return self._codec.decode(data)
+        message = pickle.loads(data)
         if isinstance(message, _Spill):
             message = pickle.loads(message.data.numpy().tobytes())
+        self._codec.got(message)
         return message
 
     def wait(self, check: Callable[[], None], deadline: float | None = None) -> None:

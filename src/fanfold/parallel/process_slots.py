@@ -58,13 +58,16 @@ def shared_bytes(size: int) -> torch.Tensor:
 
 class Arena:
     """One direction's buffer for one worker; it grows, and must then be sent again, only when a step needs more.
-    The slots and their views are kept while the tensors' shapes and dtypes repeat (every step of a training loop)."""
+    The slots and their views are kept per structure (the shapes and dtypes of one pack's tensors), so that a loop
+    alternating forward and backward messages gets the same ``Slot`` objects each step (``process_messages`` sends
+    a message whose slots are the last one's in compact form). Every layout starts at offset 0: only one message
+    per direction is in flight, and its receiver reads (or copies) it before answering."""
+
+    _KEEP = 8  # layouts kept; more distinct structures than this are laid out again
 
     def __init__(self) -> None:
         self.buffer = torch.empty(0, dtype=torch.uint8)
-        self._key: tuple | None = None  # (shape, dtype) of each tensor of the last pack
-        self._slots: list[Slot] = []
-        self._views: list[torch.Tensor] = []
+        self._layouts: dict[tuple, tuple[list[Slot], list[torch.Tensor]]] = {}
 
     def pack(self, leaves: Sequence[Any]) -> tuple[list, torch.Tensor | None]:
         """``leaves`` with each plain tensor copied into the buffer and replaced by its Slot; the new buffer if the
@@ -72,13 +75,17 @@ class Arena:
         found = [(k, v) for k, v in enumerate(leaves) if _plain(v)]
         key = tuple((t.shape, t.dtype) for _, t in found)
         grown = None
-        if key != self._key:
+        known = self._layouts.get(key)
+        if known is None:
             slots, size = layout([t for _, t in found])
             if size > self.buffer.numel():
                 self.buffer = grown = shared_bytes(max(size, 2 * self.buffer.numel()))
-            self._key, self._slots, self._views = key, slots, [view(self.buffer, slot) for slot in slots]
+                self._layouts.clear()  # their views are of the old buffer
+            if len(self._layouts) >= self._KEEP:
+                self._layouts.clear()
+            known = self._layouts[key] = (slots, [view(self.buffer, slot) for slot in slots])
         packed = list(leaves)
-        for (k, t), slot, target in zip(found, self._slots, self._views):
+        for (k, t), slot, target in zip(found, *known):
             target.copy_(t.detach() if t.requires_grad else t)
             packed[k] = slot
         return packed, grown

@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import signal
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,56 +31,8 @@ from torch import nn
 from .._core.tree import Spec, flatten, unflatten
 from .parallel_backward import _alias_parameters, _tensor, _with_tensor
 from .process_mailbox import WORKER, Mailbox, Stopped
+from .process_messages import Backward, Failure, Forward, Gradients, Outputs, Ready
 from .process_slots import Arena, Slot, unpack, view
-
-
-@dataclass
-class Forward:
-    step: int
-    leaves: list  # the replica's flattened (args, kwargs), tensors detached
-    spec: Spec
-    differentiable: list[int]  # positions in ``leaves`` whose gradient the caller wants
-    grad: bool  # the caller's grad mode
-    training: list[bool]  # module.training of every submodule, in modules() order
-    release: list[int] = field(default_factory=list)  # steps whose graph the caller has dropped
-    arena: torch.Tensor | None = None  # the caller's slot buffer for this worker, when new
-
-
-@dataclass
-class Backward:
-    step: int
-    grads: list  # one per output tensor (its Slot), None where the caller has none
-    arena: torch.Tensor | None = None
-
-
-@dataclass
-class Ready:
-    index: int
-    pid: int
-
-
-@dataclass
-class Outputs:
-    leaves: list  # the output flattened, tensors as Slots of the worker's buffer
-    spec: Spec
-    arena: torch.Tensor | None = None  # the worker's slot buffer, when new
-
-
-@dataclass
-class Gradients:
-    # per parameter that requires grad: True where its gradient slot holds it, None where unused, or the gradient
-    # itself where it is not dense (sparse: nn.Embedding(sparse=True)), pickled
-    parameters: list
-    inputs: list  # one per ``Forward.differentiable`` position: a Slot, or None
-    arena: torch.Tensor | None = None
-
-
-@dataclass
-class Failure:
-    index: int
-    kind: str  # the exception's type name
-    message: str
-    traceback: str
 
 
 def _private_buffers(module: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
