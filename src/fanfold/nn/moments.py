@@ -38,11 +38,11 @@ def wide_dtype(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "mps" else torch.float64
 
 
-@torch.no_grad()
 def pack_moments(x: torch.Tensor) -> torch.Tensor:
     """This part's packed vector (float64, on ``x``'s device); all zeros for an empty part. Not differentiable: the
     gradient through the statistics is the autograd Functions' business (``functions.py``); a graph here would
     join the replicas' graphs behind their backs."""
+    x = x.detach()  # no graph from here on; cheaper than a no_grad context in every training forward
     c = x.shape[1]
     n = x.numel() // c if c else 0
     wide = wide_dtype(x.device)
@@ -52,10 +52,15 @@ def pack_moments(x: torch.Tensor) -> torch.Tensor:
     if data.is_contiguous() and data.device.type == "cpu":
         # plain BatchNorm's own statistics kernel, in one call: exact on contiguous CPU inputs (variance to 2e-7 at
         # |mean|/std = 1e4); not its channels-last path (89x the variance there), nor elsewhere untested
-        mean, var = (t.to(wide) for t in torch.batch_norm_update_stats(data, None, None, 0.0))
+        mean, var = torch.batch_norm_update_stats(data, None, None, 0.0)
     else:
         mean, var = _two_pass(data, n, wide)
-    return torch.cat([mean * n, torch.addcmul(var, mean, mean).mul_(n), mean.new_full((1,), n)])
+    # [mean | var | 1] widened in one copy, then [n*mean | n*(var + mean^2) | n] in place: four small kernels, two
+    # allocations (this runs in every training forward; a chain of small ops is most of its cost)
+    packed = torch.cat((mean, var, mean.new_ones(1))).to(wide)
+    mean, second, _ = packed.split_with_sizes((c, c, 1))
+    second.addcmul_(mean, mean)
+    return packed.mul_(n)
 
 
 def _two_pass(data: torch.Tensor, n: int, wide: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,6 +94,10 @@ def unpack_moments(total: torch.Tensor, dtype: torch.dtype) -> Moments:
     if count == 0:
         zeros = total.new_zeros(c, dtype=dtype)
         return Moments(0, zeros, zeros)
-    mean = total[:c] / count
-    var = torch.addcmul(total[c: 2 * c] / count, mean, mean, value=-1).clamp_(min=0)  # E[x^2] - E[x]^2, float64
-    return Moments(count, mean.to(dtype), var.to(dtype))
+    # [E[x] | E[x^2] | 1] in float64, then E[x^2] - E[x]^2 in place: few small ops, as this runs every training step
+    both = total / count
+    mean, var, _ = both.split_with_sizes((c, c, 1))
+    var.addcmul_(mean, mean, value=-1).clamp_(min=0)
+    if dtype != both.dtype:
+        mean, var, _ = both.to(dtype).split_with_sizes((c, c, 1))
+    return Moments(count, mean, var)

@@ -94,13 +94,15 @@ class SyncBatchNorm(_BatchNorm):
                 "replicas (torch.nn.DataParallel, or replicate() and parallel_apply() by hand), so it would see its "
                 "own slice of the batch only: use fanfold.DataParallel")
         outer = None
-        if group_size(self.process_group) > 1:
+        # DDP's transport, when on this layer's group, knows the group's size (torch.distributed's look-up of the
+        # default group costs a dozen Python calls a forward)
+        transport = self._transport() if self._transport is not None else None
+        if (transport.world_size if transport is not None else group_size(self.process_group)) > 1:
             if link is not None and self._join is not None:  # every rank alike: all have the same model
                 raise RuntimeError(
                     "SyncBatchNorm: DataParallel replicas inside DistributedDataParallel.join() are not supported "
                     "(a rank that has joined would have to stand in for every replica's backward); use one "
                     "process per device under join()")
-            transport = self._transport() if self._transport is not None else None
             outer = GroupSum(self.process_group, self._join, self._name(), transport, self._inline)
         if link is None and outer is None:  # nothing to synchronise with: plain BatchNorm
             return F.batch_norm(input, self.running_mean if track else None, self.running_var if track else None,
@@ -152,12 +154,12 @@ class SyncBatchNorm(_BatchNorm):
             raise ValueError(f"Expected more than 1 value per channel when training, got 1 over the whole batch "
                              f"(input size {tuple(x.shape)} here)")
         if factor is not None and moments.count > 0:
-            with torch.no_grad():
-                mean, unbiased = moments.mean, moments.var * (moments.count / (moments.count - 1))
-                if mean.dtype != self.running_mean.dtype:
-                    mean, unbiased = mean.to(self.running_mean.dtype), unbiased.to(self.running_mean.dtype)
-                self.running_mean.lerp_(mean, factor)
-                self.running_var.lerp_(unbiased, factor)
+            # no no_grad context needed: the moments come from pack_moments' detached input, never from a graph
+            mean, unbiased = moments.mean, moments.var * (moments.count / (moments.count - 1))
+            if mean.dtype != self.running_mean.dtype:
+                mean, unbiased = mean.to(self.running_mean.dtype), unbiased.to(self.running_mean.dtype)
+            self.running_mean.lerp_(mean, factor)
+            self.running_var.lerp_(unbiased, factor)
         return moments
 
     def _name(self) -> str:
