@@ -49,12 +49,15 @@ class _Report:
     time_ns: int = 0
 
 
-def _send(conn, report: _Report, rank: int) -> None:
+def _pickled(report: _Report, rank: int) -> bytes:
     try:
-        data = pickle.dumps(report)  # plain pickle: tensors are copied, not shared through fds that die with us
+        return pickle.dumps(report)  # plain pickle: tensors are copied, not shared through fds that die with us
     except Exception as exc:
-        data = pickle.dumps(_Report(False, error=f"result of rank {rank} cannot be pickled: {exc}",
+        return pickle.dumps(_Report(False, error=f"result of rank {rank} cannot be pickled: {exc}",
                                     time_ns=time.time_ns()))
+
+
+def _send(conn, data: bytes) -> None:
     conn.send_bytes(data)
     conn.close()
 
@@ -67,12 +70,15 @@ def _worker(fn, args, rank: int, env: Mapping[str, str], threads: int, conn) -> 
     torch.set_num_threads(threads)
     try:
         report = _Report(True, fn(*args))
+        # Pickled before the process group is torn down: pickling tensors after it was seen to hang for good now
+        # and then (torch's storage pickling, in tests/training/test_checkpoint.py, 3 runs of 8)
+        data = _pickled(report, rank)
     except BaseException as exc:  # report everything, KeyboardInterrupt included, then exit non-zero
         report = _Report(False, error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc(),
                          time_ns=time.time_ns())
         # Report before the process group is torn down: tearing it down is what makes the peers fail
         # ("Connection closed by peer"), and their reports must not overtake this one.
-        _send(conn, report, rank)
+        _send(conn, _pickled(report, rank))
     finally:
         import torch.distributed as dist
 
@@ -82,7 +88,7 @@ def _worker(fn, args, rank: int, env: Mapping[str, str], threads: int, conn) -> 
             except Exception:
                 pass
     if report.ok:
-        _send(conn, report, rank)
+        _send(conn, data)
     os._exit(0 if report.ok else 1)
 
 
