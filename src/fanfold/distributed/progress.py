@@ -3,8 +3,11 @@
 One record per rank under one key of the process group's store: the last collective started, the ones still in
 flight (number, kind, bucket, the user's source line), pid and host. A daemon thread writes it, so that the training
 thread never waits on a store round trip (rank 0's process or the launcher's agent serves the store, and on a busy
-host a write can take milliseconds); records that pile up meanwhile collapse into the newest. A process killed in
-the millisecond before its newest record is written leaves the previous one.
+host a write can take milliseconds), at most once per ``WRITE_INTERVAL_S`` (the newest record; those posted
+meanwhile collapse into it) unless a reader needs it now (``flush``). A record matters only once a collective
+stalls, seconds later, and writing one per collective cost fanfold DDP about a tenth of a small model's training
+step on two cores: the store's server and the writing thread took CPU time from the ranks. A process killed within
+``WRITE_INTERVAL_S`` of its newest record leaves an older one.
 """
 from __future__ import annotations
 
@@ -19,7 +22,9 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-__all__ = ["Collective", "Publisher", "caller_line", "read_progress", "process_gone"]
+__all__ = ["Collective", "Publisher", "WRITE_INTERVAL_S", "caller_line", "read_progress", "process_gone"]
+
+WRITE_INTERVAL_S = 0.05  # the least time between two writes of a rank's record, unless flushed
 
 # Frames in these trees are plumbing; the line worth showing is the first one outside them (the user's).
 _PLUMBING = tuple(
@@ -56,7 +61,7 @@ class Publisher:
     def __init__(self, store: dist.Store, key: str):
         self._cond = threading.Condition()
         self._latest: dict | None = None
-        self._busy = self._closed = False
+        self._busy = self._closed = self._urgent = False
         # Its own connection: a store client serves one request at a time, and the training thread may sit in a
         # long store wait (a barrier) during which the record must still get through.
         threading.Thread(target=self._run, args=(store.clone(), key), daemon=True,
@@ -70,6 +75,8 @@ class Publisher:
     def flush(self, timeout: float = 10.0) -> None:
         """Return once the newest record is written (or the store is gone)."""
         with self._cond:
+            self._urgent = True  # no holding back for the interval
+            self._cond.notify_all()
             self._cond.wait_for(lambda: self._closed or (self._latest is None and not self._busy), timeout)
 
     def close(self) -> None:
@@ -78,14 +85,19 @@ class Publisher:
             self._cond.notify_all()
 
     def _run(self, store: dist.Store, key: str) -> None:
+        written = -WRITE_INTERVAL_S
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._closed or self._latest is not None)
+                # the rest of the interval since the last write, unless a flush wants the record now
+                self._cond.wait_for(lambda: self._closed or self._urgent,
+                                    timeout=written + WRITE_INTERVAL_S - time.monotonic())
                 if self._closed:
                     return
-                record, self._latest, self._busy = self._latest, None, True
+                record, self._latest, self._busy, self._urgent = self._latest, None, True, False
             try:
                 store.set(key, json.dumps(record))
+                written = time.monotonic()
             except Exception:  # the store is gone (its process died): nothing more can be published
                 self.close()
             with self._cond:

@@ -158,8 +158,7 @@ class SyncBatchNorm(_BatchNorm):
             mean, unbiased = moments.mean, moments.var * (moments.count / (moments.count - 1))
             if mean.dtype != self.running_mean.dtype:
                 mean, unbiased = mean.to(self.running_mean.dtype), unbiased.to(self.running_mean.dtype)
-            self.running_mean.lerp_(mean, factor)
-            self.running_var.lerp_(unbiased, factor)
+            torch._foreach_lerp_((self.running_mean, self.running_var), (mean, unbiased), factor)  # one dispatch
         return moments
 
     def _name(self) -> str:

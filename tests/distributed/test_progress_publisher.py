@@ -1,0 +1,57 @@
+"""The progress publisher writes a rank's newest record at most once per WRITE_INTERVAL_S (records posted meanwhile
+collapse into the newest), and at once when flushed: a stall's diagnosis never reads a stale record."""
+import json
+import threading
+import time
+
+from fanfold.distributed.progress import WRITE_INTERVAL_S, Publisher
+
+
+class _CountingStore:
+    """A store that records every write (and when), with clone() as the real ones have."""
+
+    def __init__(self):
+        self.writes: list[tuple[float, dict]] = []
+        self.lock = threading.Lock()
+
+    def clone(self):
+        return self
+
+    def set(self, key, value):
+        with self.lock:
+            self.writes.append((time.monotonic(), json.loads(value)))
+
+
+def test_records_posted_in_a_burst_collapse_into_few_writes_of_the_newest():
+    store = _CountingStore()
+    pub = Publisher(store, "0")
+    try:
+        start = time.monotonic()
+        for i in range(2000):  # a collective's start and end each post one: thousands a second in training
+            pub.post({"seq": i})
+        elapsed = time.monotonic() - start
+        time.sleep(3 * WRITE_INTERVAL_S)
+        with store.lock:
+            writes = list(store.writes)
+        assert writes[-1][1] == {"seq": 1999}  # the newest record always gets written
+        assert len(writes) <= 2 + (elapsed + 3 * WRITE_INTERVAL_S) / WRITE_INTERVAL_S
+        gaps = [b[0] - a[0] for a, b in zip(writes, writes[1:])]
+        assert all(g >= 0.9 * WRITE_INTERVAL_S for g in gaps), gaps
+    finally:
+        pub.close()
+
+
+def test_flush_writes_the_newest_record_at_once():
+    store = _CountingStore()
+    pub = Publisher(store, "0")
+    try:
+        pub.post({"seq": 1})
+        pub.flush()
+        pub.post({"seq": 2})  # within the interval of the first write: held back ...
+        start = time.monotonic()
+        pub.flush()  # ... unless a reader needs it now
+        assert time.monotonic() - start < WRITE_INTERVAL_S / 2
+        with store.lock:
+            assert [w[1]["seq"] for w in store.writes] == [1, 2]
+    finally:
+        pub.close()
