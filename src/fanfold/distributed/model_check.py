@@ -43,19 +43,22 @@ def check_same_model(t: Any, module: nn.Module) -> None:
 
 
 def broadcast_tensors(t: Any, tensors: list[torch.Tensor], src: int) -> None:
-    """Broadcast ``tensors`` in place from ``src``: flat tensors of one (dtype, device) and at most 64 MiB, so that
-    a large model is not copied whole."""
-    groups: dict[tuple, list[list[torch.Tensor]]] = {}
-    for tensor in tensors:
-        chunks = groups.setdefault((tensor.dtype, tensor.device), [[]])
+    """Broadcast ``tensors`` in place from ``src``: their bytes laid end to end, one flat uint8 tensor per device and
+    at most 64 MiB (a large model is not copied whole), so that tensors of several dtypes (a BatchNorm's float
+    statistics and int64 counter) cost one collective, not one per dtype: DDP does this before every forward."""
+    groups: dict[torch.device, list[list[torch.Tensor]]] = {}
+    # widest elements first: every tensor's bytes then start at a multiple of its element size (view(dtype) needs it)
+    for tensor in sorted(tensors, key=lambda x: -x.element_size()):
+        chunks = groups.setdefault(tensor.device, [[]])
         if chunks[-1] and sum(x.numel() * x.element_size() for x in chunks[-1]) >= BROADCAST_BYTES:
             chunks.append([])
         chunks[-1].append(tensor)
     with torch.no_grad():
         for chunk in (c for chunks in groups.values() for c in chunks):
-            flat = torch.cat([x.reshape(-1) for x in chunk])
+            flat = torch.cat([x.reshape(-1).view(torch.uint8) for x in chunk])
             t.broadcast(flat, src)
             offset = 0
             for x in chunk:
-                x.copy_(flat[offset: offset + x.numel()].view_as(x))
-                offset += x.numel()
+                n = x.numel() * x.element_size()
+                x.copy_(flat[offset: offset + n].view(x.dtype).view_as(x))
+                offset += n

@@ -132,7 +132,8 @@ class ShmTransport(Exchanges):
         targets = outs  # the engine's: reduce_into's outputs, or the tensors that a peer-read all-reduce sums
         if shared is None and big and self.peer_read:  # private memory the peers can read: no copy
             op, targets = REDUCE_TENSORS, [flat]  # into the ring; reduce_into's outs are filled by `finish`
-        inline = inline and op == ALL_REDUCE and outs is None and flat.numel() * flat.element_size() <= INLINE_BYTES
+        inline = inline and op in (ALL_REDUCE, BROADCAST) and outs is None and \
+            flat.numel() * flat.element_size() <= INLINE_BYTES
         return self._enqueue(Collective(op, 0, flat, bucket, src, shared, divisor, targets, reduce=reduce), tensor,
                              finish, inline)
 
@@ -264,7 +265,7 @@ class ShmTransport(Exchanges):
         """Copy rank ``src``'s ``tensor`` into every rank's, in place (after the collectives queued before it)."""
         if not isinstance(src, int) or not 0 <= src < self.world_size:
             raise ValueError(f"broadcast: src must be a rank of the group (0..{self.world_size - 1}), got {src!r}")
-        self._submit(BROADCAST, tensor, src=src).wait()
+        self._submit(BROADCAST, tensor, src=src, inline=True).wait()  # waited for at once: small ones inline
 
     def barrier(self) -> None:
         """Return once every rank has reached this barrier (and finished the collectives queued before it)."""
