@@ -12,11 +12,11 @@ row converts a copy of the same model with ``SyncBatchNorm.convert_sync_batchnor
 How it is timed: the step is ~10 ms and this VM's speed drifts by tens of per cent from one second to the next, so
 separate launches per row (the method before) compared two rows under different machines. Here each run is one
 launch in which both models, each under its own fanfold DDP, train in alternating blocks of ``--block`` steps
-(``--blocks`` blocks each, the order flipped every other pair); a block's time is the slowest rank's (ranks agree on
-it by an all-reduce MAX after a barrier). Reported: the median block time per row over all runs, and the overhead as
-the median over block pairs of SyncBatchNorm's block / the neighbouring BatchNorm block - 1: a same-moment ratio
-(the issue's target: <= 10%). Both models' final parameters are checked to differ from their start (they trained)
-and the SyncBatchNorm model's running statistics equal on both ranks.
+(``--blocks`` blocks each, the order rotated each round: ``benchmarks/_blocks.py``); a block's time is the slowest
+rank's. Reported: the median block time per row over all runs, and the overhead as the median over block pairs of
+SyncBatchNorm's block / the BatchNorm block of the same round - 1: a same-moment ratio (the issue's target: <= 10%).
+Both models' parameters are checked to have changed (they trained) and the SyncBatchNorm model's running statistics
+to be equal on both ranks.
 
 SyncBatchNorm adds one all-reduce of 2C+1 float64 per layer in forward and one of 2C in backward, on DDP's
 transport (the shared-memory one here: ~30 us each), on top of DDP's gradient all-reduce (``--transport``).
@@ -29,13 +29,12 @@ import os
 import platform
 import statistics
 import sys
-import time
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+from _blocks import same_round_ratios, time_blocks, train_step  # benchmarks/_blocks.py
 
 import fanfold
 from fanfold import SyncBatchNorm
@@ -63,29 +62,12 @@ def one_run(batch: int, warmup: int, block: int, blocks: int, transport: str | N
     steps = {}
     for row, model in zip(ROWS, (plain, synced)):
         ddp = fanfold.DistributedDataParallel(model, **options)
-        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
-
-        def step(ddp=ddp, opt=opt) -> None:
-            loss = F.cross_entropy(ddp(x), y)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-        steps[row] = step
+        steps[row] = train_step(ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-3), x, y)
     start = {row: [p.detach().clone() for p in m.parameters()] for row, m in zip(ROWS, (plain, synced))}
     for row in ROWS:
         for _ in range(warmup):
             steps[row]()
-    times: dict[str, list[float]] = {row: [] for row in ROWS}
-    slowest = torch.zeros(1, dtype=torch.float64)
-    for i in range(blocks):
-        for row in (ROWS if i % 2 == 0 else ROWS[::-1]):  # flipped every other pair: neither row always goes first
-            dist.barrier()
-            t = time.perf_counter()
-            for _ in range(block):
-                steps[row]()
-            slowest[0] = (time.perf_counter() - t) / block
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-            times[row].append(float(slowest[0]))
+    times = time_blocks(steps, block, blocks)
     for row, m in zip(ROWS, (plain, synced)):
         if all(torch.equal(a, b) for a, b in zip(start[row], m.parameters())):
             raise RuntimeError(f"{row}: the parameters did not change: nothing was trained")
@@ -113,7 +95,7 @@ def measure(args: argparse.Namespace) -> list[RunResult]:
 
 def pair_ratios(results: list[RunResult]) -> list[float]:
     """SyncBatchNorm's block over the BatchNorm block run next to it, for every pair of every run."""
-    return [s / p for r in results for p, s in zip(r.blocks[ROWS[0]], r.blocks[ROWS[1]])]
+    return [q for r in results for q in same_round_ratios(r.blocks, ROWS[1], ROWS[0])]
 
 
 def table(results: list[RunResult], batch: int) -> str:

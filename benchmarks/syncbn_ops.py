@@ -19,7 +19,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+from _blocks import train_step  # benchmarks/_blocks.py
 from torch.profiler import ProfilerActivity, profile
 
 import fanfold
@@ -36,15 +36,9 @@ def one_run(sync: bool, steps: int) -> tuple[float, dict[str, float]]:
     if sync:
         model = SyncBatchNorm.convert_sync_batchnorm(model)
     ddp = fanfold.DistributedDataParallel(model)
-    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(dist.get_rank())
     x, y = torch.rand(32, 1, 8, 8, generator=g), torch.randint(0, 10, (32,), generator=g)
-
-    def step() -> None:
-        loss = F.cross_entropy(ddp(x), y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
+    step = train_step(ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-3), x, y)
 
     for _ in range(5):
         step()

@@ -21,13 +21,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+from _blocks import same_round_ratios, time_blocks, train_step  # benchmarks/_blocks.py
 from torch import nn
 
 import fanfold
@@ -98,28 +97,10 @@ def one_run(batch: int, block: int, blocks: int) -> dict[str, list[float]]:
         for m in model.modules():
             if isinstance(m, _MeetingBatchNorm):
                 m.transport = uninspected(ddp.transport)
-        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
-
-        def step(ddp=ddp, opt=opt) -> None:
-            loss = F.cross_entropy(ddp(x), y)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
+        steps[row] = train_step(ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-3), x, y)
         for _ in range(5):
-            step()
-        steps[row] = step
-    times: dict[str, list[float]] = {row: [] for row in ROWS}
-    slowest = torch.zeros(1, dtype=torch.float64)
-    for i in range(blocks):
-        for row in ROWS[i % len(ROWS):] + ROWS[:i % len(ROWS)]:  # rotated: no row always first
-            dist.barrier()
-            t = time.perf_counter()
-            for _ in range(block):
-                steps[row]()
-            slowest[0] = (time.perf_counter() - t) / block
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-            times[row].append(float(slowest[0]))
-    return times
+            steps[row]()
+    return time_blocks(steps, block, blocks)
 
 
 def main() -> int:
@@ -144,7 +125,7 @@ def main() -> int:
           f"{args.batch} per rank, 2 ranks x 1 thread, fanfold DDP (default transport)\n")
     print("| row | step (ms, median of blocks) | vs BatchNorm (median of same-round ratios) |\n|---|---|---|")
     for row in ROWS:
-        ratio = statistics.median(t / b for t, b in zip(times[row], times[ROWS[0]]))
+        ratio = statistics.median(same_round_ratios(times, row, ROWS[0]))
         versus = "" if row == ROWS[0] else f"{100 * (ratio - 1):+.1f}%"
         print(f"| {row} | {1e3 * statistics.median(times[row]):.2f} | {versus} |")
     return 0
