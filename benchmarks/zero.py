@@ -2,34 +2,66 @@
 at stage 2 (``ddp.shard_gradients(opt)``), torch DDP + torch's ZeroRedundancyOptimizer(Adam); 2 ranks x 1 thread,
 gloo, CPU.
 
-    .venv/bin/python benchmarks/zero.py                 # 3 runs x 20 steps, the 16.7M-parameter MLP
-    .venv/bin/python benchmarks/zero.py --tiny          # 1 run x 2 steps of a small MLP: checks the set-up only
+    .venv/bin/python benchmarks/zero.py                 # 2 runs x 20 rounds x 3 steps, the 16.7M-parameter MLP
+    .venv/bin/python benchmarks/zero.py --tiny          # a small MLP, 1 run x 2 rounds x 1 step: the set-up only
 
 Model: benchmarks/ddp.py's MLP (1024 -> 4 x 2048 -> 1000, 16.7M parameters), batch 64 per rank, Adam lr 1e-4.
-A run is one fresh launch per row (rows interleaved within a run) of warm-up steps then ``--steps`` timed steps
-(zero_grad, forward, backward, step); its time is the slowest rank's mean step time; the table shows the median over
-``--runs``. Peak RSS is each rank's high-water mark (VmHWM) at the end of its run; optimizer state is the number of
-state elements the rank holds. Every row starts from the same weights and data, and the rows' final parameters are
-checked equal (a sample of them, rtol 1e-5) before the table is printed. fanfold's ZeRO here is stage 2: the
-optimizer state and the averaged gradients sharded (each bucket reduce-scattered, ``.grad`` freed), the optimizer
-stepping 1/2 of the parameters, which are then all-gathered. fanfold's DDP uses its default transport (shm here).
+
+How it is timed: this VM's speed drifts by tens of per cent within minutes, so rows timed in separate launches (the
+method before) were compared under different machines. Here a run is one launch holding all three rows (each its
+own copy of the same initial model, the same batch): after ``--warmup`` steps each, the rows take turns in blocks
+of ``--block`` steps (a step: forward, cross-entropy, zero_grad, backward, step), the order rotated each round
+(``benchmarks/_blocks.py``); a block's time is the slowest rank's. Stage 2 leaves its parameter all-gather in
+flight after ``step()`` (overlapped with the next forward); its block ends by waiting for it, inside the clock, so
+the last step of each block pays its gather unhidden (a small bias against stage 2). Reported per row: the median
+block time over all runs; per ratio: the median over rounds of the ratio of two rows' blocks of the same round, and
+how many rounds meet issue 14's targets (stage 2 <= 0.95x fanfold DDP + Adam, <= 0.80x torch's pair).
+
+Peak resident memory (VmHWM) cannot be told apart with three rows in one process: a second, short pass launches
+each row alone (``--mem-steps`` steps) and reads every rank's high-water mark, with the number of optimizer state
+elements the rank holds. Results are checked: after timing, every row's parameters (a sample, rtol 1e-5) must equal
+the first row's on rank 0, on every rank; the benchmark exits with an error naming the row and rank otherwise.
+fanfold's DDP uses its default transport (shm here).
 """
 from __future__ import annotations
 
 import argparse
+import copy
+import os
 import statistics
 import sys
-import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+from _blocks import same_round_ratios, time_blocks, train_step  # benchmarks/_blocks.py
 from torch import nn
 
 import fanfold
 
-ROWS = ["fanfold DDP + Adam", "fanfold DDP + fanfold ZeRO-2", "torch DDP + torch ZeRO"]
+ROWS = ("fanfold DDP + Adam", "fanfold DDP + fanfold ZeRO-2", "torch DDP + torch ZeRO")
+STAGE2 = ROWS[1]
+TARGETS = {ROWS[0]: 0.95, ROWS[2]: 0.80}  # stage 2's block over this row's block of the same round, at most
+
+
+@dataclass
+class RunResult:
+    """One timing launch: per row, its blocks' seconds per step (slowest rank, in order); per rank and row, a sample
+    of the final parameters."""
+
+    blocks: dict[str, list[float]]
+    samples: list[dict[str, torch.Tensor]]
+
+
+@dataclass
+class Footprint:
+    """One row launched alone, per rank: peak resident MiB, optimizer state elements held; the model's size."""
+
+    rss_mib: list[float]
+    state: list[int]
+    params: int
 
 
 def build(tiny: bool) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
@@ -41,92 +73,139 @@ def build(tiny: bool) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
     return model, (torch.randn(64, widths[0], generator=g), torch.randint(0, 1000, (64,), generator=g))
 
 
-def _peak_rss_mib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
-
-
-def _state_elements(opt: torch.optim.Optimizer) -> int:
-    inner = getattr(opt, "optim", opt)  # both ZeROs keep their local optimizer as .optim
-    return sum(t.numel() for s in inner.state.values() for t in s.values() if isinstance(t, torch.Tensor))
-
-
-def one_run(row: str, tiny: bool, warmup: int, steps: int) -> dict:
-    dist.init_process_group("gloo", timeout=timedelta(seconds=600))
-    model, (x, y) = build(tiny)
-    if row == "torch DDP + torch ZeRO":
+def wrap(row: str, model: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer, Callable[[], None] | None]:
+    """``row``'s DDP and optimizer around ``model``, and what ends one of its blocks (None: nothing)."""
+    if row == ROWS[2]:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         ddp = nn.parallel.DistributedDataParallel(model)
-        opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=1e-4)
-    else:
-        ddp = fanfold.DistributedDataParallel(model)
-        if row == "fanfold DDP + fanfold ZeRO-2":
-            opt = fanfold.ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=1e-4)
-            ddp.shard_gradients(opt)  # stage 2
-        else:
-            opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+        return ddp, ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=1e-4), None
+    ddp = fanfold.DistributedDataParallel(model)
+    if row != STAGE2:
+        return ddp, torch.optim.Adam(model.parameters(), lr=1e-4), None
+    opt = fanfold.ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=1e-4)
+    ddp.shard_gradients(opt)
+    # state_dict() waits for the parameter gathers still in flight (docs/zero.md): the block pays for its own, and
+    # the next row runs without them (nor the mode that watches reads while they are pending).
+    return ddp, opt, model.state_dict
 
-    def step() -> None:
-        opt.zero_grad(set_to_none=True)
-        F.cross_entropy(ddp(x), y).backward()
-        opt.step()
 
-    for _ in range(warmup):
-        step()
-    dist.barrier()
-    start = time.perf_counter()
+def _sample(model: nn.Module) -> torch.Tensor:
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return flat[:: max(1, flat.numel() // 10_000)].clone()
+
+
+def one_run(tiny: bool, warmup: int, block: int, blocks: int) -> RunResult:
+    """In each worker: the three rows, same weights and data, trained in rotating blocks."""
+    dist.init_process_group("gloo", timeout=timedelta(seconds=600))
+    base, (x, y) = build(tiny)
+    models = {row: copy.deepcopy(base) for row in ROWS}
+    steps, finish = {}, {}
+    for row in ROWS:
+        ddp, opt, end = wrap(row, models[row])
+        steps[row] = train_step(ddp, opt, x, y)
+        if end is not None:
+            finish[row] = end
+    for row in ROWS:
+        for _ in range(warmup):
+            steps[row]()
+        if row in finish:
+            finish[row]()
+    times = time_blocks(steps, block, blocks, finish)
+    samples = {row: _sample(m) for row, m in models.items()}
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, samples)
+    return RunResult(times, every)
+
+
+def footprint(row: str, tiny: bool, steps: int) -> Footprint:
+    """In each worker: ``row`` alone for ``steps`` steps; the high-water mark of this process's resident memory."""
+    dist.init_process_group("gloo", timeout=timedelta(seconds=600))
+    model, (x, y) = build(tiny)
+    ddp, opt, end = wrap(row, model)
+    step = train_step(ddp, opt, x, y)
     for _ in range(steps):
         step()
-    seconds = (time.perf_counter() - start) / steps
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    sample = flat[:: max(1, flat.numel() // 10_000)].clone()
-    return {"seconds": seconds, "rss": _peak_rss_mib(), "state": _state_elements(opt), "params": flat.numel(),
-            "sample": sample}
+    if end is not None:
+        end()
+    with open("/proc/self/status") as f:
+        rss = next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmHWM:"))
+    inner = getattr(opt, "optim", opt)  # both ZeROs keep their local optimizer as .optim
+    state = sum(t.numel() for s in inner.state.values() for t in s.values() if isinstance(t, torch.Tensor))
+    both: list = [None] * dist.get_world_size()
+    dist.all_gather_object(both, (rss, state))
+    return Footprint([r for r, _ in both], [s for _, s in both], sum(p.numel() for p in model.parameters()))
+
+
+def check(result: RunResult, run: int) -> None:
+    """Same weights, data, optimizer and number of steps: every row must end at the first row's parameters."""
+    ref = result.samples[0][ROWS[0]]
+    for rank, samples in enumerate(result.samples):
+        for row in ROWS:
+            if not torch.allclose(samples[row], ref, rtol=1e-5, atol=1e-7):
+                diff = (samples[row] - ref).abs().max().item()
+                raise SystemExit(f"run {run + 1}, {row}, rank {rank}: parameters differ from {ROWS[0]}'s on rank 0 "
+                                 f"(max abs diff {diff:.3g})")
+
+
+def ratios(results: list[RunResult], base: str) -> list[float]:
+    """Stage 2's block over ``base``'s of the same round, every round of every run."""
+    return [q for r in results for q in same_round_ratios(r.blocks, STAGE2, base)]
+
+
+def measure(args: argparse.Namespace) -> list[RunResult]:
+    results = []
+    for run in range(args.runs):
+        result = fanfold.launch(one_run, args.tiny, args.warmup, args.block, args.blocks, nprocs=2, threads=1,
+                                timeout=args.timeout)[0]
+        check(result, run)
+        results.append(result)
+        print(f"run {run + 1}/{args.runs}: " + ", ".join(
+            f"{row} {1e3 * statistics.median(result.blocks[row]):.1f}" for row in ROWS) + " ms/step; stage 2 vs "
+            + ", ".join(f"{base} {statistics.median(ratios([result], base)):.3f}" for base in TARGETS),
+            file=sys.stderr, flush=True)
+    return results
+
+
+def table(results: list[RunResult], mem: dict[str, Footprint]) -> str:
+    lines = ["| row | step (ms, median of blocks) | stage 2 / this row (median of rounds) | rounds meeting the target "
+             "| peak RSS per rank (MiB) | optimizer state elements per rank |", "|---|---|---|---|---|---|"]
+    for row in ROWS:
+        t = statistics.median([v for r in results for v in r.blocks[row]])
+        ratio = within = ""
+        if row in TARGETS:
+            q = ratios(results, row)
+            ratio = f"**{statistics.median(q):.3f}**"
+            within = f"{sum(v <= TARGETS[row] for v in q)}/{len(q)} rounds <= {TARGETS[row]:.2f}"
+        rss = " / ".join(f"{v:.0f}" for v in mem[row].rss_mib)
+        state = " / ".join(str(v) for v in mem[row].state)
+        lines.append(f"| {row} | {1e3 * t:.1f} | {ratio} | {within} | {rss} | {state} |")
+    return "\n".join(lines)
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--tiny", action="store_true", help="a small MLP, 1 run x 2 steps: checks the set-up only")
-    p.add_argument("--timeout", type=float, default=900.0)
+    p.add_argument("--runs", type=int, default=2, help="timing launches")
+    p.add_argument("--blocks", type=int, default=20, help="rounds per run: one block of every row each")
+    p.add_argument("--block", type=int, default=3, help="steps per block")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per row first")
+    p.add_argument("--mem-steps", type=int, default=3, help="steps of each row alone in the memory pass")
+    p.add_argument("--tiny", action="store_true", help="a small MLP, 1 run x 2 rounds x 1 step: the set-up only")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per launch before giving up")
     args = p.parse_args()
     if args.tiny:
-        args.runs, args.steps, args.warmup = 1, 2, 1
-    results: dict = {row: [] for row in ROWS}
-    for run in range(args.runs):
-        for row in ROWS:
-            per_rank = fanfold.launch(one_run, row, args.tiny, args.warmup, args.steps, nprocs=2, threads=1,
-                                      timeout=args.timeout)
-            results[row].append(per_rank)
-            print(f"run {run + 1}/{args.runs}  {row:28s} {1e3 * max(r['seconds'] for r in per_rank):8.1f} ms/step",
-                  file=sys.stderr, flush=True)
-    # Same weights, data and optimizer everywhere: the rows must end at the same parameters on every rank.
-    ref = results[ROWS[0]][-1][0]["sample"]
-    for row in ROWS:
-        for rank, r in enumerate(results[row][-1]):
-            if not torch.allclose(r["sample"], ref, rtol=1e-5, atol=1e-7):
-                diff = (r["sample"] - ref).abs().max().item()
-                raise SystemExit(f"{row}, rank {rank}: parameters differ from {ROWS[0]}'s (max abs diff {diff:.3g})")
-    n = results[ROWS[0]][0][0]["params"]
-    print(f"torch {torch.__version__}, MLP {n / 1e6:.1f}M parameters, Adam, 2 ranks x 1 thread, gloo; "
-          f"{args.runs} runs x {args.steps} steps (+{args.warmup} warm-up); results checked equal\n")
-    def median(row: str) -> float:
-        return statistics.median(max(r["seconds"] for r in pr) for pr in results[row])
-
-    base, torch_pair = median(ROWS[0]), median(ROWS[2])
-    print("| row | step (ms, median) | vs fanfold DDP + Adam | vs torch's pair | peak RSS per rank (MiB) | optimizer "
-          "state elements per rank |\n|---|---|---|---|---|---|")
-    for row in ROWS:
-        t = median(row)
-        rss = " / ".join(f"{statistics.median(pr[k]['rss'] for pr in results[row]):.0f}" for k in range(2))
-        state = " / ".join(str(r["state"]) for r in results[row][-1])
-        print(f"| {row} | {1e3 * t:.1f} | {t / base:.3f} | {t / torch_pair:.3f} | {rss} | {state} |")
+        args.runs, args.blocks, args.block, args.warmup, args.mem_steps = 1, 2, 1, 1, 2
+    if min(args.runs, args.blocks, args.block, args.mem_steps) < 1 or args.warmup < 0:
+        p.error("--runs, --blocks, --block and --mem-steps >= 1, --warmup >= 0")
+    load = os.getloadavg()[0]
+    results = measure(args)
+    mem = {row: fanfold.launch(footprint, row, args.tiny, args.mem_steps, nprocs=2, threads=1,
+                               timeout=args.timeout)[0] for row in ROWS}
+    print(f"torch {torch.__version__}, MLP {mem[ROWS[0]].params / 1e6:.1f}M parameters, Adam, batch 64 per rank, "
+          f"2 ranks x 1 thread, gloo; {args.runs} runs x {args.blocks} rounds x {args.block} steps per block "
+          f"(+{args.warmup} warm-up per row), rows rotating; memory: each row alone, {args.mem_steps} steps; "
+          f"results checked equal; load average {load:.1f} before, {os.getloadavg()[0]:.1f} after\n")
+    print(table(results, mem))
     return 0
 
 
