@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from .exchange import run_exchange
+from .gather import gather_from_peers
 from .peer import PeerReader
 from .reduce_ops import SUM, combine
 from .request import (
@@ -22,6 +23,7 @@ from .request import (
     ALL_REDUCE,
     ALL_TO_ALL,
     BARRIER,
+    GATHER_PEERS,
     HEADER_BYTES,
     REDUCE_INTO,
     REDUCE_SCATTER,
@@ -162,6 +164,9 @@ class Engine:
         def describe(i: int) -> Callable:
             return lambda: (f"{header.describe()} {where}, chunk {i + 1} of {count}", seq, c.bucket)
 
+        if op == GATHER_PEERS:
+            gather_from_peers(self._peer, flat, c.out, describe, lambda: self.check(seq, header, describe(0)))
+            return
         if op == BARRIER:
             self.seg.wait_all(self.seg.arrive(), describe(0))
             self.check(seq, header, describe(0))

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from .reduce_ops import reduce_code
-from .request import ALL_GATHER, ALL_TO_ALL, OPS, REDUCE_SCATTER, SCATTER_TENSORS, Collective
+from .request import ALL_GATHER, ALL_TO_ALL, GATHER_PEERS, OPS, REDUCE_SCATTER, SCATTER_TENSORS, Collective
 from .tensors import check_reduce_tensors, exchange_counts, exchange_tensors, flat_view
 from .thread import ShmWork
 from .thread import completed as _completed
@@ -32,11 +32,16 @@ class Exchanges:
 
     def all_gather(self, tensor: torch.Tensor, out: torch.Tensor, bucket: int | None = None) -> ShmWork:
         """Every rank's ``tensor`` (same numel and dtype on every rank) into ``out`` (world_size times as many
-        elements: rank r's at r * numel), asynchronously; ``bucket`` labels errors."""
+        elements: rank r's at r * numel), asynchronously; ``bucket`` labels errors. Where every rank may read its
+        peers' memory (``peer_read``), outputs above a quarter chunk are read straight from the peers' outputs."""
         if tensor.numel() and out.numel() and _overlaps(tensor, out) and not _own_part(tensor, out, self.rank):
             tensor = tensor.clone()  # overlapping other ranks' places in out: the engine would overwrite it
         flat, out_flat, finish = exchange_tensors("all_gather", tensor, out, times=self.world_size)
-        return self._exchange(Collective(ALL_GATHER, 0, flat, bucket, out=out_flat), out, finish)
+        # Above a quarter chunk where every rank may read its peers: each reads the peers' parts from their outputs
+        # (gather.py), no copy through the ring. The same choice on every rank: it depends on the sizes only.
+        peers = self.world_size > 1 and self.peer_read and out_flat.nbytes > self._chunk_bytes // 4
+        return self._exchange(Collective(GATHER_PEERS if peers else ALL_GATHER, 0, flat, bucket, out=out_flat), out,
+                              finish)
 
     def reduce_scatter(self, tensor: torch.Tensor, out: torch.Tensor, bucket: int | None = None, *,
                        divisor: float | None = None, op: str = "sum") -> ShmWork:

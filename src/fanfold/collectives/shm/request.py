@@ -17,16 +17,17 @@ import torch
 from .reduce_ops import REDUCE_OPS, SUM
 
 __all__ = ["DTYPES", "OPS", "ALL_REDUCE", "BROADCAST", "BARRIER", "SHARED_ALL_REDUCE", "REDUCE_INTO",
-           "REDUCE_TENSORS", "ALL_GATHER", "REDUCE_SCATTER", "ALL_TO_ALL", "SCATTER_TENSORS", "Collective", "Request",
-           "Header", "HeaderWords", "HEADER_BYTES"]
+           "REDUCE_TENSORS", "ALL_GATHER", "REDUCE_SCATTER", "ALL_TO_ALL", "SCATTER_TENSORS", "GATHER_PEERS",
+           "Collective", "Request", "Header", "HeaderWords", "HEADER_BYTES"]
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.int16,
           torch.int8, torch.uint8]
 (ALL_REDUCE, BROADCAST, BARRIER, SHARED_ALL_REDUCE, REDUCE_INTO, REDUCE_TENSORS, ALL_GATHER, REDUCE_SCATTER,
- ALL_TO_ALL, SCATTER_TENSORS) = range(1, 11)
+ ALL_TO_ALL, SCATTER_TENSORS, GATHER_PEERS) = range(1, 12)
 OPS = {ALL_REDUCE: "all_reduce", BROADCAST: "broadcast", BARRIER: "barrier", SHARED_ALL_REDUCE: "all_reduce",
        REDUCE_INTO: "all_reduce", REDUCE_TENSORS: "all_reduce", ALL_GATHER: "all_gather",
-       REDUCE_SCATTER: "reduce_scatter", ALL_TO_ALL: "all_to_all", SCATTER_TENSORS: "reduce_scatter"}
+       REDUCE_SCATTER: "reduce_scatter", ALL_TO_ALL: "all_to_all", SCATTER_TENSORS: "reduce_scatter",
+       GATHER_PEERS: "all_gather"}
 
 
 @dataclass(frozen=True, eq=False)
