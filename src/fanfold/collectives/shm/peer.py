@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["probe", "allow_peers", "PeerReader", "TABLE_BYTES", "pieces_of"]
+__all__ = ["probe", "allow_peers", "PeerReader", "TABLE_BYTES"]
 
 TABLE_BYTES = 64 << 10  # per rank: (address, bytes) pairs, 4096 tensors a round; longer lists take several rounds
 PR_SET_PTRACER, PR_SET_PTRACER_ANY = 0x59616D61, 2**64 - 1  # <linux/prctl.h>; ANY is (unsigned long)-1
@@ -62,7 +62,7 @@ def _copy(fn: Any, pid: int, pieces: list[tuple[int, int, int]]) -> None:
                                + (f": {os.strerror(err)}" if err else ""))
 
 
-def pieces_of(table: list[tuple[int, int]], starts: list[int], lo: int, hi: int):
+def _pieces(table: list[tuple[int, int]], starts: list[int], lo: int, hi: int):
     """(address, logical offset, bytes) of the parts of ``table`` (address, bytes pairs laid end to end; ``starts``
     their logical offsets) that cover logical bytes [lo, hi)."""
     k = bisect.bisect_right(starts, lo) - 1
@@ -136,7 +136,7 @@ class PeerReader:
         self.seg, self.rank, self.n, self.chunk_bytes, self._sum = seg, rank, world_size, chunk_bytes, summer
         self._tables = [data[p * TABLE_BYTES:][:TABLE_BYTES].view(torch.int64).view(-1, 2) for p in range(world_size)]
         self._fn = _readv_fn()
-        self.bufs = torch.empty((world_size, chunk_bytes), dtype=torch.uint8)
+        self._bufs = torch.empty((world_size, chunk_bytes), dtype=torch.uint8)
         self._narrow: torch.Tensor | None = None  # compress: every rank's chunk and the result, rounded
         self._compress: torch.dtype | None = None
         self._pre: float | None = None
@@ -157,7 +157,7 @@ class PeerReader:
             self._round(tensors[s: s + rows], describe, check if s == 0 else None, settle or not last)
 
     def set_rounding(self, compress: torch.dtype | None, pre_divisor: float | None) -> None:
-        """What :meth:`reduce_chunk` rounds to next (see :meth:`run`)."""
+        """What :meth:`sum_from_peers` rounds to next (see :meth:`run`)."""
         self._compress, self._pre = compress, pre_divisor
 
     def publish(self, tensors: list[torch.Tensor], describe: Callable) -> list[tuple[int, int]]:
@@ -178,8 +178,22 @@ class PeerReader:
                   for p in range(self.n)]
         return tables, [_offsets(t) for t in tables]
 
-    def reduce_chunk(self, parts: list[torch.Tensor], own: torch.Tensor) -> None:
-        """``own`` = the rank-ordered sum of ``parts`` (rounded as :meth:`set_rounding` said)."""
+    def sum_from_peers(self, own: torch.Tensor, x: int, y: int, tables: tuple, into: torch.Tensor,
+                       describe: Callable) -> None:
+        """``into`` = the rank-ordered sum of logical bytes [x, y) of every rank's tensors (``tables``: every rank's
+        table and offsets, :meth:`peer_tables`), this rank's being ``own``: each peer's read into its buffer."""
+        parts = []
+        for p in range(self.n):
+            if p == self.rank:
+                parts.append(own)
+                continue
+            buf = self._bufs[p]
+            self.read(p, [(buf.data_ptr() + off - x, raddr, m)
+                          for raddr, off, m in _pieces(tables[0][p], tables[1][p], x, y)], describe)
+            parts.append(buf[: y - x].view(own.dtype))
+        self._reduce_chunk(parts, into)
+
+    def _reduce_chunk(self, parts: list[torch.Tensor], own: torch.Tensor) -> None:
         if self._compress is None:
             self._sum(parts, own)
             return
@@ -218,16 +232,7 @@ class PeerReader:
             for x in range(a, b, self.chunk_bytes):
                 y = min(b, x + self.chunk_bytes)
                 own = tensors[k].view(-1)[(x - starts[k]) // size: (y - starts[k]) // size]
-                parts = []
-                for p in range(n):
-                    if p == rank:
-                        parts.append(own)
-                        continue
-                    buf = self.bufs[p]
-                    self.read(p, [(buf.data_ptr() + off - x, raddr, m)
-                                   for raddr, off, m in pieces_of(tables[p], offsets[p], x, y)], describe(steps))
-                    parts.append(buf[: y - x].view(own.dtype))
-                self.reduce_chunk(parts, own)
+                self.sum_from_peers(own, x, y, (tables, offsets), own, describe(steps))
                 steps += 1
         done = seg.arrive()  # this rank's shard holds the result
         seg.wait_all(done, describe(steps))
@@ -236,8 +241,8 @@ class PeerReader:
             if p == rank or phi <= plo:
                 continue
             pieces = []
-            for laddr, off, m in pieces_of(mine, starts, plo, phi):
-                for raddr, roff, rm in pieces_of(tables[p], offsets[p], off, off + m):
+            for laddr, off, m in _pieces(mine, starts, plo, phi):
+                for raddr, roff, rm in _pieces(tables[p], offsets[p], off, off + m):
                     pieces.append((laddr + roff - off, raddr, rm))
             self.read(p, pieces, describe(steps))
         # Peers may still be reading this rank's shard. This rank's table may be rewritten already (every peer

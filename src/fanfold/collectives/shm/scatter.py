@@ -26,8 +26,6 @@ from typing import Any
 
 import torch
 
-from .peer import pieces_of
-
 __all__ = ["scatter_tensors"]
 
 
@@ -77,17 +75,8 @@ def _round(reader: Any, tensors: list[torch.Tensor], out: torch.Tensor, base: in
         for x in range(ka, kb, reader.chunk_bytes):
             y = min(kb, x + reader.chunk_bytes)
             own = tensors[k].view(-1)[(x - starts[k]) // size: (y - starts[k]) // size]
-            parts = []
-            for p in range(n):
-                if p == rank:
-                    parts.append(own)
-                    continue
-                buf = reader.bufs[p]
-                reader.read(p, [(buf.data_ptr() + off - x, raddr, m)
-                                for raddr, off, m in pieces_of(tables[p], offsets[p], x, y)], describe(steps))
-                parts.append(buf[: y - x].view(own.dtype))
             at = base + x // size - part[0]  # where the piece lies in this rank's part
-            reader.reduce_chunk(parts, out[at: at + (y - x) // size])
+            reader.sum_from_peers(own, x, y, (tables, offsets), out[at: at + (y - x) // size], describe(steps))
             steps += 1
     end = seg.arrive()  # this rank reads nobody's tensors any more
     if settle:
