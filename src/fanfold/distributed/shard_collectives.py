@@ -1,5 +1,6 @@
 """The two collectives of ZeRO stage 2 on DDP's transport: reduce-scatter (each rank gets the average of its own part
-of a bucket) and all-gather (every rank's updated part to every rank).
+of a bucket; on the shm transport with peer reads, straight from the ``.grad`` tensors: ``scatter_tensors``) and
+all-gather (every rank's updated part to every rank).
 
 Layer: ``distributed``, under ``sharded_grads.py``; both are methods of the collective interface
 (``collectives/protocol.py``): the shm transport's own, torch's on a NCCL group. On gloo (``TorchTransport`` without
@@ -16,9 +17,9 @@ import torch
 from ..collectives.protocol import Transport
 from ..collectives.shm.transport import ShmTransport
 from ..collectives.transport import TorchTransport
-from .stall import uninspected
+from .stall import InspectedTransport, uninspected
 
-__all__ = ["reduce_scatter", "all_gather", "gathers", "completed", "reads_peers"]
+__all__ = ["reduce_scatter", "scatter_tensors", "all_gather", "gathers", "completed", "reads_peers"]
 
 
 def reads_peers(transport: Transport) -> bool:
@@ -39,6 +40,20 @@ def reduce_scatter(t: Transport, out: torch.Tensor, tensor: torch.Tensor, bucket
         out.copy_(tensor if divisor is None else tensor / divisor)
         return _Done()
     return t.reduce_scatter(tensor, out, bucket, divisor=divisor)
+
+
+def scatter_tensors(t: Transport, tensors: list[torch.Tensor], out: torch.Tensor, bucket: int,
+                    divisor: float | None, settle: bool, compress: torch.dtype | None) -> Any:
+    """Start ``out`` = this rank's part of the average of ``tensors`` laid end to end, read where they lie (the shm
+    transport where :func:`reads_peers`: ``ShmTransport.reduce_scatter_tensors``); numbered by the stall inspector
+    as any other collective when ``t`` is inspected."""
+    inner = uninspected(t)
+    kw = {"divisor": divisor, "settle": settle, **({} if compress is None else {"compress": compress})}
+
+    def call() -> Any:
+        return inner.reduce_scatter_tensors(tensors, out, bucket, **kw)
+
+    return t.inspector.run("reduce_scatter", bucket, call) if isinstance(t, InspectedTransport) else call()
 
 
 def gathers(t: Transport) -> bool:

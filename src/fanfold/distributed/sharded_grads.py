@@ -12,9 +12,10 @@ from the first backward's order), since the optimizer's state is laid out after 
 
 Memory after a synchronised backward: this rank's parts (``sum ceil(L / N)``, about ``P / N``) and one staging
 buffer of the largest bucket; no ``.grad`` and no full bucket. Through the staging buffer one bucket is in flight
-at a time (the next one's copy waits for it, while the backward computes in between); a transport that reduces the
-``.grad`` tensors where they lie (the shm one) needs no staging, keeps every launched bucket in flight and frees
-each one's ``.grad`` once reduced.
+at a time (the next one's copy waits for it, while the backward computes in between). The shm transport where
+ranks read each other's memory needs no staging: each rank reads only its part of every peer's ``.grad`` tensors
+(``ShmTransport.reduce_scatter_tensors``) straight into its part, every launched bucket in flight at once; the
+``.grad`` tensors are let go once no peer reads them any more (see :meth:`GradientShards._finish`).
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ import torch
 from .bucket_paths import BUILT_IN
 from .comm_hooks import GradBucket
 from .param_gather import ParamGather
-from .shard_collectives import completed, reads_peers, reduce_scatter
+from .shard_collectives import completed, reads_peers, reduce_scatter, scatter_tensors
 
 __all__ = ["BucketShard", "GradientShards", "ShardConsumer", "shard_gradients"]
 
@@ -71,13 +72,16 @@ class BucketShard:
 
 @dataclass
 class _Flight:
-    """The bucket whose reduction is under way: its handle, where its result lands (this rank's part, or the
-    members' own gradients reduced in place), and whether to add it to what the part holds."""
+    """The bucket whose reduction is under way: its handle, where its result lands (this rank's part, or a temporary
+    to add to what the part holds: ``accumulate``); ``held``: the gradients the peers read where they lie, and
+    whether the reduction waits for them to be done (``settled``)."""
 
     bucket: int
     handle: Any
-    result: torch.Tensor | list[torch.Tensor]
+    result: torch.Tensor
     accumulate: bool
+    held: list[torch.Tensor] | None = None
+    settled: bool = True
 
 
 class GradientShards:
@@ -101,6 +105,7 @@ class GradientShards:
         self.present = [False] * len(self.params)  # parameter i has a gradient: some rank used it
         self._staging: dict[tuple, torch.Tensor] = {}  # one buffer per (dtype, device): the largest bucket
         self._flights: deque[_Flight] = deque()  # launched, not yet finished, in bucket order
+        self._held: list[torch.Tensor] | None = None  # a finished bucket's .grad tensors that peers may still read
         self._launched: list[int] = []
         self.gather: ParamGather | None = None  # the parameters laid flat (lay_flat) and their gather
 
@@ -113,8 +118,8 @@ class GradientShards:
         return self._staging[key][:s.chunk * self.world_size]
 
     def _in_place(self, s: BucketShard) -> bool:
-        # A transport that all-reduces tensors where they lie (ShmTransport reading its peers' memory): nothing is
-        # copied into a staging buffer; twice the bytes of a reduce-scatter, but no copy into the ring and back.
+        # A transport that reads the peers' tensors where they lie (ShmTransport reading its peers' memory): nothing
+        # is copied into a staging buffer or the ring; each rank reads only its part of each peer's gradients.
         t, narrow = self.reducer.transport, BUILT_IN.get(self.reducer.hook)
         return reads_peers(t) and self.reducer.hook in BUILT_IN and (narrow is None or s.dtype == torch.float32) \
             and s.device.type == "cpu" and self.world_size > 1
@@ -156,21 +161,24 @@ class GradientShards:
         self._flights.append(_Flight(b, handle, out, accumulate))
 
     def _launch_in_place(self, s: BucketShard) -> None:
-        r = self.reducer
+        r, b = self.reducer, s.index
+        self.finish(only_done=True)  # the buckets already reduced: their .grad tensors may go
         tensors = []
         for i in s.members:
             g = None if r._shadowing else self.params[i].grad
             if g is None or not g.is_contiguous() or g.dtype != s.dtype:
                 fresh = torch.empty(self.params[i].shape, dtype=s.dtype, device=s.device)  # contiguous
                 g = fresh.zero_() if g is None else fresh.copy_(g)
+            if not r._shadowing:
+                self.params[i].grad = None  # the flight holds the tensor until the peers are done reading it
             tensors.append(g.view(-1))
-        narrow = BUILT_IN[r.hook]
-        # The .grad tensors are freed at the end of backward: only the last bucket waits for the peers to finish
-        # reading this rank's, as the earlier buckets' readers are done by then (every bucket, if some are skipped).
-        settle = s.index == len(self.layout) - 1 or r.skip_unused
-        handle = r.transport.reduce_tensors(tensors, bucket=s.index, divisor=r.divisor, settle=settle,
-                                            **({} if narrow is None else {"compress": narrow}))
-        self._flights.append(_Flight(s.index, handle, tensors, self.filled[s.index]))
+        accumulate = self.filled[b]
+        out = torch.empty(s.chunk, dtype=s.dtype, device=s.device) if accumulate else self.parts[b]
+        # Only the last bucket (every bucket, if some are skipped) waits for the peers to finish reading this rank's
+        # gradients: for the others the next bucket's reduction waits for it (see _finish), one wait less each.
+        settle = b == len(self.layout) - 1 or r.skip_unused
+        handle = scatter_tensors(r.transport, tensors, out, b, r.divisor, settle, BUILT_IN[r.hook])
+        self._flights.append(_Flight(b, handle, out, accumulate, tensors, settle))
 
     def finish(self, only_done: bool = False) -> None:
         """Wait for the buckets in flight (``only_done``: take those already complete, in order); their results into
@@ -180,18 +188,18 @@ class GradientShards:
 
     def _finish(self, f: _Flight) -> None:
         f.handle.wait()
-        part, s = self.parts[f.bucket], self.layout[f.bucket]
-        if isinstance(f.result, list):  # reduced in place: this rank's part out of the members' gradients
-            for k, a, b, at in s.spans(s.lo, s.hi):
-                mine = part[at:at + b - a]
-                mine.add_(f.result[k][a:b]) if f.accumulate else mine.copy_(f.result[k][a:b])
-            for i in s.members:
-                self.params[i].grad = None
-        elif f.accumulate:
+        part = self.parts[f.bucket]
+        if f.accumulate:
             part.add_(f.result.to(part.dtype))
         elif f.result is not part:
             part.copy_(f.result)
         self.filled[f.bucket] = True
+        # Gradients read where they lie: peers read this rank's until they pass the reduction's last step, which an
+        # unsettled reduction does not wait for. Every later collective of the transport waits for it at its first
+        # step (a peer-read reduce-scatter before it even rewrites its address table), so once this bucket's
+        # reduction is complete the earlier buckets' gradients may go; its own, only if it settled. Until then they
+        # must not be freed: the allocator would hand their memory to the backward while a peer still reads it.
+        self._held = None if f.settled else f.held
 
     def write_back(self, used: list[float] | None) -> None:
         """End of a synchronised backward: every launched bucket's result is in; ``used[i]``: how many ranks used

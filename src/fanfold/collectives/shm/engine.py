@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from .exchange import run_exchange
+from .gather import gather_from_peers
 from .peer import PeerReader
 from .reduce_ops import SUM, combine
 from .request import (
@@ -22,15 +23,18 @@ from .request import (
     ALL_REDUCE,
     ALL_TO_ALL,
     BARRIER,
+    GATHER_PEERS,
     HEADER_BYTES,
     REDUCE_INTO,
     REDUCE_SCATTER,
     REDUCE_TENSORS,
+    SCATTER_TENSORS,
     SHARED_ALL_REDUCE,
     Collective,
     Header,
     HeaderWords,
 )
+from .scatter import scatter_tensors
 from .segment import Segment
 
 __all__ = ["Engine"]
@@ -128,7 +132,7 @@ class Engine:
                 same = replace(theirs, place=mine.place) == mine
                 if theirs.reduce != mine.reduce:
                     what += f" (op {theirs.reduce_name()}; rank {self.rank}'s: {mine.reduce_name()})"
-                elif same and mine.op == REDUCE_TENSORS:
+                elif same and mine.op in (REDUCE_TENSORS, SCATTER_TENSORS):
                     what += f" as {theirs.place} tensors (rank {self.rank}: {mine.place})"
                 elif same:  # a shared all_reduce of another place in the buckets' memory
                     what += f" at {theirs.place & ((1 << 40) - 1)} bytes into region {theirs.place >> 40}"
@@ -142,9 +146,9 @@ class Engine:
         op, flat, seq = c.op, c.flat, c.seq
         self._divisor, self._reduce = c.divisor, c.reduce
         # all_to_all's lengths may differ by rank: its first step checks every pair of splits instead
-        numel = (sum(t.numel() for t in c.outs) if op == REDUCE_TENSORS else
-                 0 if flat is None or op == ALL_TO_ALL else flat.numel())
-        place = len(c.outs) if op == REDUCE_TENSORS else c.shared[1] if c.shared is not None else 0
+        peer = op in (REDUCE_TENSORS, SCATTER_TENSORS)  # c.outs: the tensors, read where they lie
+        numel = (sum(t.numel() for t in c.outs) if peer else 0 if flat is None or op == ALL_TO_ALL else flat.numel())
+        place = len(c.outs) if peer else c.shared[1] if c.shared is not None else 0
         header = Header.of(c, numel, place)
         header.write(self._desc[self.rank][seq & 1])
         self.written[seq & 1] = None
@@ -160,6 +164,9 @@ class Engine:
         def describe(i: int) -> Callable:
             return lambda: (f"{header.describe()} {where}, chunk {i + 1} of {count}", seq, c.bucket)
 
+        if op == GATHER_PEERS:
+            gather_from_peers(self._peer, flat, c.out, describe, lambda: self.check(seq, header, describe(0)))
+            return
         if op == BARRIER:
             self.seg.wait_all(self.seg.arrive(), describe(0))
             self.check(seq, header, describe(0))
@@ -167,9 +174,12 @@ class Engine:
         if op == SHARED_ALL_REDUCE:
             self._shared_all_reduce(c.shared[0], cap, describe, (seq, header))
             return
-        if op == REDUCE_TENSORS:
-            self._peer.run(c.outs, describe, lambda: self.check(seq, header, describe(0)), c.settle,
-                           *(c.compress or ()))
+        if peer:
+            check = lambda: self.check(seq, header, describe(0))  # noqa: E731
+            if op == REDUCE_TENSORS:
+                self._peer.run(c.outs, describe, check, c.settle, *(c.compress or ()))
+            else:
+                scatter_tensors(self._peer, c.outs, c.out, describe, check, c.settle, *(c.compress or ()))
             return
         if op == REDUCE_INTO:
             self._reduce_into(c.shared[0], c.outs, cap, describe, (seq, header))

@@ -1,4 +1,5 @@
-"""The shared-memory transport's all_gather, reduce_scatter and all_to_all: argument checks and the requests.
+"""The shared-memory transport's all_gather, reduce_scatter (of one tensor, or of private tensors laid end to end:
+``reduce_scatter_tensors``) and all_to_all: argument checks and the requests.
 
 Part of ``collectives/shm``: a base class of ``ShmTransport`` (``transport.py``), which supplies the numbering and
 the thread (``_enqueue``); the algorithms are ``exchange.py``'s, the flat views ``tensors.py``'s.
@@ -11,8 +12,8 @@ from typing import Any
 import torch
 
 from .reduce_ops import reduce_code
-from .request import ALL_GATHER, ALL_TO_ALL, OPS, REDUCE_SCATTER, Collective
-from .tensors import exchange_counts, exchange_tensors
+from .request import ALL_GATHER, ALL_TO_ALL, GATHER_PEERS, OPS, REDUCE_SCATTER, SCATTER_TENSORS, Collective
+from .tensors import check_reduce_tensors, exchange_counts, exchange_tensors, flat_view
 from .thread import ShmWork
 from .thread import completed as _completed
 
@@ -20,21 +21,27 @@ __all__ = ["Exchanges"]
 
 
 class Exchanges:
-    """all_gather, reduce_scatter and all_to_all for a transport with ``world_size``, ``_chunk_bytes`` and
-    ``_enqueue(collective, value, finish)``."""
+    """all_gather, reduce_scatter and all_to_all for a transport with ``world_size``, ``_chunk_bytes``,
+    ``peer_read`` and ``_enqueue(collective, value, finish)``."""
 
     rank: int
     world_size: int
+    peer_read: bool
     _chunk_bytes: int
     _enqueue: Callable[..., Any]
 
     def all_gather(self, tensor: torch.Tensor, out: torch.Tensor, bucket: int | None = None) -> ShmWork:
         """Every rank's ``tensor`` (same numel and dtype on every rank) into ``out`` (world_size times as many
-        elements: rank r's at r * numel), asynchronously; ``bucket`` labels errors."""
+        elements: rank r's at r * numel), asynchronously; ``bucket`` labels errors. Where every rank may read its
+        peers' memory (``peer_read``), outputs above a quarter chunk are read straight from the peers' outputs."""
         if tensor.numel() and out.numel() and _overlaps(tensor, out) and not _own_part(tensor, out, self.rank):
             tensor = tensor.clone()  # overlapping other ranks' places in out: the engine would overwrite it
         flat, out_flat, finish = exchange_tensors("all_gather", tensor, out, times=self.world_size)
-        return self._exchange(Collective(ALL_GATHER, 0, flat, bucket, out=out_flat), out, finish)
+        # Above a quarter chunk where every rank may read its peers: each reads the peers' parts from their outputs
+        # (gather.py), no copy through the ring. The same choice on every rank: it depends on the sizes only.
+        peers = self.world_size > 1 and self.peer_read and out_flat.nbytes > self._chunk_bytes // 4
+        return self._exchange(Collective(GATHER_PEERS if peers else ALL_GATHER, 0, flat, bucket, out=out_flat), out,
+                              finish)
 
     def reduce_scatter(self, tensor: torch.Tensor, out: torch.Tensor, bucket: int | None = None, *,
                        divisor: float | None = None, op: str = "sum") -> ShmWork:
@@ -47,6 +54,52 @@ class Exchanges:
         flat, out_flat, finish = exchange_tensors("reduce_scatter", tensor, out, per=self.world_size)
         return self._exchange(Collective(REDUCE_SCATTER, 0, flat, bucket, divisor=divisor, out=out_flat,
                                          reduce=reduce), out, finish)
+
+    def reduce_scatter_tensors(self, tensors: list[torch.Tensor], out: torch.Tensor, bucket: int | None = None, *,
+                               divisor: float | None = None, settle: bool = True,
+                               compress: torch.dtype | None = None) -> ShmWork:
+        """Sum ``tensors`` (contiguous CPU tensors of one dtype, not overlapping; laid end to end, ``total`` elements
+        on every rank) over the group and keep this rank's part in ``out`` (``ceil(total / world_size)`` elements:
+        rank r's part is elements r * len(out) .. (r + 1) * len(out) of the concatenation; where it runs past
+        ``total``, ``out`` is zeroed), asynchronously; divided by ``divisor``. Bitwise what :meth:`reduce_scatter`
+        of the zero-padded concatenation gives. Where every rank may read its peers' memory (``peer_read``) each
+        rank reads only its part from the peers' own tensors (``scatter.py``); ``settle=False``: the handle
+        completes once ``out`` holds the result, and the tensors must stay unchanged until a later collective of
+        this transport has returned. Otherwise they are copied into one buffer and reduce-scattered through the
+        ring. ``compress``: as :meth:`reduce_tensors` (the compression hooks' bits); ``out`` stays float32."""
+        if divisor is not None and not (isinstance(divisor, (int, float)) and divisor > 0):
+            raise ValueError(f"reduce_scatter_tensors: divisor must be a positive number, got {divisor!r}")
+        tensors = check_reduce_tensors(tensors, compress, "reduce_scatter_tensors")
+        total = sum(t.numel() for t in tensors)
+        chunk = -(-total // self.world_size)
+        flat_out, back = flat_view(out, "reduce_scatter_tensors (out)")
+        dtype = tensors[0].dtype if tensors else out.dtype
+        if back is not None or out.dtype != dtype or out.numel() != chunk:
+            raise ValueError(f"reduce_scatter_tensors: out must be a contiguous {dtype} tensor of ceil({total} / "
+                             f"{self.world_size}) = {chunk} elements, got {out.dtype} {tuple(out.shape)} "
+                             f"contiguous={out.is_contiguous()}")
+        if any(_overlaps(t, out) or _overlaps(out, t) for t in tensors if t.numel() and out.numel()):
+            raise ValueError("reduce_scatter_tensors: out overlaps one of the tensors in memory")
+        if not tensors:
+            return _completed(out)
+        pre = divisor if compress == torch.float16 else None  # float16 divides first, as fp16_compress_hook does
+        if pre is not None:
+            divisor = None
+        if self.world_size > 1 and self.peer_read:
+            return self._enqueue(Collective(SCATTER_TENSORS, 0, tensors[0].view(-1), bucket, divisor=divisor,
+                                            outs=tensors, out=flat_out, settle=bool(settle),
+                                            compress=None if compress is None else (compress, pre)), out, None)
+        # No peer reads: one zero-padded copy of the concatenation, reduce-scattered through the ring
+        stage = torch.empty(chunk * self.world_size, dtype=compress or dtype)
+        stage[total:].zero_()
+        if compress is None:
+            torch.cat([t.view(-1) for t in tensors], out=stage[:total])
+            return self.reduce_scatter(stage, flat_out, bucket, divisor=divisor)
+        wide = torch.cat([t.view(-1) for t in tensors])
+        stage[:total].copy_(wide if pre is None else wide.div_(pre))
+        narrow = torch.empty(chunk, dtype=compress)
+        work = self.reduce_scatter(stage, narrow, bucket, divisor=divisor)
+        return ShmWork(work.get_future().then(lambda _: flat_out.copy_(narrow)))
 
     def all_to_all(self, tensor: torch.Tensor, out: torch.Tensor, send: list[int], recv: list[int]) -> ShmWork:
         """Send ``send[q]`` consecutive elements of ``tensor`` to rank q and receive ``recv[p]`` from rank p into

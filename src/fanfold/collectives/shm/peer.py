@@ -140,6 +140,8 @@ class PeerReader:
         self._narrow: torch.Tensor | None = None  # compress: every rank's chunk and the result, rounded
         self._compress: torch.dtype | None = None
         self._pre: float | None = None
+        self.rows = self._tables[0].shape[0]  # tensors a round takes
+        self.unsettled: int | None = None  # step after which peers may still read this rank's table (scatter.py)
 
     def run(self, tensors: list[torch.Tensor], describe: Callable, check: Callable[[], None], settle: bool,
             compress: torch.dtype | None = None, pre_divisor: float | None = None) -> None:
@@ -148,11 +150,48 @@ class PeerReader:
         ``compress`` (float32 tensors only): every rank's values are divided by ``pre_divisor`` (if given) and
         rounded to that dtype, summed as the other algorithms sum it, and the result rounded to it -- the bits
         of the compression hooks' cast, all-reduce and cast back, rounded where the data is read."""
-        self._compress, self._pre = compress, pre_divisor
-        rows = self._tables[0].shape[0]
+        self.set_rounding(compress, pre_divisor)
+        rows = self.rows
         for s in range(0, max(1, len(tensors)), rows):  # rounds of at most a table's worth of tensors
             last = s + rows >= len(tensors)
             self._round(tensors[s: s + rows], describe, check if s == 0 else None, settle or not last)
+
+    def set_rounding(self, compress: torch.dtype | None, pre_divisor: float | None) -> None:
+        """What :meth:`sum_from_peers` rounds to next (see :meth:`run`)."""
+        self._compress, self._pre = compress, pre_divisor
+
+    def publish(self, tensors: list[torch.Tensor], describe: Callable) -> list[tuple[int, int]]:
+        """Write where ``tensors`` lie into this rank's table; their (address, bytes). Waits first for the peers to
+        be done with the table's last contents, if a reduce-scatter left them reading it (``unsettled``)."""
+        if self.unsettled is not None:
+            self.seg.wait_all(self.unsettled, describe)
+            self.unsettled = None
+        mine = [(t.data_ptr(), t.numel() * t.element_size()) for t in tensors]
+        if mine:
+            self._tables[self.rank][: len(mine)] = torch.tensor(mine, dtype=torch.int64)
+        return mine
+
+    def peer_tables(self, mine: list[tuple[int, int]]) -> tuple[list[list[tuple[int, int]]], list[list[int]]]:
+        """Every rank's table of the current round (this rank's: ``mine``) and its logical offsets; once every
+        peer has published (after the round's first step)."""
+        tables = [mine if p == self.rank else [tuple(r) for r in self._tables[p][: len(mine)].tolist()]
+                  for p in range(self.n)]
+        return tables, [_offsets(t) for t in tables]
+
+    def sum_from_peers(self, own: torch.Tensor, x: int, y: int, tables: tuple, into: torch.Tensor,
+                       describe: Callable) -> None:
+        """``into`` = the rank-ordered sum of logical bytes [x, y) of every rank's tensors (``tables``: every rank's
+        table and offsets, :meth:`peer_tables`), this rank's being ``own``: each peer's read into its buffer."""
+        parts = []
+        for p in range(self.n):
+            if p == self.rank:
+                parts.append(own)
+                continue
+            buf = self._bufs[p]
+            self.read(p, [(buf.data_ptr() + off - x, raddr, m)
+                          for raddr, off, m in _pieces(tables[0][p], tables[1][p], x, y)], describe)
+            parts.append(buf[: y - x].view(own.dtype))
+        self._reduce_chunk(parts, into)
 
     def _reduce_chunk(self, parts: list[torch.Tensor], own: torch.Tensor) -> None:
         if self._compress is None:
@@ -169,17 +208,14 @@ class PeerReader:
     def _round(self, tensors: list[torch.Tensor], describe: Callable, check: Callable[[], None] | None,
                settle: bool) -> None:
         seg, rank, n = self.seg, self.rank, self.n
-        mine = [(t.data_ptr(), t.numel() * t.element_size()) for t in tensors]
-        if mine:
-            self._tables[rank][: len(mine)] = torch.tensor(mine, dtype=torch.int64)
+        mine = self.publish(tensors, describe(0))
         start = seg.arrive()  # the table is written and the tensors hold this rank's values: peers may read
         seg.wait_all(start, describe(0))
         if check is not None:
             check()
         # Every rank passes the same number of tensors in a round (checked with the collective's descriptor), but
         # only the total length has to agree: each table is walked with its own offsets.
-        tables = [mine if p == rank else [tuple(r) for r in self._tables[p][: len(mine)].tolist()] for p in range(n)]
-        offsets = [_offsets(t) for t in tables]
+        tables, offsets = self.peer_tables(mine)
         starts, total = offsets[rank], sum(nb for _, nb in mine)
         for p in range(n):
             theirs = sum(nb for _, nb in tables[p])
@@ -196,16 +232,7 @@ class PeerReader:
             for x in range(a, b, self.chunk_bytes):
                 y = min(b, x + self.chunk_bytes)
                 own = tensors[k].view(-1)[(x - starts[k]) // size: (y - starts[k]) // size]
-                parts = []
-                for p in range(n):
-                    if p == rank:
-                        parts.append(own)
-                        continue
-                    buf = self._bufs[p]
-                    self._read(p, [(buf.data_ptr() + off - x, raddr, m)
-                                   for raddr, off, m in _pieces(tables[p], offsets[p], x, y)], describe(steps))
-                    parts.append(buf[: y - x].view(own.dtype))
-                self._reduce_chunk(parts, own)
+                self.sum_from_peers(own, x, y, (tables, offsets), own, describe(steps))
                 steps += 1
         done = seg.arrive()  # this rank's shard holds the result
         seg.wait_all(done, describe(steps))
@@ -217,7 +244,7 @@ class PeerReader:
             for laddr, off, m in _pieces(mine, starts, plo, phi):
                 for raddr, roff, rm in _pieces(tables[p], offsets[p], off, off + m):
                     pieces.append((laddr + roff - off, raddr, rm))
-            self._read(p, pieces, describe(steps))
+            self.read(p, pieces, describe(steps))
         # Peers may still be reading this rank's shard. This rank's table may be rewritten already (every peer
         # had read it before it summed its shard), but the tensors must not change before the peers are done: a
         # peer arrives at the next step only then, and any later wait of this rank for it implies that step.
@@ -225,7 +252,8 @@ class PeerReader:
         if settle:
             seg.wait_all(end, describe(steps))
 
-    def _read(self, p: int, pieces: list[tuple[int, int, int]], describe: Callable) -> None:
+    def read(self, p: int, pieces: list[tuple[int, int, int]], describe: Callable) -> None:
+        """Copy (local address, remote address, bytes) ``pieces`` from rank ``p``'s memory."""
         try:
             _copy(self._fn, self.seg.pid(p), pieces)
         except OSError as exc:

@@ -17,16 +17,17 @@ import torch
 from .reduce_ops import REDUCE_OPS, SUM
 
 __all__ = ["DTYPES", "OPS", "ALL_REDUCE", "BROADCAST", "BARRIER", "SHARED_ALL_REDUCE", "REDUCE_INTO",
-           "REDUCE_TENSORS", "ALL_GATHER", "REDUCE_SCATTER", "ALL_TO_ALL", "Collective", "Request", "Header",
-           "HeaderWords", "HEADER_BYTES"]
+           "REDUCE_TENSORS", "ALL_GATHER", "REDUCE_SCATTER", "ALL_TO_ALL", "SCATTER_TENSORS", "GATHER_PEERS",
+           "Collective", "Request", "Header", "HeaderWords", "HEADER_BYTES"]
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.int16,
           torch.int8, torch.uint8]
 (ALL_REDUCE, BROADCAST, BARRIER, SHARED_ALL_REDUCE, REDUCE_INTO, REDUCE_TENSORS, ALL_GATHER, REDUCE_SCATTER,
- ALL_TO_ALL) = range(1, 10)
+ ALL_TO_ALL, SCATTER_TENSORS, GATHER_PEERS) = range(1, 12)
 OPS = {ALL_REDUCE: "all_reduce", BROADCAST: "broadcast", BARRIER: "barrier", SHARED_ALL_REDUCE: "all_reduce",
        REDUCE_INTO: "all_reduce", REDUCE_TENSORS: "all_reduce", ALL_GATHER: "all_gather",
-       REDUCE_SCATTER: "reduce_scatter", ALL_TO_ALL: "all_to_all"}
+       REDUCE_SCATTER: "reduce_scatter", ALL_TO_ALL: "all_to_all", SCATTER_TENSORS: "reduce_scatter",
+       GATHER_PEERS: "all_gather"}
 
 
 @dataclass(frozen=True, eq=False)
@@ -37,10 +38,11 @@ class Collective:
     for a barrier). ``seq``: its number, the same on every rank. ``bucket`` labels errors. ``src``: a broadcast's
     root. ``shared``: (every rank's copy of ``flat``, by rank; where it lies) for memory from
     ``ShmTransport.allocate``. ``divisor``: sums are divided by it (an average). ``outs``: REDUCE_INTO's private
-    outputs, or REDUCE_TENSORS' tensors. ``settle``, ``compress`` (dtype, pre_divisor): see ``PeerReader.run``.
-    ``out``: the 1-d output of all_gather, reduce_scatter and all_to_all. ``splits``: all_to_all's element counts
-    (sent to each rank, received from each rank). ``reduce``: the reduction's code (``reduce_ops``: SUM, MIN, MAX,
-    PRODUCT) of an all_reduce or reduce_scatter; a divisor goes with SUM only."""
+    outputs, or REDUCE_TENSORS' and SCATTER_TENSORS' tensors. ``settle``, ``compress`` (dtype, pre_divisor): see
+    ``PeerReader.run``. ``out``: the 1-d output of all_gather, reduce_scatter (SCATTER_TENSORS too) and all_to_all.
+    ``splits``: all_to_all's element counts (sent to each rank, received from each rank). ``reduce``: the
+    reduction's code (``reduce_ops``: SUM, MIN, MAX, PRODUCT) of an all_reduce or reduce_scatter; a divisor goes
+    with SUM only."""
 
     op: int
     seq: int
@@ -94,7 +96,7 @@ class Header:
     """What a rank announces of its current collective, compared by every peer after the first step: ``op``,
     ``dtype`` (index + 1 in DTYPES, 0: none), ``src`` (a broadcast's root), ``narrow`` (the dtype a compressed
     all-reduce rounds to, 0: none), ``numel`` and ``place`` (where a shared all-reduce's tensor lies, or how many
-    tensors REDUCE_TENSORS sums), ``reduce`` (the reduction, ``reduce_ops``)."""
+    tensors REDUCE_TENSORS or SCATTER_TENSORS sums), ``reduce`` (the reduction, ``reduce_ops``)."""
 
     op: int
     dtype: int = 0

@@ -70,22 +70,23 @@ def exchange_counts(tensor: torch.Tensor, out: torch.Tensor, send: list[int], re
     return flat, out_flat, back, (tuple(k * scale for k in send), tuple(k * scale for k in recv))
 
 
-def check_reduce_tensors(tensors: list[torch.Tensor], compress: torch.dtype | None) -> list[torch.Tensor]:
-    """``ShmTransport.reduce_tensors``' tensors, checked: contiguous real CPU tensors of one dtype, not overlapping;
-    ``compress`` only to bfloat16 or float16, of float32 tensors."""
+def check_reduce_tensors(tensors: list[torch.Tensor], compress: torch.dtype | None, what: str = "reduce_tensors"
+                         ) -> list[torch.Tensor]:
+    """``ShmTransport.reduce_tensors``' (or ``what``'s) tensors, checked: contiguous real CPU tensors of one dtype,
+    not overlapping; ``compress`` only to bfloat16 or float16, of float32 tensors."""
     tensors = list(tensors)
     for k, t in enumerate(tensors):
-        flat_view(t, f"reduce_tensors (tensor {k})")
+        flat_view(t, f"{what} (tensor {k})")
         if not t.is_contiguous() or t.dtype != tensors[0].dtype or t.is_complex():
-            raise ValueError(f"reduce_tensors: tensor {k} must be a contiguous real tensor of "
+            raise ValueError(f"{what}: tensor {k} must be a contiguous real tensor of "
                              f"{tensors[0].dtype}, like tensor 0; got {t.dtype}, contiguous={t.is_contiguous()}")
     spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), k)
                    for k, t in enumerate(tensors) if t.numel())
     for (_, end, j), (start, _, k) in zip(spans, spans[1:]):
         if start < end:  # summed in place shard by shard: two names for one memory would corrupt both
-            raise ValueError(f"reduce_tensors: tensors {min(j, k)} and {max(j, k)} overlap in memory")
+            raise ValueError(f"{what}: tensors {min(j, k)} and {max(j, k)} overlap in memory")
     if compress is not None and (compress not in (torch.bfloat16, torch.float16) or
                                  any(t.dtype != torch.float32 for t in tensors)):
-        raise ValueError(f"reduce_tensors: compress must be torch.bfloat16 or torch.float16, for float32 tensors; "
+        raise ValueError(f"{what}: compress must be torch.bfloat16 or torch.float16, for float32 tensors; "
                          f"got {compress} for {tensors[0].dtype if tensors else 'no'} tensors")
     return tensors

@@ -8,6 +8,8 @@ torch.distributed's: only the segment's name and each rank's host identity trave
 Private tensors above a quarter chunk skip the copy into the ring where every rank may read its peers' memory
 (``process_vm_readv``, probed at start-up: ``peer_read``; ``peer.py``), else ``reduce_tensors`` copies them into
 memory from :meth:`ShmTransport.allocate` kept per bucket label; memory from allocate() skips the copy always.
+With peer reads ``reduce_scatter_tensors`` (``exchanges.py``, ``scatter.py``) and large all_gathers
+(``gather.py``) read the peers' tensors where they lie too.
 """
 from __future__ import annotations
 
