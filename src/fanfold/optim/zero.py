@@ -5,11 +5,11 @@ rank holds ``1/N`` of the state whatever the parameter sizes. Each rank's inner 
 of ``optimizer_class``) steps 1-D views of its slice of the parameters, in place; the updated slices are then
 all-gathered so that every rank holds the whole model again. For torch's elementwise optimizers the views are cut
 in cache-sized pieces, each batch of them an inner parameter group (``elementwise``, ``layout.inner_groups``). As
-with torch's ``ZeroRedundancyOptimizer`` the gradients must already be averaged over the ranks (DistributedDataParallel
-does that). Stage 2: after
-``DistributedDataParallel.shard_gradients(opt)`` the slices are the parts of DDP's buckets (``zero_stage2``) whose
-averaged gradients the reducer leaves this rank, and the gather is the reducer's. Part of ``fanfold.optim``:
-imports ``torch.distributed`` and the layout and state helpers beside it.
+with torch's ``ZeroRedundancyOptimizer`` the gradients must already be averaged over the ranks
+(DistributedDataParallel does that). Stage 2: after ``DistributedDataParallel.shard_gradients(opt)`` the slices are
+the parts of DDP's buckets (``zero_stage2``) whose averaged gradients the reducer leaves this rank, and the gather
+is the reducer's. Part of ``fanfold.optim``: imports ``torch.distributed`` and the layout and state helpers beside
+it.
 """
 from __future__ import annotations
 
