@@ -3,7 +3,10 @@
 The parameters, in optimizer order, are laid end to end, one flat space per (dtype, device) so that a space can be
 all-gathered as one tensor. A space of ``T`` elements is cut into ``N`` slices of ``ceil(T / N)`` elements (the last
 ones shorter or empty); rank ``r`` owns slice ``r``. A slice may start or end inside a parameter: the part of one
-parameter inside one slice is a :class:`Piece`. Pure arithmetic, no collective; part of ``fanfold.optim``.
+parameter inside one slice is a :class:`Piece`. For the step, pieces are cut further into pieces of at most
+``PIECE_BYTES`` (``split_pieces``), batched into parameter groups of about that size (``cache_batches``,
+``inner_groups``), so that each pass of the inner optimizer runs over data still in cache. Pure arithmetic, no
+collective; part of ``fanfold.optim``.
 """
 from __future__ import annotations
 
@@ -12,7 +15,14 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Piece", "Space", "plan_spaces", "pieces_of", "spans"]
+__all__ = ["PIECE_BYTES", "Piece", "Space", "plan_spaces", "pieces_of", "spans", "split_pieces", "cache_batches",
+           "inner_groups"]
+
+# The most bytes of parameter one piece of the step covers. Adam's passes over a piece touch about four times this
+# (parameter, gradient, two state tensors), which stays in the cache of the 2-core VM measured (1 MiB L2 per core,
+# 32 MiB L3). Measured alike from 512 KiB to 4 MiB; below 256 KiB the Python overhead of one parameter group per
+# piece costs more than the cache saves (benchmarks/zero_step.py, docs/zero.md).
+PIECE_BYTES = 512 * 1024
 
 
 @dataclass(frozen=True)
@@ -95,3 +105,52 @@ def spans(space: Space, numels: list[int], lo: int, hi: int) -> list[tuple[int, 
             out.append((i, a - start, b - start, a - lo))
         k += 1
     return out
+
+
+def split_pieces(pieces: list[Piece], params: list[torch.Tensor], limit: int = PIECE_BYTES) -> list[Piece]:
+    """Each piece cut into pieces of at most ``limit`` bytes (at least one element), in order. The cuts lie at the
+    parameter's flat elements that are multiples of ``limit // element size``, so the same elements of a parameter
+    form a piece at any world size, wherever the ranks' slices begin."""
+    out = []
+    for pc in pieces:
+        width = max(1, limit // params[pc.index].element_size())
+        a = pc.start
+        while a < pc.stop:
+            b = min(pc.stop, (a // width + 1) * width)
+            out.append(Piece(pc.index, pc.group, pc.space, a, b, pc.offset + a - pc.start))
+            a = b
+    return out
+
+
+def cache_batches(pieces: list[Piece], params: list[torch.Tensor], limit: int = PIECE_BYTES) -> list[list[int]]:
+    """Positions in ``pieces`` batched into runs of consecutive pieces of at most ``limit`` bytes together (a larger
+    piece alone)."""
+    out: list[list[int]] = []
+    used = 0
+    for k, pc in enumerate(pieces):
+        size = pc.numel * params[pc.index].element_size()
+        if not out or used + size > limit:
+            out.append([])
+            used = 0
+        out[-1].append(k)
+        used += size
+    return out
+
+
+def inner_groups(pieces: list[Piece], params: list[torch.Tensor],
+                 cut: list[bool]) -> tuple[list[Piece], list[tuple[int, list[int]]]]:
+    """The inner optimizer's parameters and groups: ``pieces`` in group order, those of group ``g`` cut by
+    ``split_pieces`` where ``cut[g]``; and per inner group, its group and its positions in that list: one per cache
+    batch of a cut group, one for each other group. A group with no piece on this rank gets one empty inner group,
+    which takes the optimizer class's defaults into it as on the other ranks."""
+    out: list[Piece] = []
+    batches: list[tuple[int, list[int]]] = []
+    for g, pieced in enumerate(cut):
+        mine = [pc for pc in pieces if pc.group == g]
+        runs = [list(range(len(mine)))]
+        if pieced:
+            mine = split_pieces(mine, params)
+            runs = cache_batches(mine, params) or [[]]
+        batches += [(g, [len(out) + k for k in run]) for run in runs]
+        out += mine
+    return out, batches

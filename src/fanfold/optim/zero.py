@@ -3,11 +3,13 @@
 Shards are contiguous equal slices of a flat view of all parameters (``layout``), not whole parameters, so every
 rank holds ``1/N`` of the state whatever the parameter sizes. Each rank's inner optimizer (``.optim``, an instance
 of ``optimizer_class``) steps 1-D views of its slice of the parameters, in place; the updated slices are then
-all-gathered so that every rank holds the whole model again. As with torch's ``ZeroRedundancyOptimizer`` the
-gradients must already be averaged over the ranks (DistributedDataParallel does that). Stage 2: after
-``DistributedDataParallel.shard_gradients(opt)`` the slices are the parts of DDP's buckets (``zero_stage2``) whose
-averaged gradients the reducer leaves this rank, and the gather is the reducer's. Part of ``fanfold.optim``:
-imports ``torch.distributed`` and the layout and state helpers beside it.
+all-gathered so that every rank holds the whole model again. For torch's elementwise optimizers the views are cut
+in cache-sized pieces, each batch of them an inner parameter group (``elementwise``, ``layout.inner_groups``). As
+with torch's ``ZeroRedundancyOptimizer`` the gradients must already be averaged over the ranks
+(DistributedDataParallel does that). Stage 2: after ``DistributedDataParallel.shard_gradients(opt)`` the slices are
+the parts of DDP's buckets (``zero_stage2``) whose averaged gradients the reducer leaves this rank, and the gather
+is the reducer's. Part of ``fanfold.optim``: imports ``torch.distributed`` and the layout and state helpers beside
+it.
 """
 from __future__ import annotations
 
@@ -17,15 +19,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .layout import Piece, pieces_of, plan_spaces, spans
+from .elementwise import check_elementwise, steps_in_pieces
+from .layout import Piece, inner_groups, pieces_of, plan_spaces, spans
 from .shard_state import PieceState, assemble, cut
 from .zero_stage2 import bucket_pieces, check_shards
 
 __all__ = ["ZeroRedundancyOptimizer"]
 
-# torch optimizers whose update of one element depends on other elements of the same parameter (matrix
-# factorisations, line searches, sparse rows): a slice of a parameter would not step as the whole parameter does.
-_NOT_ELEMENTWISE = ("LBFGS", "SparseAdam", "Adafactor", "Muon")
 # Elements received per all-gather round after a step (all ranks' parts together): the step's extra memory.
 GATHER_ELEMENTS = 1 << 22
 
@@ -59,10 +59,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
             raise TypeError(f"ZeroRedundancyOptimizer: optimizer_class must be a torch.optim.Optimizer subclass "
                             f"(e.g. torch.optim.Adam), got {optimizer_class!r}")
-        bad = [n for n in _NOT_ELEMENTWISE if getattr(torch.optim, n, None) is optimizer_class]
-        if bad:
-            raise ValueError(f"ZeroRedundancyOptimizer: {bad[0]} does not update each element independently, so "
-                             f"it cannot step slices of parameters")
+        check_elementwise(optimizer_class)
         if parameters_as_bucket_view:
             raise ValueError("ZeroRedundancyOptimizer: parameters_as_bucket_view=True is not supported; fanfold "
                              "writes the gathered slices straight into the parameters already")
@@ -99,7 +96,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                                  f"same parameters")
 
     def _build(self) -> None:
-        """(Re)compute this rank's pieces and a fresh inner optimizer over 1-D views of them."""
+        """(Re)compute this rank's pieces and a fresh inner optimizer over 1-D views of them: one inner parameter
+        group per cache-sized batch of pieces where the class allows it (``elementwise``), else one per group."""
         self._params = [p for g in self.param_groups for p in g["params"]]
         groups = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
         for i, p in enumerate(self._params):
@@ -107,21 +105,23 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"ZeroRedundancyOptimizer: parameter {i} (shape {tuple(p.shape)}) is not contiguous; "
                                  f"its slices cannot be viewed in place")
         self._spaces = plan_spaces(self._params, self.world_size)
-        self._pieces: list[Piece] = pieces_of(self._spaces, self._params, groups, self.rank) if self._stage2 is None \
+        pieces: list[Piece] = pieces_of(self._spaces, self._params, groups, self.rank) if self._stage2 is None \
             else bucket_pieces(self._stage2, check_shards(self._stage2, self._params, self.rank, self.world_size),
                                groups)
+        cut = [steps_in_pieces(self.optimizer_class, {**self._user_defaults, **g}) for g in self.param_groups]
+        self._pieces, batches = inner_groups(pieces, self._params, cut)  # inner parameter k: self._pieces[k]
         self._views = [self._params[pc.index].detach().view(-1)[pc.start:pc.stop] for pc in self._pieces]
-        inner = [{**{k: v for k, v in g.items() if k != "params"},
-                  "params": [v for pc, v in zip(self._pieces, self._views) if pc.group == gi]}
-                 for gi, g in enumerate(self.param_groups)]
-        self.optim = self.optimizer_class(inner, **self._user_defaults)
-        for g, ig in zip(self.param_groups, self.optim.param_groups):
+        self._outer = [gi for gi, _ in batches]  # inner group j steps (part of) group self._outer[j]
+        options = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+        self.optim = self.optimizer_class([{**options[gi], "params": [self._views[k] for k in run]}
+                                           for gi, run in batches], **self._user_defaults)
+        for gi, ig in zip(self._outer, self.optim.param_groups):
             for k, v in ig.items():
-                g.setdefault(k, v)
+                self.param_groups[gi].setdefault(k, v)
 
     def _sync_hyper(self) -> None:  # schedulers and users change self.param_groups: the inner optimizer follows
-        for g, ig in zip(self.param_groups, self.optim.param_groups):
-            ig.update({k: v for k, v in g.items() if k != "params"})
+        for gi, ig in zip(self._outer, self.optim.param_groups):
+            ig.update({k: v for k, v in self.param_groups[gi].items() if k != "params"})
 
     def _shard_grads(self) -> list[torch.Tensor]:
         """Point each piece's ``.grad`` at its slice of the parameter's gradient; return those slices."""
@@ -273,10 +273,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
 
     def _load_full(self, full: Mapping[int, dict]) -> None:
         self._sync_hyper()
-        order = [pos for gi in range(len(self.param_groups)) for pos, pc in enumerate(self._pieces) if pc.group == gi]
-        ids = {pos: i for i, pos in enumerate(order)}
-        state = {ids[pos]: cut(full[pc.index], pc, self._params[pc.index])
-                 for pos, pc in enumerate(self._pieces) if pc.index in full}
+        state = {k: cut(full[pc.index], pc, self._params[pc.index]) for k, pc in enumerate(self._pieces)
+                 if pc.index in full}
         groups, at = [], 0
         for ig in self.optim.param_groups:
             n = len(ig["params"])
