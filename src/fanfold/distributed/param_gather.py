@@ -69,6 +69,11 @@ def _pop_idle_modes() -> None:
         torch._C._pop_torch_function_stack()
 
 
+def _settle(pending: dict) -> None:
+    while pending:
+        pending.pop(next(iter(pending))).wait()
+
+
 def _wait_all(ref: weakref.ref, *_: Any) -> None:
     gather = ref()
     if gather is not None:
@@ -94,6 +99,9 @@ class ParamGather:
         # The forward reads the parameters roughly in registration order; DDP's buckets hold them in reverse.
         self.order = sorted(range(len(layout)), key=lambda b: min(layout[b].members))
         self.pending: dict[int, Any] = {}  # bucket -> handle of its gather, in issue order
+        # Collected with gathers in flight (the optimizer and the wrapper deleted after step() while the transport
+        # lives on, e.g. the fanfold backend's): the mode can no longer make a read wait, so they are waited for here.
+        weakref.finalize(self, _settle, self.pending).atexit = False
         self._announced: set[str] = set()
         self.why_not = None if gathers(transport) else \
             "the transport has no asynchronous all-gather here (gloo: one broadcast per rank's part)"
@@ -158,6 +166,5 @@ class ParamGather:
 
     def wait_all(self) -> None:
         """Wait for every gather in flight; pop the modes that have nothing left to wait for."""
-        while self.pending:
-            self.pending.pop(next(iter(self.pending))).wait()
+        _settle(self.pending)
         _pop_idle_modes()
