@@ -83,18 +83,25 @@ def _ddp_deleted(impl, unused, group=None):
     return _after(model, opt)
 
 
-def _zero_deleted(impl):
-    """ZeRO stage 1 beside DDP with gradient_as_bucket_view: both deleted, then parameters and gradients read."""
+def _zero_deleted(impl, stage, group=None, late=0.0):
+    """ZeRO beside DDP, both deleted, then the model read. Stage 1 with gradient_as_bucket_view (parameters and
+    gradients read); stage 2 right after a step() that returns with the parameters' gather in flight, which rank 1
+    joins ``late`` seconds after rank 0 (parameters read)."""
     model = Net()
-    ddp = _wrap(impl, model, gradient_as_bucket_view=True)
+    ddp = _wrap(impl, model, group, gradient_as_bucket_view=stage == 1)
     if impl == "torch":
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     else:
         opt = fanfold.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9)
+        if stage == 2:
+            ddp.shard_gradients(opt)
     _train(ddp, opt, False)
+    if stage == 2:
+        time.sleep(late if dist.get_rank() == 1 else 0.0)
+        opt.step()
     del opt, ddp
     gc.collect()
-    return _snapshot(model)
+    return {k: v if stage == 1 else v[0] for k, v in _snapshot(model).items()}
 
 
 def _copies(impl):
@@ -204,7 +211,7 @@ def _check(results):
         assert _close(res["shm"], res["torch"]), f"rank {r}: fanfold differs from torch's DDP"
 
 
-@pytest.mark.parametrize("case", [("ddp", False), ("ddp", True), ("zero",), ("copies",), ("region",)],
+@pytest.mark.parametrize("case", [("ddp", False), ("ddp", True), ("zero", 1), ("copies",), ("region",)],
                          ids=["as_view", "as_view-unused", "zero1", "copies", "region"])
 def test_memory_outlives_its_owner(case):
     _check(fanfold.launch(_worker, case, nprocs=2, timeout=120))
@@ -217,30 +224,11 @@ def test_grads_outlive_the_process_group(unused):
 
 def _zero2_gather_in_flight():
     """ZeRO stage 2 on the ``fanfold`` backend, whose transport outlives the wrapper: the optimizer and the wrapper
-    deleted while the parameters' gather is in flight (rank 1 is late), then the parameters read."""
+    deleted while the parameters' gather is in flight, then the parameters read. The oracle runs on a gloo group."""
     torch.set_num_threads(1)
     init_process_group("fanfold", timeout=60)
     gloo = dist.new_group(backend="gloo")
-    out = {"torch": _zero_deleted_on(gloo, "torch")}
-    out["shm"] = _zero_deleted_on(None, "fanfold", late=time.sleep if dist.get_rank() == 1 else None)
-    return out
-
-
-def _zero_deleted_on(group, impl, late=None):
-    model = Net()
-    ddp = _wrap(impl, model, group)
-    if impl == "torch":
-        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    else:
-        opt = fanfold.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9)
-        ddp.shard_gradients(opt)
-    _train(ddp, opt, False)
-    if late is not None:
-        late(1.0)
-    opt.step()
-    del opt, ddp
-    gc.collect()
-    return {k: v[0] for k, v in _snapshot(model).items()}
+    return {"torch": _zero_deleted("torch", 2, gloo), "shm": _zero_deleted("fanfold", 2, late=1.0)}
 
 
 def test_zero2_params_after_the_optimizer_is_deleted_mid_gather():
