@@ -42,19 +42,20 @@ _META = frozenset(
 
 
 class _PendingReads(TorchFunctionMode):
-    """Waits for the bucket of any tensor argument that lies in a bucket whose gather is in flight."""
+    """Waits for the bucket of any tensor argument that lies in a bucket whose gather is in flight. It holds the
+    gathers' handles, not the :class:`ParamGather`: reads still wait once the optimizer and the wrapper are
+    collected with gathers in flight (the transport living on, e.g. the fanfold backend's)."""
 
     def __init__(self, gather: ParamGather):
         super().__init__()
-        self.gather = weakref.ref(gather)
+        self.pending, self.storage = gather.pending, gather.storage
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        gather = self.gather()
-        if gather is not None and gather.pending and func not in _META:
+        if self.pending and func not in _META:
             for a in (*args, *(kwargs or {}).values()):
                 for t in (a if isinstance(a, (list, tuple)) else (a,)):
                     if isinstance(t, torch.Tensor):
-                        gather.wait_for(t)
+                        _wait_for(self.pending, self.storage, t)
         return func(*args, **(kwargs or {}))
 
 
@@ -63,10 +64,27 @@ def _pop_idle_modes() -> None:
     cannot pop itself while it runs, and a mode under another one must stay until that one is popped."""
     while (n := torch._C._len_torch_function_stack()) > 0:
         top = torch._C._get_function_stack_at(n - 1)
-        gather = top.gather() if isinstance(top, _PendingReads) else None
-        if not isinstance(top, _PendingReads) or (gather is not None and gather.pending):
+        if not isinstance(top, _PendingReads) or top.pending:
             return
         torch._C._pop_torch_function_stack()
+
+
+def _settle(pending: dict) -> None:
+    while pending:
+        pending.pop(next(iter(pending))).wait()
+
+
+def _wait_for(pending: dict, storage: dict, t: torch.Tensor) -> None:
+    """Wait for the gather of the bucket ``t`` lies in (``storage``: bucket by storage address), if in flight."""
+    try:
+        b = storage.get(t.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):  # sparse and other storage-less tensors: not a bucket
+        return
+    if b is not None and b in pending:
+        for done in list(pending):  # earlier ones first: the transports complete them in order
+            pending.pop(done).wait()
+            if done == b:
+                break
 
 
 def _wait_all(ref: weakref.ref, *_: Any) -> None:
@@ -90,7 +108,7 @@ class ParamGather:
                     view.copy_(params[i].detach().reshape(-1))
                     params[i].data = view.view(params[i].shape)  # the Parameter object, its hooks and .grad stay
                 self.flats.append(flat)
-        self._storage = {f.untyped_storage().data_ptr(): b for b, f in enumerate(self.flats)}
+        self.storage = {f.untyped_storage().data_ptr(): b for b, f in enumerate(self.flats)}
         # The forward reads the parameters roughly in registration order; DDP's buckets hold them in reverse.
         self.order = sorted(range(len(layout)), key=lambda b: min(layout[b].members))
         self.pending: dict[int, Any] = {}  # bucket -> handle of its gather, in issue order
@@ -144,20 +162,7 @@ class ParamGather:
                 if hi > lo:
                     direct.broadcast(flat[lo:hi], q)
 
-    def wait_for(self, t: torch.Tensor) -> None:
-        """Wait for the gather of the bucket ``t`` lies in, if one is in flight."""
-        try:
-            b = self._storage.get(t.untyped_storage().data_ptr())
-        except (RuntimeError, NotImplementedError):  # sparse and other storage-less tensors: not a bucket
-            return
-        if b is not None and b in self.pending:
-            for done in list(self.pending):  # earlier ones first: the transports complete them in order
-                self.pending.pop(done).wait()
-                if done == b:
-                    break
-
     def wait_all(self) -> None:
         """Wait for every gather in flight; pop the modes that have nothing left to wait for."""
-        while self.pending:
-            self.pending.pop(next(iter(self.pending))).wait()
+        _settle(self.pending)
         _pop_idle_modes()

@@ -69,6 +69,12 @@ class Engine:
         self._desc = [[segment.line(r, HeaderWords, _DESC + HEADER_BYTES * b) for b in (0, 1)]
                       for r in range(world_size)]
 
+    def close(self) -> None:
+        """Drop this engine's views of the segment (they would keep it mapped: ``Segment.close``); the peer reader
+        goes too, which also breaks its reference cycle through ``sum_into``. The engine runs nothing after this."""
+        self._views.clear()
+        self._peer = None
+
     def step(self, dtype: torch.dtype, describe: Callable) -> tuple[int, list[torch.Tensor], torch.Tensor]:
         """The next step's number, and its area's slots 0..N-1 and result, as ``dtype`` views, once reusable."""
         g = self.seg.arrived

@@ -111,7 +111,11 @@ class Segment:
         self._data_offset = -(-(_RANKS + world_size * _LINE) // 4096) * 4096
         size = self._data_offset + data_bytes
         self._mm = self._map(store, size)
-        self._bytes = torch.frombuffer(self._mm, dtype=torch.uint8)
+        # Through a memoryview: the tensor (and every view of it handed out: allocate()'s regions, DDP's buckets,
+        # .grad) then holds an export of the mapping, which mmap.close() refuses, so the mapping is unmapped only
+        # once the last such tensor dies (torch.frombuffer on the mmap itself holds no export: close() would unmap
+        # under live tensors).
+        self._bytes = torch.frombuffer(memoryview(self._mm), dtype=torch.uint8)
         self.base = self._bytes.data_ptr()
         self.data = self._bytes[self._data_offset:]
         self._futex = _syscall()
@@ -270,11 +274,14 @@ class Segment:
         return ctypes.string_at(self.base + _MSG).decode(errors="replace")
 
     def close(self) -> None:
-        """Unmap (the memory is freed once every rank has unmapped or exited)."""
+        """Let go of the mapping: unmapped now if no tensor views it, else when the last one dies (the name was
+        unlinked at attach time, so the memory is freed once every rank's last view is gone or its process ended)."""
         self._counters = []
         self.data = self._bytes = None
         self._abort = None
-        try:
-            self._mm.close()
-        except (BufferError, AttributeError):
-            pass  # a view still exported: the mapping goes with the process
+        mm, self._mm = getattr(self, "_mm", None), None
+        if mm is not None:
+            try:
+                mm.close()
+            except BufferError:
+                pass  # a tensor still views it: its memoryview keeps the mapping until the last view dies

@@ -140,13 +140,16 @@ class Worker:
             return
         request.future.set_result(request.value)
 
-    def stop(self, segment: Segment, regions: list) -> None:
-        """Finish the queued collectives, stop the thread, unmap the segment and the regions."""
+    def stop(self, segment: Segment, regions: list, stages: dict) -> None:
+        """Finish the queued collectives, stop the thread, let go of the segment and the regions: each is unmapped
+        now, or when the last tensor viewing it dies (``Segment.close``)."""
         if self._thread.is_alive():
             self._requests.put(None)
             self._thread.join(5.0)
         if not self._thread.is_alive():
+            self.engine.close()
+            stages.clear()
             segment.close()
-            for *_, region in regions:  # mappings still used by tensors stay until those go (Segment.close)
+            for *_, region in regions:
                 region.close()
             regions.clear()

@@ -107,7 +107,8 @@ class ShmTransport(Exchanges):
             tables = self._segment.data[ring:] if self.peer_read else None
             engine = Engine(self._segment, self.rank, self.world_size, chunk_bytes, direct_bytes, areas, tables)
             self._worker = Worker(engine, f"fanfold-shm-rank{self.rank}")
-            self._finalizer = weakref.finalize(self, self._worker.stop, self._segment, self._regions)
+            self._finalizer = weakref.finalize(self, self._worker.stop, self._segment, self._regions,
+                                              self._stages)
         else:
             self._finalizer = weakref.finalize(self, lambda: None)
 
