@@ -274,3 +274,33 @@ def test_join_mirrors_sparse_static_unused_and_delayed_reductions():
             for res in (r0, r1):
                 assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(res[impl, name], model.parameters())), \
                     (impl, name)
+
+
+def _device_mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    init_process_group(timeout=60)
+    n = world_size()
+    mesh, flat = init_device_mesh("cpu", (n,)), init_device_mesh("cpu", (1, n))
+    out = {}
+    for impl in IMPLS:
+        ddp = wrap(impl, nn.Linear(2, 2), device_mesh=mesh)
+        out[impl, "attribute"] = ddp.device_mesh is mesh
+        for name, kw in (("both", dict(device_mesh=mesh, process_group=mesh.get_group())),
+                         ("2d", dict(device_mesh=flat))):
+            try:
+                wrap(impl, nn.Linear(2, 2), **kw)
+                out[impl, name] = None
+            except RuntimeError as exc:
+                out[impl, name] = str(exc)
+    return out
+
+
+def test_device_mesh_is_kept_and_refused_with_torchs_words():
+    """torch's test_ddp_device_mesh_initialization, on the CPU: the wrapper keeps ``device_mesh``; a mesh and a group,
+    or a 2-D mesh, are refused with the words torch's test matches (case included)."""
+    for out in fanfold.launch(_device_mesh, nprocs=2, timeout=120):
+        for impl in IMPLS:
+            assert out[impl, "attribute"], impl
+            assert "Cannot specify both process_group and device_mesh arguments." in out[impl, "both"], out
+            assert "Only 1D device mesh is supported," in out[impl, "2d"], out

@@ -76,7 +76,7 @@ class DistributedDataParallel(nn.Module):
             skip_all_reduce_unused_params=skip_all_reduce_unused_params, batched_grad_copy=batched_grad_copy,
             mixed_precision=mixed_precision)
         self.module = module
-        self.dim = dim
+        self.dim, self.device_mesh = dim, device_mesh
         self.device_ids, self.output_device = check_devices(module, device_ids, output_device)
         self._options, self.process_group = options, options.process_group
         self.forward_sync_buffers = options.forward_sync_buffers
