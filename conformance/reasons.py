@@ -49,3 +49,27 @@ REASONS: dict[str, str] = {
         "with `FANFOLD_STALL_TIMEOUT=60`). With `FANFOLD_TRANSPORT=torch` the test passes: the reduction must "
         "detach the gradients (as torch's reducer does) before summing them in place.",
 }
+
+# The CPU port (``driver.py --cuda-on-cpu``): tests whose subject is CUDA itself, not run there, one reason each.
+CUDA_ONLY: dict[str, str] = {
+    "test_DistributedDataParallel_non_default_stream":
+        "CUDA streams: the backward runs on a non-default CUDA stream and the test checks that DDP's all-reduce "
+        "waits for it (also skipped by torch on Linux).",
+    "test_DistributedDataParallel_with_amp_and_grad_is_view":
+        "AMP on the GPU: `torch.cuda.amp.autocast` and `GradScaler`; on the CPU the scaler disables itself and "
+        "autocast(\"cuda\") does nothing, so the test would pass as a plain float32 run and show nothing.",
+    "test_ddp_device":
+        "CUDA placement: checks that DDP moved every input (tensors in tuples, lists, dicts, custom types) to "
+        "the CUDA device of `device_ids` (`x.device.index == rank`); with every device the CPU there is no move.",
+    "test_ddp_logging_data_gpu":
+        "the C++ `Logger`'s record of the CUDA devices (`device_ids`, `output_device`) and of GPU timings, read "
+        "through `model._get_ddp_logging_data()`; the CPU half of the same test is `test_ddp_logging_data_cpu`.",
+}
+
+# The CPU port: why torch's own DDP fails or times out there, where its error alone does not say.
+PORT_NOTES: dict[str, str] = {
+    "test_ddp_uneven_inputs":
+        "GPU-sized: its `large_conv_model` (three 5x5 convolutions up to 256 channels on a 1000x1000 input, "
+        "about 0.2 TFLOP per forward) runs under join for 6 iteration mappings; on shared CPU cores it does not "
+        "finish within the bound, with either DDP.",
+}
