@@ -129,7 +129,7 @@ def port_lines(meta: dict, outcomes: dict[str, dict[str, Outcome]], plain_torch:
         "## The CPU port: the CUDA tests on CPU ranks",
         "",
         f"- command: `{meta['command']}`",
-        f"- date: {meta['started']}; fanfold revision {revision(root)}",
+        f"- date: {meta['started']}; fanfold revision {meta.get('revision') or revision(root)}",
         "- wall time: " + ", ".join(f"{k} {v // 60} min {v % 60} s" for k, v in meta.get("seconds", {}).items()),
         "",
         "The same tests, run with the suite's CUDA devices mapped to the CPU in every rank process before the test "
@@ -210,7 +210,7 @@ def write_page(page: Path, meta: dict, selected: list[str], outcomes: dict[str, 
         "`conformance/reasons.py`.",
         "",
         f"- command: `{meta['command']}`",
-        f"- date: {meta['started']}; fanfold revision {revision(root)}",
+        f"- date: {meta['started']}; fanfold revision {meta.get('revision') or revision(root)}",
         f"- torch {torch.__version__}, Python {sys.version.split()[0]}, CPU, gloo, 2 ranks "
         f"(`BACKEND=gloo WORLD_SIZE=2`), rank processes started by `{meta.get('start_method', 'spawn')}`",
         "- wall time: " + ", ".join(f"{k} {v // 60} min {v % 60} s" for k, v in meta.get("seconds", {}).items()),

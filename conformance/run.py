@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from report import Outcome, write_page
+from report import Outcome, revision, write_page
 from selection import ddp_tests
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -159,7 +159,7 @@ def _run_both(out: Path, tests: list[str], args: argparse.Namespace, driver_args
               command: str) -> dict:
     """The self-check, then ``tests`` with torch's DDP and with fanfold's, into ``out``; the run's metadata."""
     meta = {"command": command, "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "tests": tests,
-            "seconds": {}, "start_method": args.start_method,
+            "seconds": {}, "start_method": args.start_method, "revision": revision(ROOT),
             "transport": os.environ.get("FANFOLD_TRANSPORT") or "default"}
     for impl in ("torch", "fanfold"):
         check = run_tests(impl, [SELF_CHECK], out / f"selfcheck-{impl}", args.timeout, args.start_method,
