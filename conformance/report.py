@@ -133,9 +133,9 @@ def port_lines(meta: dict, outcomes: dict[str, dict[str, Outcome]], plain_torch:
         "- wall time: " + ", ".join(f"{k} {v // 60} min {v % 60} s" for k, v in meta.get("seconds", {}).items()),
         "",
         "The same tests, run with the suite's CUDA devices mapped to the CPU in every rank process before the test "
-        "starts (`conformance/cuda_on_cpu.py`, nothing of torch's edited): the suite's code sees `WORLD_SIZE` CUDA "
+        "starts (`conformance/cuda_on_cpu.py`, nothing of torch's edited): the suite's code sees a node of 8 CUDA "
         "devices (its global `torch` in `distributed_test` and `common_distributed` has a `cuda` whose "
-        "`is_available()` is True, `device_count()` the world size, `set_device`/`synchronize`/`device(i)` no-ops; "
+        "`is_available()` is True, `device_count()` 8, `set_device`/`synchronize`/`device(i)` no-ops; "
         "`TEST_CUDA` is True), so its skip decorators let the tests run; a torch function mode puts every tensor the "
         "test asks for on a CUDA device (`device=`, `.cuda()`, `.to(\"cuda:1\")`, an index) on the CPU, as "
         "`nn.Module.to` does; DDP, torch's or fanfold's, drops `device_ids` and `output_device` (torch's refuses them "
