@@ -120,6 +120,9 @@ def port_lines(meta: dict, outcomes: dict[str, dict[str, Outcome]], plain_torch:
     cpu = [n for n in tests if plain_torch.get(n) and plain_torch[n].status != "skip"]
     count = {impl: Counter(outcomes[impl][n].status for n in cuda if n in outcomes[impl]) for impl in outcomes}
     ran = [n for n in cuda if n in t and t[n].status != "skip"]
+    cuda_only = [n for n in cuda if n in CUDA_ONLY]
+    other = len(cuda) - len(ran) - len(cuda_only)
+    own = [n for n in tests if plain_torch.get(n) and plain_torch[n].status == "skip" and n not in cuda]
     torch_pass = [n for n in cuda if n in t and t[n].status == "pass"]
     both = [n for n in torch_pass if n in f and f[n].status == "pass"]
     differ = [n for n in tests if (t.get(n) and t[n].status) != (f.get(n) and f[n].status)]
@@ -144,11 +147,9 @@ def port_lines(meta: dict, outcomes: dict[str, dict[str, Outcome]], plain_torch:
         "counts as no evidence. A test whose subject is CUDA itself is not run (listed below with its reason).",
         "",
         f"Of the {len(cuda)} tests the run above skips for want of CUDA, **{len(ran)} run on the port** and "
-        f"{sum(n in CUDA_ONLY for n in cuda)} stay skipped as tests of CUDA itself"
-        + (f" ({len(cuda) - len(ran) - sum(n in CUDA_ONLY for n in cuda)} other skips)"
-           if len(cuda) - len(ran) != sum(n in CUDA_ONLY for n in cuda) else "")
-        + f"; the other {sum(1 for n in tests if plain_torch.get(n) and plain_torch[n].status == 'skip') - len(cuda)}"
-        " skips of the run above are torch's own on Linux (known failures, flakiness) and skip here too.",
+        f"{len(cuda_only)} stay skipped as tests of CUDA itself" + (f" ({other} skip otherwise)" if other else "")
+        + f"; the other {len(own)} skips of the run above are torch's own on Linux (known failures, flakiness) and "
+        "skip here too.",
         "",
         f"| the {len(cuda)} CUDA tests | pass | fail | timeout | skip |",
         "| --- | --- | --- | --- | --- |",
