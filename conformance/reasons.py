@@ -49,6 +49,10 @@ INTERNAL: dict[str, str] = {
     "test_different_graph_across_ranks": _LOGGING.format(" for `has_rebuilt_buckets`"),
     "test_skip_all_reduce_unused_parameters": _LOGGING.format(" for `num_buckets_reduced`"),
     "test_sync_bn_logged": _LOGGING.format(" for whether the model has SyncBatchNorm"),
+    "test_get_data_parallel_params":
+        "`DistributedDataParallel._get_data_parallel_params(module, named_params)` (torch's private generator of "
+        "the parameters DDP did not ignore); the ignoring itself (`_set_params_and_buffers_to_ignore_for_model`) "
+        "ran with fanfold's class",
     "test_ddp_logging_data_cpu":
         "`model._set_ddp_runtime_logging_sample_rate(2)` and `model._get_ddp_logging_data()` (the C++ `Logger`'s "
         "`DDPLoggingData`: iteration count, bucket sizes and rebuilt bucket indices, environment variables, "
@@ -70,19 +74,15 @@ _PICKLE = (
     "'torch._C._distributed_c10d.PrefixStore'\". `copy.deepcopy` fails the same way."
 )
 
-_IGNORE = (
-    "fanfold gap: `DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)` (torch's "
-    "private but widely used static method: the named parameters and buffers are left out of DDP, neither "
-    "broadcast, checked across ranks nor reduced) does not exist in fanfold, and fanfold's DDP does not read "
-    "`module._ddp_params_and_buffers_to_ignore` either: it has no way to leave parameters or buffers out.{}"
-)
-
 REASONS: dict[str, str] = {
-    "test_ddp_ignore_params_arg": _IGNORE.format(" The test wraps a model whose ignored `fc2` differs in shape "
-                                                 "between ranks, then replaces it."),
-    "test_get_data_parallel_params": _IGNORE.format(" The test also calls torch's `_get_data_parallel_params`."),
-    "test_ddp_native_mixed_precision_ignored_params": _IGNORE.format(""),
-    "test_ddp_multiple_nested_unused_params_err_ignore_params": _IGNORE.format(""),
+    "test_ddp_multiple_nested_unused_params_err_ignore_params":
+        "as `test_ddp_multiple_nested_unused_params_error` (a documented deviation): fanfold raises in the first "
+        "backward, naming the 3 unused parameters (the ignored embedding left out, as the test wants), where the "
+        "test expects torch's error and wording in the next iteration.",
+    "test_ddp_native_mixed_precision_ignored_params":
+        "a documented deviation, then internals: fanfold refuses `gradient_as_bucket_view=True` with "
+        "`mixed_precision` (docs/ddp-compat.md), which the test passes; after it the test reads torch's "
+        "`p._mp_param` and `p._fp_param` (its low- and full-precision copies of each parameter).",
     "test_ddp_multiple_nested_unused_params_error":
         "a documented deviation (docs/ddp-compat.md): with a parameter never used and no "
         "`find_unused_parameters`, fanfold raises at the end of the first backward, naming the parameters (\"got "
