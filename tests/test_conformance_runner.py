@@ -222,3 +222,24 @@ def test_cuda_on_cpu_runs_a_gpu_test_and_skips_a_cuda_one(tmp_path):
     assert outcome["test_ddp_broadcast_buffer"]["status"] == "pass", outcome["test_ddp_broadcast_buffer"]["detail"]
     assert outcome["test_ddp_device"]["status"] == "skip"
     assert outcome["test_ddp_device"]["detail"].startswith("CUDA itself: CUDA placement")
+
+
+def test_port_section_counts_the_cuda_tests_only():
+    """The CPU port's counts are over the tests the plain run skipped for want of CUDA; torch's own skips and the
+    CPU tests are named apart; a test torch passes and fanfold fails is listed as a difference."""
+    report = _load("report")
+    o = report.Outcome
+    plain = {"cpu": o("cpu", "pass", 1, ""), "gpu": o("gpu", "skip", 0, "Need at least 2 CUDA devices"),
+             "gpu2": o("gpu2", "skip", 0, "CUDA is not available."), "own": o("own", "skip", 0, "https://x/1")}
+    port = {"torch": {"cpu": o("cpu", "pass", 1, ""), "gpu": o("gpu", "pass", 1, ""),
+                      "gpu2": o("gpu2", "pass", 1, ""), "own": o("own", "skip", 0, "https://x/1")},
+            "fanfold": {"cpu": o("cpu", "pass", 1, ""), "gpu": o("gpu", "pass", 1, ""),
+                        "gpu2": o("gpu2", "fail", 1, "Traceback\nValueError: boom\n"),
+                        "own": o("own", "skip", 0, "https://x/1")}}
+    meta = {"command": "c", "started": "s", "tests": ["cpu", "gpu", "gpu2", "own"], "seconds": {}, "revision": "r"}
+    text = "\n".join(report.port_lines(meta, port, plain))
+    assert "Of the 2 tests the run above skips for want of CUDA, **2 run on the port**" in text
+    assert "the other 1 skips of the run above are torch's own" in text
+    assert "| torch's DDP | 2 | 0 | 0 | 0 |" in text and "| fanfold's DDP | 1 | 1 | 0 | 0 |" in text
+    assert "**Of the 2 that pass with torch's DDP, 1 pass with fanfold's.**" in text
+    assert "| `gpu2` | pass | **FAIL** | not investigated yet: ValueError: boom |" in text
