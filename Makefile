@@ -29,10 +29,12 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/dp_overhead.py
 
-# torch's own DDP tests with torch's DDP and with fanfold's (CPU, gloo, 2 ranks) -> docs/conformance.md, after the
-# backend's run (its counts go into that page too); not in `test`
+# torch's own DDP tests with torch's DDP and with fanfold's (CPU, gloo, 2 ranks), then the same on the CPU port
+# (the suite's CUDA devices mapped to the CPU) -> docs/conformance.md, after the backend's run (its counts go into
+# that page too); not in `test`
 conformance: conformance-backend
 	$(BIN)/python conformance/run.py
+	$(BIN)/python conformance/run.py --cuda-on-cpu
 
 # torch's own collective tests on gloo and on the fanfold backend (CPU; 2, 3 and 8 ranks) -> docs/conformance-backend.md
 conformance-backend: $(STAMP)

@@ -8,6 +8,8 @@ file-based rendezvous, the barrier directory) with ``_DistTestBase`` (the tests)
 processes; ``--ddp fanfold`` makes every rank process, before the test runs, rebind ``DistributedDataParallel`` in
 ``torch.nn.parallel``, ``torch.nn.parallel.distributed`` and the test module (which imported the name at import
 time) to ``fanfold.DistributedDataParallel``. ``SelfCheck.test_ddp_names_in_rank`` checks that from inside a rank.
+``--cuda-on-cpu`` also maps the suite's CUDA devices to the CPU in every rank (``cuda_on_cpu.install``) and skips
+the tests of CUDA itself (``reasons.CUDA_ONLY``) with their reason.
 
 Each finished test appends one JSON line to ``--results`` (written as it goes, so a killed run keeps what it had):
 ``{"test", "status": pass|fail|timeout|skip, "seconds", "detail"}``, preceded by ``{"test", "event": "start"}``.
@@ -29,10 +31,13 @@ import unittest
 os.environ.setdefault("BACKEND", "gloo")
 os.environ.setdefault("WORLD_SIZE", "2")
 DDP_ENV = "FANFOLD_CONFORMANCE_DDP"
+CUDA_ON_CPU_ENV = "FANFOLD_CONFORMANCE_CUDA_ON_CPU"
 
 import torch  # noqa: E402
 import torch.nn.parallel.distributed as torch_ddp_module  # noqa: E402
+from cuda_on_cpu import install  # noqa: E402
 from forked_ranks import START_ENV, ForkedRanks  # noqa: E402
+from reasons import CUDA_ONLY  # noqa: E402
 from torch.testing._internal import common_distributed  # noqa: E402
 from torch.testing._internal.distributed import distributed_test  # noqa: E402
 from torch.testing._internal.distributed.distributed_test import DistributedTest, TestDistBackend  # noqa: E402
@@ -67,6 +72,11 @@ class TestDistBackendGloo(ForkedRanks, TestDistBackend, DistributedTest._DistTes
 
     preload = (distributed_test.__name__,)
 
+    def setUp(self) -> None:
+        if os.environ.get(CUDA_ON_CPU_ENV) and self._testMethodName in CUDA_ONLY:
+            self.skipTest(f"CUDA itself: {CUDA_ONLY[self._testMethodName]}")
+        super().setUp()
+
     def tearDown(self) -> None:
         super().tearDown()
         if os.path.exists(self.file_name):
@@ -74,7 +84,9 @@ class TestDistBackendGloo(ForkedRanks, TestDistBackend, DistributedTest._DistTes
 
     @classmethod
     def in_rank(cls) -> None:
-        use_ddp(os.environ[DDP_ENV])
+        chosen = use_ddp(os.environ[DDP_ENV])
+        if os.environ.get(CUDA_ON_CPU_ENV):
+            install(chosen, int(os.environ["WORLD_SIZE"]))
 
 
 class SelfCheck(TestDistBackendGloo):
@@ -163,10 +175,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=int, default=150, help="seconds per test (default 150)")
     parser.add_argument("--start-method", choices=("spawn", "forkserver"), default="spawn",
                         help="how rank processes start: spawn (torch's way) or forkserver (faster)")
+    parser.add_argument("--cuda-on-cpu", action="store_true",
+                        help="map the suite's CUDA devices to the CPU in every rank (cuda_on_cpu.py)")
     parser.add_argument("tests", nargs="+", help="test method names; SelfCheck.test_ddp_names_in_rank for the check")
     args = parser.parse_args(argv)
     os.environ[DDP_ENV] = args.ddp  # inherited by the rank processes
     os.environ[START_ENV] = args.start_method
+    if args.cuda_on_cpu:
+        os.environ[CUDA_ON_CPU_ENV] = "1"
     ddp_class(args.ddp)  # fail here, not in every rank, if fanfold does not import
     # torch's harness reads its timeouts at each test: one bound for all, overrides included
     common_distributed.TIMEOUT_DEFAULT = args.timeout

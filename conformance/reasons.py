@@ -9,7 +9,50 @@ Layer: data for ``report.py``.
 """
 from __future__ import annotations
 
+_LOGGING = ("`model._get_ddp_logging_data()` (the C++ `Logger`'s `DDPLoggingData`){}; everything before the "
+            "read ran with fanfold's DDP")
+_BUFFER_HOOK = ("`model._register_buffer_comm_hook(state, hook)` (a private hook that replaces the broadcast of "
+                "buffers; fanfold has no buffer hook)")
+_USED_MAP = ("`model.reducer._get_local_used_map()` (the C++ reducer's per-parameter used bitmap of the last "
+             "backward); every step before the read ran with fanfold's DDP")
+
 INTERNAL: dict[str, str] = {
+    "test_ddp_broadcast_buffer_via_hook": _BUFFER_HOOK,
+    "test_ddp_buffer_hook_allreduce": _BUFFER_HOOK,
+    "test_ddp_buffer_hook_allreduce_return_future": _BUFFER_HOOK,
+    "test_ddp_bucket_cap_mb_list":
+        "`model.bucket_bytes_cap_list` (torch's attribute for the byte caps); the two training steps with "
+        "`bucket_cap_mb_list=[1, 2]` before it ran with fanfold's DDP",
+    "test_ddp_build_debug_param_to_name_mapping":
+        "`model._build_params_for_reducer()` and `model._build_debug_param_to_name_mapping(params)` (how torch "
+        "numbers parameters for its C++ reducer's error messages)",
+    "test_ddp_build_debug_param_to_name_mapping_requires_grad":
+        "`model._build_params_for_reducer()` and `model._build_debug_param_to_name_mapping(params)`, as "
+        "`test_ddp_build_debug_param_to_name_mapping`",
+    "test_ddp_comm_hook_logging": _LOGGING.format(" for the name of the registered comm hook"),
+    "test_ddp_control_flow_different_across_ranks": _USED_MAP,
+    "test_ddp_control_flow_same_across_ranks": _USED_MAP,
+    "test_ddp_python_error_logged": _LOGGING.format(" for the Python error it raised"),
+    "test_ddp_remove_autograd_hooks": "`model._remove_autograd_hooks()` (torch's private hook removal)",
+    "test_ddp_sink_noclone":
+        "`model._set_ddp_sink_clone(False)` (a switch of torch's `_DDPSink`, the autograd function torch puts "
+        "after the forward; fanfold has none)",
+    "test_ddp_sync_module_states":
+        "`model.broadcast_bucket_size` and `model.parameters_to_ignore`, passed to torch's "
+        "`torch.distributed.utils._sync_module_states`",
+    "test_ddp_uneven_input_join_disable": "`model._join_config` (torch's `_JoinConfig` record)",
+    "test_ddp_uneven_inputs":
+        "`model._authoritative_rank` (torch's record of the rank whose model join broadcasts; fanfold fails there "
+        "at once, where torch's DDP runs out of time on this CPU)",
+    "test_detect_ddp_is_actually_static":
+        "`model.reducer._ddp_graph_static()` (the C++ reducer's own verdict on whether the graph was static)",
+    "test_different_graph_across_ranks": _LOGGING.format(" for `has_rebuilt_buckets`"),
+    "test_skip_all_reduce_unused_parameters": _LOGGING.format(" for `num_buckets_reduced`"),
+    "test_sync_bn_logged": _LOGGING.format(" for whether the model has SyncBatchNorm"),
+    "test_get_data_parallel_params":
+        "`DistributedDataParallel._get_data_parallel_params(module, named_params)` (torch's private generator of "
+        "the parameters DDP did not ignore); the ignoring itself (`_set_params_and_buffers_to_ignore_for_model`) "
+        "ran with fanfold's class",
     "test_ddp_logging_data_cpu":
         "`model._set_ddp_runtime_logging_sample_rate(2)` and `model._get_ddp_logging_data()` (the C++ `Logger`'s "
         "`DDPLoggingData`: iteration count, bucket sizes and rebuilt bucket indices, environment variables, "
@@ -32,6 +75,36 @@ _PICKLE = (
 )
 
 REASONS: dict[str, str] = {
+    "test_ddp_multiple_nested_unused_params_err_ignore_params":
+        "as `test_ddp_multiple_nested_unused_params_error` (a documented deviation): fanfold raises in the first "
+        "backward, naming the 3 unused parameters (the ignored embedding left out, as the test wants), where the "
+        "test expects torch's error and wording in the next iteration.",
+    "test_ddp_native_mixed_precision_ignored_params":
+        "a documented deviation, then internals: fanfold refuses `gradient_as_bucket_view=True` with "
+        "`mixed_precision` (docs/ddp-compat.md), which the test passes; after it the test reads torch's "
+        "`p._mp_param` and `p._fp_param` (its low- and full-precision copies of each parameter).",
+    "test_ddp_multiple_nested_unused_params_error":
+        "a documented deviation (docs/ddp-compat.md): with a parameter never used and no "
+        "`find_unused_parameters`, fanfold raises at the end of the first backward, naming the parameters (\"got "
+        "no gradient in this backward: sub_module.embedding_net.embedding.weight, ...\"); torch hands back "
+        "un-averaged gradients, raises at the next iteration (\"Expected to have finished reduction in the prior "
+        "iteration ...\") and the test matches that text, then reads `_get_ddp_logging_data()`.",
+    "test_ddp_unused_params_rebuild_buckets_exception":
+        "as `test_ddp_multiple_nested_unused_params_error`: fanfold raises in the first backward (naming "
+        "`net2.weight`), where the test expects torch's error in the second, with torch's wording, and reads the "
+        "error back from `_get_ddp_logging_data()`.",
+    "test_invalid_static_graph":
+        "wording, then torch's internals: fanfold raises for a static graph that changed (\"static_graph=True but "
+        "the training graph has changed in this iteration: parameter 'lin2.weight' got 1 gradient(s) where the "
+        "first iteration gave it 0 ...\"), which the test's regex \"Your training graph has changed in this "
+        "iteration\" does not match; after it the test reads the error back from `_get_ddp_logging_data()`.",
+    "test_ddp_profiling_torch_profiler":
+        "transport: the test counts the profiler's `gloo:all_reduce` events (6 expected, one per step); fanfold's "
+        "default transport reduces in shared memory, not through gloo's all_reduce, so there are none.",
+    "test_ddp_inference":
+        "fanfold's superset: torch's DDP refuses any SyncBatchNorm in a CPU module when it is built (\"SyncBatchNorm "
+        "layers only work with GPU modules\"); fanfold's accepts it, and this test runs its SyncBatchNorm model in "
+        "eval mode and under no_grad (running statistics, no collective), so it passes.",
     "test_DistributedDataParallelCPU": _PICKLE,
     "test_DistributedDataParallelCPU_grad_is_view":
         "as `test_DistributedDataParallelCPU` (the same test with `gradient_as_bucket_view=True`): a DDP model "
@@ -48,4 +121,49 @@ REASONS: dict[str, str] = {
         "`ShmTimeoutError` naming rank 0's error (both ranks end with `StallError` within seconds here: no hang "
         "with `FANFOLD_STALL_TIMEOUT=60`). With `FANFOLD_TRANSPORT=torch` the test passes: the reduction must "
         "detach the gradients (as torch's reducer does) before summing them in place.",
+}
+
+# The CPU port (``driver.py --cuda-on-cpu``): tests whose subject is CUDA itself, not run there, one reason each.
+CUDA_ONLY: dict[str, str] = {
+    "test_DistributedDataParallel_non_default_stream":
+        "CUDA streams: the backward runs on a non-default CUDA stream and the test checks that DDP's all-reduce "
+        "waits for it (also skipped by torch on Linux).",
+    "test_DistributedDataParallel_with_amp_and_grad_is_view":
+        "AMP on the GPU: `torch.cuda.amp.autocast` and `GradScaler`; on the CPU the scaler disables itself and "
+        "autocast(\"cuda\") does nothing, so the test would pass as a plain float32 run and show nothing.",
+    "test_ddp_device":
+        "CUDA placement: checks that DDP moved every input (tensors in tuples, lists, dicts, custom types) to "
+        "the CUDA device of `device_ids` (`x.device.index == rank`); with every device the CPU there is no move.",
+    "test_ddp_logging_data_gpu":
+        "the C++ `Logger`'s record of the CUDA devices (`device_ids`, `output_device`) and of GPU timings, read "
+        "through `model._get_ddp_logging_data()`; the CPU half of the same test is `test_ddp_logging_data_cpu`.",
+}
+
+_OPTIM_IN_BACKWARD = (
+    "torch's DDP: its optimizer-in-backward comm hook waits on the accelerator's current stream (\"Cannot access "
+    "accelerator device\"). fanfold's: runs, but the parameters differ from a plain optimizer's (\"Tensor-likes "
+    "are not close\"): torch's DDP takes over `_apply_optimizer_in_backward`'s hooks (`_setup_in_backward_optimizers` "
+    "removes them and steps the optimizer after the all-reduce); fanfold's does not, so the optimizer steps each "
+    "rank's un-averaged gradient (a fanfold gap with a private torch API)."
+)
+_MP = ("torch's DDP: its mixed precision waits on a CUDA event (\"cpu backend doesn't support events\"). "
+       "fanfold's: {}")
+
+# The CPU port: why a test fails or times out there with torch's DDP, where its error alone does not say (and what
+# fanfold's DDP does with it).
+PORT_NOTES: dict[str, str] = {
+    "test_ddp_apply_optim_in_backward": _OPTIM_IN_BACKWARD,
+    "test_ddp_apply_optim_in_backward_grad_as_bucket_view_false": _OPTIM_IN_BACKWARD,
+    "test_ddp_native_mixed_precision_grad_as_bucket_view_no_set_grad_none": _MP.format(
+        "refuses `gradient_as_bucket_view=True` with `mixed_precision` (docs/ddp-compat.md)."),
+    "test_ddp_native_mixed_precision_grad_as_bucket_view_set_grad_to_none": _MP.format(
+        "refuses `gradient_as_bucket_view=True` with `mixed_precision` (docs/ddp-compat.md)."),
+    "test_ddp_native_mixed_precision_no_grad_as_bucket_view_set_grad_to_none": _MP.format(
+        "refuses `gradient_as_bucket_view=True` with `mixed_precision` (docs/ddp-compat.md)."),
+    "test_ddp_native_mixed_precision_no_grad_as_bucket_view_no_set_grad_none": _MP.format(
+        "runs, then the test reads `p._mp_param` (torch's low-precision copy of each parameter)."),
+    "test_ddp_uneven_inputs":
+        "GPU-sized: its `large_conv_model` (three 5x5 convolutions up to 256 channels on a 1000x1000 input, "
+        "about 0.2 TFLOP per forward) runs under join for 6 iteration mappings; on shared CPU cores it does not "
+        "finish within the bound, with either DDP.",
 }

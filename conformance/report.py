@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 from backend_report import summary_lines
-from reasons import INTERNAL, REASONS
+from reasons import CUDA_ONLY, INTERNAL, PORT_NOTES, REASONS
 
 __all__ = ["Outcome", "write_page", "error_lines", "revision"]
 
@@ -85,7 +85,94 @@ HOW_TO_RUN = [
     "driver. The driver runs in its own session and that group is killed when it ends: no rank outlives the run.",
     "- Without GPUs most of the suite skips. On a machine with GPUs the same command runs the GPU tests with gloo; "
     "torch's harness skips every test when there are fewer GPUs than ranks (2).",
+    "- `python conformance/run.py --cuda-on-cpu` (the second step of `make conformance`) runs the CPU port into "
+    "`build/conformance/cuda-on-cpu/` and rewrites this page with both runs; the tests of CUDA itself that it does "
+    "not run, one reason each, are `CUDA_ONLY` in `conformance/reasons.py`.",
 ]
+
+
+def _cuda_skip(outcome: Outcome | None) -> bool:
+    """Whether the plain run skipped the test for want of CUDA devices (torch's decorators say "CUDA")."""
+    return outcome is not None and outcome.status == "skip" and "CUDA" in outcome.detail
+
+
+def _port_note(test: str, t: Outcome | None, f: Outcome | None) -> str:
+    """Why a test is not run, or what torch's DDP raises on the port, or why fanfold's result differs."""
+    if test in CUDA_ONLY:
+        return "CUDA itself: " + CUDA_ONLY[test]
+    if t is not None and t.status == "skip":
+        return "torch's own skip: " + _md(t.detail.strip().splitlines()[0][:80])
+    if (t and t.status) != (f and f.status):
+        return _reason(test, t, f)
+    if test in PORT_NOTES:
+        return PORT_NOTES[test]
+    if t is not None and t.status in ("fail", "timeout"):
+        lines = error_lines(t.detail)
+        return "torch's DDP on the CPU: " + (_md(lines[0][:200]) if lines else t.status)
+    return ""
+
+
+def port_lines(meta: dict, outcomes: dict[str, dict[str, Outcome]], plain_torch: dict[str, Outcome]) -> list[str]:
+    """The CPU port's section: counts over the tests the plain run skips for want of CUDA, then test by test."""
+    tests = meta["tests"]
+    t, f = outcomes["torch"], outcomes["fanfold"]
+    cuda = [n for n in tests if _cuda_skip(plain_torch.get(n))]
+    cpu = [n for n in tests if plain_torch.get(n) and plain_torch[n].status != "skip"]
+    count = {impl: Counter(outcomes[impl][n].status for n in cuda if n in outcomes[impl]) for impl in outcomes}
+    ran = [n for n in cuda if n in t and t[n].status != "skip"]
+    cuda_only = [n for n in cuda if n in CUDA_ONLY]
+    other = len(cuda) - len(ran) - len(cuda_only)
+    own = [n for n in tests if plain_torch.get(n) and plain_torch[n].status == "skip" and n not in cuda]
+    torch_pass = [n for n in cuda if n in t and t[n].status == "pass"]
+    both = [n for n in torch_pass if n in f and f[n].status == "pass"]
+    differ = [n for n in tests if (t.get(n) and t[n].status) != (f.get(n) and f[n].status)]
+    same_cpu = [n for n in cpu if n in t and n in f and t[n].status == plain_torch[n].status]
+    root = Path(__file__).resolve().parents[1]
+    out = [
+        "## The CPU port: the CUDA tests on CPU ranks",
+        "",
+        f"- command: `{meta['command']}`",
+        f"- date: {meta['started']}; fanfold revision {meta.get('revision') or revision(root)}",
+        "- wall time: " + ", ".join(f"{k} {v // 60} min {v % 60} s" for k, v in meta.get("seconds", {}).items()),
+        "",
+        "The same tests, run with the suite's CUDA devices mapped to the CPU in every rank process before the test "
+        "starts (`conformance/cuda_on_cpu.py`, nothing of torch's edited): the suite's code sees a node of 8 CUDA "
+        "devices (its global `torch` in `distributed_test` and `common_distributed` has a `cuda` whose "
+        "`is_available()` is True, `device_count()` 8, `set_device`/`synchronize`/`device(i)` no-ops; "
+        "`TEST_CUDA` is True), so its skip decorators let the tests run; a torch function mode puts every tensor the "
+        "test asks for on a CUDA device (`device=`, `.cuda()`, `.to(\"cuda:1\")`, an index) on the CPU, as "
+        "`nn.Module.to` does; DDP, torch's or fanfold's, drops `device_ids` and `output_device` (torch's refuses them "
+        "for a CPU module). torch itself is not told it has CUDA: where its DDP needs CUDA on its own (SyncBatchNorm, "
+        "mixed precision's streams, the optimizer-in-backward hook's stream) the test fails with torch's DDP and "
+        "counts as no evidence. A test whose subject is CUDA itself is not run (listed below with its reason).",
+        "",
+        f"Of the {len(cuda)} tests the run above skips for want of CUDA, **{len(ran)} run on the port** and "
+        f"{len(cuda_only)} stay skipped as tests of CUDA itself" + (f" ({other} skip otherwise)" if other else "")
+        + f"; the other {len(own)} skips of the run above are torch's own on Linux (known failures, flakiness) and "
+        "skip here too.",
+        "",
+        f"| the {len(cuda)} CUDA tests | pass | fail | timeout | skip |",
+        "| --- | --- | --- | --- | --- |",
+        *(f"| {impl}'s DDP | " + " | ".join(str(count[impl][s]) for s in STATUSES) + " |"
+          for impl in ("torch", "fanfold")),
+        "",
+        f"**Of the {len(torch_pass)} that pass with torch's DDP, {len(both)} pass with fanfold's.** The "
+        f"{len(cpu)} tests that run without CUDA run on the port too, as a check of the mapping: "
+        f"{len(same_cpu)} of them have the result torch's DDP has in the run above.",
+        "",
+        "### Differences on the port and their reasons",
+        "",
+    ]
+    if differ:
+        out += ["| test | torch | fanfold | reason |", "| --- | --- | --- | --- |"]
+        out += [f"| `{n}` | {_cell(t.get(n))} | {_cell(f.get(n))} | {_reason(n, t.get(n), f.get(n))} |"
+                for n in differ]
+    else:
+        out.append("None: every test has the same result with both.")
+    out += ["", "### Every test on the port", "", "| test | torch | fanfold | note |", "| --- | --- | --- | --- |"]
+    out += [f"| `{n}` | {_cell(t.get(n))} | {_cell(f.get(n))} | {_port_note(n, t.get(n), f.get(n))} |"
+            for n in tests]
+    return out
 
 
 def _md(text: str) -> str:
@@ -104,7 +191,10 @@ def revision(root: Path) -> str:
     return head + (" with uncommitted changes in src/" if dirty else "")
 
 
-def write_page(page: Path, meta: dict, selected: list[str], outcomes: dict[str, dict[str, Outcome]]) -> None:
+def write_page(page: Path, meta: dict, selected: list[str], outcomes: dict[str, dict[str, Outcome]],
+               port: tuple[dict, dict[str, dict[str, Outcome]]] | None = None) -> None:
+    """The page: the run on CPU as torch's suite decides; then, given ``port`` (the CPU port's metadata and
+    outcomes), its section."""
     tests = meta["tests"]
     t, f = outcomes["torch"], outcomes["fanfold"]
     count = {impl: Counter(o.status for name, o in outcomes[impl].items() if name in tests) for impl in outcomes}
@@ -121,7 +211,7 @@ def write_page(page: Path, meta: dict, selected: list[str], outcomes: dict[str, 
         "`conformance/reasons.py`.",
         "",
         f"- command: `{meta['command']}`",
-        f"- date: {meta['started']}; fanfold revision {revision(root)}",
+        f"- date: {meta['started']}; fanfold revision {meta.get('revision') or revision(root)}",
         f"- torch {torch.__version__}, Python {sys.version.split()[0]}, CPU, gloo, 2 ranks "
         f"(`BACKEND=gloo WORLD_SIZE=2`), rank processes started by `{meta.get('start_method', 'spawn')}`",
         "- wall time: " + ", ".join(f"{k} {v // 60} min {v % 60} s" for k, v in meta.get("seconds", {}).items()),
@@ -165,6 +255,8 @@ def write_page(page: Path, meta: dict, selected: list[str], outcomes: dict[str, 
         out.append("None: every test has the same result with both.")
     out += ["", "## Every test", "", "| test | torch | fanfold |", "| --- | --- | --- |"]
     out += [f"| `{n}` | {_cell(t.get(n), why=True)} | {_cell(f.get(n))} |" for n in tests]
+    if port is not None:
+        out += ["", *port_lines(*port, t)]
     out += ["", "## How to run", "", *HOW_TO_RUN]
     out += ["", *summary_lines(root / "build" / "conformance-backend")]
     failing = [n for n in tests if n in f and f[n].status in ("fail", "timeout")]

@@ -3,10 +3,13 @@
     python conformance/run.py                       # select, run twice, write docs/conformance.md
     python conformance/run.py --only test_ddp_logging_data_cpu test_DistributedDataParallelCPU
     python conformance/run.py --report-only         # rewrite the page from the last run's results
+    python conformance/run.py --cuda-on-cpu         # the CPU port: the same tests, the suite's CUDA devices mapped
+                                                    # to the CPU (cuda_on_cpu.py); the page gets its section
 
 Selects the DDP-related tests of torch's ``DistributedTest._DistTestBase`` (``selection.py``), checks the patching
 from inside a rank process (``driver.py``'s ``SelfCheck``), then runs the list with ``driver.py --ddp torch`` and
-``driver.py --ddp fanfold`` (CPU, gloo, 2 ranks). Raw results and logs go to ``build/conformance/`` (not in git).
+``driver.py --ddp fanfold`` (CPU, gloo, 2 ranks). Raw results and logs go to ``build/conformance/`` (not in git),
+the CPU port's to ``build/conformance/cuda-on-cpu/``; the page shows the last run of each.
 
 Every test is bounded twice: by the harness (``--timeout``, it terminates the test's rank processes) and by this
 runner, which kills the driver's whole process group when a test overruns by a minute more, records a timeout and
@@ -27,13 +30,14 @@ import sys
 import time
 from pathlib import Path
 
-from report import Outcome, write_page
+from report import Outcome, revision, write_page
 from selection import ddp_tests
 
 ROOT = Path(__file__).resolve().parents[1]
 DRIVER = Path(__file__).with_name("driver.py")
 GRACE = 60  # seconds the runner adds to the harness's own per-test bound before killing the driver
 SELF_CHECK = "SelfCheck.test_ddp_names_in_rank"
+PORT = "cuda-on-cpu"  # the CPU port's results: a folder of --out
 
 
 def _records(path: Path) -> list[dict]:
@@ -57,7 +61,7 @@ def _log_tail(log: Path, lines: int = 15) -> str:
 
 
 def run_tests(impl: str, tests: list[str], stem: Path, timeout: int, start_method: str, driver: Path = DRIVER,
-              grace: float = GRACE) -> dict[str, Outcome]:
+              grace: float = GRACE, driver_args: tuple[str, ...] = ()) -> dict[str, Outcome]:
     """Run ``tests`` with ``impl``'s DDP in as many ``driver`` processes as it takes, recording into ``stem``.jsonl
     (and the drivers' output into ``stem``.log); one Outcome per test. A test still running ``timeout + grace``
     seconds after it started is recorded as a timeout and its driver's process group killed."""
@@ -70,7 +74,7 @@ def run_tests(impl: str, tests: list[str], stem: Path, timeout: int, start_metho
     done: dict[str, Outcome] = {}
     while remaining := [t for t in tests if t not in done]:
         cmd = [sys.executable, str(driver), "--ddp", impl, "--results", str(results), "--timeout", str(timeout),
-               "--start-method", start_method, *remaining]
+               "--start-method", start_method, *driver_args, *remaining]
         with open(log, "a") as log_file:
             proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
                                     start_new_session=True)
@@ -126,39 +130,59 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "build" / "conformance", help="raw results and logs")
     parser.add_argument("--page", type=Path, default=ROOT / "docs" / "conformance.md")
     parser.add_argument("--report-only", action="store_true", help="rewrite the page from the last results")
+    parser.add_argument("--cuda-on-cpu", action="store_true",
+                        help=f"the CPU port: the suite's CUDA devices mapped to the CPU in every rank "
+                             f"(cuda_on_cpu.py); results in <out>/{PORT}")
     args = parser.parse_args(argv)
     selected = ddp_tests()
     tests = args.only or selected
     unknown = sorted(set(tests) - set(selected))
     if unknown:
         raise SystemExit(f"not in the DDP selection: {unknown}")
-    args.out.mkdir(parents=True, exist_ok=True)
-    runs = args.out / "runs.json"
-    if args.report_only:
-        if not runs.exists():
-            raise SystemExit(f"no results in {args.out}: run without --report-only first")
-        meta = json.loads(runs.read_text())
-    else:
-        meta = {"command": " ".join(["python", "conformance/run.py", *(argv if argv is not None else sys.argv[1:])]),
-                "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "tests": tests, "seconds": {},
-                "start_method": args.start_method, "transport": os.environ.get("FANFOLD_TRANSPORT") or "default"}
-        for impl in ("torch", "fanfold"):
-            check = run_tests(impl, [SELF_CHECK], args.out / f"selfcheck-{impl}", args.timeout, args.start_method)
-            if check[SELF_CHECK].status != "pass":
-                raise SystemExit(f"the self-check failed with {impl}'s DDP (see {args.out}/selfcheck-{impl}.log):\n"
-                                 f"{check[SELF_CHECK].detail}")
-        for impl in ("torch", "fanfold"):
-            t0 = time.monotonic()
-            outcomes = run_tests(impl, tests, args.out / impl, args.timeout, args.start_method)
-            meta["seconds"][impl] = round(time.monotonic() - t0)
-            print(f"{impl}: " + ", ".join(f"{s} {sum(o.status == s for o in outcomes.values())}"
-                                          for s in ("pass", "fail", "timeout", "skip")), flush=True)
-        runs.write_text(json.dumps(meta, indent=1))
-    outcomes = {impl: {r["test"]: Outcome.from_record(r) for r in _records(args.out / f"{impl}.jsonl") if "status" in r}
-                for impl in ("torch", "fanfold")}
-    write_page(args.page, meta, selected, outcomes)
+    port = args.out / PORT
+    here = port if args.cuda_on_cpu else args.out
+    if not args.report_only:
+        here.mkdir(parents=True, exist_ok=True)
+        meta = _run_both(here, tests, args, ("--cuda-on-cpu",) if args.cuda_on_cpu else (),
+                         " ".join(["python", "conformance/run.py", *(argv if argv is not None else sys.argv[1:])]))
+        (here / "runs.json").write_text(json.dumps(meta, indent=1))
+    plain, ported = _load(args.out), _load(port)
+    if plain is None:
+        raise SystemExit(f"no results in {args.out}: run `python conformance/run.py` (without --report-only or "
+                         "--cuda-on-cpu) first; the page starts with that run")
+    write_page(args.page, plain[0], selected, plain[1], port=ported)
     print(f"wrote {args.page}")
     return 0
+
+
+def _run_both(out: Path, tests: list[str], args: argparse.Namespace, driver_args: tuple[str, ...],
+              command: str) -> dict:
+    """The self-check, then ``tests`` with torch's DDP and with fanfold's, into ``out``; the run's metadata."""
+    meta = {"command": command, "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "tests": tests,
+            "seconds": {}, "start_method": args.start_method, "revision": revision(ROOT),
+            "transport": os.environ.get("FANFOLD_TRANSPORT") or "default"}
+    for impl in ("torch", "fanfold"):
+        check = run_tests(impl, [SELF_CHECK], out / f"selfcheck-{impl}", args.timeout, args.start_method,
+                          driver_args=driver_args)
+        if check[SELF_CHECK].status != "pass":
+            raise SystemExit(f"the self-check failed with {impl}'s DDP (see {out}/selfcheck-{impl}.log):\n"
+                             f"{check[SELF_CHECK].detail}")
+    for impl in ("torch", "fanfold"):
+        t0 = time.monotonic()
+        outcomes = run_tests(impl, tests, out / impl, args.timeout, args.start_method, driver_args=driver_args)
+        meta["seconds"][impl] = round(time.monotonic() - t0)
+        print(f"{impl}: " + ", ".join(f"{s} {sum(o.status == s for o in outcomes.values())}"
+                                      for s in ("pass", "fail", "timeout", "skip")), flush=True)
+    return meta
+
+
+def _load(out: Path) -> tuple[dict, dict[str, dict[str, Outcome]]] | None:
+    """A run's metadata and its outcomes by DDP and test, from ``out``; None when it holds no run."""
+    if not (out / "runs.json").exists():
+        return None
+    return json.loads((out / "runs.json").read_text()), {
+        impl: {r["test"]: Outcome.from_record(r) for r in _records(out / f"{impl}.jsonl") if "status" in r}
+        for impl in ("torch", "fanfold")}
 
 
 if __name__ == "__main__":

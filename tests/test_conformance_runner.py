@@ -165,3 +165,81 @@ AssertionError: RuntimeError not raised by <lambda>
 ])
 def test_report_names_each_ranks_error(detail, expected):
     assert _load("report").error_lines(detail) == expected
+
+
+CUDA_ON_CPU_CHECK = textwrap.dedent('''
+    import os, sys
+    os.environ.update(BACKEND="gloo", WORLD_SIZE="2")
+    import torch, torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.testing._internal import common_distributed
+    from torch.testing._internal.distributed import distributed_test
+    from cuda_on_cpu import install
+    install(DistributedDataParallel, world_size=2)
+    suite = distributed_test.torch.cuda
+    assert suite.is_available() and suite.device_count() == 8 and common_distributed.TEST_CUDA
+    assert common_distributed.torch.cuda is suite
+    assert not torch.cuda.is_available(), "torch itself must stay honest"
+    suite.set_device(1)
+    assert suite.current_device() == 1
+    x = torch.ones(3)
+    for moved in (torch.randn(2, device=1), torch.zeros(2, device="cuda:1"), x.cuda(1), x.to("cuda"), x.to(0),
+                  x.to(torch.device("cuda", 1), torch.float64), x.new_zeros(2, device=0),
+                  torch.nn.Linear(2, 2).cuda(1).weight, torch.nn.Linear(2, 2).to(1).weight):
+        assert moved.device.type == "cpu", moved
+    assert x.to(torch.float64).dtype == torch.float64
+    dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+    model = torch.nn.Linear(2, 1)
+    ddp = DistributedDataParallel(model, device_ids=[0], output_device=0)
+    ddp(torch.ones(4, 2, device=0)).sum().backward()
+    torch.testing.assert_close(model.weight.grad, torch.full((1, 2), 4.0))
+    dist.destroy_process_group()
+    print("mapped")
+''')
+
+
+def test_cuda_on_cpu_maps_the_suites_devices_and_leaves_torch_honest(tmp_path):
+    """The CPU port's mapping in a fresh process: the suite sees 8 CUDA devices, torch sees none, every CUDA
+    placement lands on the CPU, and torch's DDP accepts device_ids for a CPU module (one gloo rank, whole batch)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(TOOL), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, "-c", CUDA_ON_CPU_CHECK, str(tmp_path / "store")], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "mapped" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_cuda_on_cpu_runs_a_gpu_test_and_skips_a_cuda_one(tmp_path):
+    """Through driver.py --cuda-on-cpu with fanfold's DDP in 2 gloo ranks: a test torch's suite skips without 2 GPUs
+    runs and passes; a test of CUDA itself is skipped with its reason from reasons.CUDA_ONLY."""
+    results = tmp_path / "results.jsonl"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run(
+        [sys.executable, str(TOOL / "driver.py"), "--ddp", "fanfold", "--cuda-on-cpu", "--results", str(results),
+         "--timeout", "60", "test_ddp_broadcast_buffer", "test_ddp_device"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240, start_new_session=True)
+    records = [json.loads(line) for line in results.read_text().splitlines()] if results.exists() else []
+    outcome = {r["test"]: r for r in records if "status" in r}
+    assert proc.returncode == 0 and len(outcome) == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert outcome["test_ddp_broadcast_buffer"]["status"] == "pass", outcome["test_ddp_broadcast_buffer"]["detail"]
+    assert outcome["test_ddp_device"]["status"] == "skip"
+    assert outcome["test_ddp_device"]["detail"].startswith("CUDA itself: CUDA placement")
+
+
+def test_port_section_counts_the_cuda_tests_only():
+    """The CPU port's counts are over the tests the plain run skipped for want of CUDA; torch's own skips and the
+    CPU tests are named apart; a test torch passes and fanfold fails is listed as a difference."""
+    report = _load("report")
+    o = report.Outcome
+    plain = {"cpu": o("cpu", "pass", 1, ""), "gpu": o("gpu", "skip", 0, "Need at least 2 CUDA devices"),
+             "gpu2": o("gpu2", "skip", 0, "CUDA is not available."), "own": o("own", "skip", 0, "https://x/1")}
+    port = {"torch": {"cpu": o("cpu", "pass", 1, ""), "gpu": o("gpu", "pass", 1, ""),
+                      "gpu2": o("gpu2", "pass", 1, ""), "own": o("own", "skip", 0, "https://x/1")},
+            "fanfold": {"cpu": o("cpu", "pass", 1, ""), "gpu": o("gpu", "pass", 1, ""),
+                        "gpu2": o("gpu2", "fail", 1, "Traceback\nValueError: boom\n"),
+                        "own": o("own", "skip", 0, "https://x/1")}}
+    meta = {"command": "c", "started": "s", "tests": ["cpu", "gpu", "gpu2", "own"], "seconds": {}, "revision": "r"}
+    text = "\n".join(report.port_lines(meta, port, plain))
+    assert "Of the 2 tests the run above skips for want of CUDA, **2 run on the port**" in text
+    assert "the other 1 skips of the run above are torch's own" in text
+    assert "| torch's DDP | 2 | 0 | 0 | 0 |" in text and "| fanfold's DDP | 1 | 1 | 0 | 0 |" in text
+    assert "**Of the 2 that pass with torch's DDP, 1 pass with fanfold's.**" in text
+    assert "| `gpu2` | pass | **FAIL** | not investigated yet: ValueError: boom |" in text

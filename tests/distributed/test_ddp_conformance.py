@@ -252,3 +252,65 @@ def test_pickle_deepcopy_hooks_and_frozen_modules_like_torch():
         assert before == [1, 1, 1, 1] and after == [0, 0, 0, 0] and alive is None
 
 
+
+
+class _NoGradFor(torch.autograd.Function):
+    """x * w whose backward gives x its gradient and w none (an undefined gradient: w's hook fires all the same)."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        return x * w
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _Gated(nn.Module):
+    """a, then a gate whose weight gets an undefined gradient on the ranks in ``blocked`` and a real one elsewhere."""
+
+    def __init__(self, blocked: tuple):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.gate, self.blocked = nn.Linear(8, 4), nn.Parameter(torch.full((4,), 2.0)), blocked
+
+    def forward(self, x):
+        h = self.a(x)
+        return _NoGradFor.apply(h, self.gate) if rank() in self.blocked else h * self.gate
+
+
+def _undefined_gradients():
+    init_process_group(timeout=60)
+    r, n = rank(), world_size()
+    out = {}
+    for blocked in ((0, 1), (1,)):
+        for find_unused in (True, False):
+            for impl in IMPLS:
+                model = _Gated(blocked)
+                ddp = wrap(impl, model, find_unused_parameters=find_unused)
+                opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
+                steps = []
+                for step in range(2):
+                    x, y = data(step)
+                    opt.zero_grad(set_to_none=True)
+                    ((ddp(shard(x, r, n)) - shard(y, r, n)) ** 2).mean().backward()
+                    steps.append(grads(model))
+                    opt.step()  # a parameter with grad=None is left alone; one with zeros decays
+                steps.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+                out[blocked, find_unused, impl] = steps
+    return out
+
+
+def test_undefined_gradients_keep_grad_none_like_torch():
+    """A backward that gives a parameter no gradient (an autograd.Function returning None for it): with
+    find_unused_parameters=True and no rank having a gradient, torch's DDP leaves grad=None (the optimizer skips the
+    parameter); with a gradient on some rank, or without find_unused_parameters, it averages zeros in. fanfold the
+    same, step after step, parameters after SGD with momentum and weight decay included."""
+    res = fanfold.launch(_undefined_gradients, nprocs=2, timeout=280)
+    for out in res:
+        assert out[(0, 1), True, "torch"][0]["gate"] is None  # the case itself: torch keeps None
+        assert out[(0, 1), False, "torch"][0]["gate"] is not None
+        for key in [k for k in out if k[2] == "torch"]:
+            for impl in IMPLS[1:]:
+                for step, (got, theirs) in enumerate(zip(out[key[:2] + (impl,)], out[key])):
+                    assert close(got, theirs), (key[:2], impl, step, got, theirs)

@@ -21,6 +21,7 @@ from _conformance import (
     data,
     grads,
     oracle,
+    sgd,
     shard,
     train,
     wrap,
@@ -274,3 +275,88 @@ def test_join_mirrors_sparse_static_unused_and_delayed_reductions():
             for res in (r0, r1):
                 assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(res[impl, name], model.parameters())), \
                     (impl, name)
+
+
+def _device_mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    init_process_group(timeout=60)
+    n = world_size()
+    mesh, flat = init_device_mesh("cpu", (n,)), init_device_mesh("cpu", (1, n))
+    out = {}
+    for impl in IMPLS:
+        ddp = wrap(impl, nn.Linear(2, 2), device_mesh=mesh)
+        out[impl, "attribute"] = ddp.device_mesh is mesh
+        for name, kw in (("both", dict(device_mesh=mesh, process_group=mesh.get_group())),
+                         ("2d", dict(device_mesh=flat))):
+            try:
+                wrap(impl, nn.Linear(2, 2), **kw)
+                out[impl, name] = None
+            except RuntimeError as exc:
+                out[impl, name] = str(exc)
+    return out
+
+
+def test_device_mesh_is_kept_and_refused_with_torchs_words():
+    """torch's test_ddp_device_mesh_initialization, on the CPU: the wrapper keeps ``device_mesh``; a mesh and a group,
+    or a 2-D mesh, are refused with the words torch's test matches (case included)."""
+    for out in fanfold.launch(_device_mesh, nprocs=2, timeout=120):
+        for impl in IMPLS:
+            assert out[impl, "attribute"], impl
+            assert "Cannot specify both process_group and device_mesh arguments." in out[impl, "both"], out
+            assert "Only 1D device mesh is supported," in out[impl, "2d"], out
+
+
+class _Proxy(nn.Module):
+    """a (data parallel) then b and a buffer that differ between ranks, left out of DDP by torch's private switch."""
+
+    def __init__(self, r: int):
+        super().__init__()
+        torch.manual_seed(r)  # a differs too: DDP's broadcast makes it rank 0's
+        self.a, self.b = nn.Linear(8, 4), nn.Linear(4, 4)
+        with torch.no_grad():
+            self.b.weight.fill_(r + 1.0)
+        self.register_buffer("local", torch.full((3 + r,), float(r)))  # a different shape on each rank
+
+    def forward(self, x):
+        return self.b(self.a(x)) * self.local.sum()
+
+
+def _ignored():
+    init_process_group(timeout=60)
+    r, n = rank(), world_size()
+    out = {}
+    for impl in IMPLS:
+        model = _Proxy(r)
+        cls = nn.parallel.DistributedDataParallel if impl == "torch" else fanfold.DDP
+        cls._set_params_and_buffers_to_ignore_for_model(model, ["b.weight", "b.bias", "local"])
+        ddp = wrap(impl, model)
+        steps = []
+        for step in range(2):
+            x, y = data(step)
+            model.zero_grad(set_to_none=True)
+            ((ddp(shard(x, r, n)) - shard(y, r, n)) ** 2).mean().backward()
+            steps.append(grads(model))
+            sgd(model)
+        steps.append({k: v.clone() for k, v in model.state_dict().items()})
+        out[impl] = steps, getattr(model.b.weight, "_ddp_ignored", False)
+    return out
+
+
+def test_ignored_parameters_and_buffers_are_left_alone_like_torch():
+    """``DDP._set_params_and_buffers_to_ignore_for_model``: the named parameters and buffers are neither checked
+    across ranks (a buffer of another shape on each rank), broadcast nor averaged -- each rank keeps its own b and
+    b's local gradient, a is averaged -- as with torch's DDP in the same ranks, every step."""
+    res = fanfold.launch(_ignored, nprocs=2, timeout=120)
+    for out in res:
+        theirs, marked = out["torch"]
+        assert marked
+        for impl in IMPLS[1:]:
+            got, marked = out[impl]
+            assert marked, impl
+            for step, (g, t) in enumerate(zip(got, theirs)):
+                assert close(g, t), (impl, step, g, t)
+    for impl in IMPLS:  # the case itself: b stays each rank's own, a is the same everywhere
+        (s0, _), (s1, _) = res[0][impl], res[1][impl]
+        assert not torch.equal(s0[-1]["b.weight"], s1[-1]["b.weight"]), impl
+        assert torch.equal(s0[-1]["a.weight"], s1[-1]["a.weight"]), impl

@@ -76,7 +76,9 @@ class DistributedDataParallel(nn.Module):
             skip_all_reduce_unused_params=skip_all_reduce_unused_params, batched_grad_copy=batched_grad_copy,
             mixed_precision=mixed_precision)
         self.module = module
-        self.dim = dim
+        self.dim, self.device_mesh = dim, device_mesh
+        # torch's: names set by _set_params_and_buffers_to_ignore_for_model, left out of every collective
+        self.parameters_to_ignore = frozenset(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
         self.device_ids, self.output_device = check_devices(module, device_ids, output_device)
         self._options, self.process_group = options, options.process_group
         self.forward_sync_buffers = options.forward_sync_buffers
@@ -87,16 +89,16 @@ class DistributedDataParallel(nn.Module):
         self._transport_arg, self._stall_timeout, self._comm_hook = transport, stall_timeout, None
         self._mp = MixedPrecision(mixed_precision, module) if mixed_precision is not None else None
         self._join: JoinState | None = None
-        self._had_buffers = next(iter(module.buffers()), None) is not None  # torch's: else no walk per forward
+        self._had_buffers = bool(self._module_buffers())  # torch's: else no walk per forward
         # Every collective is numbered and its wait bounded by the stall inspector (stall.py).
         self.transport = inspected(resolve_transport(transport, self.process_group), stall_timeout)
         if init_sync:  # first, so that a model that differs between ranks is named as such on every rank
-            check_same_model(self.transport, module)
+            check_same_model(self.transport, module, self.parameters_to_ignore)
         if no_trainable_parameters(module, options.delayed):
             raise RuntimeError(f"DistributedDataParallel is not needed when a module doesn't have any parameter that "
                                f"requires a gradient ({type(module).__name__} has none): there is nothing to average")
         if init_sync:
-            tensors = list(module.parameters()) + (self._module_buffers() if options.init_sync_buffers else [])
+            tensors = self._module_params() + (self._module_buffers() if options.init_sync_buffers else [])
             broadcast_tensors(self.transport, tensors, 0)
         if self._mp is not None:
             self._mp.cast_buffers()
@@ -111,7 +113,7 @@ class DistributedDataParallel(nn.Module):
     # ---- construction ---------------------------------------------------------------------------------------
     def _build_reducer(self) -> None:
         o, params = self._options, dict(self.module.named_parameters())
-        names = [n for n in params if n not in o.delayed]
+        names = [n for n in params if n not in o.delayed and n not in self.parameters_to_ignore]
         self.reducer = Reducer(
             [params[n] for n in names], names, self.transport, o.caps, o.find_unused, o.as_view,
             static_graph=o.static_graph, sparse=sparse_flags(self.module, names),
@@ -135,7 +137,21 @@ class DistributedDataParallel(nn.Module):
                 m.use_transport(self.transport, self.process_group)
 
     def _module_buffers(self) -> list[torch.Tensor]:
-        return list(self.module.buffers())  # looked up each time: .to() or load_state_dict(assign=True) replace them
+        # looked up each time: .to() or load_state_dict(assign=True) replace them
+        return [b for n, b in self.module.named_buffers() if n not in self.parameters_to_ignore]
+
+    def _module_params(self) -> list[torch.Tensor]:
+        return [p for n, p in self.module.named_parameters() if n not in self.parameters_to_ignore]
+
+    @staticmethod
+    def _set_params_and_buffers_to_ignore_for_model(module: nn.Module, params_and_buffers_to_ignore: Any) -> None:
+        """torch's (private, widely used) way to leave parameters and buffers out of DDP, named as in
+        ``module.named_parameters()`` / ``named_buffers()``; call it before wrapping ``module``."""
+        names = set(params_and_buffers_to_ignore)
+        module._ddp_params_and_buffers_to_ignore = params_and_buffers_to_ignore
+        for name, t in (*module.named_parameters(), *module.named_buffers()):
+            if name in names:
+                t._ddp_ignored = True  # torch's mark, read by its FSDP and by torch.compile's DDP optimizer
 
     def _broadcast(self, tensors: list[torch.Tensor], src: int) -> None:
         broadcast_tensors(self.transport, tensors, src)
@@ -249,7 +265,7 @@ class DistributedDataParallel(nn.Module):
             self.reducer.on_first_ready = None
             buffers = self._module_buffers() if self.forward_sync_buffers else []
             src = state.shadow(lambda s: self._broadcast(self._module_buffers(), s), shadow_backward)
-            self._broadcast(list(self.module.parameters()) + buffers, src)
+            self._broadcast(self._module_params() + buffers, src)
         finally:
             for m in participants:
                 m.set_join_state(None)

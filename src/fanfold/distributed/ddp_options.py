@@ -46,13 +46,13 @@ def _process_group(process_group: Any, device_mesh: Any) -> Any:
     if device_mesh is None:
         return process_group
     if process_group is not None:
-        raise RuntimeError("DistributedDataParallel: cannot specify both process_group and device_mesh arguments.")
+        raise RuntimeError("DistributedDataParallel: Cannot specify both process_group and device_mesh arguments.")
     from torch.distributed.device_mesh import DeviceMesh
 
     if not isinstance(device_mesh, DeviceMesh):
         raise TypeError(f"device_mesh must be a torch.distributed.device_mesh.DeviceMesh, got {device_mesh!r}")
     if device_mesh.ndim != 1:
-        raise RuntimeError(f"DistributedDataParallel: only 1D device mesh is supported, but got {device_mesh}.")
+        raise RuntimeError(f"DistributedDataParallel: Only 1D device mesh is supported, but got {device_mesh}.")
     if device_mesh._get_root_mesh() != device_mesh:
         raise NotImplementedError(
             "DistributedDataParallel: device_mesh sliced out of a larger mesh (data parallel combined with tensor "

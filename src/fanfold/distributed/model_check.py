@@ -20,11 +20,12 @@ __all__ = ["check_same_model", "broadcast_tensors", "BROADCAST_BYTES"]
 BROADCAST_BYTES = 64 * 1024 * 1024
 
 
-def check_same_model(t: Any, module: nn.Module) -> None:
-    """Fail on every rank, naming the first differing parameter and the ranks, when the models differ."""
+def check_same_model(t: Any, module: nn.Module, ignored: frozenset = frozenset()) -> None:
+    """Fail on every rank, naming the first differing parameter and the ranks, when the models differ (the
+    ``ignored`` names aside: DDP leaves them alone, they may differ)."""
     entries = [f"parameter {n!r} shape {tuple(p.shape)} {p.dtype} requires_grad={p.requires_grad}"
-               for n, p in module.named_parameters()]
-    entries += [f"buffer {n!r} shape {tuple(b.shape)} {b.dtype}" for n, b in module.named_buffers()]
+               for n, p in module.named_parameters() if n not in ignored]
+    entries += [f"buffer {n!r} shape {tuple(b.shape)} {b.dtype}" for n, b in module.named_buffers() if n not in ignored]
     digest = hashlib.sha256("\n".join(entries).encode()).digest()[:16]
     rows = all_gather_rows(t, torch.tensor(list(digest), dtype=torch.float32))
     differ = [r for r in range(t.world_size) if not torch.equal(rows[r], rows[0])]

@@ -129,7 +129,9 @@ class Reducer(BucketPaths):
 
     def _on_ready(self, i: int | None, p: torch.Tensor) -> None:
         """Parameter ``i``'s gradient hook (None: a delayed parameter's, which only says the backward reached it)."""
-        if i is not None:
+        if i is not None and p.grad is not None:
+            # torch's rule: the hook also fires for an undefined gradient (a backward that returns None for the
+            # parameter); that is no use, so a parameter no rank has a gradient for keeps grad=None
             self._used[i] = True
         if not self._queued:  # (the checks that begin with both calls, made here: this runs once per parameter)
             self.backward_started()
