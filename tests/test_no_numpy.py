@@ -77,13 +77,6 @@ def job(path):
 
 if __name__ == "__main__":
     assert numpy_blocked(), "numpy is importable: this check must run without it"
-    from fanfold.parallel.process_mailbox import _AREA, WORKER, Mailbox
-
-    caller = Mailbox()
-    worker = Mailbox(caller.block, WORKER)
-    big = list(range(3 * _AREA // 8))  # pickles to more than a mailbox's area: spilled into a shared buffer
-    caller.send(big)
-    assert worker.receive(lambda: None, time.monotonic() + 30) == big
 
     for rank, (blocked, same_params, same_rest, gathered) in enumerate(fanfold.launch(job, sys.argv[1], nprocs=2,
                                                                                        timeout=120)):
@@ -91,6 +84,14 @@ if __name__ == "__main__":
         assert same_params, f"rank {rank}: ZeRO's parameters differ from torch's Adam on the whole batch"
         assert same_rest, f"rank {rank}: the resumed sampler does not continue the saved epoch"
         assert gathered == [2.0 * i for i in range(10)], (rank, gathered)
+
+    from fanfold.parallel.process_mailbox import _AREA, WORKER, Mailbox
+
+    caller = Mailbox()
+    worker = Mailbox(caller.block, WORKER)
+    big = list(range(3 * _AREA // 8))  # pickles to more than a mailbox's area: spilled into a shared buffer
+    caller.send(big)
+    assert worker.receive(lambda: None, time.monotonic() + 30) == big
     print("no-numpy run: ok")
 '''
 
