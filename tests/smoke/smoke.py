@@ -13,8 +13,10 @@ every registered subcommand.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import importlib.util
+import io
 import os
 import subprocess
 import sys
@@ -27,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 import fanfold
+import fanfold.cli
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 
@@ -418,10 +421,17 @@ def _fanfold(args: list[str], cwd: str) -> None:
 
 
 def _help(tmp: str) -> None:
+    """``fanfold --help`` through the installed entry point; ``--version`` and each subcommand's ``--help`` in this
+    process (the same parser, without importing torch once per command)."""
     _fanfold(["--help"], tmp)
-    _fanfold(["--version"], tmp)
-    for name in COMMANDS:
-        _fanfold([name, "--help"], tmp)
+    for args in (["--version"], *([name, "--help"] for name in COMMANDS)):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            try:
+                fanfold.cli.main(args)
+            except SystemExit as exc:
+                assert exc.code in (0, None), f"`fanfold {' '.join(args)}` exited {exc.code}"
+        assert out.getvalue().strip(), f"`fanfold {' '.join(args)}` printed nothing"
 
 
 # ---- main ---------------------------------------------------------------------------------------------------------
