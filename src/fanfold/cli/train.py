@@ -14,6 +14,7 @@ The parent checks the flags and the run directory, then starts N workers through
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import shlex
 import sys
@@ -108,6 +109,13 @@ def _settings(args: argparse.Namespace, ckpt: Path) -> None:
 
 def _launch(args: argparse.Namespace) -> int:
     """The parent: check the run directory and settings, then start the workers through the launcher; wait."""
+    # scikit-learn (the digits) and matplotlib (the plot) are the train extra, not fanfold's dependencies: say so
+    # here rather than in a traceback from every worker
+    missing = [pip for module, pip in (("sklearn", "scikit-learn"), ("matplotlib", "matplotlib"))
+               if importlib.util.find_spec(module) is None]
+    if missing:
+        raise ValueError(f"the main job needs {' and '.join(missing)}, which fanfold alone does not install: "
+                         f"pip install 'fanfold[train]' (or `make run`, which installs them)")
     out = Path(args.out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S")))
     ckpt = out / CHECKPOINT
     if args.resume and not ckpt.is_file():

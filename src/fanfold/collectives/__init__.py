@@ -1,7 +1,8 @@
 """fanfold.collectives: how ranks talk. The transport interface (``protocol.Transport``), its torch.distributed
 implementation (``transport``), the shared-memory transport for ranks on one host (``shm/``), the choice between
-them (``select``), the ``fanfold`` torch.distributed backend (``backend``), store namespaces (``store``) and the wait
-bound every layer shares (``timeouts``).
+them (``select``), the ``fanfold`` torch.distributed backend (``backend``), store namespaces (``store``), the wait
+bound every layer shares (``timeouts``) and the object collectives every layer above uses, without numpy
+(``objects``).
 May import ``fanfold._core`` only.
 """
 from .backend import FanfoldProcessGroup

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..collectives.objects import all_gather_object, gather_object
 from .elementwise import check_elementwise, steps_in_pieces
 from .layout import Piece, inner_groups, pieces_of, plan_spaces, spans
 from .shard_state import PieceState, assemble, cut
@@ -83,8 +84,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         mine = [(g, tuple(p.shape), str(p.dtype)) for g, group in enumerate(self.param_groups) for p in group["params"]]
         if self.world_size == 1:
             return
-        every: list = [None] * self.world_size
-        dist.all_gather_object(every, mine, group=self.process_group)
+        every = all_gather_object(mine, group=self.process_group)
         for r, theirs in enumerate(every):
             if theirs != every[0]:
                 diff = next((i for i, (a, b) in enumerate(zip(theirs, every[0])) if a != b), min(len(theirs),
@@ -218,8 +218,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     def _full_state_everywhere(self) -> dict[int, dict]:
         every: list = [self._records()]
         if self.world_size > 1:
-            every = [None] * self.world_size
-            dist.all_gather_object(every, self._records(), group=self.process_group)
+            every = all_gather_object(self._records(), group=self.process_group)
         return assemble([r for rs in every for r in rs], self._params)
 
     def consolidate_state_dict(self, to: int = 0) -> None:
@@ -228,9 +227,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             raise ValueError(f"consolidate_state_dict: to={to!r} is not a rank of the group (0..{self.world_size - 1})")
         every: list | None = [self._records()]
         if self.world_size > 1:
-            every = [None] * self.world_size if self.rank == to else None
-            dst = to if self.process_group is None else dist.get_global_rank(self.process_group, to)
-            dist.gather_object(self._records(), every, dst=dst, group=self.process_group)
+            every = gather_object(self._records(), dst=to, group=self.process_group)
         self._consolidated = assemble([r for rs in every for r in rs], self._params) if self.rank == to else None
         self._consolidated_to = to
 

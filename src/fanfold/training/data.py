@@ -12,10 +12,10 @@ from collections.abc import Iterator, Sized
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.utils.data import Sampler
 
 from .._core.group import rank_world
+from ..collectives.objects import all_gather_object
 
 __all__ = ["DistributedSampler", "gather_evaluation"]
 
@@ -172,10 +172,7 @@ def gather_evaluation(values: torch.Tensor, sampler: DistributedSampler) -> torc
     if not sampler._iterated:
         raise ValueError("iterate the sampler (run the evaluation loop) before gathering its results")
     local = values.detach().cpu()
-    parts = [local]
-    if world > 1:
-        parts = [None] * world
-        dist.all_gather_object(parts, local)
+    parts = all_gather_object(local) if world > 1 else [local]
     n = len(sampler.dataset)
     out = torch.empty((n, *local.shape[1:]), dtype=local.dtype)
     seen = torch.zeros(n, dtype=torch.bool)
