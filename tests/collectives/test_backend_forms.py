@@ -103,6 +103,8 @@ def _forms():
                 got[label] = (f"{type(exc).__name__}: {exc}", None)
         out["results"][name] = got
     out["shm"] = fan.transport is not None
+    # an async collective completed at return (the latency path) says so, as gloo's do once done
+    out["completed"] = dist.all_reduce(torch.ones(2), async_op=True).is_completed()
     dist.destroy_process_group()
     return out
 
@@ -110,7 +112,7 @@ def _forms():
 def test_every_calling_form_gives_gloos_result():
     out = fanfold.launch(_forms, nprocs=2, timeout=120)
     for o in out:
-        assert o["shm"]
+        assert o["shm"] and o["completed"]
         for name, got in o["results"].items():
             assert got["gloo"][0] is True, (name, got["gloo"])  # the form is one torch accepts
             assert got["fanfold"][0] is True, (name, got["fanfold"][0])
