@@ -1,9 +1,9 @@
 """Every calling form of torch's ``ProcessGroup`` methods, on the ``fanfold`` backend's group, against gloo's group
 called the same way (2 ranks): ``allreduce(tensor)`` (torch's DDP join hook calls it), ``allreduce(tensors, op)``,
 ``broadcast(tensor, root)``, ``allgather(outputs, input)``, ``reduce_scatter(output, inputs, op)``, the keyword
-forms, ``barrier(timeout=...)``...; and a rank alone times out after the shorter of the group's timeout and
-``$FANFOLD_STALL_TIMEOUT``, naming the missing rank. (A Work dropped by Python while torch's C++ holds it:
-``tests/distributed/test_ddp_join_hooks.py``, torch's DDP under join.)"""
+forms, ``barrier(timeout=...)``..., and torch's functional collectives. A rank alone times out after the shorter of
+the group's timeout and ``$FANFOLD_STALL_TIMEOUT``, naming the missing rank. (A Work dropped by Python while torch's
+C++ holds it: ``tests/distributed/test_ddp_join_hooks.py``, torch's DDP under join.)"""
 import time
 from datetime import timedelta
 
@@ -102,6 +102,14 @@ def _forms():
             except Exception as exc:  # noqa: BLE001 - the test compares what each backend did
                 got[label] = (f"{type(exc).__name__}: {exc}", None)
         out["results"][name] = got
+    # torch's functional collectives reach the group from C++ (torch.ops._c10d_functional)
+    import torch.distributed._functional_collectives as funcol
+    x = torch.randn(6, generator=torch.Generator().manual_seed(r), dtype=torch.float64)
+    for name, fn in (("funcol.all_reduce", lambda g: funcol.all_reduce(x, "sum", g)),
+                     ("funcol.all_gather_tensor", lambda g: funcol.all_gather_tensor(x, 0, g)),
+                     ("funcol.reduce_scatter_tensor", lambda g: funcol.reduce_scatter_tensor(x, "sum", 0, g))):
+        out["results"][name] = {label: (True, [funcol.wait_tensor(fn(group)).clone()])
+                                for label, group in (("gloo", gloo), ("fanfold", fan))}
     out["shm"] = fan.transport is not None
     # an async collective completed at return (the latency path) says so, as gloo's do once done
     out["completed"] = dist.all_reduce(torch.ones(2), async_op=True).is_completed()
