@@ -260,7 +260,6 @@ class FanfoldProcessGroup(dist.ProcessGroup):
             return self.gloo._allgather_base(output, input, opts)
         return FanfoldWork(shm.all_gather(input.detach(), output.detach()).get_future(), [output])
 
-
     def _reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
                         opts: Any) -> dist.Work:
         ins = input_tensors[0] if len(input_tensors) == 1 and len(output_tensors) == 1 else []
@@ -284,7 +283,6 @@ class FanfoldProcessGroup(dist.ProcessGroup):
         work = shm.reduce_scatter(input.detach(), output.detach(), divisor=divisor, op=_shm_op(op))
         return FanfoldWork(work.get_future(), [output])
 
-
     def _all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
                            input_split_sizes: list[int], opts: Any) -> dist.Work:
         counts = all_to_all_counts(output, input, list(output_split_sizes), list(input_split_sizes), self.size())
@@ -293,7 +291,6 @@ class FanfoldProcessGroup(dist.ProcessGroup):
             return self.gloo.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)
         work = shm.all_to_all(input.detach(), output.detach(), counts[0], counts[1])
         return FanfoldWork(work.get_future(), [output])
-
 
     def _exchange_ok(self, ins: list[torch.Tensor], outs: list[torch.Tensor], shapes_ok: bool,
                      op: str | None = "sum") -> ShmTransport | None:
