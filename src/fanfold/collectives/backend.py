@@ -28,13 +28,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import forms
 from .select import ENV_VAR
 from .shm.host import host_key
 from .shm.request import DTYPES
 from .shm.transport import ShmTransport
 from .splits import all_to_all_counts, unflatten
 from .store import StoreGroup
-from .work import DoneWork, FanfoldWork, completed_work, failed_work
+from .timeouts import ENV_VAR as STALL_ENV_VAR
+from .timeouts import resolve_stall_timeout
+from .work import DoneWork, FanfoldWork, Handout, completed_work, failed_work
 
 __all__ = ["FanfoldProcessGroup", "register", "BACKEND"]
 
@@ -85,6 +88,7 @@ class FanfoldProcessGroup(dist.ProcessGroup):
         self._shm: ShmTransport | None = None
         self._decided = False
         self._lock = threading.Lock()
+        self._handout = Handout()
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         return BACKEND
@@ -117,13 +121,13 @@ class FanfoldProcessGroup(dist.ProcessGroup):
         choice = os.environ.get(ENV_VAR) or None
         local = platform.machine().lower() in ("x86_64", "amd64")  # the segment relies on x86's store order
         store.set(str(rank), json.dumps([choice, host_key(), local]))
+        limit, source = self._wait_limit()
         try:
-            store.wait([str(r) for r in range(size)], self._timeout)
+            store.wait([str(r) for r in range(size)], timedelta(seconds=limit))
         except RuntimeError as exc:  # the store's own message is "Wait timeout": say who and what
             late = [r for r in range(size) if not store.check([str(r)])]
             raise RuntimeError(f"fanfold backend: rank {rank} of {size} waited in its first shared-memory collective "
-                               f"for ranks {late}, which never arrived within {self._timeout.total_seconds():g} s, "
-                               "the timeout of the group") from exc
+                               f"for ranks {late}, which never arrived within {limit:g} s, {source}") from exc
         views = [json.loads(store.get(str(r))) for r in range(size)]
         choices = {v[0] for v in views}
         if len(choices) > 1:
@@ -138,14 +142,64 @@ class FanfoldProcessGroup(dist.ProcessGroup):
             warnings.warn(f"fanfold backend (rank {rank}): every collective goes through gloo: {reason}",
                           stacklevel=3)
             return None
-        return ShmTransport(StoreGroup(store, rank, size), self._timeout)
+        return ShmTransport(StoreGroup(store, rank, size), limit)
 
-    # The collectives torch calls from Python; each falls back to gloo with the same arguments.
+    def _wait_limit(self) -> tuple[float, str]:
+        """How long any wait for a peer may take, and what set it: the group's timeout, or $FANFOLD_STALL_TIMEOUT
+        where that is shorter."""
+        group = self._timeout.total_seconds()
+        if os.environ.get(STALL_ENV_VAR) and resolve_stall_timeout() < group:
+            return resolve_stall_timeout(), f"the stall timeout (${STALL_ENV_VAR})"
+        return group, "the timeout of the group"
 
-    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
+    # torch's methods, in every calling form of torch's (forms.py); the Work handed out is safe in C++ (work.py)
+
+    def allreduce(self, *args: Any, **kwargs: Any) -> dist.Work:
+        tensors, opts = forms.allreduce(args, kwargs)
+        return self._handout(self._allreduce(tensors, opts), opts.asyncOp)
+
+    def allreduce_coalesced(self, *args: Any, **kwargs: Any) -> dist.Work:
+        tensors, opts = forms.allreduce_coalesced(args, kwargs)
+        return self._handout(self._allreduce_coalesced(tensors, opts), opts.asyncOp)
+
+    def broadcast(self, *args: Any, **kwargs: Any) -> dist.Work:
+        tensors, opts = forms.broadcast(args, kwargs)
+        return self._handout(self._broadcast(tensors, opts), opts.asyncOp)
+
+    def allgather(self, *args: Any, **kwargs: Any) -> dist.Work:
+        outs, ins, opts = forms.allgather(args, kwargs)
+        return self._handout(self._allgather(outs, ins, opts), opts.asyncOp)
+
+    def all_gather_single(self, *args: Any, **kwargs: Any) -> dist.Work:
+        output, input, opts = forms.all_gather_single(args, kwargs)
+        return self._handout(self._all_gather_single(output, input, opts), opts.asyncOp)
+
+    def reduce_scatter(self, *args: Any, **kwargs: Any) -> dist.Work:
+        outs, ins, opts = forms.reduce_scatter(args, kwargs)
+        return self._handout(self._reduce_scatter(outs, ins, opts), opts.asyncOp)
+
+    def reduce_scatter_single(self, *args: Any, **kwargs: Any) -> dist.Work:
+        output, input, opts = forms.reduce_scatter_single(args, kwargs)
+        return self._handout(self._reduce_scatter_single(output, input, opts), opts.asyncOp)
+
+    def all_to_all_single(self, *args: Any, **kwargs: Any) -> dist.Work:
+        output, input, out_splits, in_splits, opts = forms.all_to_all_single(args, kwargs)
+        return self._handout(self._all_to_all_single(output, input, out_splits, in_splits, opts), opts.asyncOp)
+
+    def barrier(self, *args: Any, **kwargs: Any) -> dist.Work:
+        (opts,) = forms.barrier(args, kwargs)
+        return self._handout(self._barrier(opts), opts.asyncOp)
+
+    _allgather_base = all_gather_single  # torch's older names
+    _reduce_scatter_base = reduce_scatter_single
+    alltoall_base = all_to_all_single
+
+    # The implementations: each falls back to gloo with the same arguments.
+
+    def _allreduce(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
         # The latency path first, with as few checks as make it safe (run_small checks the tensor): a small SUM, or
         # AVG of floating point, summed on this thread when nothing is queued.
-        if opts is not None and len(tensors) == 1 and self._decided and self._shm is not None:
+        if len(tensors) == 1 and self._decided and self._shm is not None:
             t, op = tensors[0], opts.reduceOp
             try:
                 if op == _SUM and self._shm.run_small(t):
@@ -154,7 +208,6 @@ class FanfoldProcessGroup(dist.ProcessGroup):
                     return DoneWork(tensors)
             except Exception as exc:  # noqa: BLE001 - raised by wait(), as gloo's errors are
                 return failed_work(exc, tensors)
-        opts = opts if opts is not None else dist.AllreduceOptions()
         op = _op_name(opts.reduceOp)
         shm = self._fast() if len(tensors) == 1 and _supported(tensors, op) else None
         if shm is None:
@@ -172,8 +225,7 @@ class FanfoldProcessGroup(dist.ProcessGroup):
         work = shm.all_reduce(tensor, divisor=divisor, inline=True, op=_shm_op(op))
         return FanfoldWork(work.get_future(), tensors)
 
-    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
-        opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
+    def _allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
         op = _op_name(opts.reduceOp)
         shm = self._fast() if _supported(tensors, op) else None
         if shm is None:
@@ -184,17 +236,15 @@ class FanfoldProcessGroup(dist.ProcessGroup):
         return FanfoldWork(shm.all_reduce(flat, divisor=divisor, op=_shm_op(op)).get_future(), tensors,
                            lambda: unflatten(flat, tensors))
 
-    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
-        opts = opts if opts is not None else dist.BroadcastOptions()
+    def _broadcast(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
         shm = self._fast() if len(tensors) == 1 and opts.rootTensor == 0 and _supported(tensors) else None
         if shm is None:
             return self.gloo.broadcast(tensors, opts)
         shm.broadcast(tensors[0].detach(), opts.rootRank)  # returns once done: broadcasts are rare and small
         return completed_work(tensors)
 
-    def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
-                  opts: Any = None) -> dist.Work:
-        opts = opts if opts is not None else dist.AllgatherOptions()
+    def _allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
+                   opts: Any) -> dist.Work:
         outs = output_tensors[0] if len(output_tensors) == 1 and len(input_tensors) == 1 else []
         shm = self._exchange_ok(input_tensors, outs, len(outs) == self.size() and
                                 all(o.shape == input_tensors[0].shape for o in outs))
@@ -204,18 +254,14 @@ class FanfoldProcessGroup(dist.ProcessGroup):
         work = shm.all_gather(input_tensors[0].detach(), flat)
         return FanfoldWork(work.get_future(), output_tensors, lambda: unflatten(flat, outs))
 
-    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> dist.Work:
-        opts = opts if opts is not None else dist.AllgatherOptions()
+    def _all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> dist.Work:
         shm = self._exchange_ok([input], [output], output.numel() == self.size() * input.numel())
         if shm is None:
             return self.gloo._allgather_base(output, input, opts)
         return FanfoldWork(shm.all_gather(input.detach(), output.detach()).get_future(), [output])
 
-    _allgather_base = all_gather_single  # torch's older name
-
-    def reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
-                       opts: Any = None) -> dist.Work:
-        opts = opts if opts is not None else dist.ReduceScatterOptions()
+    def _reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
+                        opts: Any) -> dist.Work:
         ins = input_tensors[0] if len(input_tensors) == 1 and len(output_tensors) == 1 else []
         op = _op_name(opts.reduceOp)
         shm = self._exchange_ok(output_tensors, ins, len(ins) == self.size() and op is not None and all(
@@ -227,8 +273,7 @@ class FanfoldProcessGroup(dist.ProcessGroup):
                                   op=_shm_op(op))
         return FanfoldWork(work.get_future(), output_tensors)
 
-    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> dist.Work:
-        opts = opts if opts is not None else dist.ReduceScatterOptions()
+    def _reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> dist.Work:
         op = _op_name(opts.reduceOp)
         shm = self._exchange_ok([input], [output], op is not None and input.numel() == self.size() * output.numel(),
                                 op)
@@ -238,11 +283,8 @@ class FanfoldProcessGroup(dist.ProcessGroup):
         work = shm.reduce_scatter(input.detach(), output.detach(), divisor=divisor, op=_shm_op(op))
         return FanfoldWork(work.get_future(), [output])
 
-    _reduce_scatter_base = reduce_scatter_single  # torch's older name
-
-    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
-                          input_split_sizes: list[int], opts: Any = None) -> dist.Work:
-        opts = opts if opts is not None else dist.AllToAllOptions()
+    def _all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
+                           input_split_sizes: list[int], opts: Any) -> dist.Work:
         counts = all_to_all_counts(output, input, list(output_split_sizes), list(input_split_sizes), self.size())
         shm = self._exchange_ok([input], [output], counts is not None)
         if shm is None:
@@ -250,19 +292,17 @@ class FanfoldProcessGroup(dist.ProcessGroup):
         work = shm.all_to_all(input.detach(), output.detach(), counts[0], counts[1])
         return FanfoldWork(work.get_future(), [output])
 
-    alltoall_base = all_to_all_single  # torch's older name
-
     def _exchange_ok(self, ins: list[torch.Tensor], outs: list[torch.Tensor], shapes_ok: bool,
                      op: str | None = "sum") -> ShmTransport | None:
         # One input, CPU, one supported dtype for inputs and outputs: all equal on every rank of a correct program
         return self._fast() if len(ins) == 1 and shapes_ok and _supported(ins + outs, op) else None
 
-    def barrier(self, opts: Any = None) -> dist.Work:
+    def _barrier(self, opts: Any) -> dist.Work:
         shm = self._fast()
         if shm is not None:
             shm.barrier()  # every rank has finished its queued shared-memory collectives
         # then gloo's, behind the delegated collectives queued before it
-        return self.gloo.barrier(opts if opts is not None else dist.BarrierOptions())
+        return self.gloo.barrier(opts)
 
     def shutdown(self) -> None:
         """Close the transport (its queued collectives finish first), then torch's own shutdown (gloo's)."""

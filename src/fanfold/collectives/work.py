@@ -1,19 +1,31 @@
-"""``FanfoldWork``: the torch ``Work`` of a shared-memory collective of the ``fanfold`` backend (``backend.py``).
+"""``FanfoldWork``: the torch ``Work`` of a shared-memory collective of the ``fanfold`` backend (``backend.py``), and
+:class:`Handout`, which makes the Work the backend returns safe to hand to torch's C++.
 
 Layer: collectives, beside the backend. torch's own ``_create_work_from_future`` gives a Work whose ``wait()``
 returns True even when the collective failed; gloo's raises, and so does this one: an error reaches the caller
 of ``wait()`` and of ``get_future().wait()``, whichever it uses (DDP's reducer uses the future).
+
+A Work written in Python is two objects: the Python one, which holds the methods, and torch's C++ half. When Python
+code hands it to C++ and drops it -- torch's DDP does, with ``Join.notify_join_context``'s all-reduce, which its
+reducer waits for in the backward -- the Python half dies, and the C++ half's ``wait()`` is the base class's,
+which waits forever for a completion nobody signals (pybind11 issue 1333). So an asynchronous collective's Work is
+one whose C++ half stands alone: torch's future-backed Work when the collective has already completed, else torch's
+own holder of the Python Work (what it makes of the Work of a Python group's collective called from C++), which
+owns the Python half for as long as C++ holds it. A synchronous one (``async_op=False``) is waited for at once by
+``torch.distributed`` and dropped: it stays as it is.
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import _create_work_from_future
 
-__all__ = ["FanfoldWork", "DoneWork", "completed_work", "failed_work"]
+__all__ = ["FanfoldWork", "DoneWork", "Handout", "completed_work", "failed_work"]
 
 
 class FanfoldWork(dist._Work):
@@ -101,3 +113,37 @@ class DoneWork(dist._Work):
         fut = torch.futures.Future()
         fut.set_result(self._value)
         return fut
+
+
+class _Holder(dist.ProcessGroup):
+    """A group of one whose only collective returns the Work it was given: torch's C++ wraps what a Python group's
+    collective returns in its holder of the Python Work (``PyWorkHolder``), which keeps the Python object alive."""
+
+    def __init__(self) -> None:
+        super().__init__(0, 1)
+        self.given = threading.local()  # per thread: collectives may be issued from several
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
+        return self.given.work
+
+
+class Handout:
+    """``handout(work, async_op)``: the Work a collective of the ``fanfold`` group returns (see the module's
+    docstring). An asynchronous one completed at return: torch's future-backed Work (``wait()`` returns at once,
+    ``is_completed()`` is True; a finite ``wait(timeout)`` is refused by torch's class). Failed or in flight: torch's
+    holder of ``work``, whose ``wait(timeout)`` and ``get_future()`` are ``work``'s; its ``is_completed()`` is the
+    holder's own, False (torch forwards only those two)."""
+
+    def __init__(self) -> None:
+        self._holder = _Holder()
+
+    def __call__(self, work: dist.Work, async_op: bool) -> dist.Work:
+        if not async_op or not isinstance(work, (FanfoldWork, DoneWork)):
+            return work  # waited for at once, or gloo's (C++ through and through)
+        if work.is_completed() and work.exception() is None:
+            return _create_work_from_future(work.get_future())
+        self._holder.given.work = work
+        try:
+            return dist.ProcessGroup.allreduce(self._holder, [], dist.AllreduceOptions())
+        finally:
+            self._holder.given.work = None

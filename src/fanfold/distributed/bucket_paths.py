@@ -32,6 +32,7 @@ class BucketPaths(BucketLayout):
     hook: Callable
     hook_state: Any
     divisor: int
+    hook_registered: bool
     batched: bool
     _shadowing: bool
     _pending: set
@@ -55,8 +56,15 @@ class BucketPaths(BucketLayout):
     def set_comm_hook(self, state: Any, hook: Callable) -> None:
         if not callable(hook):
             raise TypeError(f"hook must be callable as hook(state, bucket), got {hook!r}")
-        self.hook, self.hook_state = hook, state
+        self.hook, self.hook_state, self.hook_registered = hook, state, True
         self._choose_path()
+
+    @property
+    def hook_divisor(self) -> int:
+        """What a bucket's reduction divides by. torch's hooks divide by ``process_group.size()``, whoever has joined;
+        only DDP's own reduction (no hook registered) divides by the ranks still active inside
+        ``join(divide_by_initial_world_size=False)`` (``divisor``), as torch's reducer does."""
+        return self.transport.world_size if self.hook_registered else self.divisor
 
     def _copy_in(self, i: int, p: torch.Tensor) -> None:
         self._pending.discard(i)
@@ -88,14 +96,14 @@ class BucketPaths(BucketLayout):
         if self._direct:
             # Only the last bucket waits for the peers to be done with this rank's gradients (settle): every earlier
             # bucket's are by then, and nothing changes a gradient before the end of backward.
-            self._futures[b] = self.transport.reduce_tensors(self._grads(b), bucket=b, divisor=self.divisor,
+            self._futures[b] = self.transport.reduce_tensors(self._grads(b), bucket=b, divisor=self.hook_divisor,
                                                              settle=last, compress=BUILT_IN[self.hook])
             return
         for i in [i for i in self.buckets[b] if i in self._pending]:
             self._copy_in(i, self.params[i])  # batched_grad_copy: the bucket's copies, together
         members = self.buckets[b]
         bucket = GradBucket(b, self.flats[b], [self.params[i] for i in members], [self._views[i] for i in members],
-                            last, self.divisor, self.all_reduce, self._workspace)
+                            last, self.hook_divisor, self.all_reduce, self._workspace)
         self._futures[b] = self.hook(self.hook_state, bucket)
 
     def _launch_flat(self, b: int) -> Future:
@@ -113,7 +121,7 @@ class BucketPaths(BucketLayout):
                 if g is None:
                     grads[k] = self._temps[members[k]] = torch.zeros_like(views[k])
             torch._foreach_copy_(views, grads)
-        work = self.transport.all_reduce(flat, b, self.divisor)
+        work = self.transport.all_reduce(flat, b, self.hook_divisor)
 
         def finish() -> None:
             work.wait()

@@ -6,9 +6,11 @@ is the bucket's flat gradient (this rank's local sum), starts the reduction and 
 gives a tensor of the buffer's size holding the *averaged* gradient. ``bucket.all_reduce(tensor, divisor=None)``
 issues the all-reduce through the DDP's transport, so a hook works on every transport and its collectives are
 labelled with the bucket index; with ``divisor`` it is an average (the shm transport divides each shard while it is
-in cache, other transports after the wait). ``bucket.divisor`` is what to divide by (the world size, or the number
-of ranks still active inside ``join(divide_by_initial_world_size=False)``). Hooks written for torch's DDP that call
-``dist.all_reduce`` themselves also work on the torch transport, since the reducer accepts torch futures.
+in cache, other transports after the wait). ``bucket.divisor`` is what to divide by: for a registered hook, the
+world size, whoever has joined, as torch's hooks divide by ``process_group.size()``; only DDP's own reduction (no
+hook registered) divides by the ranks still active inside ``join(divide_by_initial_world_size=False)``, as torch's
+reducer does (``BucketPaths.hook_divisor``). Hooks written for torch's DDP that call ``dist.all_reduce`` themselves
+also work on the torch transport, since the reducer accepts torch futures.
 
 The compression hooks cast to the narrow type (fp16 divides first, so that it cannot overflow on the sum; bf16 has
 fp32's range and lets the all-reduce average), all-reduce in it and cast the result back into the fp32 buffer: half

@@ -62,6 +62,7 @@ class Reducer(BucketPaths):
         self.batched, self.skip_unused = bool(batched_copy), bool(skip_unused)
         self.divisor = transport.world_size
         self.hook, self.hook_state = allreduce_hook, None  # torch's comm hook (comm_hooks.py) and its state
+        self.hook_registered = False  # by DDP.register_comm_hook: the hook divides by the world size (hook_divisor)
         self.expect_sync = False  # set by DDP.forward when the backward of this forward must synchronise
         self.on_first_ready: Callable[[], None] | None = None  # DDP's join announcement, before any bucket launch
         self.params_back: Callable[[], None] | None = None  # mixed precision: masters back after each backward
@@ -267,7 +268,7 @@ class Reducer(BucketPaths):
     def _reduce_sparse(self, i: int) -> torch.Tensor:
         p = self.params[i]
         grad = p.grad if p.grad is not None and not self._shadowing else empty_sparse_like(p)
-        return all_reduce_sparse(self.transport, grad.to(self.reduce_dtype or grad.dtype), self.divisor)
+        return all_reduce_sparse(self.transport, grad.to(self.reduce_dtype or grad.dtype), self.hook_divisor)
 
     def _end_step(self) -> None:
         self._rebuild(self.readiness.order)

@@ -145,7 +145,7 @@ class GradientShards:
         flat[s.numel:].zero_()
         accumulate = self.filled[b]
         if r.hook in BUILT_IN:
-            narrow, divisor = BUILT_IN[r.hook], r.divisor
+            narrow, divisor = BUILT_IN[r.hook], r.hook_divisor
             send = flat
             if narrow is not None:
                 if narrow == torch.float16:  # divide first: the sum of N gradients could overflow float16
@@ -177,7 +177,7 @@ class GradientShards:
         # Only the last bucket (every bucket, if some are skipped) waits for the peers to finish reading this rank's
         # gradients: for the others the next bucket's reduction waits for it (see _finish), one wait less each.
         settle = b == len(self.layout) - 1 or r.skip_unused
-        handle = scatter_tensors(r.transport, tensors, out, b, r.divisor, settle, BUILT_IN[r.hook])
+        handle = scatter_tensors(r.transport, tensors, out, b, r.hook_divisor, settle, BUILT_IN[r.hook])
         self._flights.append(_Flight(b, handle, out, accumulate, tensors, settle))
 
     def finish(self, only_done: bool = False) -> None:
@@ -258,7 +258,7 @@ class _HookPart:
         whole = flat[:s.numel]
         views = [whole[o:o + m].view(reducer.params[i].shape) for i, o, m in zip(s.members, s.offsets, s.numels)]
         bucket = GradBucket(b, whole, [reducer.params[i] for i in s.members], views, b == len(reducer.buckets) - 1,
-                            reducer.divisor, reducer.all_reduce)
+                            reducer.hook_divisor, reducer.all_reduce)
         self._future, self._whole, self._out, self._s = reducer.hook(reducer.hook_state, bucket), whole, out, s
 
     def wait(self) -> None:
