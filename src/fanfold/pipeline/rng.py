@@ -1,0 +1,97 @@
+"""Random numbers in a pipeline: each (micro-batch, stage) cell draws from a generator state of its own.
+
+Part of ``fanfold.pipeline`` (below ``stage``). A pass takes one seed from the caller's CPU generator; the forward
+of micro-batch m on stage s runs with its device's generator seeded from (seed, s, m), and a checkpoint's
+recomputation of that cell runs from the same state again, so it draws the forward's masks. Both leave the
+generator as they found it. Stages on threads of one process share a device's generator (all CPU stages share
+torch's one), so cells on a shared generator take a lock per pass: their forwards and recomputations run one at a
+time, the rest of the stages' work still overlaps. The masks depend on the seed, the stage and the micro-batch only:
+not on the schedule, the checkpoint mode, the thread timing, or whether the stages are threads or processes.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+__all__ = ["StageRandom", "draws_random_numbers", "pass_seed", "stage_randoms"]
+
+_MASK = (1 << 64) - 1
+_RANDOM = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+
+
+def draws_random_numbers(module: nn.Module) -> bool:
+    """True if ``module`` holds a layer known to draw random numbers in its current mode (dropout in training)."""
+    return any(m.training and ((isinstance(m, _RANDOM) and m.p > 0) or isinstance(m, nn.RReLU) or
+                               (isinstance(m, nn.MultiheadAttention) and m.dropout > 0))
+               for m in module.modules())
+
+
+def pass_seed() -> int:
+    """A pass's seed: one draw from the caller's CPU generator, so ``torch.manual_seed`` fixes a pass's masks."""
+    return int(torch.randint(1 << 62, (), dtype=torch.int64))
+
+
+def cell_seed(seed: int, stage: int, microbatch: int) -> int:
+    """A 64-bit seed for one cell: splitmix64 of the pass seed and the cell's position. The CPU generator (a Mersenne
+    twister) keeps only the low 32 bits of a seed, so every bit of the result must depend on every input bit."""
+    z = (seed + 0x9E3779B97F4A7C15 * (1 + (stage << 32) + microbatch)) & _MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return z ^ (z >> 31)
+
+
+def _get_state(device: torch.device) -> torch.Tensor:
+    if device.type == "cpu":
+        return torch.get_rng_state()
+    return torch.get_device_module(device.type).get_rng_state(device)
+
+
+def _set_state(device: torch.device, state: torch.Tensor) -> None:
+    if device.type == "cpu":
+        torch.set_rng_state(state)
+    else:
+        torch.get_device_module(device.type).set_rng_state(state, device)
+
+
+@dataclass(frozen=True)
+class StageRandom:
+    """Stage ``stage``'s random numbers in a pass seeded ``seed``: the generator of ``device`` (a CUDA stage's CPU
+    draws are not covered). ``lock``: shared by the pass's cells whose stages share that generator, else None."""
+
+    seed: int
+    stage: int
+    device: torch.device
+    lock: threading.RLock | None = None
+
+    @contextlib.contextmanager
+    def cell(self, microbatch: int) -> Iterator[None]:
+        """Micro-batch ``microbatch``'s draws, the same each time this is entered (forward, then recomputation)."""
+        with self.lock if self.lock is not None else contextlib.nullcontext():
+            saved = _get_state(self.device)
+            state = torch.Generator(self.device).manual_seed(cell_seed(self.seed, self.stage, microbatch))
+            _set_state(self.device, state.get_state())
+            try:
+                yield
+            finally:
+                # the caller's generator continues where it was, whatever the cells drew
+                _set_state(self.device, saved)
+
+
+def stage_randoms(seed: int, modules: Sequence[nn.Module], devices: Sequence[torch.device], first: int,
+                  checkpointing: bool) -> list[StageRandom | None]:
+    """Each stage's ``StageRandom`` for a pass, or None for all when the pass needs no control.
+
+    ``modules``/``devices``: the stages of this process, the first of them stage ``first``. A pass is controlled when
+    a stage recomputes (``checkpointing``: it must replay its forward's draws, whatever layer makes them) or holds a
+    known random layer (so its masks are the same in every checkpoint mode and run). In a controlled pass every stage
+    is, and stages sharing a device share a lock; otherwise nothing is touched (no cost for models without dropout).
+    """
+    if not checkpointing and not any(draws_random_numbers(m) for m in modules):
+        return [None] * len(modules)
+    locks = {d: threading.RLock() for d in set(devices) if list(devices).count(d) > 1}
+    return [StageRandom(seed, first + s, d, locks.get(d)) for s, d in enumerate(devices)]
