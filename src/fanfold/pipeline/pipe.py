@@ -29,7 +29,7 @@ from .execute import run_serial, run_threads
 from .grads import average_gradients, broadcast_state
 from .microbatch import batch_size, join, loss_weights, microbatch_sizes, split
 from .partition import resolve_balance, sequential_layers, stage_modules
-from .rng import pass_seed, stage_randoms
+from .rng import draws_random_numbers, pass_seed, stage_randoms
 from .schedule import ScheduleFn, Step, resolve, stage_orders
 from .stage import CHECKPOINT_MODES, StageRun, StageSpec, StepTime
 from .threadstate import ThreadState, capture
@@ -120,7 +120,8 @@ class Pipeline(nn.Module):
     def _runs(self, channel: ThreadChannel, microbatches: list, train: bool, seed: int, grad: bool,
               **last: Any) -> list[StageRun]:
         n = len(self._stages)
-        randoms = stage_randoms(seed, self._stages, self.devices, 0, grad and self.checkpoint != "never")
+        controlled = (grad and self.checkpoint != "never") or any(draws_random_numbers(s) for s in self._stages)
+        randoms = stage_randoms(seed, self.devices, 0, controlled)
         return [StageRun(StageSpec(s, n, stage, dev, self.checkpoint), channel, len(microbatches), train,
                          inputs=microbatches if s == 0 else None, random=random, **(last if s == n - 1 else {}))
                 for s, (stage, dev, random) in enumerate(zip(self._stages, self.devices, randoms))]

@@ -82,16 +82,15 @@ class StageRandom:
                 _set_state(self.device, saved)
 
 
-def stage_randoms(seed: int, modules: Sequence[nn.Module], devices: Sequence[torch.device], first: int,
-                  checkpointing: bool) -> list[StageRandom | None]:
-    """Each stage's ``StageRandom`` for a pass, or None for all when the pass needs no control.
+def stage_randoms(seed: int, devices: Sequence[torch.device], first: int, controlled: bool) -> list[StageRandom | None]:
+    """Each stage's ``StageRandom`` for a pass, or None for all when the pass is not ``controlled``.
 
-    ``modules``/``devices``: the stages of this process, the first of them stage ``first``. A pass is controlled when
-    a stage recomputes (``checkpointing``: it must replay its forward's draws, whatever layer makes them) or holds a
-    known random layer (so its masks are the same in every checkpoint mode and run). In a controlled pass every stage
-    is, and stages sharing a device share a lock; otherwise nothing is touched (no cost for models without dropout).
+    ``devices``: those of the stages this process runs, the first of them stage ``first``. A pass is controlled when
+    a stage recomputes (it must replay its forward's draws, whatever layer makes them) or any stage holds a known
+    random layer (``draws_random_numbers``: its masks are then the same in every checkpoint mode and run). Stages
+    sharing a device share a lock; a pass that is not controlled touches nothing (no cost without dropout).
     """
-    if not checkpointing and not any(draws_random_numbers(m) for m in modules):
-        return [None] * len(modules)
+    if not controlled:
+        return [None] * len(devices)
     locks = {d: threading.RLock() for d in set(devices) if list(devices).count(d) > 1}
     return [StageRandom(seed, first + s, d, locks.get(d)) for s, d in enumerate(devices)]
