@@ -10,6 +10,8 @@ it.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -86,21 +88,15 @@ class RowParameter(nn.Module):
         return self.weight[index]
 
 
-def mixed(seed: int = 0) -> nn.Sequential:
-    """Linear layers with both kinds of dropout; the 3-stage cut [3, 3, 3] leaves stage 1 only the custom one."""
+def mlp(kind: str, seed: int = 0) -> nn.Sequential:
+    """Linear layers with dropout. ``"mixed"``: ``nn.Dropout`` layers and one custom one (the 3-stage cut [3, 3, 3]
+    leaves stage 1 only the custom one); ``"custom"``: custom ones only, whose draws a checkpoint must replay
+    without seeing them coming."""
     torch.manual_seed(seed)
+    known = Dropout if kind == "mixed" else CustomDropout
     return nn.Sequential(
-        nn.Linear(6, 16), Dropout(0.5), nn.Tanh(), nn.Linear(16, 16), CustomDropout(0.3), nn.Tanh(),
-        nn.Linear(16, 16), Dropout(0.5), nn.Linear(16, 3),
-    ).double()
-
-
-def custom(seed: int = 0) -> nn.Sequential:
-    """The same with only the custom dropout: a checkpoint must replay draws it cannot see coming."""
-    torch.manual_seed(seed)
-    return nn.Sequential(
-        nn.Linear(6, 16), CustomDropout(0.5), nn.Tanh(), nn.Linear(16, 16), CustomDropout(0.3), nn.Tanh(),
-        nn.Linear(16, 16), CustomDropout(0.5), nn.Linear(16, 3),
+        nn.Linear(6, 16), known(0.5), nn.Tanh(), nn.Linear(16, 16), CustomDropout(0.3), nn.Tanh(),
+        nn.Linear(16, 16), known(0.5), nn.Linear(16, 3),
     ).double()
 
 
@@ -111,7 +107,7 @@ def dropout_only(stages: int, kind: str = "mixed", seed: int = 0) -> nn.Sequenti
     return nn.Sequential(RowParameter(), *layers)
 
 
-MODELS = {"mixed": mixed, "custom": custom}
+MODELS = {kind: functools.partial(mlp, kind) for kind in ("mixed", "custom")}
 BALANCE = {2: [4, 5], 3: [3, 3, 3]}
 
 

@@ -120,7 +120,7 @@ class Pipeline(nn.Module):
     def _runs(self, channel: ThreadChannel, microbatches: list, train: bool, seed: int, grad: bool,
               **last: Any) -> list[StageRun]:
         n = len(self._stages)
-        controlled = (grad and self.checkpoint != "never") or any(draws_random_numbers(s) for s in self._stages)
+        controlled = (grad and self.checkpoint != "never") or any(map(draws_random_numbers, self._stages))
         randoms = stage_randoms(seed, self.devices, 0, controlled)
         return [StageRun(StageSpec(s, n, stage, dev, self.checkpoint), channel, len(microbatches), train,
                          inputs=microbatches if s == 0 else None, random=random, **(last if s == n - 1 else {}))
