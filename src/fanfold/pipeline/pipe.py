@@ -94,6 +94,8 @@ class Pipeline(nn.Module):
         for stage, device in zip(self._stages, self.devices):
             stage.to(device)
         self._pool: WorkerPool | None = None
+        # (stage, its modules' training flags) seen drawing no random number in a controlled pass (rng.py)
+        self._quiet: set[tuple[int, tuple[bool, ...]]] = set()
         if isinstance(data_parallel_group, str) and data_parallel_group != "world":
             raise ValueError(f'data_parallel_group must be a process group, "world" or None, '
                              f'got {data_parallel_group!r}')
@@ -121,10 +123,22 @@ class Pipeline(nn.Module):
               **last: Any) -> list[StageRun]:
         n = len(self._stages)
         controlled = (grad and self.checkpoint != "never") or any(map(draws_random_numbers, self._stages))
-        randoms = stage_randoms(seed, self.devices, 0, controlled)
+        keys = [self._quiet_key(s) for s in range(n)]
+        # a stage that drew nothing in an earlier controlled pass in the same modes is left alone: with no lock it
+        # overlaps the others (known random layers always draw)
+        may_draw = [keys[s] not in self._quiet or draws_random_numbers(stage) for s, stage in enumerate(self._stages)]
+        randoms = stage_randoms(seed, self.devices, 0, controlled, may_draw)
         return [StageRun(StageSpec(s, n, stage, dev, self.checkpoint), channel, len(microbatches), train,
                          inputs=microbatches if s == 0 else None, random=random, **(last if s == n - 1 else {}))
                 for s, (stage, dev, random) in enumerate(zip(self._stages, self.devices, randoms))]
+
+    def _quiet_key(self, s: int) -> tuple[int, tuple[bool, ...]]:
+        return s, tuple(m.training for m in self._stages[s].modules())
+
+    def _observe(self, runs: list[StageRun]) -> None:
+        for s, run in enumerate(runs):
+            if run.random is not None:
+                (self._quiet.discard if run.random.drew else self._quiet.add)(self._quiet_key(s))
 
     def _execute(self, runs: list[StageRun], orders: list[list[Step]], channel: ThreadChannel,
                  state: ThreadState) -> None:
@@ -134,6 +148,7 @@ class Pipeline(nn.Module):
             run_threads(runs, orders, channel, state, self._pool)
         else:  # nothing could overlap: no thread hand-offs
             run_serial(runs, orders, state)
+        self._observe(runs)
         self.last_timeline = sorted(itertools.chain.from_iterable(r.timeline for r in runs), key=lambda t: t.start)
 
     def join(self, outputs: list[Any]) -> Any:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -58,39 +58,46 @@ def _set_state(device: torch.device, state: torch.Tensor) -> None:
         torch.get_device_module(device.type).set_rng_state(state, device)
 
 
-@dataclass(frozen=True)
+@dataclass
 class StageRandom:
     """Stage ``stage``'s random numbers in a pass seeded ``seed``: the generator of ``device`` (a CUDA stage's CPU
-    draws are not covered). ``lock``: shared by the pass's cells whose stages share that generator, else None."""
+    draws are not covered). ``lock``: shared by the pass's cells whose stages share that generator, else None.
+    ``drew``: whether a cell of this stage drew from the generator in this pass."""
 
     seed: int
     stage: int
     device: torch.device
     lock: threading.RLock | None = None
+    drew: bool = field(default=False, compare=False)
 
     @contextlib.contextmanager
     def cell(self, microbatch: int) -> Iterator[None]:
         """Micro-batch ``microbatch``'s draws, the same each time this is entered (forward, then recomputation)."""
         with self.lock if self.lock is not None else contextlib.nullcontext():
             saved = _get_state(self.device)
-            state = torch.Generator(self.device).manual_seed(cell_seed(self.seed, self.stage, microbatch))
-            _set_state(self.device, state.get_state())
+            seeded = torch.Generator(self.device).manual_seed(cell_seed(self.seed, self.stage, microbatch))
+            seeded = seeded.get_state()
+            _set_state(self.device, seeded)
             try:
                 yield
+                self.drew = self.drew or not torch.equal(_get_state(self.device), seeded)
             finally:
                 # the caller's generator continues where it was, whatever the cells drew
                 _set_state(self.device, saved)
 
 
-def stage_randoms(seed: int, devices: Sequence[torch.device], first: int, controlled: bool) -> list[StageRandom | None]:
-    """Each stage's ``StageRandom`` for a pass, or None for all when the pass is not ``controlled``.
+def stage_randoms(seed: int, devices: Sequence[torch.device], first: int, controlled: bool,
+                  may_draw: Sequence[bool] | None = None) -> list[StageRandom | None]:
+    """Each stage's ``StageRandom`` for a pass, or None where the pass leaves the stage alone.
 
-    ``devices``: those of the stages this process runs, the first of them stage ``first``. A pass is controlled when
-    a stage recomputes (it must replay its forward's draws, whatever layer makes them) or any stage holds a known
-    random layer (``draws_random_numbers``: its masks are then the same in every checkpoint mode and run). Stages
-    sharing a device share a lock; a pass that is not controlled touches nothing (no cost without dropout).
+    ``devices``: those of the stages this process runs, the first of them stage ``first``. A pass is ``controlled``
+    when a stage recomputes (it must replay its forward's draws, whatever layer makes them) or any stage holds a
+    known random layer (``draws_random_numbers``: its masks are then the same in every checkpoint mode and run).
+    ``may_draw`` (default: all) names the stages that need a state: a stage that draws nothing needs none, and
+    takes no lock. Stages that may draw and share a device share a lock.
     """
-    if not controlled:
-        return [None] * len(devices)
-    locks = {d: threading.RLock() for d in set(devices) if list(devices).count(d) > 1}
-    return [StageRandom(seed, first + s, d, locks.get(d)) for s, d in enumerate(devices)]
+    may_draw = [controlled] * len(devices) if may_draw is None else [controlled and d for d in may_draw]
+    drawing = [d for d, m in zip(devices, may_draw) if m]
+    locks = {d: threading.RLock() for d in set(drawing) if drawing.count(d) > 1}
+    return [StageRandom(seed, first + s, d, locks.get(d)) if m else None
+            for s, (d, m) in enumerate(zip(devices, may_draw))]
