@@ -79,6 +79,27 @@ def test_checkpoint_replays_the_draws_of_layers_it_cannot_see(stages, chunks, sc
     check_against_oracle("custom", chunks, train_step("custom", stages, chunks, schedule, "never"))
 
 
+@pytest.mark.parametrize("kind", ["mixed", "custom"])
+@pytest.mark.parametrize("checkpoint", ["except_last", "always"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_later_passes_leave_a_stage_that_draws_nothing_alone(kind, checkpoint, schedule):
+    """Stage 1 of [2, 2, 5] holds no random layer: after the first pass, which seeds and locks every stage and
+    sees that one draw nothing, it runs without a state or a lock; the others' recomputations still replay their
+    forwards, pass after pass."""
+    model = models.MODELS[kind]()
+    pipe = fanfold.Pipeline(model, [2, 2, 5], ["cpu"] * 3, chunks=4, checkpoint=checkpoint)
+    x, y = models.batch()
+    for step in range(3):
+        for layer in models.drops(model).values():
+            layer.masks.clear()
+        pipe.zero_grad(set_to_none=True)
+        torch.manual_seed(SEED + step)
+        pipe.train_step(x, y, models.mse, schedule=schedule)
+        check_against_oracle(kind, 4, (models.grads(pipe), models.masks(model)))
+        assert [key[0] for key in pipe._quiet] == [1]  # white box: the stage left alone is stage 1, and only it
+    pipe.close()
+
+
 def check_mask_consistency(weight_grad: torch.Tensor, output: torch.Tensor) -> None:
     assert torch.equal(weight_grad == 0, output == 0)
     assert 0 < int((output == 0).sum()) < output.numel()  # some elements dropped, some kept

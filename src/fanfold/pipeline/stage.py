@@ -150,12 +150,12 @@ class StageRun:
                     yield
 
             # the copy is made inside the checkpointed function: checkpoint saves its inputs for the recomputation,
-            # and a first layer working in place (ReLU(inplace=True)) must not modify what was saved. With a cell,
-            # torch's own saved generator state is not used: it would be restored outside the cell's lock, under
-            # another stage's forward
+            # and a first layer working in place (ReLU(inplace=True)) must not modify what was saved. torch's own
+            # saved generator state is never used: the cell replays the draws, and a stage without a cell draws
+            # nothing (rng.py), while torch would set the shared generator outside any lock, under another
+            # stage's forward
             with cell():
-                return checkpoint(lambda x: module(_fresh(x)), x, use_reentrant=False,
-                                  preserve_rng_state=random is None,
+                return checkpoint(lambda x: module(_fresh(x)), x, use_reentrant=False, preserve_rng_state=False,
                                   context_fn=lambda: (contextlib.nullcontext(), recomputing()))
         with cell():
             return module(_fresh(x) if own else x)
