@@ -27,6 +27,7 @@ from .microbatch import batch_size, join, loss_weights, microbatch_sizes, split
 from .p2p import ProcessChannel
 from .partition import resolve_balance, sequential_layers, stage_modules
 from .pipe import check_checkpoint, check_chunks
+from .rng import StageRandom, draws_random_numbers, pass_seed, stage_randoms
 from .schedule import ScheduleFn, Step, resolve, stage_orders
 from .stage import StageRun, StageSpec, StepTime
 from .threadstate import capture
@@ -118,15 +119,25 @@ class DistributedPipeline(nn.Module):
             dist.broadcast(t, self.ranks[src_stage], group=self.pipeline_group)
         return t[0]
 
-    def _microbatch_sizes(self, input: Any) -> list[int]:
+    def _start_pass(self, input: Any, checkpointing: bool) -> tuple[list[int], StageRandom | None]:
+        """The micro-batch sizes and this stage's random numbers for a pass (``rng.py``).
+
+        The first stage alone holds the batch, and every stage needs its number of micro-batches and the pass's
+        seed (the first stage's, so the masks are those of a one-process Pipeline seeded alike); the pass is
+        controlled if any stage holds a known random layer. One all-reduce (max) over the pipeline carries all three.
+        """
+        head = [-1, -1, int(draws_random_numbers(self._local[0]))]
         if self.is_first:
             if input is None:
                 raise ValueError(f"rank {dist.get_rank()} runs the first stage: give it the input (the others may "
                                  "pass None)")
-            rows = batch_size(input, "input")
-        # the first stage alone holds the batch; every stage needs its number of micro-batches
-        rows = int(self._broadcast(rows if self.is_first else -1, 0, torch.int64).item())
-        return microbatch_sizes(rows, self.chunks)
+            head[:2] = batch_size(input, "input"), pass_seed()
+        t = torch.tensor(head, dtype=torch.int64, device=self._wire)
+        if self.num_stages > 1:
+            dist.all_reduce(t, dist.ReduceOp.MAX, group=self.pipeline_group)
+        rows, seed, random = t.tolist()
+        return microbatch_sizes(rows, self.chunks), stage_randoms(seed, [self.device], self.stage,
+                                                                 checkpointing or random > 0)[0]
 
     def _run(self, run: StageRun, order: list[Step], grad: bool) -> None:
         state = capture([self.device], grad=grad)
@@ -140,10 +151,10 @@ class DistributedPipeline(nn.Module):
 
     def forward(self, input: Any = None) -> Any:
         """Evaluation: the pipeline's output on the last stage (None on the others), without autograd."""
-        sizes = self._microbatch_sizes(input)
+        sizes, random = self._start_pass(input, checkpointing=False)
         microbatches = split(input, sizes, self.device) if self.is_first else None
         run = StageRun(StageSpec(self.stage, self.num_stages, self._local[0], self.device), self._channel,
-                       len(sizes), train=False, inputs=microbatches)
+                       len(sizes), train=False, inputs=microbatches, random=random)
         with torch.no_grad():
             self._run(run, [Step(self.stage, m, "F") for m in range(len(sizes))], grad=False)
         return join([run.outputs[m] for m in range(len(sizes))], self.device) if self.is_last else None
@@ -157,7 +168,7 @@ class DistributedPipeline(nn.Module):
         """
         if not callable(loss_fn):
             raise TypeError(f"train_step needs loss_fn, a function (output, target) -> 0-dim loss, got {loss_fn!r}")
-        sizes = self._microbatch_sizes(input)
+        sizes, random = self._start_pass(input, checkpointing=self.checkpoint != "never")
         targets = None
         if self.is_last and target is not None:
             if batch_size(target, "target") != sum(sizes):
@@ -167,7 +178,8 @@ class DistributedPipeline(nn.Module):
         run = StageRun(StageSpec(self.stage, self.num_stages, self._local[0], self.device, self.checkpoint),
                        self._channel, len(sizes), train=True,
                        inputs=split(input, sizes, self.device) if self.is_first else None,
-                       targets=targets, loss_fn=loss_fn, weights=loss_weights(sizes, reduction))
+                       targets=targets, loss_fn=loss_fn, weights=loss_weights(sizes, reduction),
+                       random=random)
         orders = stage_orders(resolve(schedule)(self.num_stages, len(sizes)), self.num_stages, len(sizes))
         self._run(run, orders[self.stage], grad=True)
         loss = self._broadcast(run.loss.item() if self.is_last else 0.0, self.num_stages - 1, torch.float64)

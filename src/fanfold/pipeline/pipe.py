@@ -14,7 +14,6 @@ overlap in both directions. Worker threads start once per Pipeline and are reuse
 from __future__ import annotations
 
 import itertools
-import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -30,6 +29,7 @@ from .execute import run_serial, run_threads
 from .grads import average_gradients, broadcast_state
 from .microbatch import batch_size, join, loss_weights, microbatch_sizes, split
 from .partition import resolve_balance, sequential_layers, stage_modules
+from .rng import draws_random_numbers, pass_seed, stage_randoms
 from .schedule import ScheduleFn, Step, resolve, stage_orders
 from .stage import CHECKPOINT_MODES, StageRun, StageSpec, StepTime
 from .threadstate import ThreadState, capture
@@ -47,16 +47,6 @@ def check_checkpoint(mode: Any) -> str:
     if mode not in CHECKPOINT_MODES:
         raise ValueError(f"checkpoint must be one of {list(CHECKPOINT_MODES)}, got {mode!r}")
     return mode
-
-
-_RANDOM = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
-
-
-def _draws_random_numbers(module: nn.Module) -> bool:
-    """True if ``module`` holds a layer that draws random numbers in its current mode (dropout in training)."""
-    return any(m.training and ((isinstance(m, _RANDOM) and m.p > 0) or
-                               (isinstance(m, nn.MultiheadAttention) and m.dropout > 0))
-               for m in module.modules())
 
 
 def _default_device(layers: list[tuple[str, nn.Module]]) -> torch.device:
@@ -104,7 +94,8 @@ class Pipeline(nn.Module):
         for stage, device in zip(self._stages, self.devices):
             stage.to(device)
         self._pool: WorkerPool | None = None
-        self._warned_serial = False
+        # (stage, its modules' training flags) seen drawing no random number in a controlled pass (rng.py)
+        self._quiet: set[tuple[int, tuple[bool, ...]]] = set()
         if isinstance(data_parallel_group, str) and data_parallel_group != "world":
             raise ValueError(f'data_parallel_group must be a process group, "world" or None, '
                              f'got {data_parallel_group!r}')
@@ -128,42 +119,36 @@ class Pipeline(nn.Module):
         """``input`` as micro-batches on the first stage's device (fewer than ``chunks`` for a small batch)."""
         return split(input, microbatch_sizes(batch_size(input, "input"), self.chunks), self.devices[0])
 
-    def _runs(self, channel: ThreadChannel, microbatches: list, train: bool, **last: Any) -> list[StageRun]:
+    def _runs(self, channel: ThreadChannel, microbatches: list, train: bool, seed: int, grad: bool,
+              **last: Any) -> list[StageRun]:
         n = len(self._stages)
+        controlled = (grad and self.checkpoint != "never") or any(map(draws_random_numbers, self._stages))
+        keys = [self._quiet_key(s) for s in range(n)]
+        # a stage that drew nothing in an earlier controlled pass in the same modes is left alone: with no lock it
+        # overlaps the others (known random layers always draw)
+        may_draw = [keys[s] not in self._quiet or draws_random_numbers(stage) for s, stage in enumerate(self._stages)]
+        randoms = stage_randoms(seed, self.devices, 0, controlled, may_draw)
         return [StageRun(StageSpec(s, n, stage, dev, self.checkpoint), channel, len(microbatches), train,
-                         inputs=microbatches if s == 0 else None, **(last if s == n - 1 else {}))
-                for s, (stage, dev) in enumerate(zip(self._stages, self.devices))]
+                         inputs=microbatches if s == 0 else None, random=random, **(last if s == n - 1 else {}))
+                for s, (stage, dev, random) in enumerate(zip(self._stages, self.devices, randoms))]
 
-    def _checkpointed_randomness_shared(self, grad: bool) -> bool:
-        """True when a checkpointed stage with random layers shares its device's generator with another stage.
+    def _quiet_key(self, s: int) -> tuple[int, tuple[bool, ...]]:
+        return s, tuple(m.training for m in self._stages[s].modules())
 
-        Checkpointing saves the generator's state before a stage's forward and restores it for the recomputation,
-        which then draws the same dropout masks, unless another stage on a thread of its own drew from the same
-        generator in between (two CPU stages share torch's one CPU generator). The masks would then differ and the
-        gradients be wrong without a sign, so such passes run on one thread instead, with a warning.
-        """
-        if self.checkpoint == "never" or not grad or len(set(self.devices)) == len(self.devices):
-            return False
-        return any(self.devices.count(d) > 1 and _draws_random_numbers(stage)
-                   for stage, d in zip(self._stages, self.devices))
+    def _observe(self, runs: list[StageRun]) -> None:
+        for s, run in enumerate(runs):
+            if run.random is not None:
+                (self._quiet.discard if run.random.drew else self._quiet.add)(self._quiet_key(s))
 
     def _execute(self, runs: list[StageRun], orders: list[list[Step]], channel: ThreadChannel,
                  state: ThreadState) -> None:
-        serial = self._checkpointed_randomness_shared(state.grad)
-        if serial and not self._warned_serial:
-            self._warned_serial = True
-            warnings.warn(
-                f"Pipeline: checkpoint={self.checkpoint!r}, and a stage with dropout shares its device (devices "
-                f"{[str(d) for d in self.devices]}) and so torch's random generator with another stage: the stages "
-                "run one after the other, on the caller's thread, so that each recomputation draws the masks its "
-                "forward drew. Use checkpoint='never', or give such stages devices of their own, to overlap them",
-                stacklevel=3)
-        if len(runs) > 1 and runs[0].microbatches > 1 and not serial:
+        if len(runs) > 1 and runs[0].microbatches > 1:
             if self._pool is None:
                 self._pool = WorkerPool(threads_per_worker=self.threads_per_stage)
             run_threads(runs, orders, channel, state, self._pool)
         else:  # nothing could overlap: no thread hand-offs
             run_serial(runs, orders, state)
+        self._observe(runs)
         self.last_timeline = sorted(itertools.chain.from_iterable(r.timeline for r in runs), key=lambda t: t.start)
 
     def join(self, outputs: list[Any]) -> Any:
@@ -175,9 +160,10 @@ class Pipeline(nn.Module):
         """The sequential model's output for ``input`` (a tensor or a tuple of them), on the last stage's device."""
         microbatches = self.split(input)
         channel = ThreadChannel(len(self._stages))
-        runs = self._runs(channel, microbatches, train=False)
+        state = capture(self.devices)
+        runs = self._runs(channel, microbatches, train=False, seed=pass_seed(), grad=state.grad)
         orders = [[Step(s, m, "F") for m in range(len(microbatches))] for s in range(len(runs))]
-        self._execute(runs, orders, channel, capture(self.devices))
+        self._execute(runs, orders, channel, state)
         return self.join([runs[-1].outputs[m] for m in range(len(microbatches))])
 
     def train_step(self, input: Any, target: Any = None, loss_fn: Callable[..., torch.Tensor] | None = None, *,
@@ -201,8 +187,8 @@ class Pipeline(nn.Module):
         microbatches = split(input, sizes, self.devices[0])
         targets = split(target, sizes, self.devices[-1]) if target is not None else None
         channel = ThreadChannel(len(self._stages))
-        runs = self._runs(channel, microbatches, train=True, targets=targets, loss_fn=loss_fn,
-                          weights=loss_weights(sizes, reduction))
+        runs = self._runs(channel, microbatches, train=True, seed=pass_seed(), grad=True, targets=targets,
+                          loss_fn=loss_fn, weights=loss_weights(sizes, reduction))
         orders = stage_orders(resolve(schedule)(len(runs), len(sizes)), len(runs), len(sizes))
         self._execute(runs, orders, channel, capture(self.devices, grad=True))
         if self.data_parallel_group is not None:

@@ -17,7 +17,9 @@ gradients have gone upstream, added into ``.grad`` in place (``accumulate.py``).
 Activation checkpointing (``"always"``; ``"except_last"``: all micro-batches but the last) uses torch's
 non-reentrant checkpoint, the copy of the input made inside the checkpointed function (checkpoint keeps its inputs
 for the recomputation). The recomputation runs the stage's forward a second time, which would update BatchNorm's
-running statistics twice; it saves the stage's buffers before and restores them after.
+running statistics twice; it saves the stage's buffers before and restores them after. It replays its forward's
+random numbers from the cell's own generator state (``rng.py``), not torch's saved state: another stage's thread may
+draw from the same generator in between.
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ from torch.utils.checkpoint import checkpoint
 from .accumulate import WeightGradAccumulator
 from .activations import map_tensors, tensor_leaves
 from .channel import Channel
+from .rng import StageRandom
 from .schedule import Step
 
 __all__ = ["StageSpec", "StageRun", "StepTime", "CHECKPOINT_MODES"]
@@ -87,6 +90,7 @@ class StageRun:
 
     ``inputs`` (first stage) are its micro-batches; ``targets``, ``loss_fn`` and ``weights`` (last stage, training)
     make the loss. ``train=False`` is the connected mode: the last stage keeps its outputs in ``outputs``.
+    ``random``: the stage's generator state per micro-batch in this pass (None: the pass leaves randomness alone).
     """
 
     spec: StageSpec
@@ -97,6 +101,7 @@ class StageRun:
     targets: list | None = None
     loss_fn: Callable[..., torch.Tensor] | None = None
     weights: list[float] | None = None
+    random: StageRandom | None = None
     outputs: dict[int, Any] = field(default_factory=dict)
     loss: torch.Tensor | None = None
     timeline: list[StepTime] = field(default_factory=list)
@@ -135,12 +140,25 @@ class StageRun:
         """The stage on ``x``; ``own``: ``x`` holds this stage's own leaves, which it must not modify in place."""
         mode = self.spec.checkpoint
         module = self.spec.module
+        random = self.random
+        cell = (lambda: random.cell(m)) if random is not None else contextlib.nullcontext
         if torch.is_grad_enabled() and (mode == "always" or (mode == "except_last" and m < self.microbatches - 1)):
+
+            @contextlib.contextmanager
+            def recomputing() -> Iterator[None]:
+                with _buffers_kept(module), cell():
+                    yield
+
             # the copy is made inside the checkpointed function: checkpoint saves its inputs for the recomputation,
-            # and a first layer working in place (ReLU(inplace=True)) must not modify what was saved
-            return checkpoint(lambda x: module(_fresh(x)), x, use_reentrant=False,
-                              context_fn=lambda: (contextlib.nullcontext(), _buffers_kept(module)))
-        return module(_fresh(x) if own else x)
+            # and a first layer working in place (ReLU(inplace=True)) must not modify what was saved. torch's own
+            # saved generator state is never used: the cell replays the draws, and a stage without a cell draws
+            # nothing (rng.py), while torch would set the shared generator outside any lock, under another
+            # stage's forward
+            with cell():
+                return checkpoint(lambda x: module(_fresh(x)), x, use_reentrant=False, preserve_rng_state=False,
+                                  context_fn=lambda: (contextlib.nullcontext(), recomputing()))
+        with cell():
+            return module(_fresh(x) if own else x)
 
     def _receive_leaves(self, x: Any, m: int) -> Any:
         device, leaves = self.spec.device, []
