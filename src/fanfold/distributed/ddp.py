@@ -7,8 +7,9 @@ forward first re-syncs the buffers from rank 0 (the first forward included; not 
 or without grad; never for a module that had none when wrapped), in place without bumping autograd's version
 counters, so a second forward before the backward (GANs, pytorch#22095) is safe; it then tells the reducer whether
 the coming backward synchronises and hooks the outputs, where the backward starts. ``join()`` lets ranks with fewer
-batches shadow the others (``join.py``). Every collective goes through one ``collectives.Transport``: shared memory
-when every rank shares this host, else torch's.
+batches shadow the others (``join.py``). The first forward also takes over the optimizers that torch's
+``_apply_optimizer_in_backward`` gave the parameters: they step on the average (``optim_in_backward.py``). Every
+collective goes through one ``collectives.Transport``: shared memory when every rank shares this host, else torch's.
 
 A DDP model can be pickled, deep-copied and saved whole (``torch.save``) as torch's can: the transport and the
 reducer are left out and built again, by every rank, at the copy's first forward. Discarding the wrapper removes
