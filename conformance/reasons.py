@@ -140,11 +140,9 @@ CUDA_ONLY: dict[str, str] = {
 }
 
 _OPTIM_IN_BACKWARD = (
-    "torch's DDP: its optimizer-in-backward comm hook waits on the accelerator's current stream (\"Cannot access "
-    "accelerator device\"). fanfold's: runs, but the parameters differ from a plain optimizer's (\"Tensor-likes "
-    "are not close\"): torch's DDP takes over `_apply_optimizer_in_backward`'s hooks (`_setup_in_backward_optimizers` "
-    "removes them and steps the optimizer after the all-reduce); fanfold's does not, so the optimizer steps each "
-    "rank's un-averaged gradient (a fanfold gap with a private torch API)."
+    "torch's DDP: its optimizer-in-backward comm hook ends the backward by waiting on the accelerator's current "
+    "stream (\"Cannot access accelerator device\"). fanfold's takes the optimizers over as torch's does (they step "
+    "on the averaged gradient; docs/ddp-compat.md) and passes."
 )
 _MP = ("torch's DDP: its mixed precision waits on a CUDA event (\"cpu backend doesn't support events\"). "
        "fanfold's: {}")

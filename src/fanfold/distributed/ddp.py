@@ -7,8 +7,9 @@ forward first re-syncs the buffers from rank 0 (the first forward included; not 
 or without grad; never for a module that had none when wrapped), in place without bumping autograd's version
 counters, so a second forward before the backward (GANs, pytorch#22095) is safe; it then tells the reducer whether
 the coming backward synchronises and hooks the outputs, where the backward starts. ``join()`` lets ranks with fewer
-batches shadow the others (``join.py``). Every collective goes through one ``collectives.Transport``: shared memory
-when every rank shares this host, else torch's.
+batches shadow the others (``join.py``). The first forward also takes over the optimizers that torch's
+``_apply_optimizer_in_backward`` gave the parameters: they step on the average (``optim_in_backward.py``). Every
+collective goes through one ``collectives.Transport``: shared memory when every rank shares this host, else torch's.
 
 A DDP model can be pickled, deep-copied and saved whole (``torch.save``) as torch's can: the transport and the
 reducer are left out and built again, by every rank, at the copy's first forward. Discarding the wrapper removes
@@ -30,6 +31,7 @@ from .ddp_options import check_devices, check_join, no_trainable_parameters, res
 from .join import BACKWARD, FORWARD, JoinState
 from .mixed_precision import MixedPrecision
 from .model_check import broadcast_tensors, check_same_model
+from .optim_in_backward import refusal, take_over
 from .participants import DDPParticipant
 from .reducer import Reducer
 from .sharded_grads import shard_gradients
@@ -40,6 +42,13 @@ __all__ = ["DistributedDataParallel", "DDP"]
 _PICKLE_GROUP = ("DDP Pickling/Unpickling are only supported when using DDP with the default process group. That "
                  "is, when you have called init_process_group and have not passed process_group argument to DDP "
                  "constructor")
+
+# What cannot be combined with optimizers in backward, and why
+_HOOK = ("a comm hook (register_comm_hook) is set: torch's DDP refuses this too, as its step after the all-reduce "
+         "is a comm hook of its own and a DDP takes one")
+_MIXED = "mixed_precision is set: torch's DDP refuses this too, as its mixed precision is a comm hook of its own"
+_STAGE2 = "shard_gradients() (ZeRO stage 2) keeps only this rank's part of each averaged gradient"
+_JOIN = "join() (uneven inputs): a rank that has joined has no backward to step the optimizers in"
 
 
 class DistributedDataParallel(nn.Module):
@@ -159,6 +168,8 @@ class DistributedDataParallel(nn.Module):
     # ---- training step --------------------------------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         self._ensure_built()
+        if self.reducer.in_backward is None:
+            self._take_over_in_backward_optimizers()
         grad = torch.is_grad_enabled()
         sync = grad and self.require_backward_grad_sync
         buffers = self._module_buffers() if self._had_buffers and self.forward_sync_buffers and \
@@ -184,6 +195,18 @@ class DistributedDataParallel(nn.Module):
         elif self._mp is not None:
             self._mp.restore_unless_needed()  # no backward of this forward can follow
         return out
+
+    def _take_over_in_backward_optimizers(self) -> None:
+        """torch's DDP at its first forward: optimizers that ``_apply_optimizer_in_backward`` gave its parameters
+        step on the averaged gradient, not on this rank's (``optim_in_backward.py``)."""
+        r = self.reducer
+        conflict = (_HOOK if self._comm_hook is not None else _MIXED if self._mp is not None else
+                    _STAGE2 if r.shards is not None else _JOIN if self._join is not None else None)
+        r.in_backward = take_over(r.params, r.names, self.transport.rank, conflict)
+
+    def _refuse_with_in_backward(self, what: str) -> None:
+        if self.reducer.in_backward:
+            raise refusal(self.transport.rank, [self.reducer.names[i] for i in self.reducer.in_backward], what)
 
     def _hook_outputs(self, out: Any) -> None:
         """The backward starts where it reaches an output: the end-of-backward callbacks are queued there, in the
@@ -221,6 +244,7 @@ class DistributedDataParallel(nn.Module):
     def register_comm_hook(self, state: Any, hook: Callable) -> None:
         """Reduce each bucket with ``hook(state, bucket) -> future`` (see ``comm_hooks``)."""
         self._ensure_built()
+        self._refuse_with_in_backward(_HOOK)
         self.reducer.set_comm_hook(state, hook)
         self._comm_hook = (state, hook)
 
@@ -228,6 +252,7 @@ class DistributedDataParallel(nn.Module):
         """ZeRO stage 2 with ``optimizer`` (a ``fanfold.ZeroRedundancyOptimizer`` over this model's parameters): this
         rank keeps the average of its part of each bucket, ``.grad`` stays None (``sharded_grads.py``). Collective."""
         self._ensure_built()
+        self._refuse_with_in_backward(_STAGE2)
         shard_gradients(self.reducer, optimizer, self.module)
 
     @contextmanager
@@ -241,6 +266,7 @@ class DistributedDataParallel(nn.Module):
         check_join(self._join is not None, self._options.skip_unused,
                    self.reducer is not None and self.reducer.shards is not None)
         self._ensure_built()
+        self._refuse_with_in_backward(_JOIN)
         state = JoinState(self.transport, divide_by_initial_world_size, throw_on_early_termination)
         state.begin_backward = self.reducer.begin_backward
         participants = [m for m in self.module.modules() if isinstance(m, DDPParticipant)]

@@ -74,6 +74,9 @@ class Reducer(BucketPaths):
         self._used = [False] * len(self.params)  # got a gradient since the last synchronisation (no_sync included)
         self._device = (self.params or self.delayed or [torch.zeros(0)])[0].device
         self.shards: Any = None
+        # optimizers in backward (optim_in_backward.py): the parameters whose optimizers step on the average at the
+        # end of each synchronised backward; None until DDP's first forward looks for them, as torch's does
+        self.in_backward: list[int] | None = None
         self._deferred = Deferred()  # one bucket: the hooks only record, the end of backward settles (deferred.py)
         super().__init__(caps, reduce_dtype)
         self._reset()
@@ -243,6 +246,8 @@ class Reducer(BucketPaths):
                 self.params_back()
             if self._error is None:  # stage 2 seam: the averages are this rank's parts, .grad stays None
                 self._write_back(used, sparse) if self.shards is None else self.shards.write_back(used)
+                if self.in_backward:
+                    self._step_in_backward()
         finally:
             error = self._error
             self._end_step()
@@ -251,6 +256,21 @@ class Reducer(BucketPaths):
         self.expect_sync = self._double = arm and error is None
         if error is not None:
             raise error
+
+    def _step_in_backward(self) -> None:
+        """torch's DDP with optimizers in backward: each such parameter's optimizers step on its averaged gradient,
+        then its ``.grad`` is None, as torch leaves it. One no rank used steps on zeros, which torch's hook hands
+        it from the bucket -- except under gradient_as_bucket_view, where torch leaves its .grad None and the
+        optimizer skips it; nothing steps for a skipped bucket (skip_all_reduce_unused_params), which torch's
+        hook never sees."""
+        for i in self.in_backward:
+            p = self.params[i]
+            if self.sparse[i] or self._futures[self._loc[i][0]] is not None:
+                if p.grad is None and not self.as_view:
+                    p.grad = torch.zeros_like(p)
+                for opt in p._in_backward_optimizers:
+                    opt.step()
+            p.grad = None
 
     def _used_everywhere(self, counting: bool) -> list[float] | None:
         """Per parameter, how many ranks used it since the last synchronisation (None: all used, not asked)."""
