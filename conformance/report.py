@@ -104,6 +104,12 @@ def revision(root: Path) -> str:
     return head + (" with uncommitted changes in src/" if dirty else "")
 
 
+DIFFERENTIAL = ("Beyond torch's suite, `tests/differential/` draws configurations (model shapes x every DDP keyword x "
+                "transports x world sizes x comm hooks x accumulation x join x checkpointing x lifetimes, and ZeRO) "
+                "and runs fanfold's DDP and torch's side by side in the same ranks: see "
+                "[differential.md](differential.md) for how, and for the counts of the last `make fuzz`.")
+
+
 def write_page(page: Path, meta: dict, selected: list[str], outcomes: dict[str, dict[str, Outcome]]) -> None:
     tests = meta["tests"]
     t, f = outcomes["torch"], outcomes["fanfold"]
@@ -167,6 +173,7 @@ def write_page(page: Path, meta: dict, selected: list[str], outcomes: dict[str, 
     out += [f"| `{n}` | {_cell(t.get(n), why=True)} | {_cell(f.get(n))} |" for n in tests]
     out += ["", "## How to run", "", *HOW_TO_RUN]
     out += ["", *summary_lines(root / "build" / "conformance-backend")]
+    out += ["", "## Differential fuzzing", "", DIFFERENTIAL]
     failing = [n for n in tests if n in f and f[n].status in ("fail", "timeout")]
     if failing:
         out += ["", "## fanfold's errors, as the ranks raised them", ""]
