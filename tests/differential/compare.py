@@ -139,6 +139,16 @@ TORCH_RAISES = (
      lambda c: c.checkpointing == "reentrant" and c.kw().get("find_unused_parameters"),
      "mark a variable ready only once"),
     ("torch's internal assertion", lambda c: True, "INTERNAL ASSERT FAILED"),
+    # gloo aborts the process on a collective mismatch ("Is there a distributed collective mismatch"): torch's DDP
+    # with skip_all_reduce_unused_params inside join(), which fanfold refuses
+    ("torch's run crashed or hung the rank", lambda c: c.backend == "gloo", "torch's run:"),
+    # torch's own mixed precision registers a built-in hook; fanfold's takes a comm hook too
+    ("a comm hook with mixed_precision", lambda c: "mixed_precision" in c.kw() and c.hook,
+     "register_comm_hook or register_builtin_comm_hook can only be called once"),
+    # torch's buffer for the delayed parameters is float32 whatever the parameters' dtype
+    ("delay_all_reduce_named_params with float64 parameters",
+     lambda c: "delay_all_reduce_named_params" in c.kw() and c.dtype == "float64",
+     "attempting to assign a gradient with dtype 'float'"),
 )
 # What fanfold refuses where torch may not, each documented: (name, when, words of fanfold's error).
 FANFOLD_REFUSES = (
@@ -166,6 +176,13 @@ TORCH_WRONG = (
     # torch's copy observes a "first iteration" again and hands back gradients that differ from rank to rank
     ("static_graph after pickling or deepcopy",
      lambda c: c.lifetime in ("pickle", "deepcopy") and c.kw().get("static_graph")),
+    # torch divides the delayed parameters by the world size even under join(divide_by_initial_world_size=False)
+    ("delay_all_reduce_named_params under join(divide_by_initial_world_size=False)",
+     lambda c: c.join == "active" and "delay_all_reduce_named_params" in c.kw() and len(set(c.batches)) > 1),
+    # inside join(), a parameter none of the active ranks used gets zeros from torch (so momentum moves it);
+    # fanfold leaves it None, as one process would
+    ("join() with find_unused_parameters and a branch",
+     lambda c: c.join and c.kw().get("find_unused_parameters") and c.family.startswith("branch")),
 )
 
 
@@ -192,9 +209,27 @@ def _against_oracle(name: str, config: DDPConfig, results: list) -> Outcome:
     return Outcome("match-oracle", name)
 
 
+def _torch_failed(config, failure: Failure) -> list | None:
+    """When a rank died or hung in torch's run, after fanfold's had finished on every rank: the results with that
+    failure as torch's error, to be judged like any error of torch's; else None."""
+    done = [r for r in failure.results if "fanfold" in r.runs]
+    # on the fanfold backend torch's run goes through fanfold's collectives: its crash or hang is fanfold's
+    if not isinstance(config, DDPConfig) or len(done) != config.world or config.backend != "gloo" or \
+            not any(r.running == "torch" for r in failure.results):
+        return None
+    for r in failure.results:
+        if "torch" not in r.runs:
+            r.runs["torch"] = Run(error=(f"Torch{failure.kind.title()}", f"torch's run: {failure.detail}", 0))
+    return failure.results
+
+
 def classify(config, results) -> Outcome:
     if isinstance(results, Failure):
-        return Outcome(results.kind, results.detail)
+        partial = _torch_failed(config, results)
+        if partial is None:
+            where = sorted({r.running for r in results.results if r.running})
+            return Outcome(results.kind, f"{results.detail} in {'/'.join(where) or 'set-up'}'s run")
+        results = partial
     if isinstance(config, DDPConfig):
         # a documented refusal on one rank may leave the others waiting for it: the refusal is the outcome
         refusal = _matching(FANFOLD_REFUSES, config, [r.runs["fanfold"].error for r in results])
@@ -203,7 +238,9 @@ def classify(config, results) -> Outcome:
             return Outcome("both-raise" if raised else "match-oracle", f"fanfold refuses: {refusal}")
     for res in results:
         for impl, run in res.runs.items():
-            if _is_timeout(run.error):
+            if _is_timeout(run.error) and impl == "torch" and config.backend == "gloo":  # torch's own hang
+                run.error = ("TorchHang", f"torch's run: {run.error[0]}: {run.error[1]}", run.error[2])
+            elif _is_timeout(run.error):
                 return Outcome("hang", f"rank {res.rank}, {impl}: {run.error[0]}: {run.error[1][:500]}")
     if isinstance(config, ZeroConfig):
         return _classify_zero(config, results)
@@ -263,7 +300,10 @@ def _simulate(config: DDPConfig) -> list[Run]:
     delayed = {n for n, _ in delayed_params(master)} if "delay_all_reduce_named_params" in kw else set()
     for step in range(max(steps)):
         active = [r for r in range(config.world) if step < steps[r]]
-        divisor = len(active) if config.join == "active" else config.world
+        # a comm hook divides as it likes (torch's: by the world size), whatever join was told; the delayed
+        # parameters skip the hook and follow join
+        joined = len(active) if config.join == "active" else config.world
+        divisor = joined if config.hook is None else config.world
         grads: dict[str, list] = {n: [] for n in named}
         for r in active:
             rep = replicas[r]
@@ -282,8 +322,8 @@ def _simulate(config: DDPConfig) -> list[Run]:
         for n, p in named.items():
             if not p.requires_grad or not grads[n]:
                 continue
-            scale = 0.5 if config.hook == "user" and n not in delayed else 1.0  # delayed ones skip the hook
-            avg = (sum(grads[n]) / divisor * scale).to(dtype)
+            scale = 0.5 if config.hook == "user" and n not in delayed else 1.0
+            avg = (sum(grads[n]) / (joined if n in delayed else divisor) * scale).to(dtype)
             p.grad = avg if p.grad is None or config.set_to_none else p.grad.copy_(avg)
         snapshot_grads = {n: None if p.grad is None else p.grad.detach().clone() for n, p in named.items()}
         opt.step()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import random
 from collections.abc import Callable
 
 import torch
@@ -91,8 +92,9 @@ KNOWN_DEFECTS: dict[str, Callable[[DDPConfig], bool]] = {
     and _shm_like(c),
     # (b) torch's DDP on the fanfold backend under join(divide_by_initial_world_size=False) hangs; under join()
     # with find_unused_parameters the group's allreduce(tensor) raises TypeError (issue 24)
+    # with join() and sparse gradients the same (found here: torch's run waits until the group's timeout)
     "torch-ddp-join-on-fanfold-backend": lambda c: c.backend == "fanfold" and bool(c.join) and (
-        c.join == "active" or bool(c.kw().get("find_unused_parameters"))),
+        c.join == "active" or bool(c.kw().get("find_unused_parameters")) or c.family == "sparse_embedding"),
     # (c) fanfold's fp16_compress_hook under join(divide_by_initial_world_size=False) divides by the active ranks
     # where torch's hooks divide by the world size (issue 24). This harness finds the same in fanfold's
     # allreduce_hook and bf16_compress_hook (and so in a user's hook built on them): all read bucket.divisor.
@@ -113,6 +115,12 @@ def known_defect(config: object) -> str | None:
     return next((name for name, hits in KNOWN_DEFECTS.items() if hits(config)), None)
 
 
+def torch_not_run(c: DDPConfig) -> bool:
+    """fanfold refuses join() with skip_all_reduce_unused_params (listed) on every rank alike; torch's DDP then
+    waits in gloo until the group's timeout or aborts the process, so its run is left out."""
+    return bool(c.join) and bool(c.kw().get("skip_all_reduce_unused_params"))
+
+
 # ---- strategies -----------------------------------------------------------------------------------------------
 
 _CAPS = st.sampled_from([None, 1e-5, 1e-4, 0.001, 25.0, 1000.0])
@@ -120,10 +128,10 @@ _CAPS = st.sampled_from([None, 1e-5, 1e-4, 0.001, 25.0, 1000.0])
 
 @st.composite
 def _keywords(draw, family: str) -> tuple:
-    """Each keyword at its default most of the time, so that draws combine a few of them. The coin is a seeded
-    ``random.Random`` drawn from hypothesis: its probabilities hold (``st.floats`` favours 0.0 and would switch
-    every keyword on), and the draw still replays and shrinks."""
-    coin = draw(st.randoms(use_true_random=False))
+    """Each keyword at its default most of the time, so that draws combine a few of them. The coin is a
+    ``random.Random`` seeded by hypothesis: its probabilities hold (``st.floats`` and ``st.randoms`` favour 0.0 and
+    would switch every keyword on), and the draw still replays from hypothesis's choices."""
+    coin = random.Random(draw(st.integers(0, 2**32 - 1)))
     kw: dict = {}
 
     def maybe(name, values, p=0.25):
@@ -145,7 +153,8 @@ def _keywords(draw, family: str) -> tuple:
     maybe("mixed_precision", ["float16", "bfloat16", "bfloat16/float32"], 0.06)
     maybe("delay_all_reduce_named_params", ["head"], 0.06)  # with param_to_hook_all_reduce: a.weight
     maybe("process_group", ["new_group"], 0.08)
-    maybe("device_mesh", ["1d"], 0.04)
+    if "process_group" not in kw:  # both: torch's RuntimeError, and nothing else to see
+        maybe("device_mesh", ["1d"], 0.04)
     maybe("device_ids", [["cpu"]], 0.04)
     maybe("output_device", ["cpu"], 0.03)
     maybe("dim", [1], 0.03)
@@ -180,7 +189,7 @@ def ddp_configs(draw, worlds=(2, 3), compile_p: float = 0.02) -> DDPConfig:
         set_to_none=draw(st.booleans()), accumulate=draw(st.sampled_from([1, 1, 2, 3])), join=join, batches=batches,
         hook=draw(st.sampled_from([None, None, "allreduce", "fp16", "bf16", "user", "user_dist"])),
         lifetime=None if join else draw(st.sampled_from([None, None, None, "del", "pickle", "deepcopy"])),
-        compiled=draw(st.randoms(use_true_random=False)).random() < compile_p,
+        compiled=random.Random(draw(st.integers(0, 2**32 - 1))).random() < compile_p,
         keywords=keywords,
         first_bucket_cap_mb=None if "bucket_cap_mb_list" in dict(keywords)  # fanfold refuses both: one cap
         else draw(st.sampled_from([None, None, None, 1e-5])),

@@ -26,7 +26,8 @@ class Net(nn.Module):
         super().__init__()
         self.family, self.checkpointing, self.output = family, checkpointing, output
         if family == "conv_bn":
-            self.a = nn.Sequential(nn.Conv2d(2, 3, 3), nn.BatchNorm2d(3), nn.ReLU(), nn.Flatten(),
+            # no bias before BatchNorm: its gradient would be zero but for rounding, and Adam scales that up
+            self.a = nn.Sequential(nn.Conv2d(2, 3, 3, bias=False), nn.BatchNorm2d(3), nn.ReLU(), nn.Flatten(),
                                    nn.Linear(12, WIDTH))
         elif family in ("embedding", "sparse_embedding"):
             sparse = family == "sparse_embedding"

@@ -30,6 +30,7 @@ START_TIMEOUT = 180.0  # importing torch and fanfold W times on two shared cores
 class Failure:
     kind: str  # "crash" or "hang"
     detail: str
+    results: list = dataclasses.field(default_factory=list)  # what each rank had sent (RankResult)
 
 
 class RankPool:
@@ -60,34 +61,46 @@ class RankPool:
                                    f"(exit code {proc.exitcode})")
 
     def run(self, config, timeout: float) -> list | Failure:
-        """Every rank's ``RankResult`` for ``config``, in rank order, or the Failure that ended it."""
+        """Every rank's ``RankResult`` for ``config``, in rank order, or the Failure that ended it (with what the
+        ranks had sent by then)."""
         if not self._procs:
             self._start()
         tag = f"c{next(self._tags)}"
         for conn in self._conns:
             conn.send((tag, config))
-        results: dict[int, object] = {}
+        results = [ranks.RankResult(r) for r in range(self.world)]
         deadline = time.monotonic() + timeout
         pending = dict(enumerate(self._conns))
         while pending:
-            left = deadline - time.monotonic()
             sentinels = {self._procs[r].sentinel: r for r in pending}
-            ready = wait(list(pending.values()) + list(sentinels), timeout=max(left, 0))
+            ready = wait(list(pending.values()) + list(sentinels), timeout=max(deadline - time.monotonic(), 0))
             if not ready:
                 waiting = sorted(pending)
                 self._restart()
-                return Failure("hang", f"ranks {waiting} gave no result in {timeout:.0f} s")
+                return Failure("hang", f"ranks {waiting} gave no result in {timeout:.0f} s", results)
             for r, conn in list(pending.items()):
-                if conn in ready or self._procs[r].sentinel in ready:
-                    try:
-                        results[r] = conn.recv()
-                        del pending[r]
-                    except (EOFError, OSError):
-                        self._procs[r].join(5)
-                        code = self._procs[r].exitcode
-                        self._restart()
-                        return Failure("crash", f"rank {r} died (exit code {code})")
-        return [results[r] for r in range(self.world)]
+                if conn not in ready and self._procs[r].sentinel not in ready:
+                    continue
+                try:
+                    while conn.poll():
+                        message = conn.recv()
+                        if message[0] == "started":
+                            results[r].running = message[1]
+                        elif message[0] == "run":
+                            results[r].runs[message[1]], results[r].running = message[2], None
+                        else:
+                            results[r].seconds = message[1]
+                            del pending[r]
+                            break
+                    else:
+                        if not self._procs[r].is_alive():
+                            raise EOFError
+                except (EOFError, OSError):
+                    self._procs[r].join(5)
+                    code = self._procs[r].exitcode
+                    self._restart()
+                    return Failure("crash", f"rank {r} died (exit code {code})", results)
+        return results
 
     def _restart(self) -> None:
         self.close()

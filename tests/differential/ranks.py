@@ -25,12 +25,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .config import DDPConfig, ZeroConfig
+from .config import DDPConfig, ZeroConfig, torch_not_run
 from .models import batch, build, loss_of, uses_side
 
 PG_TIMEOUT = 30.0  # seconds a collective of the process group (or fanfold's stall inspector) may wait: well below the
 # pool's limit per configuration, so that a stuck collective is an exception first
-IMPLS = ("torch", "fanfold")
+IMPLS = ("fanfold", "torch")
 _DTYPES = {"float64": torch.float64, "float32": torch.float32, "float16": torch.float16,
            "bfloat16": torch.bfloat16}
 
@@ -50,8 +50,9 @@ class Run:
 @dataclasses.dataclass
 class RankResult:
     rank: int
-    runs: dict[str, Run]
-    seconds: float
+    runs: dict[str, Run] = dataclasses.field(default_factory=dict)
+    seconds: float = 0.0
+    running: str | None = None  # the implementation this rank was in when it died or hung
 
 
 def _snap(named) -> dict:
@@ -108,26 +109,37 @@ def delayed_params(model: torch.nn.Module) -> list:
     return [(n, p) for n, p in model.named_parameters() if n.startswith("head.") and p.requires_grad]
 
 
-def _hook(impl: str, name: str):
-    """(state, hook) for ``register_comm_hook``: the library's own hooks, a user's hook with state built on the
-    library's all-reduce hook, and one written for torch that calls ``dist.all_reduce`` itself."""
+def _library(impl: str):
     if impl == "torch":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as lib
     else:
         import fanfold.distributed as lib
+    return lib
+
+
+def torch_user_hook(state, bucket):
+    """A user's hook with state, built on the library's all-reduce hook (module level: a DDP is pickled with it)."""
+    return _library("torch").allreduce_hook(None, bucket).then(lambda fut: fut.value().mul_(state))
+
+
+def fanfold_user_hook(state, bucket):
+    return _library("fanfold").allreduce_hook(None, bucket).then(lambda fut: fut.value().mul_(state))
+
+
+def dist_hook(state, bucket):
+    """A hook written for torch that calls dist.all_reduce itself."""
+    buffer = bucket.buffer().div_(dist.get_world_size())
+    return dist.all_reduce(buffer, async_op=True).get_future().then(lambda fut: fut.value()[0])
+
+
+def _hook(impl: str, name: str):
+    """(state, hook) for ``register_comm_hook``: the library's own hooks, a user's hook with state, and one
+    written for torch that calls ``dist.all_reduce`` itself."""
     if name == "user":
-        base = lib.allreduce_hook
-
-        def user(state, bucket):
-            return base(None, bucket).then(lambda fut: fut.value().mul_(state))
-
-        return 0.5, user
+        return 0.5, torch_user_hook if impl == "torch" else fanfold_user_hook
     if name == "user_dist":
-        def user_dist(state, bucket):
-            buffer = bucket.buffer().div_(dist.get_world_size())
-            return dist.all_reduce(buffer, async_op=True).get_future().then(lambda fut: fut.value()[0])
-
-        return None, user_dist
+        return None, dist_hook
+    lib = _library(impl)
     return None, {"allreduce": lib.allreduce_hook, "fp16": lib.fp16_compress_hook,
                   "bf16": lib.bf16_compress_hook}[name]
 
@@ -225,12 +237,19 @@ def _end_group(store: Any, tag: str, rank: int, world: int) -> None:
     dist.destroy_process_group()
 
 
-def run_config(config, rank: int, store: Any, tag: str) -> RankResult:
+def run_config(config, rank: int, store: Any, tag: str, send) -> None:
+    """Run ``config``'s implementations one after the other, sending ("started", impl) before and ("run", impl,
+    Run) after each, then ("done", seconds): a rank that dies or hangs in one run leaves the other's result, and
+    the pool knows which one it was in. fanfold's runs first, so that torch's crashing (gloo aborts the process on
+    a mismatched collective) cannot hide it."""
     start = time.monotonic()
-    runs = {}
     impls = IMPLS if isinstance(config, DDPConfig) else ("fanfold",)
     for impl in impls:
-        run = runs[impl] = Run()
+        send(("started", impl))
+        run = Run()
+        if impl == "torch" and torch_not_run(config):
+            send(("run", impl, dataclasses.replace(run, error=("NotRun", "torch's run left out", 0))))
+            continue
         _init_group(config, store, f"{tag}/{impl}", rank)
         try:
             with warnings.catch_warnings():
@@ -248,7 +267,8 @@ def run_config(config, rank: int, store: Any, tag: str) -> RankResult:
         except Exception as exc:  # noqa: BLE001 -- a peer still stuck in a collective: a hang, reported as such
             run.error = run.error or (type(exc).__name__, f"{exc} (leaving the process group)", len(run.params))
             dist.destroy_process_group()
-    return RankResult(rank, runs, time.monotonic() - start)
+        send(("run", impl, run))
+    send(("done", time.monotonic() - start))
 
 
 def serve(rank: int, world: int, port: int, conn: Any) -> None:
@@ -266,4 +286,4 @@ def serve(rank: int, world: int, port: int, conn: Any) -> None:
         if item is None:
             return
         tag, config = item
-        conn.send(run_config(config, rank, store, tag))
+        run_config(config, rank, store, tag, conn.send)
