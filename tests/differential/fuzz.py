@@ -38,8 +38,9 @@ def _seed_number(name: str) -> int:
     return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little")
 
 
-def drive(runner: Runner, strategy, examples: int, name: str, log) -> None:
-    """``examples`` configurations drawn by ``strategy`` from seed ``name``, each run and counted."""
+def drive(runner: Runner, strategy, examples: int, name: str, log, until: float = float("inf")) -> None:
+    """``examples`` configurations drawn by ``strategy`` from seed ``name``, each run and counted (none after the
+    monotonic time ``until``)."""
     if examples <= 0:
         return
 
@@ -49,6 +50,8 @@ def drive(runner: Runner, strategy, examples: int, name: str, log) -> None:
     @given(config=strategy)
     def one(config):
         start = time.monotonic()
+        if start > until:
+            return
         outcome = runner.run(config)
         seconds = time.monotonic() - start
         if outcome.kind not in ("match", "match-oracle", "both-raise", "known-defect") or seconds > SLOW:
@@ -63,8 +66,10 @@ def report(tally: Tally, seeds, args, wall: float) -> str:
     line = "|---" * (len(OUTCOME_ORDER) + 1) + "|"
     out = [START, "",
            f"Run of {datetime.date.today().isoformat()}: `python tests/differential/fuzz.py --seeds "
-           f"{' '.join(seeds)} --ddp {args.ddp} --zero {args.zero}`, {drawn} configurations in {wall / 60:.0f} "
-           f"minutes on this machine.", "", head, line,
+           f"{' '.join(seeds)} --ddp {args.ddp} --zero {args.zero} --compile {args.compile}"
+           + (f" --minutes {args.minutes:g}" if args.minutes != float("inf") else "")
+           + f"`, {drawn} configurations run in {wall / 60:.0f} minutes on this machine (two cores shared with other "
+           "jobs).", "", head, line,
            "| configurations | " + " | ".join(str(tally.outcomes.get(k, 0)) for k in OUTCOME_ORDER) + " |", "",
            "By what was drawn (a configuration counts under each of its labels):", "", head.replace(
                "outcome", "label"), line]
@@ -100,14 +105,16 @@ def main() -> None:
     parser.add_argument("--ddp", type=int, default=300, help="DDP configurations per seed")
     parser.add_argument("--zero", type=int, default=40, help="ZeRO configurations per seed")
     parser.add_argument("--compile", type=float, default=0.02, help="share of DDP draws under torch.compile")
+    parser.add_argument("--minutes", type=float, default=float("inf"), help="stop drawing after this long")
     parser.add_argument("--no-report", action="store_true")
     args = parser.parse_args()
     runner = Runner()
     start = time.monotonic()
     try:
         for name in args.seeds:
-            drive(runner, ddp_configs(compile_p=args.compile), args.ddp, name, print)
-            drive(runner, zero_configs(), args.zero, name, print)
+            until = start + args.minutes * 60
+            drive(runner, ddp_configs(compile_p=args.compile), args.ddp, name, print, until)
+            drive(runner, zero_configs(), args.zero, name, print, until)
             print(f"seed {name}: {dict(runner.tally.outcomes)} after {(time.monotonic() - start) / 60:.1f} min",
                   flush=True)
     finally:
