@@ -157,6 +157,9 @@ FANFOLD_REFUSES = (
     ("mixed_precision with gradient_as_bucket_view",
      lambda c: c.kw().get("mixed_precision") and c.kw().get("gradient_as_bucket_view"),
      "cannot be combined with mixed_precision"),
+    # a branch used on some steps only: the static graph changed (both raise; torch's error, fanfold's words)
+    ("a static graph that changes", lambda c: c.kw().get("static_graph") and c.family == "branch_step",
+     "the training graph has changed"),
     # torch's own refusal (fanfold's too, with torch's words), also where torch raised earlier for another reason
     ("pickling with a process group other than the default",
      lambda c: c.lifetime in ("pickle", "deepcopy") and ("process_group" in c.kw() or "device_mesh" in c.kw()),

@@ -56,6 +56,10 @@ def check(runner, config) -> None:
                           join="initial", batches=(1, 1, 3), hook="fp16", keywords=(("mixed_precision", "bfloat16"),)))
 @example(config=DDPConfig(family="embedding", accumulate=3, hook="user_dist", transport=None, join="active",
                           batches=(1, 2), keywords=(("delay_all_reduce_named_params", "head"), ("static_graph", True))))
+# a static graph that changes (a branch used on even steps only), where torch refuses device_ids: fanfold's refusal
+@example(config=DDPConfig(world=3, backend="fanfold", family="branch_step", dtype="float32", output="tuple",
+                          optimizer="adam", hook="bf16", seed=663, first_bucket_cap_mb=1e-5,
+                          keywords=(("device_ids", ["cpu"]), ("static_graph", True))))
 # join() with skip_all_reduce_unused_params: fanfold refuses; torch's run aborts the process (gloo), so is left out
 @example(config=DDPConfig(family="branch_step", dtype="float32", transport="torch", join="active", batches=(1, 2),
                           keywords=(("gradient_as_bucket_view", True), ("skip_all_reduce_unused_params", True))))
