@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: run test lint smoke demo bench conformance conformance-backend gpu-check clean
+.PHONY: run test lint smoke demo bench fuzz conformance conformance-backend gpu-check clean
 
 $(STAMP): requirements.txt pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -42,6 +42,11 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/dp_overhead.py
+
+# The long differential run: fanfold's DDP against torch's (and ZeRO against torch's optimizer) over thousands of
+# drawn configurations on named seeds -> docs/differential.md (`make test` runs a bounded, fixed budget of the same)
+fuzz: $(STAMP)
+	$(BIN)/python tests/differential/fuzz.py
 
 # torch's own DDP tests with torch's DDP and with fanfold's (CPU, gloo, 2 ranks), then the same on the CPU port
 # (the suite's CUDA devices mapped to the CPU) -> docs/conformance.md, after the backend's run (its counts go into

@@ -191,6 +191,12 @@ def revision(root: Path) -> str:
     return head + (" with uncommitted changes in src/" if dirty else "")
 
 
+DIFFERENTIAL = ("Beyond torch's suite, `tests/differential/` draws configurations (model shapes x every DDP keyword x "
+                "transports x world sizes x comm hooks x accumulation x join x checkpointing x lifetimes, and ZeRO) "
+                "and runs fanfold's DDP and torch's side by side in the same ranks: see "
+                "[differential.md](differential.md) for how, and for the counts of the last `make fuzz`.")
+
+
 def write_page(page: Path, meta: dict, selected: list[str], outcomes: dict[str, dict[str, Outcome]],
                port: tuple[dict, dict[str, dict[str, Outcome]]] | None = None) -> None:
     """The page: the run on CPU as torch's suite decides; then, given ``port`` (the CPU port's metadata and
@@ -259,6 +265,7 @@ def write_page(page: Path, meta: dict, selected: list[str], outcomes: dict[str, 
         out += ["", *port_lines(*port, t)]
     out += ["", "## How to run", "", *HOW_TO_RUN]
     out += ["", *summary_lines(root / "build" / "conformance-backend")]
+    out += ["", "## Differential fuzzing", "", DIFFERENTIAL]
     failing = [n for n in tests if n in f and f[n].status in ("fail", "timeout")]
     if failing:
         out += ["", "## fanfold's errors, as the ranks raised them", ""]
