@@ -220,7 +220,10 @@ def random_schedule(seed: int):
         done: set = set()
         todo = [Step(s, m, p) for s in range(stages) for m in range(microbatches) for p in "FB"]
         while todo:
-            ready = [t for t in todo if (t.phase == "F" and (t.stage == 0 or (t.stage - 1, t.microbatch, "F") in done))
+            # each stage's forwards in micro-batch order, so that BatchNorm's running statistics are updated in the
+            # order of the oracle's; backwards in any order the dependencies allow
+            ready = [t for t in todo if (t.phase == "F" and (t.stage == 0 or (t.stage - 1, t.microbatch, "F") in done)
+                                         and (t.microbatch == 0 or (t.stage, t.microbatch - 1, "F") in done))
                      or (t.phase == "B" and (t.stage, t.microbatch, "F") in done
                          and (t.stage == stages - 1 or (t.stage + 1, t.microbatch, "B") in done))]
             step = rng.choice(ready)
@@ -470,7 +473,8 @@ def configs(draw, distributed: bool = False) -> Config:
         chunks=draw(st.sampled_from([1, 2, 3, 4, 8])), balance=balance,
         checkpoint=draw(st.sampled_from(["never", "except_last", "always"])),
         train=True if dropout_only else draw(st.booleans()), passes=passes, zero_grad=draw(st.booleans()),
-        sgd=draw(st.booleans()), input_grad=dropout_only or not has_parameters or draw(st.booleans()), dropout_only=dropout_only)
+        sgd=draw(st.booleans()), input_grad=dropout_only or not has_parameters or draw(st.booleans()),
+        dropout_only=dropout_only)
 
 
 # ---- one process: stages on threads -------------------------------------------------------------------------------
