@@ -45,6 +45,15 @@ def budget(bounded: int) -> int:
     return FUZZ or bounded
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread while this file runs (2 cores, shared), the caller's count given back after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @dataclass
 class Pack:
     """A dataclass argument (scattered field by field)."""
@@ -369,7 +378,6 @@ def check_thread(d: Draw) -> None:
 @settings(max_examples=budget(150), **SETTINGS)
 @given(draws(engine="thread"))
 def test_thread_engine_equals_the_bare_module(d):
-    torch.set_num_threads(1)
     check_thread(d)
 
 
@@ -402,7 +410,6 @@ def check_process(d: Draw, engines) -> None:
 @settings(max_examples=budget(40), **SETTINGS)
 @given(draws(engine="process"))
 def test_process_engine_equals_the_bare_module(process_engines, d):
-    torch.set_num_threads(1)
     check_process(d, process_engines)
 
 
@@ -417,5 +424,4 @@ REGRESSIONS = [  # every failing example found, kept
 
 @pytest.mark.parametrize("d", REGRESSIONS, ids=str)
 def test_data_parallel_regressions(d, process_engines):
-    torch.set_num_threads(1)
     check_process(d, process_engines) if d.engine == "process" else check_thread(d)

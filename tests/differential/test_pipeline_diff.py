@@ -49,6 +49,15 @@ SETTINGS = dict(deadline=None, derandomize=True, database=None, print_blob=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large])
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread while this file runs (2 cores, shared), the caller's count given back after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 # ---- layers: what crosses a stage boundary is a tensor "t", a float pair "ff" or a (float, bool mask) pair "fb" ----
 class DictIn(nn.Module):
     def forward(self, d):
@@ -492,7 +501,6 @@ def _fixed_draw_order(cfg: Config) -> bool:
 
 
 def check_in_process(cfg: Config) -> None:
-    torch.set_num_threads(1)
     pipe = _pipeline(cfg)
     try:
         with warnings.catch_warnings():
@@ -588,7 +596,6 @@ def _merge_ranks(per_rank: list[dict]) -> list:
 
 
 def check_distributed(cases: list[Config]) -> None:
-    torch.set_num_threads(1)
     # a rank that raises leaves its peer waiting in a receive (docs/pipeline.md): only draws the plain model runs
     oracles = [None if c.random else run_oracle(build(c), c) for c in cases]
     cases = [c for c, o in zip(cases, oracles) if o is None or not any(isinstance(r, tuple) for r in o)]
