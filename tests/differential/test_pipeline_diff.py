@@ -615,7 +615,7 @@ def check_distributed(cases: list[Config]) -> None:
 
 
 @pytest.mark.timeout(300 + 3 * FUZZ)
-@settings(max_examples=budget(16) // 8 if FUZZ else 2, **SETTINGS)
-@given(st.lists(configs(distributed=True), min_size=1, max_size=8))
+@settings(max_examples=max(1, FUZZ // 8) if FUZZ else 1, **SETTINGS)
+@given(st.lists(configs(distributed=True), min_size=1, max_size=8 if FUZZ else 4))
 def test_one_stage_per_process_equals_the_sequential_model(cases):
     check_distributed([c for c in cases if not KNOWN_DEFECTS(c)])
