@@ -83,8 +83,23 @@ def _flatten(obj: Any, path: str, leaves: list) -> Spec:
         return LEAF
     keys, values = _children(obj, kind)
     children = tuple(_flatten(v, child_path(path, kind, k), leaves) for k, v in zip(keys, values))
-    template = obj if kind in ("dict", "dataclass") and type(obj) is not dict else type(obj)
-    return Spec(kind, template, keys, children)
+    return Spec(kind, _template(obj, kind, keys), keys, children)
+
+
+def _template(obj: Any, kind: str, keys: tuple) -> Any:
+    """What ``unflatten`` copies to rebuild ``obj``: its type, or for dict subclasses and dataclasses an empty copy.
+    Empty, so that a spec holds none of the leaves: a spec crosses process boundaries (DataParallel's process
+    engine pickles it), where a tensor of the graph could not go, and it should not keep the batch alive."""
+    if kind == "dict" and type(obj) is not dict:
+        out = copy.copy(obj)
+        out.clear()
+        return out
+    if kind == "dataclass":
+        out = copy.copy(obj)
+        for name in keys:
+            object.__setattr__(out, name, None)
+        return out
+    return type(obj)
 
 
 def unflatten(spec: Spec, leaves: list) -> Any:

@@ -75,13 +75,15 @@ def _fresh(x: Any) -> Any:
 
 @contextlib.contextmanager
 def _buffers_kept(module: nn.Module) -> Iterator[None]:
+    # Put back through .data, which does not bump the buffer's version: another micro-batch's graph may have saved
+    # the buffer (BatchNorm saves its running statistics, in training mode too), and its backward would then refuse
+    # it as modified in place. Safe: BatchNorm's backward reads them only in eval mode, where they do not change.
     saved = [(b, b.detach().clone()) for b in module.buffers()]
     try:
         yield
     finally:
-        with torch.no_grad():
-            for b, copy in saved:
-                b.copy_(copy)
+        for b, copy in saved:
+            b.data.copy_(copy)
 
 
 @dataclass
