@@ -78,28 +78,7 @@ class ZeroConfig:
 
 # ---- known defects, fixed on other branches: drawn, then skipped; the lead deletes each entry after merging ------
 
-def _shm_like(c: DDPConfig) -> bool:
-    return c.fanfold_transport in ("shm", "backend")
-
-
-def _uneven(c: DDPConfig) -> bool:
-    return bool(c.join) and len(set(c.batches)) > 1
-
-
 KNOWN_DEFECTS: dict[str, Callable[[DDPConfig], bool]] = {
-    # (a) a .grad viewing a shared-memory bucket outlives the wrapper: reading it segfaults (issue 24)
-    "grad-view-after-del-on-shm": lambda c: c.lifetime == "del" and bool(c.kw().get("gradient_as_bucket_view"))
-    and _shm_like(c),
-    # (b) torch's DDP on the fanfold backend under join(divide_by_initial_world_size=False) hangs; under join()
-    # with find_unused_parameters the group's allreduce(tensor) raises TypeError (issue 24)
-    # with join() and sparse gradients the same (found here: torch's run waits until the group's timeout)
-    "torch-ddp-join-on-fanfold-backend": lambda c: c.backend == "fanfold" and bool(c.join) and (
-        c.join == "active" or bool(c.kw().get("find_unused_parameters")) or c.family == "sparse_embedding"),
-    # (c) fanfold's fp16_compress_hook under join(divide_by_initial_world_size=False) divides by the active ranks
-    # where torch's hooks divide by the world size (issue 24). This harness finds the same in fanfold's
-    # allreduce_hook and bf16_compress_hook (and so in a user's hook built on them): all read bucket.divisor.
-    "hook-divisor-under-join": lambda c: c.hook in ("fp16", "bf16", "allreduce", "user") and c.join == "active"
-    and _uneven(c),
     # found by this harness, not fixed: fanfold averages sparse gradients outside the comm hook, so a hook that does
     # more than average (a user's scaling) is not applied to them; torch hands the sparse bucket to the hook (its
     # fp16/bf16 hooks then fail on the CPU: "cadd_sparse" not implemented for 'Half')

@@ -40,7 +40,17 @@ def check(runner, config) -> None:
 # inside join(), a parameter no active rank used: torch gives zeros, fanfold None as one process (TORCH_WRONG)
 @example(config=DDPConfig(world=3, family="branch_rank", join="active", batches=(1, 3, 1), seed=945,
                           keywords=(("find_unused_parameters", True),)))
-# fanfold's library hooks divide by the active ranks under join(divide_by_initial_world_size=False) (KNOWN_DEFECTS)
+# issue 24's defects, fixed: fanfold's hooks divided by the active ranks under join(divide_by_initial_world_size=False)
+@example(config=DDPConfig(join="active", batches=(3, 1), hook="fp16", dtype="float32"))
+# torch's DDP on the fanfold backend hung under join(divide_by_initial_world_size=False), raised TypeError under
+# join() with find_unused_parameters
+@example(config=DDPConfig(backend="fanfold", transport=None, join="active", batches=(3, 1)))
+@example(config=DDPConfig(backend="fanfold", transport=None, join="initial", batches=(1, 3),
+                          keywords=(("find_unused_parameters", True),)))
+# .grad as a bucket view read after the wrapper was deleted segfaulted on shared memory
+@example(config=DDPConfig(lifetime="del", keywords=(("gradient_as_bucket_view", True),)))
+@example(config=DDPConfig(lifetime="del", keywords=(("gradient_as_bucket_view", True),
+                                                    ("find_unused_parameters", True))))
 @example(config=DDPConfig(family="conv_bn", dtype="float32", output="tuple", join="active", batches=(3, 1),
                           hook="user", seed=49, keywords=(("bucket_cap_mb", 1e-05), ("process_group", "new_group"))))
 # a user's hook and delayed parameters: the delayed ones skip the hook (the oracle had it wrong)

@@ -24,13 +24,12 @@ from __future__ import annotations
 
 import os
 import random
-import warnings
 from dataclasses import dataclass
 
 import pytest
 import torch
 import torch.distributed as dist
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
@@ -146,12 +145,6 @@ class Config:
     def random(self) -> bool:
         """Dropout in training mode: the masks are not the plain model's."""
         return self.train and "dropout" in self.layers
-
-
-def KNOWN_DEFECTS(cfg: Config) -> bool:  # noqa: N802 (one predicate, named to be found and removed)
-    """Issue 24: checkpointed recomputation with two or more stages may draw other dropout masks than its forward
-    (being fixed on another branch). Draws it covers are skipped; delete this predicate once the fix is merged."""
-    return cfg.random and cfg.checkpoint != "never" and cfg.stages >= 2
 
 
 def build(cfg: Config) -> nn.Sequential:
@@ -495,28 +488,23 @@ def _pipeline(cfg: Config, checkpoint: str | None = None):
                             checkpoint=checkpoint or cfg.checkpoint)
 
 
-def _fixed_draw_order(cfg: Config) -> bool:
-    """One stage, or one micro-batch: the pipeline draws its random numbers in one order whatever its threads do."""
-    return cfg.stages == 1 or len(sizes_of(cfg.rows, cfg.chunks)) == 1
-
-
 def check_in_process(cfg: Config) -> None:
     pipe = _pipeline(cfg)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the serial fallback's warning (dropout + checkpointing on one device)
-            got = run_pipeline(pipe, cfg)
-            if cfg.dropout_only:
-                check_masks(got, cfg)
-            if cfg.random:
-                if _fixed_draw_order(cfg) and cfg.checkpoint != "never":
-                    plain = _pipeline(cfg, checkpoint="never")
-                    try:
-                        compare(got, run_pipeline(plain, cfg), cfg, exact=True, label="against checkpoint='never'")
-                    finally:
-                        plain.close()
-                return
-            compare(got, run_oracle(build(cfg), cfg), cfg)
+        got = run_pipeline(pipe, cfg)
+        if cfg.dropout_only:
+            check_masks(got, cfg)
+        if cfg.random:
+            # a cell's masks depend on the pass's seed, its stage and micro-batch only (pipeline/rng.py), so a
+            # checkpointed pipeline draws exactly the masks of the same pipeline without checkpointing
+            if cfg.checkpoint != "never":
+                plain = _pipeline(cfg, checkpoint="never")
+                try:
+                    compare(got, run_pipeline(plain, cfg), cfg, exact=True, label="against checkpoint='never'")
+                finally:
+                    plain.close()
+            return
+        compare(got, run_oracle(build(cfg), cfg), cfg)
     finally:
         pipe.close()
 
@@ -540,7 +528,6 @@ REGRESSIONS = [  # every failing example found, kept
 @settings(max_examples=budget(120), **SETTINGS)
 @given(configs())
 def test_pipeline_equals_the_sequential_model(cfg):
-    assume(not KNOWN_DEFECTS(cfg))
     check_in_process(cfg)
 
 
@@ -618,4 +605,4 @@ def check_distributed(cases: list[Config]) -> None:
 @settings(max_examples=max(1, FUZZ // 8) if FUZZ else 1, **SETTINGS)
 @given(st.lists(configs(distributed=True), min_size=1, max_size=8 if FUZZ else 4))
 def test_one_stage_per_process_equals_the_sequential_model(cases):
-    check_distributed([c for c in cases if not KNOWN_DEFECTS(c)])
+    check_distributed(cases)
