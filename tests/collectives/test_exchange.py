@@ -57,7 +57,9 @@ def _exchanges():
                 bad.append(("all_gather", dtype, m))
             into, oracle = torch.empty(n * m, dtype=dtype), torch.empty(n * m, dtype=dtype)
             work = dist.all_gather_into_tensor(into, x, async_op=True)
-            if work.get_future().wait()[0] is not into or not work.is_completed():
+            # get_future().done(): an async Work in flight at return is torch's holder of fanfold's, whose
+            # is_completed() is the holder's own (docs/backend.md, Semantics)
+            if work.get_future().wait()[0] is not into or not work.get_future().done():
                 bad.append(("all_gather_into_tensor future", dtype, m))
             dist.all_gather_into_tensor(oracle, x, group=gloo)
             if not torch.equal(into, oracle):
