@@ -331,6 +331,12 @@ def _simulate(config: DDPConfig) -> list[Run]:
         snapshot_grads = {n: None if p.grad is None else p.grad.detach().clone() for n, p in named.items()}
         opt.step()
         opt.zero_grad(set_to_none=config.set_to_none)
+        if config.lifetime in ("pickle", "deepcopy") and step == 0:
+            # the ranks go on with a copy of the wrapper: a copied Parameter carries no .grad (pickle and
+            # Parameter.__deepcopy__ drop it), so zero_grad(set_to_none=False)'s zeros are gone too, and a
+            # parameter no rank uses next keeps grad None (Adam skips it)
+            for p in named.values():
+                p.grad = None
         params = {n: p.detach().clone() for n, p in named.items()}
         for r in active:
             runs[r].grads.append(snapshot_grads)
