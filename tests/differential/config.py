@@ -79,11 +79,6 @@ class ZeroConfig:
 # ---- known defects, fixed on other branches: drawn, then skipped; the lead deletes each entry after merging ------
 
 KNOWN_DEFECTS: dict[str, Callable[[DDPConfig], bool]] = {
-    # found by this harness, not fixed: fanfold averages sparse gradients outside the comm hook, so a hook that does
-    # more than average (a user's scaling) is not applied to them; torch hands the sparse bucket to the hook (its
-    # fp16/bf16 hooks then fail on the CPU: "cadd_sparse" not implemented for 'Half')
-    "sparse-gradients-bypass-comm-hook": lambda c: c.family == "sparse_embedding" and c.hook in (
-        "user", "fp16", "bf16"),
 }
 
 

@@ -111,7 +111,16 @@ def _compress_hook(dtype: torch.dtype) -> Callable[[Any, GradBucket], Future]:
 
     def hook(state: Any, bucket: GradBucket) -> Future:
         buffer = bucket.buffer()
-        if divide_first:
+        if buffer.is_sparse:  # a sparse gradient's own bucket (reducer.py): cast the sparse tensor itself
+            if divide_first and buffer.device.type == "cpu":
+                # torch's hook fails here too: its all-reduce adds float16 sparse tensors, which the CPU cannot
+                raise RuntimeError(
+                    f"fp16_compress_hook: bucket {bucket.index()} holds a sparse gradient, which float16 cannot sum "
+                    "on the CPU (torch's hook fails alike: \"cadd_sparse\" not implemented for 'Half'); register "
+                    "another hook or use sparse=False.")
+            narrow = (buffer.div_(bucket.divisor) if divide_first else buffer).to(dtype)
+            fut = bucket.all_reduce(narrow, None if divide_first else bucket.divisor)
+        elif divide_first:
             # In place, then cast: a division straight into the narrow type costs several times as much on CPU.
             # The buffer is overwritten by the result anyway.
             narrow = bucket.workspace(dtype).copy_(buffer.div_(bucket.divisor).view(-1))
