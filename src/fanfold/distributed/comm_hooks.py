@@ -2,8 +2,9 @@
 
 Used by the reducer (``reducer.py``); registered with ``DistributedDataParallel.register_comm_hook(state, hook)``.
 A hook has torch's shape, ``hook(state, bucket) -> future``: it receives a :class:`GradBucket` whose ``buffer()``
-is the bucket's flat gradient (this rank's local sum), starts the reduction and returns a future whose ``wait()``
-gives a tensor of the buffer's size holding the *averaged* gradient. ``bucket.all_reduce(tensor, divisor=None)``
+is the bucket's flat gradient (this rank's local sum; for a sparse gradient, a bucket of its own as in torch, the
+sparse tensor itself), starts the reduction and returns a future whose ``wait()`` gives a tensor of the buffer's
+size holding the *averaged* gradient. ``bucket.all_reduce(tensor, divisor=None)``
 issues the all-reduce through the DDP's transport, so a hook works on every transport and its collectives are
 labelled with the bucket index; with ``divisor`` it is an average (the shm transport divides each shard while it is
 in cache, other transports after the wait). ``bucket.divisor`` is what to divide by: for a registered hook, the
@@ -81,7 +82,7 @@ class GradBucket:
         return list(self._params)
 
     def gradients(self) -> list:
-        """Views of the buffer shaped like each parameter."""
+        """Views of the buffer shaped like each parameter (a sparse bucket: the sparse gradient)."""
         return list(self._grads)
 
     def workspace(self, dtype: torch.dtype) -> torch.Tensor:
