@@ -2,8 +2,9 @@
 
 Used by the reducer (``reducer.py``); registered with ``DistributedDataParallel.register_comm_hook(state, hook)``.
 A hook has torch's shape, ``hook(state, bucket) -> future``: it receives a :class:`GradBucket` whose ``buffer()``
-is the bucket's flat gradient (this rank's local sum), starts the reduction and returns a future whose ``wait()``
-gives a tensor of the buffer's size holding the *averaged* gradient. ``bucket.all_reduce(tensor, divisor=None)``
+is the bucket's flat gradient (this rank's local sum; for a sparse gradient, a bucket of its own as in torch, the
+sparse tensor itself), starts the reduction and returns a future whose ``wait()`` gives a tensor of the buffer's
+size holding the *averaged* gradient. ``bucket.all_reduce(tensor, divisor=None)``
 issues the all-reduce through the DDP's transport, so a hook works on every transport and its collectives are
 labelled with the bucket index; with ``divisor`` it is an average (the shm transport divides each shard while it is
 in cache, other transports after the wait). ``bucket.divisor`` is what to divide by: for a registered hook, the
@@ -81,7 +82,7 @@ class GradBucket:
         return list(self._params)
 
     def gradients(self) -> list:
-        """Views of the buffer shaped like each parameter."""
+        """Views of the buffer shaped like each parameter (a sparse bucket: the sparse gradient)."""
         return list(self._grads)
 
     def workspace(self, dtype: torch.dtype) -> torch.Tensor:
@@ -111,7 +112,16 @@ def _compress_hook(dtype: torch.dtype) -> Callable[[Any, GradBucket], Future]:
 
     def hook(state: Any, bucket: GradBucket) -> Future:
         buffer = bucket.buffer()
-        if divide_first:
+        if buffer.is_sparse:  # a sparse gradient's own bucket (reducer.py): cast the sparse tensor itself
+            if divide_first and buffer.device.type == "cpu":
+                # torch's hook fails here too: its all-reduce adds float16 sparse tensors, which the CPU cannot
+                raise RuntimeError(
+                    f"fp16_compress_hook: bucket {bucket.index()} holds a sparse gradient, which float16 cannot sum "
+                    "on the CPU (torch's hook fails alike: \"cadd_sparse\" not implemented for 'Half'); register "
+                    "another hook or use sparse=False.")
+            narrow = (buffer.div_(bucket.divisor) if divide_first else buffer).to(dtype)
+            fut = bucket.all_reduce(narrow, None if divide_first else bucket.divisor)
+        elif divide_first:
             # In place, then cast: a division straight into the narrow type costs several times as much on CPU.
             # The buffer is overwritten by the result anyway.
             narrow = bucket.workspace(dtype).copy_(buffer.div_(bucket.divisor).view(-1))

@@ -27,7 +27,7 @@ import torch
 
 from ..collectives.protocol import Transport
 from .bucket_paths import BucketPaths
-from .comm_hooks import allreduce_hook
+from .comm_hooks import Future, GradBucket, allreduce_hook
 from .deferred import Deferred, gradient_hook
 from .delayed import reduce_delayed
 from .readiness import Readiness, unused_message
@@ -239,7 +239,7 @@ class Reducer(BucketPaths):
             self._launch_ready()
             used = self._used_everywhere(counting)
             delayed = reduce_delayed(self.all_reduce, self.delayed, self.divisor, self._shadowing, self.reduce_dtype)
-            sparse = {i: self._reduce_sparse(i) for i, s in enumerate(self.sparse) if s}
+            sparse = {i: self._reduce_sparse(k, i) for k, i in enumerate(self._sparse_ids())}
             (self._wait_all if self.shards is None else self.shards.finish)()  # stage 2 seam
             delayed()
             if self.params_back is not None:
@@ -285,10 +285,34 @@ class Reducer(BucketPaths):
             self._static_used = used
         return used
 
-    def _reduce_sparse(self, i: int) -> torch.Tensor:
+    def _sparse_ids(self) -> list[int]:
+        return [i for i, s in enumerate(self.sparse) if s]
+
+    def _reduce_sparse(self, k: int, i: int) -> torch.Tensor | None:
+        """The average of sparse parameter ``i`` (the ``k``-th), or None where a registered hook raised (the error
+        is raised once the step's collectives are all issued). As torch's DDP does, a sparse gradient is a bucket of
+        its own, handed to the registered hook with the gradient itself as ``buffer()``; its index comes after the
+        dense buckets'. Parameter order, at the end of backward, on every rank: the collectives match."""
         p = self.params[i]
         grad = p.grad if p.grad is not None and not self._shadowing else empty_sparse_like(p)
-        return all_reduce_sparse(self.transport, grad.to(self.reduce_dtype or grad.dtype), self.hook_divisor)
+        grad = grad.to(self.reduce_dtype or grad.dtype)
+        if not self.hook_registered:
+            return all_reduce_sparse(self.transport, grad, self.hook_divisor)
+        bucket = GradBucket(len(self.buckets) + k, grad, [p], [grad], False, self.hook_divisor, self._issue_sparse)
+        try:
+            result = self.hook(self.hook_state, bucket).wait()
+        except Exception as exc:  # noqa: BLE001 -- the hook's error (fp16 on the CPU), raised at the end
+            self._fail(exc)
+            return None
+        return result[0] if isinstance(result, (list, tuple)) else result  # a torch future yields [tensor]
+
+    def _issue_sparse(self, tensor: torch.Tensor, bucket: int, divisor: float | None) -> Future:
+        """``GradBucket.all_reduce`` of a sparse bucket: the sum (``sparse.py``) written into ``tensor`` in place, as
+        torch's all-reduce of a sparse tensor does; a dense tensor the hook made goes the usual way."""
+        if not tensor.is_sparse:
+            return self.all_reduce(tensor, bucket, divisor)
+        tensor.copy_(all_reduce_sparse(self.transport, tensor, 1 if divisor is None else divisor))
+        return Future(lambda: None)
 
     def _end_step(self) -> None:
         self._rebuild(self.readiness.order)
@@ -311,7 +335,7 @@ class Reducer(BucketPaths):
             self._used = [False] * len(self.params)
             self._used_everywhere(counting)
             delayed = reduce_delayed(self.all_reduce, self.delayed, self.divisor, self._shadowing, self.reduce_dtype)
-            [self._reduce_sparse(i) for i, s in enumerate(self.sparse) if s]
+            [self._reduce_sparse(k, i) for k, i in enumerate(self._sparse_ids())]
             self._wait_all()
             delayed()
         finally:
