@@ -82,7 +82,7 @@ KNOWN_DEFECTS: dict[str, Callable[[DDPConfig], bool]] = {
     # torch's own, not fanfold's: torch's DDP under join() with sparse gradients waits in an all_reduce the joined
     # rank never issues (its join matches a sparse bucket with a dense all-reduce); on gloo it hangs alike, on the
     # fanfold backend it ends in ShmTimeoutError naming the joined rank after the stall timeout. Skipped only to
-    # spare that wait; fanfold's DDP under join with sparse gradients is drawn on every transport.
+    # spare that wait; fanfold's DDP under join with sparse gradients is still drawn on gloo groups.
     "torch-ddp-join-sparse-on-fanfold-backend": lambda c: c.backend == "fanfold" and bool(c.join) and
     c.family == "sparse_embedding",
 }
