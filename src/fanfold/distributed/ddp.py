@@ -167,6 +167,15 @@ class DistributedDataParallel(nn.Module):
 
     # ---- training step --------------------------------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        inputs, kwargs, sync = self._pre_forward(inputs, kwargs)
+        out = self.module(*inputs, **kwargs)
+        self._post_forward(out, sync)
+        return out
+
+    # Under torch.compile only the module is traced: the bookkeeping and collectives around it run eagerly, as
+    # torch's DDP keeps its own out of the graph (dynamo cannot trace the transports' threads, finalizers and locks).
+    @torch.compiler.disable
+    def _pre_forward(self, inputs: tuple, kwargs: dict) -> tuple[tuple, dict, bool]:
         self._ensure_built()
         if self.reducer.in_backward is None:
             self._take_over_in_backward_optimizers()
@@ -188,13 +197,16 @@ class DistributedDataParallel(nn.Module):
         if self._mp is not None:
             self._mp.cast_params()
             inputs, kwargs = self._mp.cast_inputs((inputs, kwargs))
-        out = self.module(*inputs, **kwargs)
+        return inputs, kwargs, sync
+
+    @torch.compiler.disable
+    def _post_forward(self, out: Any, sync: bool) -> None:
+        grad = torch.is_grad_enabled()
         self.require_forward_param_sync = sync
         if grad and (sync or self._mp is not None):
             self._hook_outputs(out)
         elif self._mp is not None:
             self._mp.restore_unless_needed()  # no backward of this forward can follow
-        return out
 
     def _take_over_in_backward_optimizers(self) -> None:
         """torch's DDP at its first forward: optimizers that ``_apply_optimizer_in_backward`` gave its parameters
