@@ -33,6 +33,8 @@ from torch.func import functional_call
 
 import fanfold
 
+from .trees import cat_tree, map_tree
+
 FUZZ = int(os.environ.get("FANFOLD_FUZZ_EXAMPLES", "0") or 0)
 F, H, VOCAB = 4, 6, 7
 
@@ -77,31 +79,6 @@ def leaves(obj) -> list:
     if is_dataclass(obj) and not isinstance(obj, type):
         return [x for f in fields(obj) for x in leaves(getattr(obj, f.name))]
     return [obj]
-
-
-def map_tree(obj, fn):
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(map_tree(o, fn) for o in obj)
-    if isinstance(obj, dict):
-        return {k: map_tree(v, fn) for k, v in obj.items()}
-    if is_dataclass(obj) and not isinstance(obj, type):
-        return type(obj)(**{f.name: map_tree(getattr(obj, f.name), fn) for f in fields(obj)})
-    return obj
-
-
-def cat_tree(parts: list):
-    first = parts[0]
-    if isinstance(first, torch.Tensor):
-        return torch.cat(parts)
-    if isinstance(first, (tuple, list)):
-        return type(first)(cat_tree([p[i] for p in parts]) for i in range(len(first)))
-    if isinstance(first, dict):
-        return {k: cat_tree([p[k] for p in parts]) for k in first}
-    if is_dataclass(first):
-        return type(first)(**{f.name: cat_tree([getattr(p, f.name) for p in parts]) for f in fields(first)})
-    return first
 
 
 class Zoo(nn.Module):

@@ -36,6 +36,8 @@ from torch import nn
 import fanfold
 from fanfold.pipeline import Step
 
+from .trees import cat_tree, map_tree
+
 FUZZ = int(os.environ.get("FANFOLD_FUZZ_EXAMPLES", "0") or 0)
 W = 5  # every activation is (rows, W)
 
@@ -194,25 +196,6 @@ def dropout_loss(out, target) -> torch.Tensor:
 def sizes_of(rows: int, chunks: int) -> list[int]:
     """Micro-batch sizes by torch.chunk's rule (the oracle's own, not fanfold's)."""
     return [0] if rows == 0 else [len(c) for c in torch.chunk(torch.arange(rows), chunks)]
-
-
-def map_tree(obj, fn):
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(map_tree(x, fn) for x in obj)
-    if isinstance(obj, dict):
-        return {k: map_tree(v, fn) for k, v in obj.items()}
-    return obj
-
-
-def cat_tree(parts: list):
-    first = parts[0]
-    if isinstance(first, torch.Tensor):
-        return torch.cat(parts)
-    if isinstance(first, (tuple, list)):
-        return type(first)(cat_tree([p[i] for p in parts]) for i in range(len(first)))
-    return first
 
 
 def random_schedule(seed: int):
