@@ -47,15 +47,6 @@ def budget(bounded: int) -> int:
     return FUZZ or bounded
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread while this file runs (2 cores, shared), the caller's count given back after."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @dataclass
 class Pack:
     """A dataclass argument (scattered field by field)."""

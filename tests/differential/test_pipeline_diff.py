@@ -50,15 +50,6 @@ SETTINGS = dict(deadline=None, derandomize=True, database=None, print_blob=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large])
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread while this file runs (2 cores, shared), the caller's count given back after."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 # ---- layers: what crosses a stage boundary is a tensor "t", a float pair "ff" or a (float, bool mask) pair "fb" ----
 class DictIn(nn.Module):
     def forward(self, d):
