@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import importlib
 import statistics
 import subprocess
 import sys
@@ -313,4 +314,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # The DDP ranks start with spawn, which finds ddp_worker by module and name: run as the importable module
+    # `gpu` (this file's folder is sys.path[0]), not as __main__, which a fresh process cannot import by name.
+    sys.exit(importlib.import_module(Path(__file__).stem).main())
