@@ -59,9 +59,15 @@ conformance: conformance-backend
 conformance-backend: $(STAMP)
 	$(BIN)/python conformance/collectives.py --all
 
-# on a CUDA machine: the gpu-marked tests (pytest -m gpu), then benchmarks/gpu.py -> docs/gpu.md
-gpu-check: $(STAMP)
+# on a CUDA machine: the gpu-marked tests (pytest -m gpu), then benchmarks/gpu.py -> docs/gpu.md. Where no venv can
+# be built (no package index) but an interpreter already holds a CUDA torch and pytest: make gpu-check GPU_PY=python3
+gpu-check:
+ifdef GPU_PY
+	PYTHONPATH=$(CURDIR)/src $(GPU_PY) benchmarks/gpu.py --with-tests
+else
+	$(MAKE) --no-print-directory $(STAMP)
 	$(BIN)/python benchmarks/gpu.py --with-tests
+endif
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info runs

@@ -67,8 +67,23 @@ class TorchTransport:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.native_scatter = dist.get_backend(group) != "gloo" if native_scatter is None else bool(native_scatter)
+        pg = group if group is not None else dist.distributed_c10d._get_default_group()
+        self._device_types = {d.type for d in getattr(pg, "_device_types", [])}
+
+    def _home(self, tensor: torch.Tensor) -> torch.device | None:
+        """The device a copy of ``tensor`` must travel on, or None where the group takes it as it is: NCCL has no
+        CPU backend, and fanfold's own small exchanges (the model fingerprint, join states) are CPU tensors."""
+        if not self._device_types or tensor.device.type in self._device_types:
+            return None
+        kind = sorted(self._device_types)[0]
+        return torch.device(kind, getattr(torch, kind).current_device())
 
     def all_reduce(self, tensor: torch.Tensor, bucket: int | None = None, divisor: float | None = None) -> Any:
+        home = self._home(tensor)
+        if home is not None:
+            staged = tensor.to(home)
+            work = dist.all_reduce(staged, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+            return DividedWork(work, lambda: tensor.copy_(staged if divisor is None else staged.div_(divisor)))
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         return work if divisor is None else DividedWork(work, lambda: tensor.div_(divisor))
 
@@ -101,6 +116,12 @@ class TorchTransport:
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         # src is a rank of this group; torch wants the global rank.
         global_src = src if self.group is None else dist.get_global_rank(self.group, src)
+        home = self._home(tensor)
+        if home is not None:
+            staged = tensor.to(home)
+            dist.broadcast(staged, global_src, group=self.group)
+            tensor.copy_(staged)
+            return
         dist.broadcast(tensor, global_src, group=self.group)
 
     def barrier(self) -> None:

@@ -54,7 +54,13 @@ def _part_sums(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, var: torch
     if x.numel() == 0:  # the kernel divides by the element count: an empty part contributes nothing
         zeros = var.new_zeros(var.shape)
         return (torch.zeros_like(x) if need_dx else None), zeros, zeros
-    return torch.ops.aten.native_batch_norm_backward(dy, x, weight, mean, var, None, None, False, eps,
+    # evaluation mode (train=False) on the given statistics. CUDA's kernel wants every optional tensor defined
+    # (on an H100 it asserted on None saved statistics, then failed on a None weight): the saved statistics are
+    # empty (it then takes the given ones) and a missing weight is ones (the same dx, the same sums)
+    saved = mean.new_empty(0)
+    if weight is None:
+        weight = torch.ones(x.shape[1], dtype=mean.dtype, device=x.device)
+    return torch.ops.aten.native_batch_norm_backward(dy, x, weight, mean, var, saved, saved, False, eps,
                                                      [need_dx, True, True])
 
 

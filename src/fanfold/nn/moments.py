@@ -67,9 +67,10 @@ def _two_pass(data: torch.Tensor, n: int, wide: torch.dtype) -> tuple[torch.Tens
     guess = data.sum(reduce_dims(data)).div_(n)  # a float32 sum: off by its own rounding when |mean| >> std
     d = data - guess.view([1, c] + [1] * (data.dim() - 2))
     # sum(d^2) and sum(d) in one pass over d: torch's BatchNorm-backward kernel returns sum(dy * (x - mean) * invstd)
-    # and sum(dy) per channel, here with dy = x = d, mean 0 and invstd exactly 1 (var 0, eps 1)
-    zeros = guess.new_zeros(c)
-    _, s2, s1 = torch.ops.aten.native_batch_norm_backward(d, d, None, zeros, zeros, None, None, False, 1.0,
+    # and sum(dy) per channel, here with dy = x = d, mean 0 and invstd exactly 1 (var 0, eps 1); the saved
+    # statistics are empty and the weight ones, not None (CUDA's kernel wants every optional tensor defined)
+    zeros, ones, saved = guess.new_zeros(c), guess.new_ones(c), guess.new_empty(0)
+    _, s2, s1 = torch.ops.aten.native_batch_norm_backward(d, d, ones, zeros, zeros, saved, saved, False, 1.0,
                                                           [False, True, True])
     g, s1, s2 = torch.stack([guess, s1, s2]).to(wide).unbind()
     return g + s1 / n, (s2 - s1.square() / n) / n  # the guess corrected by the mean deviation
