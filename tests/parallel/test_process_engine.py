@@ -300,3 +300,25 @@ def test_double_backward_is_refused_and_process_needs_cpu_devices():
         DataParallel(nn.Linear(3, 1), ["cpu"] * 2, engine="processes")
     with pytest.raises(ValueError, match="engine='process' runs CPU replicas only"):
         DataParallel(nn.Linear(3, 1), ["cpu", "meta"], engine="process")
+
+
+@pytest.mark.parametrize("fmt", [torch.channels_last, torch.contiguous_format])
+def test_outputs_and_gradients_keep_their_memory_format_as_on_the_thread_engine(fmt):
+    # issue 26: the process engine returned channels_last outputs as contiguous tensors; the bare module's and the
+    # thread engine's keep the format
+    torch.manual_seed(0)
+    conv = nn.Conv2d(3, 4, 3, padding=1).to(memory_format=fmt)
+    x = torch.randn(4, 3, 6, 6).to(memory_format=fmt).requires_grad_()
+    want = conv(x)
+    want.sum().backward()
+    want_x_grad, x.grad = x.grad, None
+    dp = DataParallel(conv, ["cpu", "cpu"], engine="process")
+    try:
+        got = dp(x)
+        got.sum().backward()
+    finally:
+        dp.close()
+    assert got.is_contiguous(memory_format=fmt) == want.is_contiguous(memory_format=fmt)
+    assert got.stride() == want.stride()
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(x.grad, want_x_grad)

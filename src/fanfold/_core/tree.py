@@ -17,16 +17,57 @@ import torch
 from torch.nn.utils.rnn import PackedSequence
 
 
-class Spec(NamedTuple):
-    """The shape of a structure without its leaves. ``kind`` is "leaf" or the container kind."""
+class Node(NamedTuple):
+    """One container or leaf of a structure. ``kind`` is "leaf" or the container kind."""
 
     kind: str
     template: Any = None  # the container type, or an instance to copy (dict subclasses, dataclasses)
-    keys: tuple = ()  # indices, field names or dict keys, in order
-    children: tuple = ()  # one Spec per key
+    keys: tuple = ()  # indices, field names or dict keys, in order: one child each
 
 
-LEAF = Spec("leaf")
+class Spec(NamedTuple):
+    """The shape of a structure without its leaves: its nodes in preorder. Flat, so that neither a walk over it nor
+    pickling it (the process engine sends specs) recurses: nesting depth is limited by memory only."""
+
+    nodes: tuple
+
+    @property
+    def kind(self) -> str:
+        return self.nodes[0].kind
+
+
+_LEAF_NODE = Node("leaf")
+LEAF = Spec((_LEAF_NODE,))
+
+
+class Path:
+    """A leaf's place in a structure, e.g. ``inputs[1]['mask']``, made into text only when printed: built eagerly,
+    the paths of a structure nested n deep would cost n^2 characters."""
+
+    __slots__ = ("parent", "part")
+
+    def __init__(self, parent: Path | str, part: str):
+        self.parent, self.part = parent, part
+
+    def __str__(self) -> str:
+        parts, node = [], self
+        while isinstance(node, Path):
+            parts.append(node.part)
+            node = node.parent
+        parts.append(node)
+        return "".join(reversed(parts))
+
+    def __repr__(self) -> str:
+        return repr(str(self))
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self), spec)
+
+    def __eq__(self, other: object) -> bool:
+        return str(self) == str(other)
+
+    def __hash__(self) -> int:
+        return hash(str(self))
 
 
 _EXACT = {tuple: "tuple", list: "list", dict: "dict"}
@@ -51,11 +92,9 @@ def _kind(obj: Any) -> str:
     return "leaf"
 
 
-def child_path(path: str, kind: str, key: Any) -> str:
+def child_path(path: Path | str, kind: str, key: Any) -> Path:
     """The path of one child: ``p[0]`` in sequences, ``p['k']`` in dicts, ``p.field`` in namedtuples/dataclasses."""
-    if kind in ("namedtuple", "dataclass"):
-        return f"{path}.{key}"
-    return f"{path}[{key!r}]"
+    return Path(path, f".{key}" if kind in ("namedtuple", "dataclass") else f"[{key!r}]")
 
 
 def _children(obj: Any, kind: str) -> tuple[tuple, list]:
@@ -69,21 +108,36 @@ def _children(obj: Any, kind: str) -> tuple[tuple, list]:
     return tuple(range(len(obj))), list(obj)
 
 
-def flatten(obj: Any, path: str = "") -> tuple[list[tuple[str, Any]], Spec]:
-    """Return the leaves of ``obj`` as ``(path, leaf)`` pairs in a fixed order, and the spec to rebuild it."""
-    leaves: list[tuple[str, Any]] = []
-    spec = _flatten(obj, path, leaves)
-    return leaves, spec
+_EXIT = object()  # marks, on flatten's stack, the end of a container's children
 
 
-def _flatten(obj: Any, path: str, leaves: list) -> Spec:
-    kind = _kind(obj)
-    if kind == "leaf":
-        leaves.append((path, obj))
-        return LEAF
-    keys, values = _children(obj, kind)
-    children = tuple(_flatten(v, child_path(path, kind, k), leaves) for k, v in zip(keys, values))
-    return Spec(kind, _template(obj, kind, keys), keys, children)
+def flatten(obj: Any, path: str = "") -> tuple[list[tuple[Path | str, Any]], Spec]:
+    """Return the leaves of ``obj`` as ``(path, leaf)`` pairs in a fixed order, and the spec to rebuild it.
+    Iterative (an explicit stack): any depth works; a container that holds itself is refused."""
+    leaves: list[tuple[Path | str, Any]] = []
+    nodes: list[Node] = []
+    open_ids: set[int] = set()  # the containers being walked: one met again inside itself is a cycle
+    stack: list[tuple[Any, Any]] = [(obj, path)]
+    while stack:
+        item, where = stack.pop()
+        if item is _EXIT:
+            open_ids.discard(where)
+            continue
+        kind = _kind(item)
+        if kind == "leaf":
+            leaves.append((where, item))
+            nodes.append(_LEAF_NODE)
+            continue
+        if id(item) in open_ids:
+            raise ValueError(f"{where or '<root>'} contains itself: a structure with a cycle cannot be split or "
+                             f"rebuilt")
+        keys, values = _children(item, kind)
+        nodes.append(Node(kind, _template(item, kind, keys), keys))
+        open_ids.add(id(item))
+        stack.append((_EXIT, id(item)))
+        for key, value in zip(reversed(keys), reversed(values)):
+            stack.append((value, child_path(where, kind, key)))
+    return leaves, Spec(tuple(nodes))
 
 
 def _template(obj: Any, kind: str, keys: tuple) -> Any:
@@ -103,66 +157,88 @@ def _template(obj: Any, kind: str, keys: tuple) -> Any:
 
 
 def unflatten(spec: Spec, leaves: list) -> Any:
-    """Rebuild a structure of shape ``spec`` from ``leaves`` (in ``flatten``'s order)."""
+    """Rebuild a structure of shape ``spec`` from ``leaves`` (in ``flatten``'s order). Iterative, as ``flatten``."""
     it = iter(leaves)
-    out = _unflatten(spec, it)
+    open_nodes: list[tuple[Node, list]] = []  # containers whose children are being collected
+    result = None
+    for node in spec.nodes:
+        if node.kind == "leaf":
+            value = next(it, it)
+            if value is it:
+                raise ValueError("unflatten: fewer leaves than the spec holds")
+        elif node.keys:
+            open_nodes.append((node, []))
+            continue
+        else:
+            value = _build(node, [])
+        while open_nodes:  # hand the value to its container; a container that is complete is built and handed on
+            parent, values = open_nodes[-1]
+            values.append(value)
+            if len(values) < len(parent.keys):
+                break
+            open_nodes.pop()
+            value = _build(parent, values)
+        else:
+            result = value
     if next(it, it) is not it:
         raise ValueError(f"unflatten: more leaves than the spec holds ({len(leaves)} given)")
-    return out
+    return result
 
 
-def _unflatten(spec: Spec, it) -> Any:
-    if spec.kind == "leaf":
-        try:
-            return next(it)
-        except StopIteration:
-            raise ValueError("unflatten: fewer leaves than the spec holds") from None
-    values = [_unflatten(c, it) for c in spec.children]
-    if spec.kind == "tuple":
+def _build(node: Node, values: list) -> Any:
+    kind = node.kind
+    if kind == "tuple":
         return tuple(values)
-    if spec.kind == "list":
+    if kind == "list":
         return values
-    if spec.kind == "namedtuple":
-        return spec.template(*values)
-    if spec.kind == "structseq":
-        return spec.template(values)
-    if spec.kind == "dict":
-        if spec.template is dict:
-            return dict(zip(spec.keys, values))
+    if kind == "namedtuple":
+        return node.template(*values)
+    if kind == "structseq":
+        return node.template(values)
+    if kind == "dict":
+        if node.template is dict:
+            return dict(zip(node.keys, values))
         # a copy keeps the subclass's own state (a defaultdict's factory, an OrderedDict's type)
-        out = copy.copy(spec.template)
+        out = copy.copy(node.template)
         out.clear()
-        out.update(zip(spec.keys, values))
+        out.update(zip(node.keys, values))
         return out
     # dataclass: copy and set the fields rather than call __init__, so that __post_init__ checks written for the
     # whole batch do not run on a slice, and init=False fields and frozen classes work too
-    out = copy.copy(spec.template)
-    for name, value in zip(spec.keys, values):
+    out = copy.copy(node.template)
+    for name, value in zip(node.keys, values):
         object.__setattr__(out, name, value)
     return out
 
 
-def _describe(spec: Spec) -> str:
-    if spec.kind == "leaf":
+def _describe(node: Node) -> str:
+    if node.kind == "leaf":
         return "a leaf"
-    name = spec.template.__name__ if isinstance(spec.template, type) else type(spec.template).__name__
-    what = "keys" if spec.kind == "dict" else ("fields" if spec.kind in ("namedtuple", "dataclass") else "length")
-    detail = len(spec.keys) if what == "length" else list(spec.keys)
+    name = node.template.__name__ if isinstance(node.template, type) else type(node.template).__name__
+    what = "keys" if node.kind == "dict" else ("fields" if node.kind in ("namedtuple", "dataclass") else "length")
+    detail = len(node.keys) if what == "length" else list(node.keys)
     return f"a {name} with {what} {detail}"
 
 
-def _type_of(spec: Spec) -> type | None:
-    if spec.kind == "leaf":
+def _type_of(node: Node) -> type | None:
+    if node.kind == "leaf":
         return None
-    return spec.template if isinstance(spec.template, type) else type(spec.template)
+    return node.template if isinstance(node.template, type) else type(node.template)
 
 
 def first_difference(a: Spec, b: Spec, path: str = "") -> str | None:
     """Where two specs first differ, as ``"<path>: <a> vs <b>"``; None when they match."""
-    if a.kind != b.kind or a.keys != b.keys or _type_of(a) is not _type_of(b):
-        return f"{path or '<root>'}: {_describe(a)} vs {_describe(b)}"
-    for key, ca, cb in zip(a.keys, a.children, b.children):
-        diff = first_difference(ca, cb, child_path(path, a.kind, key))
-        if diff is not None:
-            return diff
+    open_nodes: list[list] = []  # [path, kind, keys, index of the next child] of the containers being compared
+    for na, nb in zip(a.nodes, b.nodes):
+        while open_nodes and open_nodes[-1][3] == len(open_nodes[-1][2]):
+            open_nodes.pop()
+        where: Path | str = path
+        if open_nodes:
+            top = open_nodes[-1]
+            where = child_path(top[0], top[1], top[2][top[3]])
+            top[3] += 1
+        if na.kind != nb.kind or na.keys != nb.keys or _type_of(na) is not _type_of(nb):
+            return f"{where or '<root>'}: {_describe(na)} vs {_describe(nb)}"
+        if na.keys:
+            open_nodes.append([where, na.kind, na.keys, 0])
     return None

@@ -81,7 +81,7 @@ _SCALARS = (Slot, type(None), bool, int, float, str)  # leaves that are the same
 
 def _plain_spec(spec: Spec) -> bool:
     """Whether ``spec`` compares by value: no instance kept as a template (a dataclass, a dict subclass)."""
-    return (spec.template is None or isinstance(spec.template, type)) and all(_plain_spec(c) for c in spec.children)
+    return all(node.template is None or isinstance(node.template, type) for node in spec.nodes)
 
 
 def _scalars(leaves: list) -> bool:

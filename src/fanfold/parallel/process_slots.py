@@ -24,11 +24,34 @@ ALIGN = 64  # bytes: every slot starts on a cache line, so any dtype's view of t
 
 @dataclass(frozen=True)
 class Slot:
-    """Where one contiguous tensor lies in a byte buffer."""
+    """Where one dense tensor lies in a byte buffer; ``stride`` keeps its memory format (channels_last, say)."""
 
     offset: int
     shape: tuple[int, ...]
     dtype: torch.dtype
+    stride: tuple[int, ...]
+
+
+def dense_stride(t: torch.Tensor) -> tuple[int, ...]:
+    """``t``'s strides where they describe a dense layout in some order of the dims (contiguous, channels_last, a
+    transpose): the layout the receiver gets, as ``torch.empty_like`` keeps it; else the contiguous strides."""
+    if t.is_contiguous():  # the common case, first: this runs for every tensor of every message
+        return tuple(t.stride())
+    order = sorted((i for i in range(t.dim()) if t.shape[i] != 1), key=lambda i: t.stride(i))
+    expected = 1
+    for i in order:  # dense: the strides, smallest first, are the running products of the sizes
+        if t.stride(i) != expected:
+            return _contiguous(t.shape)
+        expected *= t.shape[i]
+    return tuple(t.stride())  # size-1 dims' strides read nothing else, whatever they are
+
+
+def _contiguous(shape: Sequence[int]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 def _plain(value: Any) -> bool:
@@ -40,7 +63,7 @@ def layout(tensors: Sequence[torch.Tensor]) -> tuple[list[Slot], int]:
     """One slot per tensor, packed in order; and the bytes they take in all."""
     slots, size = [], 0
     for t in tensors:
-        slots.append(Slot(size, tuple(t.shape), t.dtype))
+        slots.append(Slot(size, tuple(t.shape), t.dtype, dense_stride(t)))
         size += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
     return slots, size
 
@@ -48,7 +71,7 @@ def layout(tensors: Sequence[torch.Tensor]) -> tuple[list[Slot], int]:
 def view(buffer: torch.Tensor, slot: Slot) -> torch.Tensor:
     """The tensor ``slot`` describes, as a view of ``buffer`` (no copy)."""
     nbytes = math.prod(slot.shape) * slot.dtype.itemsize
-    return buffer[slot.offset:slot.offset + nbytes].view(slot.dtype).view(slot.shape)
+    return buffer[slot.offset:slot.offset + nbytes].view(slot.dtype).as_strided(slot.shape, slot.stride)
 
 
 def shared_bytes(size: int) -> torch.Tensor:
@@ -73,7 +96,7 @@ class Arena:
         """``leaves`` with each plain tensor copied into the buffer and replaced by its Slot; the new buffer if the
         old one was too small, else None."""
         found = [(k, v) for k, v in enumerate(leaves) if _plain(v)]
-        key = tuple((t.shape, t.dtype) for _, t in found)
+        key = tuple((t.shape, t.dtype, dense_stride(t)) for _, t in found)
         grown = None
         known = self._layouts.get(key)
         if known is None:

@@ -62,12 +62,57 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+def _boot_id() -> str:
+    """This boot's identity (Linux), or "" where the system does not say: then no writer is ever judged dead."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip().replace("-", "")[:16]
+    except OSError:
+        return ""
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, another user's
+        return False
+    return False
+
+
+def remove_dead_writers_files(path: Path, boot: str) -> list[Path]:
+    """Remove the temporary files that writers of ``path`` left when they died (a SIGKILL mid-save): those named
+    with this boot and a pid that no longer exists. A live writer's file, or one of another boot or host (a shared
+    filesystem), is never touched. Returns what was removed."""
+    removed = []
+    if not boot:
+        return removed
+    for tmp in path.parent.glob(f".{_glob_escape(path.name)}.*.tmp"):
+        parts = tmp.name[len(path.name) + 2:].split(".")  # boot, pid, token, "tmp"
+        if len(parts) != 4 or parts[0] != boot or not parts[1].isdigit() or not _gone(int(parts[1])):
+            continue
+        try:
+            tmp.unlink()
+            removed.append(tmp)
+        except FileNotFoundError:  # another rank's save removed it first
+            pass
+    return removed
+
+
+def _glob_escape(name: str) -> str:
+    return "".join(f"[{c}]" if c in "*?[" else c for c in name)
+
+
 def write_atomic(path: Path, payload: Any) -> None:
-    """Write ``payload`` to ``path`` so that a reader sees the old file or the whole new one, never a part."""
+    """Write ``payload`` to ``path`` so that a reader sees the old file or the whole new one, never a part. First
+    removes what dead writers of the same path left (``remove_dead_writers_files``)."""
     directory = path.parent
     directory.mkdir(parents=True, exist_ok=True)
-    # Same directory as the target: os.replace is atomic only within one filesystem.
-    tmp = directory / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    boot = _boot_id()
+    remove_dead_writers_files(path, boot)
+    # Same directory as the target: os.replace is atomic only within one filesystem. The name says who writes it
+    # (this boot, this pid), so that a later save can tell a dead writer's leftover from a live writer's file.
+    tmp = directory / f".{path.name}.{boot or 'noboot'}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
