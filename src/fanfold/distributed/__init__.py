@@ -9,6 +9,7 @@ May import ``fanfold._core``, ``fanfold.collectives`` and ``fanfold.launcher``; 
 the CLI.
 """
 from ..collectives import ShmTimeoutError, ShmTransport, TorchTransport, select_transport
+from ..collectives.stall import InspectedTransport, StallError
 from ..launcher.spawn import WorkerError, free_port, launch
 from .comm_hooks import allreduce_hook, bf16_compress_hook, fp16_compress_hook
 from .ddp import DDP, DistributedDataParallel
@@ -23,7 +24,6 @@ from .env import (
     rank,
     world_size,
 )
-from .stall import InspectedTransport, StallError
 
 __all__ = [
     "launch",

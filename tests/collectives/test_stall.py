@@ -17,14 +17,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fanfold.distributed import DistributedDataParallel, free_port
-from fanfold.distributed.stall import (
+from fanfold.collectives.stall import (
     DEFAULT_STALL_TIMEOUT,
     InspectedTransport,
     StallError,
     caller_line,
     resolve_stall_timeout,
 )
+from fanfold.distributed import DistributedDataParallel, free_port
 
 HERE = os.path.abspath(__file__)
 
