@@ -342,11 +342,24 @@ def inspected(transport: Transport, timeout: float | timedelta | None = None, fe
     return InspectedTransport(transport, timeout=timeout, feature=feature)
 
 
-def group_transport(group: Any = None, feature: str | None = None, timeout: float | timedelta | None = None
-                    ) -> InspectedTransport:
-    """The inspected transport for a feature's collectives over process group ``group`` (None: the default
-    group): the group's own where it has one (the ``fanfold`` backend's shared memory), else torch.distributed's.
-    Not collective, but for the ``fanfold`` backend's first use; a feature that calls often keeps the result."""
+def group_transport(group: Any = None, feature: str | None = None) -> InspectedTransport:
+    """The inspected transport for ``feature``'s collectives over process group ``group`` (None: the default group):
+    the group's own where it has one (the ``fanfold`` backend's shared memory), else torch.distributed's. Made at the
+    feature's first call on the group (every rank alike) and kept while the group lives, so that each call does
+    not pay for a new progress record. Timeout: ``$FANFOLD_STALL_TIMEOUT``, else the process group's own, as
+    torch's collectives had."""
     pg = group if group is not None else dist.group.WORLD
-    inner = pg.shared_transport() if isinstance(pg, TransportOwner) else None
-    return InspectedTransport(inner or TorchTransport(group), timeout=timeout, group=group, feature=feature)
+    with _GROUP_LOCK:
+        kept = _BY_GROUP.setdefault(pg, {})
+        transport = kept.get(feature)
+        if transport is None:
+            timeout = None if os.environ.get(ENV_VAR) else dist.distributed_c10d._get_default_store().timeout
+            inner = pg.shared_transport() if isinstance(pg, TransportOwner) else None
+            transport = kept[feature] = InspectedTransport(inner or TorchTransport(group), timeout=timeout,
+                                                           group=group, feature=feature)
+        return transport
+
+
+# The transports of group_transport, by process group: a cache that lives and dies with each group.
+_BY_GROUP: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_GROUP_LOCK = threading.Lock()
