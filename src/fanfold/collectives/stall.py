@@ -345,8 +345,8 @@ def inspected(transport: Transport, timeout: float | timedelta | None = None, fe
 def group_transport(group: Any = None, feature: str | None = None) -> InspectedTransport:
     """The inspected transport for ``feature``'s collectives over process group ``group`` (None: the default group):
     the group's own where it has one (the ``fanfold`` backend's shared memory), else torch.distributed's. Made at the
-    feature's first call on the group (every rank alike) and kept while the group lives, so that each call does
-    not pay for a new progress record. Timeout: ``$FANFOLD_STALL_TIMEOUT``, else the process group's own, as
+    feature's first call on the group (every rank alike) and kept, so that each call does not pay for a new
+    progress record and its writer thread. Timeout: ``$FANFOLD_STALL_TIMEOUT``, else the process group's own, as
     torch's collectives had."""
     pg = group if group is not None else dist.group.WORLD
     with _GROUP_LOCK:
@@ -360,6 +360,7 @@ def group_transport(group: Any = None, feature: str | None = None) -> InspectedT
         return transport
 
 
-# The transports of group_transport, by process group: a cache that lives and dies with each group.
+# The transports of group_transport, by process group: the default group's go with it; another group's transports
+# hold the group, so they stay for the process (a handful: one per feature that used the group).
 _BY_GROUP: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _GROUP_LOCK = threading.Lock()

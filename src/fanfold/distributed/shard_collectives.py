@@ -16,6 +16,7 @@ import torch
 
 from ..collectives.protocol import Transport
 from ..collectives.stall import InspectedTransport
+from ..collectives.work import completed_work
 
 __all__ = ["reduce_scatter", "scatter_tensors", "all_gather", "gathers", "completed", "reads_peers"]
 
@@ -25,17 +26,12 @@ def reads_peers(transport: InspectedTransport) -> bool:
     return transport.reads_peers()
 
 
-class _Done:
-    def wait(self) -> None:
-        return None
-
-
 def reduce_scatter(t: Transport, out: torch.Tensor, tensor: torch.Tensor, bucket: int,
                    divisor: float | None) -> Any:
     """Start ``out`` = (sum over ranks of part ``rank`` of ``tensor``) / ``divisor``; a handle with ``wait()``."""
     if t.world_size == 1:
         out.copy_(tensor if divisor is None else tensor / divisor)
-        return _Done()
+        return completed_work(out)
     return t.reduce_scatter(tensor, out, bucket, divisor=divisor)
 
 
