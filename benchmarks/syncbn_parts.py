@@ -12,7 +12,8 @@ of ``make_model(batch_norm=True)`` from the same weights):
 - arithmetic only: SyncBatchNorm whose sums over the ranks are replaced by the rank's own vector (every small
   operation, the autograd Function and the kernels, no communication; its results are wrong by design: timing only);
 - meetings only: plain BatchNorm plus, per layer, an empty all-reduce of 2C+1 float64 before its forward and one
-  of 2C after its backward on DDP's transport, inline, as SyncBatchNorm issues them (each rank waits for the other).
+  of 2C after its backward on DDP's transport (``all_reduce_now``), as SyncBatchNorm issues them (each rank waits
+  for the other).
 
 Overhead of a row: the median over blocks of its block time / the BatchNorm block of the same round - 1.
 """
@@ -31,7 +32,6 @@ from torch import nn
 
 import fanfold
 from fanfold import SyncBatchNorm
-from fanfold.distributed.stall import uninspected
 from fanfold.training.job import make_model
 
 ROWS = ("BatchNorm", "SyncBatchNorm", "arithmetic only", "meetings only")
@@ -66,7 +66,7 @@ class _MeetingBatchNorm(nn.BatchNorm2d):
     transport: Any = None  # DDP's, set after wrapping
 
     def meet(self, numel: int) -> None:
-        self.transport.all_reduce(torch.zeros(numel, dtype=torch.float64), inline=True).wait()
+        self.transport.all_reduce_now(torch.zeros(numel, dtype=torch.float64))
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return super().forward(_Meet.apply(input, self))
@@ -96,7 +96,7 @@ def one_run(batch: int, block: int, blocks: int) -> dict[str, list[float]]:
         ddp = fanfold.DistributedDataParallel(model)
         for m in model.modules():
             if isinstance(m, _MeetingBatchNorm):
-                m.transport = uninspected(ddp.transport)
+                m.transport = ddp.transport
         steps[row] = train_step(ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-3), x, y)
         for _ in range(5):
             steps[row]()

@@ -6,8 +6,8 @@ below it; checked by import-linter in ``make test``): ``cli`` > ``training`` > `
 """
 from . import pipeline
 from .collectives.backend import FanfoldProcessGroup, register
+from .collectives.stall import StallError
 from .distributed.ddp import DDP, DistributedDataParallel
-from .distributed.stall import StallError
 from .launcher import WorkerError, launch, launch_script
 from .nn import SyncBatchNorm, revert_sync_batchnorm
 from .optim import ZeroRedundancyOptimizer, clip_grad_norm_

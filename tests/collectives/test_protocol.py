@@ -8,8 +8,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import fanfold
 from fanfold.collectives import ShmTransport, TorchTransport, Transport, Work, resolve_transport
+from fanfold.collectives.stall import InspectedTransport
 from fanfold.distributed import init_process_group
-from fanfold.distributed.stall import InspectedTransport
 
 
 def _gradients(r):

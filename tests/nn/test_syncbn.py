@@ -11,9 +11,9 @@ from torch import nn
 
 import fanfold
 from fanfold import SyncBatchNorm, revert_sync_batchnorm
+from fanfold.collectives.stall import InspectedTransport
 from fanfold.distributed.join import FORWARD
 from fanfold.distributed.participants import DDPParticipant
-from fanfold.distributed.stall import InspectedTransport
 from fanfold.nn.group_sum import GroupSum
 from fanfold.parallel.replicate import LinkedReplicas
 
@@ -136,36 +136,33 @@ def test_it_takes_part_in_ddp_and_in_dataparallel_and_copies_without_them():
 
     transport = Transport()
     bn.use_transport(transport, None)
-    assert bn._transport() is transport and bn._inline == {}
+    assert bn._transport() is transport
     for copied in (copy.deepcopy(bn), pickle.loads(pickle.dumps(bn))):
         assert copied._transport is None and copied.state_dict().keys() == nn.BatchNorm2d(3).state_dict().keys()
 
 
-def test_under_the_stall_inspector_it_takes_the_inspected_transport_and_its_caller_thread_path():
+def test_under_ddp_it_sums_through_ddps_inspected_transport():
     calls = []
 
     class Done:
         def wait(self):
             return True
 
-    class Shm:  # a transport whose all_reduce can run a small collective on the caller's thread
-        def all_reduce(self, tensor, bucket=None, *, divisor=None, inline=False):
-            calls.append(inline)
-            tensor.mul_(2)  # what a sum over two ranks holding the same vector gives
-            return Done()
-
-    class Inspected(InspectedTransport):  # DDP's wrapper: bookkeeping that these small collectives do without
-        def __init__(self, inner):
-            super().__init__(inner, store=dist.HashStore(), rank=0, world_size=1)
+    class Inner:  # a transport that sums as two ranks holding the same vector would
+        rank, world_size = 0, 2
 
         def all_reduce(self, tensor, bucket=None, divisor=None):
-            raise AssertionError("SyncBatchNorm must not go through the inspector")
+            calls.append(bucket)
+            tensor.mul_(2)
+            return Done()
 
-    bn, shm = SyncBatchNorm(3), Shm()
-    bn.use_transport(Inspected(shm), None)
-    assert bn._transport() is shm
+    inspected = InspectedTransport(Inner(), store=dist.HashStore(), rank=0, world_size=2)
+    bn = SyncBatchNorm(3)
+    bn.use_transport(inspected, None)
+    assert bn._transport() is inspected
     vec = torch.arange(7, dtype=torch.float64)
-    out = GroupSum(None, None, "SyncBatchNorm(3)", bn._transport(), bn._inline)(vec, FORWARD)
-    assert calls == [True] and torch.equal(out, 2 * torch.arange(7, dtype=torch.float64))
-    bn.use_transport(Inspected(shm), object())
+    out = GroupSum(bn._own_transport, None, "SyncBatchNorm(3)", bn._transport())(vec, FORWARD)
+    assert calls == [None] and torch.equal(out, 2 * torch.arange(7, dtype=torch.float64))
+    assert inspected.inspector._seq == 1  # numbered by the stall inspector: a stall here is diagnosed
+    bn.use_transport(inspected, object())
     assert bn._transport is None  # another group than the layer's: its own collectives, not DDP's

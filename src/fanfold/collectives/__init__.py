@@ -1,9 +1,9 @@
 """fanfold.collectives: how ranks talk. The transport interface (``protocol.Transport``), its torch.distributed
 implementation (``transport``), the shared-memory transport for ranks on one host (``shm/``), the choice between
-them (``select``), the ``fanfold`` torch.distributed backend (``backend``), store namespaces (``store``), the wait
-bound every layer shares (``timeouts``) and the object collectives every layer above uses, without numpy
-(``objects``).
-May import ``fanfold._core`` only.
+them (``select``), the stall inspector every feature talks through (``stall``, ``progress``: numbered, bounded,
+diagnosed, profiled collectives), the handle of a collective (``work``), the ``fanfold`` torch.distributed backend
+(``backend``), store namespaces (``store``), the wait bound every layer shares (``timeouts``) and the object
+collectives, without numpy (``objects``).
 """
 from .backend import FanfoldProcessGroup
 from .protocol import Transport, TransportOwner, Work

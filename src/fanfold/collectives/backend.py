@@ -37,7 +37,7 @@ from .splits import all_to_all_counts, unflatten
 from .store import StoreGroup
 from .timeouts import ENV_VAR as STALL_ENV_VAR
 from .timeouts import resolve_stall_timeout
-from .work import DoneWork, FanfoldWork, Handout, completed_work, failed_work
+from .work import FanfoldWork, Handout, completed_work, failed_work
 
 __all__ = ["FanfoldProcessGroup", "register", "BACKEND"]
 
@@ -203,9 +203,9 @@ class FanfoldProcessGroup(dist.ProcessGroup):
             t, op = tensors[0], opts.reduceOp
             try:
                 if op == _SUM and self._shm.run_small(t):
-                    return DoneWork(tensors)
+                    return completed_work(tensors)
                 if op == _AVG and t.is_floating_point() and self._shm.run_small(t, self.size()):
-                    return DoneWork(tensors)
+                    return completed_work(tensors)
             except Exception as exc:  # noqa: BLE001 - raised by wait(), as gloo's errors are
                 return failed_work(exc, tensors)
         op = _op_name(opts.reduceOp)
@@ -218,7 +218,7 @@ class FanfoldProcessGroup(dist.ProcessGroup):
         if op in ("sum", "avg"):
             try:
                 if shm.run_small(tensor, divisor):  # the first fast collective, small, nothing queued
-                    return DoneWork(tensors)
+                    return completed_work(tensors)
             except Exception as exc:  # noqa: BLE001
                 return failed_work(exc, tensors)
         # inline: a small tensor is reduced on this thread when nothing is queued

@@ -1,10 +1,10 @@
-"""The collective interface: what the reducer, DDP, join, SyncBatchNorm and the stall inspector ask of a transport.
+"""The collective interface: what every fanfold feature that reaches other ranks asks of a transport.
 
-Layer: ``collectives`` (imports torch only). Implemented in full by ``TorchTransport`` (``transport.py``, on a
-torch.distributed process group) and ``ShmTransport`` (``shm/transport.py``, shared memory on one host), and by the
-stall inspector's wrapper (``distributed/stall.py``), which delegates each method once. Nothing is optional: where a
-transport has a faster way (the shm transport's peer reads and shared buckets), it takes it inside the method.
-Collectives match by issue order, so every rank calls the same methods with the same sizes in the same order.
+Implemented in full by ``TorchTransport`` (``transport.py``, on a torch.distributed process group), ``ShmTransport``
+(``shm/transport.py``, shared memory on one host) and the stall inspector's ``InspectedTransport`` (``stall.py``),
+which delegates each method once and is what the features above ``collectives`` hold. Nothing is optional: where a
+transport has a faster way (peer reads, shared buckets), it takes it inside the method. Collectives match by issue
+order, so every rank calls the same methods with the same sizes in the same order.
 """
 from __future__ import annotations
 

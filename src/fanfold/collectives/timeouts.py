@@ -1,7 +1,7 @@
 """How long a rank waits for its peers: one setting shared by every collective layer.
 
 ``resolve_stall_timeout`` reads the ``stall_timeout`` argument, else ``$FANFOLD_STALL_TIMEOUT``, else 300 s. The
-shared-memory transport bounds its waits by it and the stall inspector (``fanfold.distributed.stall``) reports a
+shared-memory transport bounds its waits by it and the stall inspector (``stall.py``) reports a
 collective as stalled after it.
 """
 from __future__ import annotations

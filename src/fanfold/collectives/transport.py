@@ -1,12 +1,10 @@
 """``TorchTransport``: the collective interface (``protocol.Transport``) on a torch.distributed process group.
 
-Layer: ``collectives``. Every collective that DistributedDataParallel issues -- gradient buckets, the fingerprint
-exchange, parameter and buffer broadcasts, join-state exchanges -- goes through one transport object, so the
-shared-memory ``ShmTransport`` (``shm/transport.py``) or a wrapper (the stall inspector, ``distributed/stall.py``)
-can stand in without touching the reducer. Here every method is torch's collective: ``all_reduce`` divides after
-the wait, ``reduce_tensors`` copies the tensors into one flat buffer of its own, all-reduces it and copies the
-result back (with ``compress``, exactly as torch's bf16/fp16 compression hooks do on a bucket), ``allocate`` is
-plain ``torch.zeros``.
+Every collective of a fanfold feature goes through one transport object, so the shared-memory ``ShmTransport``
+(``shm/transport.py``) or a wrapper (the stall inspector, ``stall.py``) can stand in without touching the feature.
+Here every method is torch's collective: ``all_reduce`` divides after the wait, ``reduce_tensors`` copies the tensors
+into one flat buffer of its own, all-reduces it and copies the result back (with ``compress``, exactly as torch's
+bf16/fp16 compression hooks do on a bucket), ``allocate`` is plain ``torch.zeros``.
 
 Small exchanges of structured data are built from ``all_reduce`` alone (:func:`all_gather_rows`), summing rows that
 only their owner fills, in float32 with values below 2**24 so that the sum is exact on every transport.
@@ -22,6 +20,7 @@ import torch.distributed as dist
 
 from .._core.group import require_initialized
 from .protocol import Transport
+from .work import completed_work
 
 __all__ = ["TorchTransport", "DividedWork", "all_gather_rows", "all_gather_bytes"]
 
@@ -89,14 +88,14 @@ class TorchTransport:
 
     def reduce_tensors(self, tensors: Sequence[torch.Tensor], bucket: int | None = None, *,
                        divisor: float | None = None, settle: bool = True,
-                       compress: torch.dtype | None = None) -> DividedWork:
+                       compress: torch.dtype | None = None) -> dist.Work:
         """``tensors`` all-reduced in place through one flat copy (``settle``: nothing to settle, the copy is
         private). ``compress``: torch's compression hook on that copy -- cast, divide, all-reduce, copy back."""
         if compress not in (None, torch.bfloat16, torch.float16):
             raise ValueError(f"reduce_tensors: compress must be None, torch.bfloat16 or torch.float16, got {compress}")
         tensors = list(tensors)
         if not tensors:
-            return DividedWork(_Done(), lambda: None)
+            return completed_work(tensors)
         flat = torch.cat([t.reshape(-1) for t in tensors])
         if compress is not None:
             flat = flat.to(compress)
@@ -147,19 +146,6 @@ class TorchTransport:
 
     def __repr__(self) -> str:
         return f"TorchTransport(rank={self.rank}, world_size={self.world_size}, backend={dist.get_backend(self.group)})"
-
-
-class _Done:
-    def wait(self, *args: Any) -> None:
-        return None
-
-    def is_completed(self) -> bool:
-        return True
-
-    def get_future(self) -> torch.futures.Future:
-        fut: torch.futures.Future = torch.futures.Future()
-        fut.set_result(None)
-        return fut
 
 
 def all_gather_rows(transport: Transport, row: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,7 @@ from torch import nn
 
 from .._core.tree import flatten, unflatten
 from ..collectives.select import resolve_transport
+from ..collectives.stall import inspected
 from .ddp_options import check_devices, check_join, no_trainable_parameters, resolve_options, sparse_flags
 from .join import BACKWARD, FORWARD, JoinState
 from .mixed_precision import MixedPrecision
@@ -35,7 +36,6 @@ from .optim_in_backward import refusal, take_over
 from .participants import DDPParticipant
 from .reducer import Reducer
 from .sharded_grads import shard_gradients
-from .stall import inspected
 
 __all__ = ["DistributedDataParallel", "DDP"]
 

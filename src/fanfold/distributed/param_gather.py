@@ -28,7 +28,6 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from .shard_collectives import all_gather, gathers
-from .stall import uninspected
 
 __all__ = ["ParamGather"]
 
@@ -151,9 +150,8 @@ class ParamGather:
         torch._C._push_on_torch_function_stack(_PendingReads(self))
 
     def _broadcast_parts(self) -> None:
-        # Past the stall inspector: its bookkeeping per collective cost more than these broadcasts; each is bounded
-        # by the transport's own timeout. One per rank's part of a bucket: contiguous in the flat parameters.
-        direct = uninspected(self.transport)
+        # One per rank's part of a bucket: contiguous in the flat parameters.
+        direct = self.transport
         for b in self.order:
             s, flat = self.layout[b], self.flats[b]
             for q in range(self.world_size):

@@ -15,22 +15,15 @@ from typing import Any
 import torch
 
 from ..collectives.protocol import Transport
-from ..collectives.shm.transport import ShmTransport
-from ..collectives.transport import TorchTransport
-from .stall import InspectedTransport, uninspected
+from ..collectives.stall import InspectedTransport
+from ..collectives.work import completed_work
 
 __all__ = ["reduce_scatter", "scatter_tensors", "all_gather", "gathers", "completed", "reads_peers"]
 
 
-def reads_peers(transport: Transport) -> bool:
+def reads_peers(transport: InspectedTransport) -> bool:
     """Whether ``transport`` all-reduces tensors where they lie (the shm transport reading its peers' memory)."""
-    inner = uninspected(transport)
-    return isinstance(inner, ShmTransport) and inner.peer_read
-
-
-class _Done:
-    def wait(self) -> None:
-        return None
+    return transport.reads_peers()
 
 
 def reduce_scatter(t: Transport, out: torch.Tensor, tensor: torch.Tensor, bucket: int,
@@ -38,28 +31,22 @@ def reduce_scatter(t: Transport, out: torch.Tensor, tensor: torch.Tensor, bucket
     """Start ``out`` = (sum over ranks of part ``rank`` of ``tensor``) / ``divisor``; a handle with ``wait()``."""
     if t.world_size == 1:
         out.copy_(tensor if divisor is None else tensor / divisor)
-        return _Done()
+        return completed_work(out)
     return t.reduce_scatter(tensor, out, bucket, divisor=divisor)
 
 
-def scatter_tensors(t: Transport, tensors: list[torch.Tensor], out: torch.Tensor, bucket: int,
+def scatter_tensors(t: InspectedTransport, tensors: list[torch.Tensor], out: torch.Tensor, bucket: int,
                     divisor: float | None, settle: bool, compress: torch.dtype | None) -> Any:
     """Start ``out`` = this rank's part of the average of ``tensors`` laid end to end, read where they lie (the shm
     transport where :func:`reads_peers`: ``ShmTransport.reduce_scatter_tensors``); numbered by the stall inspector
     as any other collective when ``t`` is inspected."""
-    inner = uninspected(t)
     kw = {"divisor": divisor, "settle": settle, **({} if compress is None else {"compress": compress})}
-
-    def call() -> Any:
-        return inner.reduce_scatter_tensors(tensors, out, bucket, **kw)
-
-    return t.inspector.run("reduce_scatter", bucket, call) if isinstance(t, InspectedTransport) else call()
+    return t.reduce_scatter_tensors(tensors, out, bucket, **kw)
 
 
-def gathers(t: Transport) -> bool:
+def gathers(t: InspectedTransport) -> bool:
     """Whether :func:`all_gather` is the way to gather; else the caller broadcasts each piece (gloo)."""
-    inner = uninspected(t)
-    return not isinstance(inner, TorchTransport) or inner.native_scatter
+    return t.gathers()
 
 
 def all_gather(t: Transport, out: torch.Tensor, part: torch.Tensor, bucket: int) -> Any:

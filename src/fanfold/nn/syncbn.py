@@ -30,11 +30,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from ..collectives.stall import InspectedTransport, group_transport
+from ..collectives.timeouts import resolve_stall_timeout
 from ..distributed.join import BACKWARD, FORWARD, JoinState
-from ..distributed.stall import resolve_stall_timeout, uninspected
 from .convert import convert, rebuild_plain
 from .functions import BatchStats, Normalize, StatsPlan, SyncNormalize
-from .group_sum import GroupSum, caller_thread_options, check_channel, expect_in_join, group_size, same_group
+from .group_sum import GroupSum, check_channel, expect_in_join, group_size, same_group
 from .moments import Moments, pack_moments, stats_dtype, unpack_moments, wide_dtype
 from .rendezvous import Rendezvous, ReplicaLink
 
@@ -66,7 +67,7 @@ class SyncBatchNorm(_BatchNorm):
         self._join: JoinState | None = None
         self._replica: ReplicaLink | str | None = None
         self._transport: weakref.ref | None = None  # DDP's, when on this layer's group; DDP owns it
-        self._inline: dict = {}  # its all_reduce's keywords for a small collective waited for at once
+        self._own: InspectedTransport | None = None  # on process_group, made at the first collective without DDP's
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() < 2:
@@ -103,7 +104,7 @@ class SyncBatchNorm(_BatchNorm):
                     "SyncBatchNorm: DataParallel replicas inside DistributedDataParallel.join() are not supported "
                     "(a rank that has joined would have to stand in for every replica's backward); use one "
                     "process per device under join()")
-            outer = GroupSum(self.process_group, self._join, self._name(), transport, self._inline)
+            outer = GroupSum(self._own_transport, self._join, self._name(), transport)
         if link is None and outer is None:  # nothing to synchronise with: plain BatchNorm
             return F.batch_norm(input, self.running_mean if track else None, self.running_var if track else None,
                                 self.weight, self.bias, True, factor, self.eps)
@@ -180,14 +181,14 @@ class SyncBatchNorm(_BatchNorm):
     # ---- DistributedDataParallel: its transport, its join() -------------------------------------------------
     def use_transport(self, transport: Any, process_group: Any) -> None:
         """Called by fanfold.DistributedDataParallel at construction: its collectives' transport and group."""
-        # Under DDP's stall inspector, the transport it inspects: these collectives are small and waited for at
-        # once, and the inspector's bookkeeping (two progress records a collective, written to the store by a
-        # thread of its own) about doubled their latency. Their waits stay bounded by the transport itself (the
-        # shm transport's timeout; the process group's for torch.distributed).
-        inner = uninspected(transport)
         shared = same_group(process_group, self.process_group)
-        self._transport = weakref.ref(inner) if shared else None
-        self._inline = caller_thread_options(inner) if shared else {}
+        self._transport = weakref.ref(transport) if shared else None
+
+    def _own_transport(self) -> InspectedTransport:
+        """The layer's own transport on ``process_group``; made at first use, which every rank reaches alike."""
+        if self._own is None:
+            self._own = group_transport(self.process_group, "SyncBatchNorm")
+        return self._own
 
     def set_join_state(self, state: JoinState | None) -> None:
         """Called by DistributedDataParallel.join() on entry (the state) and on exit (None)."""
@@ -197,12 +198,12 @@ class SyncBatchNorm(_BatchNorm):
                 p = self.running_mean if self.running_mean is not None else self.weight
                 device = p.device if p is not None else torch.device("cpu")
                 expect_in_join(state, 2 * self.num_features + 1, 2 * self.num_features, device, wide_dtype(device),
-                               self.process_group)
+                               self._own_transport())
         self._join = state
 
     def __getstate__(self) -> dict:
         # what belongs to one DDP, join() context or forward is not pickled (torch.save(model), copy.deepcopy)
-        return {**super().__getstate__(), "_transport": None, "_inline": {}, "_join": None, "_replica": None}
+        return {**super().__getstate__(), "_transport": None, "_own": None, "_join": None, "_replica": None}
 
     @classmethod
     def convert_sync_batchnorm(cls, module: nn.Module, process_group: Any = None) -> nn.Module:

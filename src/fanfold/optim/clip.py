@@ -1,8 +1,9 @@
 """``clip_grad_norm_`` over gradients sharded across ranks: torch's function when nothing is sharded.
 
 With shards, each rank holds a disjoint part of the gradients; every p-norm combines from per-rank partial sums
-(``sum |g|^p``; max for inf, min for -inf), one all-reduce of a scalar. torch's 0-"norm" counts the *tensors*
-with a non-zero gradient, which slices of tensors cannot tell: refused when sharded. Part of ``fanfold.optim``.
+(``sum |g|^p``; max for inf, min for -inf), one collective of a scalar on the group's inspected transport
+(``collectives.stall.group_transport``: a rank that skips it makes the others raise StallError). torch's 0-"norm"
+counts the *tensors* with a non-zero gradient, which slices of tensors cannot tell: refused when sharded.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..collectives.stall import group_transport
 from .zero import ZeroRedundancyOptimizer
 
 __all__ = ["clip_grad_norm_"]
@@ -50,9 +52,15 @@ def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0, er
     norms = [torch.linalg.vector_norm(g, p).to(torch.float64).cpu() for g in grads]
     total = _partial(norms, p)
     if world > 1:
-        op = dist.ReduceOp.MAX if p == math.inf else dist.ReduceOp.MIN if p == -math.inf else dist.ReduceOp.SUM
-        total = total.to(grads[0].device if grads else total.device)
-        dist.all_reduce(total, op=op, group=group)
+        transport = group_transport(group, "clip_grad_norm_")
+        total = total.to(grads[0].device if grads else total.device).reshape(1)
+        if p in (math.inf, -math.inf):  # the transport sums: the extreme of every rank's partial, gathered
+            every = total.new_empty(world)
+            transport.all_gather(total, every).wait()
+            total = every.max() if p == math.inf else every.min()
+        else:
+            transport.all_reduce(total).wait()
+            total = total[0]
     if p not in (math.inf, -math.inf):
         total = total ** (1.0 / p)
     if error_if_nonfinite and not torch.isfinite(total):

@@ -5,6 +5,7 @@ pipeline per data-parallel rank) form a process group; after a training step eve
 its own share of the batch, and the average over the group is the gradient of the whole batch. One all-reduce per
 flat bucket of parameters of one (dtype, device), after the schedule: no overlap with the backward (that is what
 ``fanfold.DistributedDataParallel`` adds, around a plain ``loss.backward()``), but no interplay with the schedule.
+Both go through the group's inspected transport (``collectives.stall.group_transport``): a stall names them.
 """
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
+
+from ..collectives.stall import group_transport
 
 __all__ = ["broadcast_state", "average_gradients"]
 
@@ -37,10 +40,10 @@ def _wire(t: torch.Tensor, group) -> torch.Tensor:
 @torch.no_grad()
 def broadcast_state(tensors: Iterable[torch.Tensor], group) -> None:
     """Copy ``tensors`` (parameters, buffers) from the group's rank 0 to every rank of ``group``, in place."""
-    src = dist.get_global_rank(group, 0) if group is not dist.group.WORLD else 0
+    transport = group_transport(group, "Pipeline data parallelism")
     for bucket in _buckets(list(tensors)):
         flat = _wire(torch.cat([t.detach().reshape(-1) for t in bucket]), group)
-        dist.broadcast(flat, src, group=group)
+        transport.broadcast(flat, 0)
         offset = 0
         for t in bucket:
             t.copy_(flat[offset:offset + t.numel()].view_as(t))
@@ -58,11 +61,10 @@ def average_gradients(parameters: Iterable[torch.nn.Parameter], group) -> None:
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    size = dist.get_world_size(group)
+    transport = group_transport(group, "Pipeline data parallelism")
     for bucket in _buckets([p.grad for p in params]):
         flat = _wire(torch.cat([g.reshape(-1) for g in bucket]), group)
-        dist.all_reduce(flat, group=group)
-        flat /= size
+        transport.all_reduce(flat, divisor=transport.world_size).wait()
         offset = 0
         for g in bucket:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))

@@ -22,6 +22,7 @@ from torch import nn
 from .._core.group import rank_world
 from .._core.prefixes import drop_orig_mod, unwrap_module
 from ..collectives.objects import all_gather_object, broadcast_object, gather_object
+from ..collectives.stall import group_transport
 from .keys import match_keys, unwrap_state_dict
 from .rng import get_rng_state, set_rng_state
 from .safe_file import META, CheckpointError, has_footer, read_verified, write_atomic
@@ -107,7 +108,8 @@ def save(path: str | os.PathLike, state: Mapping[str, Any]) -> None:
         # format, which loads at any world size and into a plain optimizer.
         if callable(getattr(obj, "consolidate_state_dict", None)):
             obj.consolidate_state_dict(to=0)
-    rngs = gather_object(get_rng_state(), dst=0) if world > 1 else [get_rng_state()]
+    transport = group_transport(None, "fanfold.save") if world > 1 else None
+    rngs = gather_object(get_rng_state(), dst=0, transport=transport) if world > 1 else [get_rng_state()]
     error = None
     if rank == 0:
         try:
@@ -116,7 +118,8 @@ def save(path: str | os.PathLike, state: Mapping[str, Any]) -> None:
             error = exc
     if world > 1:
         # the barrier: rank 0 sends only once the rename is done
-        status = broadcast_object(None if error is None else f"{type(error).__name__}: {error}", src=0)
+        status = broadcast_object(None if error is None else f"{type(error).__name__}: {error}", src=0,
+                                  transport=transport)
         if status is not None and rank != 0:
             raise RuntimeError(f"rank {rank}: rank 0 failed to write checkpoint {path}: {status}")
     if error is not None:
@@ -235,7 +238,8 @@ def load(path: str | os.PathLike, state: Mapping[str, Any], *, strict: bool = Tr
     except Exception as exc:  # a well-formed file whose entries have the wrong shape of data
         error = CheckpointError(f"{path}: malformed checkpoint ({type(exc).__name__}: {exc})")
     if world > 1:
-        errors = all_gather_object(None if error is None else f"{type(error).__name__}: {error}")
+        errors = all_gather_object(None if error is None else f"{type(error).__name__}: {error}",
+                                   transport=group_transport(None, "fanfold.load"))
         failed = [r for r, e in enumerate(errors) if e is not None]
         if failed and error is None:
             raise CheckpointError(f"rank {rank}: {path} not loaded: rank {failed[0]} failed: {errors[failed[0]]}")

@@ -16,6 +16,7 @@ from torch.utils.data import Sampler
 
 from .._core.group import rank_world
 from ..collectives.objects import all_gather_object
+from ..collectives.stall import group_transport
 
 __all__ = ["DistributedSampler", "gather_evaluation"]
 
@@ -172,7 +173,7 @@ def gather_evaluation(values: torch.Tensor, sampler: DistributedSampler) -> torc
     if not sampler._iterated:
         raise ValueError("iterate the sampler (run the evaluation loop) before gathering its results")
     local = values.detach().cpu()
-    parts = all_gather_object(local) if world > 1 else [local]
+    parts = all_gather_object(local, transport=group_transport(None, "gather_evaluation")) if world > 1 else [local]
     n = len(sampler.dataset)
     out = torch.empty((n, *local.shape[1:]), dtype=local.dtype)
     seen = torch.zeros(n, dtype=torch.bool)

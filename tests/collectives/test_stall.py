@@ -17,14 +17,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fanfold.distributed import DistributedDataParallel, free_port
-from fanfold.distributed.stall import (
+from fanfold.collectives.stall import (
     DEFAULT_STALL_TIMEOUT,
     InspectedTransport,
     StallError,
     caller_line,
     resolve_stall_timeout,
 )
+from fanfold.distributed import DistributedDataParallel, free_port
 
 HERE = os.path.abspath(__file__)
 
@@ -319,3 +319,16 @@ def test_killed_rank_is_diagnosed_at_once_as_gone():
     assert re.search(rf"rank 1: behind: its last collective is broadcast\(src=0\) #4 started at {re.escape(backward)}, "
                      r"completed it; its process \d+ is gone", msg0)
     assert "cause: RuntimeError: " in msg0 and "Connection" in msg0  # gloo's own words
+
+
+def test_every_inspected_collective_is_a_named_span_in_torch_profiler_traces():
+    t0, _ = _pair()
+    t0.inner.done = True  # every collective completes at once
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        t0.all_reduce(torch.ones(2)).wait()
+        t0.all_reduce(torch.ones(2)).wait()
+        t0.broadcast(torch.ones(1), 0)
+    counts = {e.key: e.count for e in prof.key_averages()}
+    assert counts.get("fanfold.all_reduce") == 2 and counts.get("fanfold.broadcast") == 1, counts
+    t0.all_reduce(torch.ones(2)).wait()  # no profiler: no span, and nothing left open
+    assert t0.inspector._pending == []

@@ -1,20 +1,11 @@
 """Stall inspector: every fanfold collective is numbered, every wait is bounded, and a stall names its cause.
 
-Layer: between a transport (``collectives``) and its users (reducer, DDP). ``InspectedTransport(inner)`` implements
-the collective interface (``collectives.Transport``) by delegating each method to ``inner`` once. Each collective
-gets the next sequence number; each rank keeps its progress (the last collective started and the ones still in
-flight: number, kind, bucket, the user's source line that triggered it; pid and host) in one key of the process
-group's store, written by a background thread (~18 us a collective on the training thread, on a 2-core CPU host).
-When a wait passes ``timeout`` seconds, or fails because a peer went away, the waiting rank reads every rank's
-progress and raises :class:`StallError` naming itself, the collective and the ranks that never arrived: behind it
-(a skipped backward, a rank that left the loop early), in a different collective under the same number (an extra
-step meeting a barrier), or dead.
-
-Waits are bounded without polling: torch ``Work.wait(timeout)``, or an event set by the callback of the handle's
-torch future (a future, or ``handle.get_future()`` as ``ShmWork`` has). A handle of another kind is waited as is:
-its transport bounds it. ``barrier`` goes through the store, bounded too. A synchronous ``broadcast`` of the inner
-transport (parameters at construction, buffers before a forward) is bounded by the process group's own timeout, or
-ends as soon as a peer that timed out elsewhere exits.
+``InspectedTransport(inner)`` implements the collective interface (``protocol.Transport``) by delegating each method
+to ``inner`` once; every feature that reaches other ranks (DDP, ZeRO, SyncBatchNorm, clip_grad_norm_, a pipeline's
+data parallelism, checkpoints and object collectives: :func:`group_transport`) talks through one. Each collective
+gets a number, shows in torch.profiler traces as ``fanfold.<kind>``, and is published in the rank's progress record
+(``progress.py``); a wait past the timeout, or one that fails, raises :class:`StallError` naming the feature, the
+collective and the ranks that never arrived. Design notes: docs/reliability.md.
 """
 from __future__ import annotations
 
@@ -29,14 +20,17 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.autograd.profiler import record_function
 
-from ..collectives.protocol import Transport
-from ..collectives.store import StoreGroup
-from ..collectives.timeouts import DEFAULT_STALL_TIMEOUT, ENV_VAR, resolve_stall_timeout
 from .progress import Collective, Publisher, caller_line, process_gone, read_progress
+from .protocol import Transport, TransportOwner
+from .shm.transport import ShmTransport
+from .store import StoreGroup
+from .timeouts import DEFAULT_STALL_TIMEOUT, ENV_VAR, resolve_stall_timeout
+from .transport import TorchTransport
 
-__all__ = ["uninspected", "StallError", "InspectedTransport", "StallInspector", "inspected", "resolve_stall_timeout",
-           "DEFAULT_STALL_TIMEOUT"]
+__all__ = ["StallError", "InspectedTransport", "StallInspector", "inspected", "group_transport",
+           "resolve_stall_timeout", "DEFAULT_STALL_TIMEOUT"]
 
 _MAX_PENDING = 64
 _HINT = (
@@ -47,12 +41,15 @@ _HINT = (
 
 
 class StallError(RuntimeError):
-    """A collective did not complete: ``rank`` gave up on collective ``seq``; ``missing`` lists the ranks that
-    never arrived (behind, elsewhere, or dead)."""
+    """A collective did not complete: ``rank`` gave up on collective ``seq`` (``kind``) of ``feature`` (the fanfold
+    feature that issued it, e.g. "clip_grad_norm_"); ``missing`` lists the ranks that never arrived (behind,
+    elsewhere, or dead)."""
 
-    def __init__(self, message: str, *, rank: int, seq: int, kind: str, bucket: int | None, missing: list[int]):
+    def __init__(self, message: str, *, rank: int, seq: int, kind: str, bucket: int | None, missing: list[int],
+                 feature: str | None = None):
         super().__init__(message)
         self.rank, self.seq, self.kind, self.bucket, self.missing = rank, seq, kind, bucket, missing
+        self.feature = feature
 
 
 class _Timeout(Exception):
@@ -89,10 +86,12 @@ def _future_of(handle: Any) -> torch.futures.Future | None:
 
 class StallInspector:
     """Numbers collectives, publishes this rank's progress under ``str(rank)`` in ``store``, bounds waits and
-    turns a stall into a :class:`StallError`. One per transport instance: its numbering is that transport's."""
+    turns a stall into a :class:`StallError`. One per transport instance: its numbering is that transport's.
+    ``feature`` names what issues the collectives in errors ("DistributedDataParallel", "SyncBatchNorm", ...)."""
 
-    def __init__(self, store: dist.Store, rank: int, world_size: int, timeout: float | timedelta | None = None):
-        self.store, self.rank, self.world_size = store, rank, world_size
+    def __init__(self, store: dist.Store, rank: int, world_size: int, timeout: float | timedelta | None = None,
+                 feature: str | None = None):
+        self.store, self.rank, self.world_size, self.feature = store, rank, world_size, feature
         self.timeout = resolve_stall_timeout(timeout)
         self._seq = 0
         self._pending: list[Collective] = []  # started, not yet waited: a reducer has several buckets in flight
@@ -125,8 +124,11 @@ class StallInspector:
         return result
 
     def run(self, kind: str, bucket: int | None, call: Callable[[], Any]) -> Any:
-        """Start ``call()`` as collective ``kind``; wrap a returned handle so that its wait is inspected."""
+        """Start ``call()`` as collective ``kind``; wrap a returned handle so that its wait is inspected. Under
+        torch.profiler the collective is a ``fanfold.<kind>`` span from the call to its completion."""
         op = self.start(kind, bucket)
+        if torch._C._autograd._profiler_enabled():  # a C call: record_function costs ~5 us, this ~0.1 us
+            return self._profiled(op, call)
         try:
             handle = call()
         except Exception as exc:
@@ -136,6 +138,20 @@ class StallInspector:
             return handle
         return InspectedWork(self, op, handle)
 
+    def _profiled(self, op: Collective, call: Callable[[], Any]) -> Any:
+        with record_function(f"fanfold.{op.kind.partition('(')[0]}") as span:
+            try:
+                handle = call()
+            except Exception as exc:
+                raise self.diagnose(op, exc) from exc
+            if handle is None or not hasattr(handle, "wait"):
+                self.complete(op)
+                return handle
+            future = handle if isinstance(handle, torch.futures.Future) else _future_of(handle)
+            if future is not None and not future.done():
+                span._call_end_callbacks_on_future(future)  # the span ends when the collective does
+            return InspectedWork(self, op, handle)
+
     def barrier(self) -> None:
         """Wait, at most ``timeout``, until every rank has reached its barrier of this number.
 
@@ -143,6 +159,12 @@ class StallInspector:
         a small all-reduce meeting a rank that is one collective off would make gloo abort that rank's process
         ("Received data size doesn't match expected size") before it could say anything."""
         op = self.start("barrier")
+        if torch._C._autograd._profiler_enabled():
+            with record_function("fanfold.barrier"):
+                return self._barrier(op)
+        self._barrier(op)
+
+    def _barrier(self, op: Collective) -> None:
         self.flush()  # the peers must see this barrier in the record before they can give up on it
         key = f"barrier/{op.seq}"
         try:
@@ -201,12 +223,14 @@ class StallInspector:
                 what += f"; its process {p['pid']} is gone"
             lines.append(f"  rank {r}: {what}")
         verdict = f"did not complete within {self.timeout:g} s" if cause is None else f"failed ({type(cause).__name__})"
-        parts = [f"rank {self.rank} of {self.world_size}: {op} {verdict}. "
+        who = "" if self.feature is None else f"{self.feature}'s "
+        parts = [f"rank {self.rank} of {self.world_size}: {who}{op} {verdict}. "
                  f"Ranks that never arrived: {missing or 'none found'}.", *lines]
         if cause is not None:
             parts.append(f"  cause: {type(cause).__name__}: {str(cause)[:300]}")
         parts.append(_HINT)
-        return StallError("\n".join(parts), rank=self.rank, seq=op.seq, kind=op.kind, bucket=op.bucket, missing=missing)
+        return StallError("\n".join(parts), rank=self.rank, seq=op.seq, kind=op.kind, bucket=op.bucket, missing=missing,
+                          feature=self.feature)
 
 
 class InspectedWork:
@@ -232,11 +256,13 @@ def _store_prefix(group: Any) -> str:
 class InspectedTransport:
     """``inner`` (a ``collectives.Transport``) with numbered, published, bounded collectives. ``timeout`` in
     seconds (default ``$FANFOLD_STALL_TIMEOUT`` or 300); ``group``, ``rank`` and ``world_size`` default to the inner
-    transport's (or the world's); ``store`` to the default process group's store. ``barrier()`` is the inspector's
-    own, through the store: every rank reached it (collectives still in flight are not waited for)."""
+    transport's (or the world's); ``store`` to the default process group's store; ``feature`` names the issuer in
+    errors. ``barrier()`` is the inspector's own, through the store: every rank reached it (collectives still in
+    flight are not waited for)."""
 
     def __init__(self, inner: Transport, *, timeout: float | timedelta | None = None, group: Any = None,
-                 store: dist.Store | None = None, rank: int | None = None, world_size: int | None = None):
+                 store: dist.Store | None = None, rank: int | None = None, world_size: int | None = None,
+                 feature: str | None = None):
         self.inner = inner
         group = group if group is not None else getattr(inner, "group", None)
         rank = rank if rank is not None else getattr(inner, "rank", None)
@@ -249,7 +275,7 @@ class InspectedTransport:
         # Each rank counts its own transports in the store, so the n-th transport of every rank shares key space
         # n without any process-wide state, and two DDP models on one group do not mix their numbering.
         instance = store.add(f"instances/{rank}", 1)
-        self.inspector = StallInspector(dist.PrefixStore(f"{instance}/", store), rank, world_size, timeout)
+        self.inspector = StallInspector(dist.PrefixStore(f"{instance}/", store), rank, world_size, timeout, feature)
 
     def all_reduce(self, tensor: torch.Tensor, bucket: int | None = None, divisor: float | None = None) -> Any:
         return self.inspector.run("all_reduce", bucket, lambda: self.inner.all_reduce(tensor, bucket, divisor))
@@ -276,12 +302,65 @@ class InspectedTransport:
     def allocate(self, numel: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
         return self.inner.allocate(numel, dtype, device)  # collective through the store, not numbered
 
+    def all_reduce_now(self, tensor: torch.Tensor, bucket: int | None = None) -> torch.Tensor:
+        """Sum ``tensor`` over the group, in place, and return it once done: the rule for a small collective waited
+        for at once (SyncBatchNorm's statistics) -- on this thread where the transport can (the shm transport's
+        latency path, when nothing else is in flight), no hand-off to a transport thread and back."""
+        inner = self.inner
+        if isinstance(inner, ShmTransport):
+            self.inspector.run("all_reduce", bucket, lambda: inner.all_reduce(tensor, bucket, inline=True)).wait()
+        else:
+            self.all_reduce(tensor, bucket).wait()
+        return tensor
 
-def uninspected(transport: Transport) -> Transport:
-    """The transport an :class:`InspectedTransport` inspects, or ``transport`` itself."""
-    return transport.inner if isinstance(transport, InspectedTransport) else transport
+    def on_group(self, group: Any) -> bool:
+        """Whether these collectives travel over torch.distributed's ``group`` itself (None: the default group),
+        where they would interleave with that group's other collectives."""
+        world = dist.group.WORLD
+        return isinstance(self.inner, TorchTransport) and (self.inner.group or world) is (group or world)
+
+    def reads_peers(self) -> bool:
+        """Whether the transport all-reduces tensors where they lie (the shm transport reading its peers' memory)."""
+        return isinstance(self.inner, ShmTransport) and self.inner.peer_read
+
+    def gathers(self) -> bool:
+        """Whether ``all_gather`` is the fast way to gather; else broadcasting each piece is (torch's gloo)."""
+        return not isinstance(self.inner, TorchTransport) or self.inner.native_scatter
+
+    def reduce_scatter_tensors(self, tensors: list[torch.Tensor], out: torch.Tensor, bucket: int | None = None,
+                               **kw: Any) -> Any:
+        """The shm transport's reduce-scatter of tensors read where they lie (where :meth:`reads_peers`)."""
+        return self.inspector.run("reduce_scatter", bucket, lambda: self.inner.reduce_scatter_tensors(
+            tensors, out, bucket, **kw))
 
 
-def inspected(transport: Transport, timeout: float | timedelta | None = None) -> InspectedTransport:
+def inspected(transport: Transport, timeout: float | timedelta | None = None, feature: str | None = None
+              ) -> InspectedTransport:
     """``transport`` wrapped in an :class:`InspectedTransport`, unless it already is one."""
-    return transport if isinstance(transport, InspectedTransport) else InspectedTransport(transport, timeout=timeout)
+    if isinstance(transport, InspectedTransport):
+        return transport
+    return InspectedTransport(transport, timeout=timeout, feature=feature)
+
+
+def group_transport(group: Any = None, feature: str | None = None) -> InspectedTransport:
+    """The inspected transport for ``feature``'s collectives over process group ``group`` (None: the default group):
+    the group's own where it has one (the ``fanfold`` backend's shared memory), else torch.distributed's. Made at the
+    feature's first call on the group (every rank alike) and kept, so that each call does not pay for a new
+    progress record and its writer thread. Timeout: ``$FANFOLD_STALL_TIMEOUT``, else the process group's own, as
+    torch's collectives had."""
+    pg = group if group is not None else dist.group.WORLD
+    with _GROUP_LOCK:
+        kept = _BY_GROUP.setdefault(pg, {})
+        transport = kept.get(feature)
+        if transport is None:
+            timeout = None if os.environ.get(ENV_VAR) else dist.distributed_c10d._get_default_store().timeout
+            inner = pg.shared_transport() if isinstance(pg, TransportOwner) else None
+            transport = kept[feature] = InspectedTransport(inner or TorchTransport(group), timeout=timeout,
+                                                           group=group, feature=feature)
+        return transport
+
+
+# The transports of group_transport, by process group: the default group's go with it; another group's transports
+# hold the group, so they stay for the process (a handful: one per feature that used the group).
+_BY_GROUP: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_GROUP_LOCK = threading.Lock()

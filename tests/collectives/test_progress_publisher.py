@@ -4,7 +4,7 @@ import json
 import threading
 import time
 
-from fanfold.distributed.progress import WRITE_INTERVAL_S, Publisher
+from fanfold.collectives.progress import WRITE_INTERVAL_S, Publisher
 
 
 class _CountingStore:

@@ -69,8 +69,12 @@ class Publisher:
 
     def post(self, record: dict) -> None:
         with self._cond:
+            # Wake the writer only when it waits for a record: while it waits out the interval, a wake-up per
+            # collective (two context switches on a busy host) would cost more than the collective's bookkeeping.
+            idle = self._latest is None
             self._latest = record
-            self._cond.notify_all()
+            if idle:
+                self._cond.notify_all()
 
     def flush(self, timeout: float = 10.0) -> None:
         """Return once the newest record is written (or the store is gone)."""

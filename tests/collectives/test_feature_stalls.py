@@ -1,0 +1,83 @@
+"""Every feature that reaches other ranks does so through an inspected transport: when one rank skips the feature's
+collective, the other raises StallError naming the feature and the collective, within the stall timeout.
+
+Two real gloo ranks per feature: rank 1 skips (clip_grad_norm_, a pipeline's data parallelism, SyncBatchNorm's
+forward, fanfold.save, fanfold.load of a checkpoint holding the sampler's resume point) and waits for rank 0's
+verdict; no rank is left behind (``_run_ranks`` kills what outlives the deadline).
+"""
+import os
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from test_stall import _run_ranks
+
+import fanfold
+
+STALL = 2.0  # seconds: $FANFOLD_STALL_TIMEOUT in the ranks
+
+
+def _skip_one(feature, path):
+    os.environ["FANFOLD_STALL_TIMEOUT"] = str(STALL)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    rank, store = dist.get_rank(), dist.distributed_c10d._get_default_store()
+    torch.manual_seed(0)
+    try:
+        if feature == "fanfold.load":
+            sampler = fanfold.DistributedSampler(range(10), num_replicas=2, rank=rank)
+            fanfold.save(path, {"sampler": sampler})  # both ranks: the checkpoint to resume from
+        if rank == 0:
+            _issue(feature, path)
+            return "no stall"
+        return "skipped"
+    except fanfold.StallError as exc:
+        return str(exc), exc.feature, exc.kind, exc.missing
+    finally:
+        # rank 1 waits here until rank 0 has its verdict (its exit would fail rank 0's wait early); rank 0, whose
+        # process holds the store, leaves last
+        try:
+            store.set(f"done/{rank}", "1")
+            store.wait(["done/0", "done/1"], timedelta(seconds=30))
+            store.set(f"left/{rank}", "1")
+            if rank == 0:
+                store.wait(["left/1"], timedelta(seconds=30))
+        except Exception:
+            pass
+
+
+def _issue(feature, path):
+    """Rank 0's part: the feature's collective, which rank 1 never issues."""
+    if feature == "clip_grad_norm_":
+        p = torch.nn.Parameter(torch.ones(4))
+        p.grad = torch.ones(4)
+        fanfold.clip_grad_norm_([p], 1.0, process_group=dist.group.WORLD)
+    elif feature == "Pipeline data parallelism":
+        pipe = fanfold.Pipeline(torch.nn.Sequential(torch.nn.Linear(4, 2)), balance=[1], chunks=2)
+        pipe.data_parallel_group = dist.group.WORLD  # set after construction: only rank 0 reaches the gradients
+        pipe.train_step(torch.randn(4, 4), torch.randn(4, 2), torch.nn.functional.mse_loss)
+    elif feature == "SyncBatchNorm":
+        fanfold.SyncBatchNorm(3)(torch.randn(4, 3))
+    elif feature == "fanfold.save":
+        fanfold.save(path, {"weights": torch.ones(2)})
+    elif feature == "fanfold.load":
+        fanfold.load(path, {"sampler": fanfold.DistributedSampler(range(10), num_replicas=2, rank=0)})
+
+
+@pytest.mark.parametrize("feature, kind", [
+    ("clip_grad_norm_", "all_reduce"),
+    ("Pipeline data parallelism", "all_reduce"),
+    ("SyncBatchNorm", "all_reduce"),
+    ("fanfold.save", "all_gather"),
+    ("fanfold.load", "all_gather"),
+])
+def test_a_rank_that_skips_the_feature_stalls_the_other_with_a_named_error(feature, kind, tmp_path):
+    start = time.monotonic()
+    (r0, res0), (r1, res1) = _run_ranks(_skip_one, feature, str(tmp_path / "ckpt.pt"), timeout=STALL + 60)
+    assert time.monotonic() - start < STALL + 40
+    assert (r0, r1, res1) == ("ok", "ok", "skipped"), (res0, res1)
+    message, named, got_kind, missing = res0
+    assert (named, got_kind, missing) == (feature, kind, [1])
+    assert message.startswith(f"rank 0 of 2: {feature}'s {kind} #")
+    assert f"did not complete within {STALL:g} s. Ranks that never arrived: [1]." in message
