@@ -41,7 +41,8 @@ def _leftovers(target):
     return sorted(p.name for p in target.parent.glob(f".{target.name}.*.tmp"))
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/sys/kernel/random/boot_id"), reason="no boot id: no writer is judged dead")
+@pytest.mark.skipif(not os.path.exists("/proc/sys/kernel/random/boot_id"),
+                    reason="no boot id: no writer is judged dead")
 def test_a_killed_writers_file_is_removed_and_a_live_writers_kept(tmp_path):
     target = tmp_path / "ckpt.pt"
     live = _writer_mid_save(tmp_path, target)
