@@ -207,6 +207,8 @@ def _train(impl: str, config: DDPConfig, rank: int, run: Run, on_step) -> None:
             on_step(run)
             if config.lifetime in ("pickle", "deepcopy") and step == 0:
                 box["ddp"] = _round_trip(box["ddp"], config.lifetime)
+                if config.compiled:  # the copy is what trains on: compiled anew, not the original's compiled wrapper
+                    box["net"] = torch.compile(box["ddp"], backend="aot_eager")
                 model, state = box["ddp"].module, opt.state_dict()
                 opt = _optimizer(config.optimizer, model)
                 opt.load_state_dict(state)

@@ -89,6 +89,10 @@ def check(runner, config) -> None:
 @example(config=DDPConfig(world=3, family="sparse_embedding", dtype="float32", checkpointing="reentrant", steps=3,
                           set_to_none=False, accumulate=2, hook="user", lifetime="deepcopy", seed=2765))
 @example(config=DDPConfig(compiled=True, steps=1, keywords=(("bucket_cap_mb", 1e-5),)))
+# the harness's: under torch.compile, the copy trained through the original's compiled wrapper
+@example(config=DDPConfig(transport="torch", frozen=True, accumulate=3, hook="user_dist", lifetime="pickle",
+                          compiled=True, seed=102, first_bucket_cap_mb=1e-5,
+                          keywords=(("forward_sync_buffers", False),)))
 @example(config=DDPConfig(family="sparse_embedding", dtype="float32", hook="user_dist", lifetime="deepcopy", steps=3,
                           set_to_none=False, seed=54462, keywords=(("bucket_cap_mb", 1e-05), ("check_reduction", True),
                                                                    ("init_sync", False),
