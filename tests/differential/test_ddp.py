@@ -84,11 +84,16 @@ def check(runner, config) -> None:
                           optimizer="adam", set_to_none=False, keywords=(("find_unused_parameters", True),)))
 # found by `make fuzz` (docs/differential.md), torch's answers: its copy (pickle, deepcopy) drops a registered comm
 # hook, so the copy all-reduces without the user's scaling (TORCH_WRONG); under torch.compile dynamo's DDPOptimizer
-# asserts that bucket_cap_mb is at least its 1 MiB first bucket; mixed precision with sparse gradients fails inside
+# asserts that bucket_cap_mb is at least its 1 MiB first bucket; mixed precision with sparse gradients fails inside;
+# under join() with find_unused_parameters + static_graph its collectives mismatch (the fanfold group names them)
 @example(config=DDPConfig(hook="user", lifetime="pickle", steps=3))
 @example(config=DDPConfig(world=3, family="sparse_embedding", dtype="float32", checkpointing="reentrant", steps=3,
                           set_to_none=False, accumulate=2, hook="user", lifetime="deepcopy", seed=2765))
 @example(config=DDPConfig(compiled=True, steps=1, keywords=(("bucket_cap_mb", 1e-5),)))
+@example(config=DDPConfig(backend="fanfold", transport="torch", family="tied", output="tuple", frozen=True, steps=1,
+                          set_to_none=False, join="active", batches=(2, 3), hook="user_dist",
+                          keywords=(("find_unused_parameters", True), ("process_group", "new_group"),
+                                    ("static_graph", True))))
 # the harness's: under torch.compile, the copy trained through the original's compiled wrapper
 @example(config=DDPConfig(transport="torch", frozen=True, accumulate=3, hook="user_dist", lifetime="pickle",
                           compiled=True, seed=102, first_bucket_cap_mb=1e-5,
