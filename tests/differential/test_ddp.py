@@ -94,6 +94,8 @@ def check(runner, config) -> None:
                           set_to_none=False, join="active", batches=(2, 3), hook="user_dist",
                           keywords=(("find_unused_parameters", True), ("process_group", "new_group"),
                                     ("static_graph", True))))
+@example(config=DDPConfig(backend="fanfold", transport="torch", family="sparse_embedding", dtype="float32",
+                          hook="fp16", lifetime="pickle", steps=3))
 # the harness's: under torch.compile, the copy trained through the original's compiled wrapper
 @example(config=DDPConfig(transport="torch", frozen=True, accumulate=3, hook="user_dist", lifetime="pickle",
                           compiled=True, seed=102, first_bucket_cap_mb=1e-5,
