@@ -48,6 +48,15 @@ class Run:
 
 
 @dataclasses.dataclass
+class Step:
+    """One step of a run as it finishes, sent at once: what the pool keeps of a rank that then hangs."""
+
+    grads: dict | None
+    params: dict
+    buffers: dict | None
+
+
+@dataclasses.dataclass
 class RankResult:
     rank: int
     runs: dict[str, Run] = dataclasses.field(default_factory=dict)
@@ -162,7 +171,7 @@ def _round_trip(wrapper: torch.nn.Module, how: str) -> torch.nn.Module:
     return pickle.loads(buf.getvalue())
 
 
-def _train(impl: str, config: DDPConfig, rank: int, run: Run) -> None:
+def _train(impl: str, config: DDPConfig, rank: int, run: Run, on_step) -> None:
     dtype = _DTYPES[config.dtype]
     init_seed = config.seed + (rank if config.kw().get("init_sync", True) else 0)  # init_sync makes them equal
     model = build(config.family, dtype, init_seed, config.checkpointing, config.output, config.frozen)
@@ -195,8 +204,11 @@ def _train(impl: str, config: DDPConfig, rank: int, run: Run) -> None:
             opt.zero_grad(set_to_none=config.set_to_none)
             run.params.append(_snap(model.named_parameters()))
             run.buffers.append(_snap(model.named_buffers()))
+            on_step(run)
             if config.lifetime in ("pickle", "deepcopy") and step == 0:
                 box["ddp"] = _round_trip(box["ddp"], config.lifetime)
+                if config.compiled:  # the copy is what trains on: compiled anew, not the original's compiled wrapper
+                    box["net"] = torch.compile(box["ddp"], backend="aot_eager")
                 model, state = box["ddp"].module, opt.state_dict()
                 opt = _optimizer(config.optimizer, model)
                 opt.load_state_dict(state)
@@ -204,7 +216,7 @@ def _train(impl: str, config: DDPConfig, rank: int, run: Run) -> None:
     box.clear()
 
 
-def _train_zero(config: ZeroConfig, rank: int, run: Run) -> None:
+def _train_zero(config: ZeroConfig, rank: int, run: Run, on_step) -> None:
     import fanfold
 
     dtype = _DTYPES[config.dtype]
@@ -221,6 +233,7 @@ def _train_zero(config: ZeroConfig, rank: int, run: Run) -> None:
         opt.step()
         opt.zero_grad()
         run.params.append(_snap(model.named_parameters()))
+        on_step(run)
 
 
 def _init_group(config, store: Any, tag: str, rank: int) -> None:
@@ -237,31 +250,43 @@ def _end_group(store: Any, tag: str, rank: int, world: int) -> None:
     dist.destroy_process_group()
 
 
-def run_config(config, rank: int, store: Any, tag: str, send) -> None:
-    """Run ``config``'s implementations one after the other, sending ("started", impl) before and ("run", impl,
-    Run) after each, then ("done", seconds): a rank that dies or hangs in one run leaves the other's result, and
-    the pool knows which one it was in. fanfold's runs first, so that torch's crashing (gloo aborts the process on
-    a mismatched collective) cannot hide it."""
+def impls_of(config) -> tuple:
+    """The implementations a configuration runs, in order: fanfold's DDP and torch's, or fanfold's ZeRO alone."""
+    return IMPLS if isinstance(config, DDPConfig) else ("fanfold",)
+
+
+def run_config(config, rank: int, store: Any, tag: str, send, impls: tuple = IMPLS) -> None:
+    """Run ``config``'s implementations (of ``impls``) one after the other, sending ("started", impl) before each,
+    ("step", impl, Step) after each of its steps and ("run", impl, Run) after it, then ("done", seconds): a rank that
+    dies or hangs in one run leaves the other's result and the steps it finished, and the pool knows which run it
+    was in. fanfold's runs first, so that torch's crashing (gloo aborts the process on a mismatched collective)
+    cannot hide it."""
     start = time.monotonic()
-    impls = IMPLS if isinstance(config, DDPConfig) else ("fanfold",)
-    for impl in impls:
+    for impl in (i for i in impls if i in impls_of(config)):
         send(("started", impl))
         run = Run()
         if impl == "torch" and torch_not_run(config):
             send(("run", impl, dataclasses.replace(run, error=("NotRun", "torch's run left out", 0))))
             continue
         _init_group(config, store, f"{tag}/{impl}", rank)
+
+        def on_step(r: Run, impl=impl) -> None:
+            send(("step", impl, Step(r.grads[-1] if r.grads else None, r.params[-1],
+                                     r.buffers[-1] if r.buffers else None)))
+
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # torch's and fanfold's deprecation and static_graph notices
                 if isinstance(config, ZeroConfig):
-                    _train_zero(config, rank, run)
+                    _train_zero(config, rank, run, on_step)
                 else:
-                    _train(impl, config, rank, run)
+                    _train(impl, config, rank, run, on_step)
         except Exception as exc:  # noqa: BLE001 -- the comparison judges it against the other implementation
             detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
             run.error = (type(exc).__name__, detail[:3000], len(run.params))
         gc.collect()  # wrappers and their transports go before their group
+        if run.error is not None:
+            send(("run", impl, run))  # now: a peer may be waiting for this rank in a collective (pool.GRACE)
         try:
             _end_group(store, f"{tag}/{impl}", rank, config.world)
         except Exception as exc:  # noqa: BLE001 -- a peer still stuck in a collective: a hang, reported as such
@@ -280,10 +305,15 @@ def serve(rank: int, world: int, port: int, conn: Any) -> None:
     import fanfold  # noqa: F401
 
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=PG_TIMEOUT))
-    conn.send("ready")
+
+    def send(message) -> None:
+        # plain pickle: tensors as bytes, not as shared-memory handles (one segment per tensor, many per step)
+        conn.send_bytes(pickle.dumps(message))
+
+    send("ready")
     while True:
         item = conn.recv()
         if item is None:
             return
-        tag, config = item
-        run_config(config, rank, store, tag, conn.send)
+        tag, config, impls = item
+        run_config(config, rank, store, tag, send, impls)

@@ -9,10 +9,11 @@ import time
 
 from .compare import Outcome, classify
 from .config import DDPConfig, known_defect
-from .pool import RankPool
+from .pool import GRACE, RankPool
 
 TIMEOUT = 120.0  # seconds per configuration (both implementations, every rank); a hang is reported, never waited out
 COMPILE_TIMEOUT = 300.0  # torch.compile's first trace in each rank process
+COMPILE_GRACE = 60.0  # a peer may still be tracing its graph when another's run raised
 
 
 def dimensions(config) -> list[str]:
@@ -44,10 +45,15 @@ class Tally:
     by_label: dict = dataclasses.field(default_factory=lambda: collections.defaultdict(collections.Counter))
     noteworthy: list = dataclasses.field(default_factory=list)  # (config, outcome) other than match / both-raise
     reasons: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # why not a plain match
-    seconds: float = 0.0
+    seconds: dict = dataclasses.field(default_factory=lambda: collections.defaultdict(list))  # outcome -> [s]
+    slowest: list = dataclasses.field(default_factory=list)  # (seconds, outcome kind, config), the SLOWEST
 
-    def add(self, config, outcome: Outcome) -> None:
+    SLOWEST = 10
+
+    def add(self, config, outcome: Outcome, seconds: float = 0.0) -> None:
         self.outcomes[outcome.kind] += 1
+        self.seconds[outcome.kind].append(seconds)
+        self.slowest = sorted(self.slowest + [(seconds, outcome.kind, config)], key=lambda t: -t[0])[:self.SLOWEST]
         for label in dimensions(config):
             self.by_label[label][outcome.kind] += 1
         if outcome.kind in ("match-oracle", "both-raise"):
@@ -59,7 +65,7 @@ class Tally:
 class Runner:
     def __init__(self):
         self._pools: dict[int, RankPool] = {}
-        self.tally = Tally()
+        self.tallies = {"DDP": Tally(), "ZeRO": Tally()}  # by the kind of configuration
 
     def run(self, config) -> Outcome:
         start = time.monotonic()
@@ -70,10 +76,10 @@ class Runner:
             pool = self._pools.get(config.world)
             if pool is None:
                 pool = self._pools[config.world] = RankPool(config.world)
-            timeout = COMPILE_TIMEOUT if getattr(config, "compiled", False) else TIMEOUT
-            outcome = classify(config, pool.run(config, timeout))
-        self.tally.add(config, outcome)
-        self.tally.seconds += time.monotonic() - start
+            compiled = getattr(config, "compiled", False)
+            outcome = classify(config, pool.run(config, COMPILE_TIMEOUT if compiled else TIMEOUT,
+                                                COMPILE_GRACE if compiled else GRACE))
+        self.tallies["DDP" if isinstance(config, DDPConfig) else "ZeRO"].add(config, outcome, time.monotonic() - start)
         return outcome
 
     def close(self) -> None:

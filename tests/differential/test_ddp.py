@@ -82,6 +82,28 @@ def check(runner, config) -> None:
                               ("batched_grad_copy", True), ("find_unused_parameters", True), ("static_graph", True))))
 @example(config=DDPConfig(world=3, family="branch_step", checkpointing="reentrant", lifetime="deepcopy",
                           optimizer="adam", set_to_none=False, keywords=(("find_unused_parameters", True),)))
+# found by `make fuzz` (docs/differential.md), torch's answers: its copy (pickle, deepcopy) drops a registered comm
+# hook, so the copy all-reduces without the user's scaling (TORCH_WRONG); under torch.compile dynamo's DDPOptimizer
+# asserts that bucket_cap_mb is at least its 1 MiB first bucket; mixed precision with sparse gradients fails inside;
+# under join() with find_unused_parameters + static_graph its collectives mismatch (the fanfold group names them)
+@example(config=DDPConfig(hook="user", lifetime="pickle", steps=3))
+@example(config=DDPConfig(world=3, family="sparse_embedding", dtype="float32", checkpointing="reentrant", steps=3,
+                          set_to_none=False, accumulate=2, hook="user", lifetime="deepcopy", seed=2765))
+@example(config=DDPConfig(compiled=True, steps=1, keywords=(("bucket_cap_mb", 1e-5),)))
+@example(config=DDPConfig(backend="fanfold", transport="torch", family="tied", output="tuple", frozen=True, steps=1,
+                          set_to_none=False, join="active", batches=(2, 3), hook="user_dist",
+                          keywords=(("find_unused_parameters", True), ("process_group", "new_group"),
+                                    ("static_graph", True))))
+@example(config=DDPConfig(backend="fanfold", transport="torch", family="sparse_embedding", dtype="float32",
+                          hook="fp16", lifetime="pickle", steps=3))
+# the harness's: under torch.compile, the copy trained through the original's compiled wrapper
+@example(config=DDPConfig(transport="torch", frozen=True, accumulate=3, hook="user_dist", lifetime="pickle",
+                          compiled=True, seed=102, first_bucket_cap_mb=1e-5,
+                          keywords=(("forward_sync_buffers", False),)))
+@example(config=DDPConfig(family="sparse_embedding", dtype="float32", hook="user_dist", lifetime="deepcopy", steps=3,
+                          set_to_none=False, seed=54462, keywords=(("bucket_cap_mb", 1e-05), ("check_reduction", True),
+                                                                   ("init_sync", False),
+                                                                   ("mixed_precision", "bfloat16"))))
 @settings(BUDGET, max_examples=70)
 @given(config=ddp_configs(compile_p=0.0))
 def test_fanfold_ddp_matches_torch_ddp(runner, config):
