@@ -18,8 +18,7 @@ import fanfold
 from _ddp_models import MODELS, batch, loss_fn, optimizer, single_process, train_ddp
 from fanfold.collectives.select import select_transport
 from fanfold.collectives.shm import peer as shm_peer
-from fanfold.collectives.shm.host import host_key
-from fanfold.collectives.shm.segment import SHM_DIR, pid_namespace
+from fanfold.collectives.shm.segment import SHM_DIR, host_key, pid_namespace
 from fanfold.collectives.shm.transport import ShmTimeoutError, ShmTransport
 from fanfold.distributed import free_port
 from fanfold.distributed.bucket_paths import SMALL_TENSOR_BYTES

@@ -30,8 +30,8 @@ import torch.distributed as dist
 
 from . import forms
 from .select import ENV_VAR
-from .shm.host import host_key
 from .shm.request import DTYPES
+from .shm.segment import host_key
 from .shm.transport import ShmTransport
 from .splits import all_to_all_counts, unflatten
 from .store import StoreGroup

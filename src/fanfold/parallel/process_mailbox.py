@@ -12,17 +12,15 @@ Waiting: some microseconds of polling the peer's counter (its answer is often th
 kernel on it (futex: no CPU taken from the processes that compute), waking every 50 ms to run a check (is the peer's
 process still there?) and to look at the stop word and the deadline. A pipe round trip costs two system calls and
 a poll() per message; a futex hand-off costs a store and one wake-up call, and none when the peer is already there.
-The block is file-descriptor backed (``share_memory_()``): nothing named is left in /dev/shm. Linux only; as
-``collectives.shm.segment``, it relies on stores becoming visible in program order (x86-64): a peer that sees the
-counter also sees the message written before it.
-Layer: ``process_slots`` <- ``process_mailbox`` <- ``process_worker`` <- ``process_engine``.
+The block is file-descriptor backed (``_core.shm.shared_bytes``): nothing named is left in /dev/shm; the futex
+waits are ``_core.shm.Futex``'s, the same as the shared-memory transport's.
+Layer: ``_core.shm``, ``process_slots`` <- ``process_mailbox`` <- ``process_worker`` <- ``process_engine``.
 """
 from __future__ import annotations
 
 import ctypes
 import io
 import pickle
-import platform
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,8 +31,8 @@ import torch
 import torch.multiprocessing  # noqa: F401  (torch's reductions: the pickler below must know them)
 
 from .._core.buffers import bytes_to_tensor, tensor_to_bytes
+from .._core.shm import Futex, shared_bytes
 from .process_messages import Codec
-from .process_slots import shared_bytes
 
 CALLER, WORKER = 0, 1
 _COUNTER = (0, 64)  # byte offset of each side's counter: cache lines of their own
@@ -42,23 +40,7 @@ _STOP = 128
 _LENGTH = (192, 200)  # int64: the length of each side's current message
 _HEADER = 4096
 _AREA = 1 << 16  # bytes per side's message area; bigger messages are spilled
-_SPIN_S = 100e-6  # polling the peer's counter before sleeping (as collectives.shm.segment)
-_SLICE_S = 0.05
-_SYS_FUTEX = {"x86_64": 202, "amd64": 202, "aarch64": 98, "arm64": 98}.get(platform.machine().lower())
-_FUTEX_WAIT, _FUTEX_WAKE = 0, 1
 _PICKLE = pickle.PROTO[0]  # the first byte of every pickle this side makes (protocol 2 and up)
-
-
-class _Timespec(ctypes.Structure):
-    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
-
-
-def _syscall() -> Any:
-    fn = ctypes.CDLL(None, use_errno=True).syscall  # CDLL: the interpreter lock is released during the call
-    fn.restype = ctypes.c_long
-    fn.argtypes = [ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p,
-                   ctypes.c_long]
-    return fn
 
 
 @dataclass
@@ -77,9 +59,7 @@ class Mailbox:
     passes ``block`` to the worker, which opens its side with ``Mailbox(block, WORKER)``."""
 
     def __init__(self, block: torch.Tensor | None = None, side: int = CALLER) -> None:
-        if _SYS_FUTEX is None:
-            raise RuntimeError(f"DataParallel(engine='process') needs Linux futexes; machine {platform.machine()!r} "
-                               "is not known")
+        self._futex = Futex("DataParallel(engine='process')")
         self.block = shared_bytes(_HEADER + 2 * _AREA).zero_() if block is None else block
         self.side = side
         self._base = self.block.data_ptr()
@@ -87,11 +67,9 @@ class Mailbox:
         self._theirs = ctypes.c_uint32.from_address(self._base + _COUNTER[1 - side])
         self._stop = ctypes.c_uint32.from_address(self._base + _STOP)
         self._lengths = [ctypes.c_int64.from_address(self._base + at) for at in _LENGTH]
-        self._futex = _syscall()
         # one pickler for every message: ForkingPickler.dumps would copy its dispatch table each time
         self._buffer = io.BytesIO()
         self._pickler = ForkingPickler(self._buffer, pickle.HIGHEST_PROTOCOL)
-        self._timespec = _Timespec(0, int(_SLICE_S * 1e9))
         self._codec = Codec()  # a training loop's repeated step messages cross as a few bytes, unpickled
         self._mine_address = ctypes.addressof(self._mine)
         self.posted = 0  # messages this side has posted
@@ -109,7 +87,7 @@ class Mailbox:
         self._lengths[self.side].value = len(data)
         self.posted += 1
         self._mine.value = self.posted & 0xFFFFFFFF
-        self._futex(_SYS_FUTEX, self._mine_address, _FUTEX_WAKE, 1, None, None, 0)
+        self._futex.wake(self._mine_address, 1)
 
     def _pickle(self, message: Any) -> bytes:
         self._buffer.seek(0)
@@ -139,28 +117,24 @@ class Mailbox:
         return message
 
     def wait(self, check: Callable[[], None], deadline: float | None = None) -> None:
-        """Wait until ``ready()``; see ``receive``."""
+        """Wait until ``ready()``; see ``receive``. Polls without yielding the core (on a busy machine a yield gives
+        away a whole time slice), then sleeps on the other side's counter."""
         if self.ready():
             return
-        spin_end = time.perf_counter() + _SPIN_S
-        while time.perf_counter() < spin_end:  # no sched_yield(): on a busy machine it gives away a whole slice
-            if self.ready():
-                return
-        address = ctypes.addressof(self._theirs)
-        while True:
+        target = (self.read + 1) & 0xFFFFFFFF
+
+        def between() -> None:
             if self.side == WORKER and self._stop.value:
                 raise Stopped
-            seen = self._theirs.value
             if self.ready():
                 return
-            self._futex(_SYS_FUTEX, address, _FUTEX_WAIT, seen, ctypes.addressof(self._timespec), None, 0)
-            if self.ready():
-                return
-            check()  # woken by the slice's end (or a signal): the peer may be gone
+            check()  # the peer may be gone
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError
+
+        self._futex.wait(self._theirs, lambda v: (v - target) & 0x80000000 == 0, between, yield_core=False)
 
     def stop(self) -> None:
         """(Caller) set the stop word and wake the worker: it leaves its wait for the next request."""
         self._stop.value = 1
-        self._futex(_SYS_FUTEX, self._base + _COUNTER[CALLER], _FUTEX_WAKE, 1, None, None, 0)
+        self._futex.wake(self._base + _COUNTER[CALLER], 1)

@@ -8,7 +8,7 @@ what must outlive the next message. The buffer itself crosses only when it is cr
 get a buffer of their own per worker, laid out once when the workers start (``layout``), one slot per parameter.
 Tensors that are not plain dense CPU tensors (sparse, quantized, subclasses, PackedSequence) are left in the message
 and pickled as before.
-Layer: ``process_slots`` <- ``process_worker`` <- ``process_engine``.
+Layer: ``_core.shm`` (the shared buffers) <- ``process_slots`` <- ``process_worker`` <- ``process_engine``.
 """
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from .._core.shm import shared_bytes
 
 ALIGN = 64  # bytes: every slot starts on a cache line, so any dtype's view of the byte buffer is aligned
 
@@ -49,11 +51,6 @@ def view(buffer: torch.Tensor, slot: Slot) -> torch.Tensor:
     """The tensor ``slot`` describes, as a view of ``buffer`` (no copy)."""
     nbytes = math.prod(slot.shape) * slot.dtype.itemsize
     return buffer[slot.offset:slot.offset + nbytes].view(slot.dtype).view(slot.shape)
-
-
-def shared_bytes(size: int) -> torch.Tensor:
-    """A byte buffer in shared memory (file-descriptor backed: nothing named is left in /dev/shm)."""
-    return torch.empty(size, dtype=torch.uint8).share_memory_()
 
 
 class Arena:
