@@ -56,7 +56,7 @@ def view(buffer: torch.Tensor, slot: Slot) -> torch.Tensor:
 class Arena:
     """One direction's buffer for one worker; it grows, and must then be sent again, only when a step needs more.
     The slots and their views are kept per structure (the shapes and dtypes of one pack's tensors), so that a loop
-    alternating forward and backward messages gets the same ``Slot`` objects each step (``process_messages`` sends
+    alternating forward and backward messages gets the same ``Slot`` objects each step (``process_mailbox`` sends
     a message whose slots are the last one's in compact form). Every layout starts at offset 0: only one message
     per direction is in flight, and its receiver reads (or copies) it before answering."""
 

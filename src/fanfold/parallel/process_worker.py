@@ -31,8 +31,7 @@ from torch import nn
 from .._core.shm import alive
 from .._core.tree import Spec, flatten, unflatten
 from .parallel_backward import _alias_parameters, _tensor, _with_tensor
-from .process_mailbox import WORKER, Mailbox, Stopped
-from .process_messages import Backward, Failure, Forward, Gradients, Outputs, Ready
+from .process_mailbox import WORKER, Backward, Failure, Forward, Gradients, Mailbox, Outputs, Ready, Stopped
 from .process_slots import Arena, Slot, unpack, view
 
 

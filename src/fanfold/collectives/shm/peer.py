@@ -133,7 +133,7 @@ class PeerReader:
         self._compress: torch.dtype | None = None
         self._pre: float | None = None
         self.rows = self._tables[0].shape[0]  # tensors a round takes
-        self.unsettled: int | None = None  # step after which peers may still read this rank's table (scatter.py)
+        self.unsettled: int | None = None  # step after which peers may still read this rank's table (scatter_tensors)
 
     def run(self, tensors: list[torch.Tensor], describe: Callable, check: Callable[[], None], settle: bool,
             compress: torch.dtype | None = None, pre_divisor: float | None = None) -> None:

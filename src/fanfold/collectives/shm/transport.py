@@ -126,6 +126,8 @@ class ShmTransport(Exchanges):
         if self.world_size == 1:
             if divisor is not None:
                 tensor.div_(divisor)
+            if finish is not None:
+                finish()
             return _completed(tensor)
         nbytes = 0 if flat is None else flat.numel() * flat.element_size()
         if op == ALL_REDUCE and back is None and self._reads_peers(nbytes):
