@@ -62,15 +62,20 @@ class Futex:
     def wait(self, word: Any, reached: Callable[[int], bool], check: Callable[[], float | None], *,
              yield_core: bool) -> None:
         """Return once ``reached(word.value)`` (``word``: a ``ctypes.c_uint32`` in shared memory). Polls for a few
-        microseconds (``yield_core``: giving the core to a runnable thread on each poll), then sleeps in the kernel
-        on the word. ``check()`` runs before each sleep: it raises to give up (a deadline, a dead peer) and returns
-        the most seconds the next sleep may last (None: the default slice of 50 ms)."""
+        microseconds (``yield_core``: giving the core to a runnable thread on each poll), then
+        :meth:`sleep_until`."""
         spin_end = time.perf_counter() + SPIN_S
         while time.perf_counter() < spin_end:
             if reached(word.value):
                 return
             if yield_core:
                 os.sched_yield()  # runnable threads (the computing one) get the core; otherwise returns at once
+        self.sleep_until(word, reached, check)
+
+    def sleep_until(self, word: Any, reached: Callable[[int], bool], check: Callable[[], float | None]) -> None:
+        """Sleep in the kernel on ``word`` until ``reached(word.value)``. ``check()`` runs before each sleep: it
+        raises to give up (a deadline, a dead peer) and returns the most seconds the next sleep may last (None: the
+        default slice of 50 ms)."""
         address = ctypes.addressof(word)
         while True:
             seen = word.value

@@ -255,15 +255,16 @@ class Mailbox:
         if self.ready():
             return
         target = (self.read + 1) & 0xFFFFFFFF
+        slept = []  # check() runs only once a sleep has ended without the message: a peer gone is rare
 
         def between() -> None:
             if self.side == WORKER and self._stop.value:
                 raise Stopped
-            if self.ready():
-                return
-            check()  # the peer may be gone
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError
+            if slept:
+                check()
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError
+            slept.append(True)
 
         self._futex.wait(self._theirs, lambda v: (v - target) & 0x80000000 == 0, between, yield_core=False)
 
