@@ -30,8 +30,8 @@ import torch.distributed as dist
 
 from . import forms
 from .select import ENV_VAR
-from .shm.host import host_key
 from .shm.request import DTYPES
+from .shm.segment import host_key
 from .shm.transport import ShmTransport
 from .splits import all_to_all_counts, unflatten
 from .store import StoreGroup
@@ -197,8 +197,8 @@ class FanfoldProcessGroup(dist.ProcessGroup):
     # The implementations: each falls back to gloo with the same arguments.
 
     def _allreduce(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
-        # The latency path first, with as few checks as make it safe (run_small checks the tensor): a small SUM, or
-        # AVG of floating point, summed on this thread when nothing is queued.
+        # The latency path, tried once, with as few checks as make it safe (run_small checks the tensor): a small
+        # SUM, or AVG of floating point, summed on this thread when nothing is queued. Anything else is queued.
         if len(tensors) == 1 and self._decided and self._shm is not None:
             t, op = tensors[0], opts.reduceOp
             try:
@@ -214,15 +214,7 @@ class FanfoldProcessGroup(dist.ProcessGroup):
             return self.gloo.allreduce(tensors, opts)
         divisor = self.size() if op == "avg" else None
         # detach: collectives write a tensor's data whatever autograd thinks of it (a Parameter), as gloo does
-        tensor = tensors[0].detach()
-        if op in ("sum", "avg"):
-            try:
-                if shm.run_small(tensor, divisor):  # the first fast collective, small, nothing queued
-                    return completed_work(tensors)
-            except Exception as exc:  # noqa: BLE001
-                return failed_work(exc, tensors)
-        # inline: a small tensor is reduced on this thread when nothing is queued
-        work = shm.all_reduce(tensor, divisor=divisor, inline=True, op=_shm_op(op))
+        work = shm.all_reduce(tensors[0].detach(), divisor=divisor, op=_shm_op(op))
         return FanfoldWork(work.get_future(), tensors)
 
     def _allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from .._core.devices import accelerator_type
 from .._core.group import require_initialized
 from .protocol import TransportOwner
-from .shm.host import host_key
+from .shm.segment import host_key
 from .shm.transport import ShmTransport
 from .store import group_store
 from .transport import TorchTransport

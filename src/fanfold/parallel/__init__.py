@@ -3,7 +3,7 @@
 ``comm`` (broadcast, scatter, gather, reduce-add between devices) <- ``functions`` (their autograd duals) <-
 ``scatter_gather`` (nested inputs) and ``replicate`` <- ``parallel_apply`` (the replicas' forward on a persistent
 pool) <- ``parallel_backward`` (their backward, concurrently) <- ``process_slots`` (shared-memory slots) <-
-``process_mailbox`` (futex hand-offs) <- ``process_worker`` <- ``process_remote`` / ``process_start`` <-
+``process_mailbox`` (messages, futex hand-offs) <- ``process_worker`` <- ``process_remote`` / ``process_start`` <-
 ``process_engine`` (replica 0 in the caller, the others in worker processes, ``engine="process"``) <-
 ``data_parallel`` (the four verbs composed).
 May import ``fanfold._core`` and ``fanfold.collectives``; never ``distributed``, ``training`` or the CLI.

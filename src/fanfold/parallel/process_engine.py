@@ -36,11 +36,12 @@ import torch
 import torch.multiprocessing  # noqa: F401  (registers the reductions that send tensors through shared memory)
 from torch import nn
 
+from .._core.shm import shared_bytes
 from .._core.tree import flatten, unflatten
 from .parallel_backward import _tensor, _with_tensor
 from .process_mailbox import Mailbox
 from .process_remote import Remote, Step
-from .process_slots import Arena, layout, shared_bytes, unpack, view
+from .process_slots import Arena, layout, unpack, view
 from .process_start import start_context, stop_workers, structure
 from .process_worker import Failure, Forward, Outputs, Ready, Replica, replica_of, run_forward, worker_main
 from .replicate import replicate

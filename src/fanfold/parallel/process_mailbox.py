@@ -1,31 +1,21 @@
-"""The process engine's mailboxes: one per worker, one message each way, handed over in shared memory with futexes.
-
-The caller and a worker alternate strictly (the caller posts a request, the worker answers it, and neither posts
-again before it has read the other's message), so one small block of shared memory per worker is enough: a counter
-of the messages each side has posted (each on a cache line of its own), a stop word, the two messages' lengths, and
-an area for each side's message. A step's repeated messages cross in a compact form (``process_messages.Codec``);
-any other message is pickled with multiprocessing's ``ForkingPickler``, so that what must
-still cross as a file descriptor (a new slot buffer, a tensor that is not plain) does so through torch's reductions;
-a message too big for its area is spilled into a fresh shared buffer whose descriptor crosses instead.
-
-Waiting: some microseconds of polling the peer's counter (its answer is often that close), then sleeping in the
-kernel on it (futex: no CPU taken from the processes that compute), waking every 50 ms to run a check (is the peer's
-process still there?) and to look at the stop word and the deadline. A pipe round trip costs two system calls and
-a poll() per message; a futex hand-off costs a store and one wake-up call, and none when the peer is already there.
-The block is file-descriptor backed (``share_memory_()``): nothing named is left in /dev/shm. Linux only; as
-``collectives.shm.segment``, it relies on stores becoming visible in program order (x86-64): a peer that sees the
-counter also sees the message written before it.
-Layer: ``process_slots`` <- ``process_mailbox`` <- ``process_worker`` <- ``process_engine``.
+"""The process engine's messages (small dataclasses) and its mailboxes: one per worker, one message each way, in a
+block of fd-backed shared memory with a counter per side, woken through ``_core.shm.Futex`` (the transport's futex
+waits: polling a few microseconds, then bounded sleeps that check the peer's process, the stop word and the
+deadline). Caller and worker alternate strictly, so one area per side suffices. A step's repeated messages
+(``Forward``, ``Outputs``, ``Backward``, ``Gradients`` of the same structure) cross as a few bytes (:class:`Codec`);
+anything else is pickled with ``ForkingPickler`` (what must cross as a file descriptor does), spilled into a
+shared buffer of its own when too big for its area.
+Layer: ``_core.shm``, ``process_slots`` <- ``process_mailbox`` <- ``process_worker`` <- ``process_engine``.
 """
 from __future__ import annotations
 
 import ctypes
 import io
 import pickle
-import platform
+import struct
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
@@ -33,8 +23,149 @@ import torch
 import torch.multiprocessing  # noqa: F401  (torch's reductions: the pickler below must know them)
 
 from .._core.buffers import bytes_to_tensor, tensor_to_bytes
-from .process_messages import Codec
-from .process_slots import shared_bytes
+from .._core.shm import Futex, shared_bytes
+from .._core.tree import Spec
+from .process_slots import Slot
+
+
+@dataclass
+class Forward:
+    step: int
+    leaves: list  # the replica's flattened (args, kwargs), tensors detached
+    spec: Spec
+    differentiable: list[int]  # positions in ``leaves`` whose gradient the caller wants
+    grad: bool  # the caller's grad mode
+    training: list[bool]  # module.training of every submodule, in modules() order
+    release: list[int] = field(default_factory=list)  # steps whose graph the caller has dropped
+    arena: torch.Tensor | None = None  # the caller's slot buffer for this worker, when new
+
+
+@dataclass
+class Backward:
+    step: int
+    grads: list  # one per output tensor (its Slot), None where the caller has none
+    arena: torch.Tensor | None = None
+
+
+@dataclass
+class Ready:
+    index: int
+    pid: int
+
+
+@dataclass
+class Outputs:
+    leaves: list  # the output flattened, tensors as Slots of the worker's buffer
+    spec: Spec
+    arena: torch.Tensor | None = None  # the worker's slot buffer, when new
+
+
+@dataclass
+class Gradients:
+    # per parameter that requires grad: True where its gradient slot holds it, None where unused, or the gradient
+    # itself where it is not dense (sparse: nn.Embedding(sparse=True)), pickled
+    parameters: list
+    inputs: list  # one per ``Forward.differentiable`` position: a Slot, or None
+    arena: torch.Tensor | None = None
+
+
+@dataclass
+class Failure:
+    index: int
+    kind: str  # the exception's type name
+    message: str
+    traceback: str
+
+
+_TAGS = {Forward: 1, Backward: 2, Outputs: 3, Gradients: 4}
+_FORWARD = struct.Struct("<BqBI")  # tag, step, grad, number of released steps (then one int64 each)
+_BACKWARD = struct.Struct("<Bq")  # tag, step
+_RELEASED = struct.Struct("<q")
+_SCALARS = (Slot, type(None), bool, int, float, str)  # leaves that are the same value when they are the same object
+
+
+def _plain_spec(spec: Spec) -> bool:
+    """Whether ``spec`` compares by value: no instance kept as a template (a dataclass, a dict subclass)."""
+    return all(node.template is None or isinstance(node.template, type) for node in spec.nodes)
+
+
+def _scalars(leaves: list) -> bool:
+    return all(type(v) in _SCALARS for v in leaves)
+
+
+def _same(leaves: list, last: list) -> bool:
+    return len(leaves) == len(last) and all(a is b for a, b in zip(leaves, last))
+
+
+def _repeats(msg: Any, last: Any) -> bool:
+    """Whether ``msg`` has the structure of ``last`` (a template: checked by ``_template``), its numbers aside."""
+    if msg.arena is not None:
+        return False
+    if type(msg) is Forward:
+        return (_same(msg.leaves, last.leaves) and msg.training == last.training
+                and msg.differentiable == last.differentiable and msg.spec == last.spec)
+    if type(msg) is Outputs:
+        return _same(msg.leaves, last.leaves) and msg.spec == last.spec
+    if type(msg) is Backward:
+        return _same(msg.grads, last.grads)
+    return _same(msg.inputs, last.inputs) and msg.parameters == last.parameters
+
+
+def _template(msg: Any) -> bool:
+    """Whether later messages may repeat ``msg``: its leaves and spec compare by identity and value."""
+    if type(msg) in (Forward, Outputs):
+        return _scalars(msg.leaves) and _plain_spec(msg.spec)
+    if type(msg) is Backward:
+        return _scalars(msg.grads)
+    return _scalars(msg.inputs) and all(p is True or p is None for p in msg.parameters)
+
+
+class Codec:
+    """One mailbox side's memory of the last full message of each kind, sent and received."""
+
+    def __init__(self) -> None:
+        self._sent: dict[type, Any] = {}
+        self._got: dict[type, Any] = {}
+
+    def encode(self, msg: Any) -> bytes | None:
+        """``msg`` in compact form when it repeats the last one of its kind sent, else None (pickle it)."""
+        last = self._sent.get(type(msg))
+        if last is None or not _repeats(msg, last):
+            return None
+        if type(msg) is Forward:
+            return _FORWARD.pack(1, msg.step, msg.grad, len(msg.release)) + b"".join(
+                _RELEASED.pack(s) for s in msg.release)
+        if type(msg) is Backward:
+            return _BACKWARD.pack(2, msg.step)
+        return bytes((_TAGS[type(msg)],))
+
+    def sent(self, msg: Any) -> None:
+        """``msg`` was posted in full: it is the template of its kind from now on (or none, if it cannot be one)."""
+        if type(msg) in _TAGS:
+            self._sent[type(msg)] = msg if _template(msg) else None
+
+    def got(self, msg: Any) -> None:
+        """``msg`` was received in full: the receiver's template of its kind."""
+        if type(msg) in _TAGS:
+            self._got[type(msg)] = msg
+
+    def decode(self, data: bytes) -> Any:
+        """The message a compact ``data`` stands for."""
+        tag = data[0]
+        if tag == 1:
+            _, step, grad, n = _FORWARD.unpack_from(data)
+            t = self._got[Forward]
+            release = [_RELEASED.unpack_from(data, _FORWARD.size + 8 * k)[0] for k in range(n)]
+            return Forward(step, t.leaves, t.spec, t.differentiable, bool(grad), t.training, release)
+        if tag == 2:
+            t = self._got[Backward]
+            return Backward(_BACKWARD.unpack_from(data)[1], t.grads)
+        if tag == 3:
+            t = self._got[Outputs]
+            return Outputs(t.leaves, t.spec)
+        t = self._got[Gradients]
+        return Gradients(t.parameters, t.inputs)
+
 
 CALLER, WORKER = 0, 1
 _COUNTER = (0, 64)  # byte offset of each side's counter: cache lines of their own
@@ -42,23 +173,7 @@ _STOP = 128
 _LENGTH = (192, 200)  # int64: the length of each side's current message
 _HEADER = 4096
 _AREA = 1 << 16  # bytes per side's message area; bigger messages are spilled
-_SPIN_S = 100e-6  # polling the peer's counter before sleeping (as collectives.shm.segment)
-_SLICE_S = 0.05
-_SYS_FUTEX = {"x86_64": 202, "amd64": 202, "aarch64": 98, "arm64": 98}.get(platform.machine().lower())
-_FUTEX_WAIT, _FUTEX_WAKE = 0, 1
 _PICKLE = pickle.PROTO[0]  # the first byte of every pickle this side makes (protocol 2 and up)
-
-
-class _Timespec(ctypes.Structure):
-    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
-
-
-def _syscall() -> Any:
-    fn = ctypes.CDLL(None, use_errno=True).syscall  # CDLL: the interpreter lock is released during the call
-    fn.restype = ctypes.c_long
-    fn.argtypes = [ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p,
-                   ctypes.c_long]
-    return fn
 
 
 @dataclass
@@ -77,9 +192,7 @@ class Mailbox:
     passes ``block`` to the worker, which opens its side with ``Mailbox(block, WORKER)``."""
 
     def __init__(self, block: torch.Tensor | None = None, side: int = CALLER) -> None:
-        if _SYS_FUTEX is None:
-            raise RuntimeError(f"DataParallel(engine='process') needs Linux futexes; machine {platform.machine()!r} "
-                               "is not known")
+        self._futex = Futex("DataParallel(engine='process')")
         self.block = shared_bytes(_HEADER + 2 * _AREA).zero_() if block is None else block
         self.side = side
         self._base = self.block.data_ptr()
@@ -87,11 +200,9 @@ class Mailbox:
         self._theirs = ctypes.c_uint32.from_address(self._base + _COUNTER[1 - side])
         self._stop = ctypes.c_uint32.from_address(self._base + _STOP)
         self._lengths = [ctypes.c_int64.from_address(self._base + at) for at in _LENGTH]
-        self._futex = _syscall()
         # one pickler for every message: ForkingPickler.dumps would copy its dispatch table each time
         self._buffer = io.BytesIO()
         self._pickler = ForkingPickler(self._buffer, pickle.HIGHEST_PROTOCOL)
-        self._timespec = _Timespec(0, int(_SLICE_S * 1e9))
         self._codec = Codec()  # a training loop's repeated step messages cross as a few bytes, unpickled
         self._mine_address = ctypes.addressof(self._mine)
         self.posted = 0  # messages this side has posted
@@ -109,7 +220,7 @@ class Mailbox:
         self._lengths[self.side].value = len(data)
         self.posted += 1
         self._mine.value = self.posted & 0xFFFFFFFF
-        self._futex(_SYS_FUTEX, self._mine_address, _FUTEX_WAKE, 1, None, None, 0)
+        self._futex.wake(self._mine_address, 1)
 
     def _pickle(self, message: Any) -> bytes:
         self._buffer.seek(0)
@@ -139,28 +250,25 @@ class Mailbox:
         return message
 
     def wait(self, check: Callable[[], None], deadline: float | None = None) -> None:
-        """Wait until ``ready()``; see ``receive``."""
+        """Wait until ``ready()``; see ``receive``. Polls without yielding the core (on a busy machine a yield gives
+        away a whole time slice), then sleeps on the other side's counter."""
         if self.ready():
             return
-        spin_end = time.perf_counter() + _SPIN_S
-        while time.perf_counter() < spin_end:  # no sched_yield(): on a busy machine it gives away a whole slice
-            if self.ready():
-                return
-        address = ctypes.addressof(self._theirs)
-        while True:
+        target = (self.read + 1) & 0xFFFFFFFF
+        slept = []  # check() runs only once a sleep has ended without the message: a peer gone is rare
+
+        def between() -> None:
             if self.side == WORKER and self._stop.value:
                 raise Stopped
-            seen = self._theirs.value
-            if self.ready():
-                return
-            self._futex(_SYS_FUTEX, address, _FUTEX_WAIT, seen, ctypes.addressof(self._timespec), None, 0)
-            if self.ready():
-                return
-            check()  # woken by the slice's end (or a signal): the peer may be gone
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError
+            if slept:
+                check()
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError
+            slept.append(True)
+
+        self._futex.wait(self._theirs, lambda v: (v - target) & 0x80000000 == 0, between, yield_core=False)
 
     def stop(self) -> None:
         """(Caller) set the stop word and wake the worker: it leaves its wait for the next request."""
         self._stop.value = 1
-        self._futex(_SYS_FUTEX, self._base + _COUNTER[CALLER], _FUTEX_WAKE, 1, None, None, 0)
+        self._futex.wake(self._base + _COUNTER[CALLER], 1)

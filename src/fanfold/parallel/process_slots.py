@@ -8,7 +8,7 @@ what must outlive the next message. The buffer itself crosses only when it is cr
 get a buffer of their own per worker, laid out once when the workers start (``layout``), one slot per parameter.
 Tensors that are not plain dense CPU tensors (sparse, quantized, subclasses, PackedSequence) are left in the message
 and pickled as before.
-Layer: ``process_slots`` <- ``process_worker`` <- ``process_engine``.
+Layer: ``_core.shm`` (the shared buffers) <- ``process_slots`` <- ``process_worker`` <- ``process_engine``.
 """
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from .._core.shm import shared_bytes
 
 ALIGN = 64  # bytes: every slot starts on a cache line, so any dtype's view of the byte buffer is aligned
 
@@ -74,15 +76,10 @@ def view(buffer: torch.Tensor, slot: Slot) -> torch.Tensor:
     return buffer[slot.offset:slot.offset + nbytes].view(slot.dtype).as_strided(slot.shape, slot.stride)
 
 
-def shared_bytes(size: int) -> torch.Tensor:
-    """A byte buffer in shared memory (file-descriptor backed: nothing named is left in /dev/shm)."""
-    return torch.empty(size, dtype=torch.uint8).share_memory_()
-
-
 class Arena:
     """One direction's buffer for one worker; it grows, and must then be sent again, only when a step needs more.
     The slots and their views are kept per structure (the shapes and dtypes of one pack's tensors), so that a loop
-    alternating forward and backward messages gets the same ``Slot`` objects each step (``process_messages`` sends
+    alternating forward and backward messages gets the same ``Slot`` objects each step (``process_mailbox`` sends
     a message whose slots are the last one's in compact form). Every layout starts at offset 0: only one message
     per direction is in flight, and its receiver reads (or copies) it before answering."""
 

@@ -28,10 +28,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._core.shm import alive
 from .._core.tree import Spec, flatten, unflatten
 from .parallel_backward import _alias_parameters, _tensor, _with_tensor
-from .process_mailbox import WORKER, Mailbox, Stopped
-from .process_messages import Backward, Failure, Forward, Gradients, Outputs, Ready
+from .process_mailbox import WORKER, Backward, Failure, Forward, Gradients, Mailbox, Outputs, Ready, Stopped
 from .process_slots import Arena, Slot, unpack, view
 
 
@@ -147,15 +147,7 @@ def _backward(msg: Backward, graphs: dict, io: _Buffers) -> Gradients:
 
 def _check_caller(pid: int) -> None:
     """Raise OSError once the caller's process is gone (a zombie, killed but not yet reaped, counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rpartition(")")[2].split()[0]
-    except FileNotFoundError:
-        raise ProcessLookupError(pid) from None
-    except OSError:  # no /proc: signal 0 tells whether the process exists
-        os.kill(pid, 0)
-        return
-    if state in ("Z", "X"):
+    if not alive(pid):
         raise ProcessLookupError(pid)
 
 

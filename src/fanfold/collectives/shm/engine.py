@@ -1,9 +1,10 @@
-"""The algorithms of the shared-memory transport: all_reduce, broadcast and barrier as numbered steps over the
-ring of areas of a :class:`~fanfold.collectives.shm.segment.Segment` (all_gather, reduce_scatter and all_to_all
-are in ``exchange.py``, on the same steps).
+"""The shared-memory transport's ring: all_reduce, broadcast, barrier, all_gather, reduce_scatter and all_to_all as
+numbered steps over the ring of areas of a :class:`~fanfold.collectives.shm.segment.Segment` (each rank writes its
+slot, then reads what its peers wrote), the small all_reduce on the caller's thread, and the rank-ordered folds
+that every algorithm sums with; the peer reads (``peer.py``) are dispatched from here too.
 
-Layer: between ``segment.py`` (memory, counters, bounded waits) and ``thread.py`` / ``transport.py`` (the thread
-that runs it, the transport that queues collectives). An :class:`Engine` runs on one thread at a time.
+Layer: between ``segment.py`` / ``peer.py`` and ``thread.py`` (the thread that runs it). An :class:`Engine` runs on
+one thread at a time.
 """
 from __future__ import annotations
 
@@ -14,32 +15,51 @@ from typing import Any
 
 import torch
 
-from .exchange import run_exchange
-from .gather import gather_from_peers
-from .peer import PeerReader
-from .reduce_ops import SUM, combine
+from .peer import PeerReader, gather_from_peers, scatter_tensors
 from .request import (
     ALL_GATHER,
     ALL_REDUCE,
     ALL_TO_ALL,
     BARRIER,
+    DTYPES,
     GATHER_PEERS,
     HEADER_BYTES,
-    REDUCE_INTO,
+    MAX,
+    MIN,
+    PRODUCT,
     REDUCE_SCATTER,
     REDUCE_TENSORS,
     SCATTER_TENSORS,
-    SHARED_ALL_REDUCE,
+    SUM,
     Collective,
     Header,
     HeaderWords,
 )
-from .scatter import scatter_tensors
 from .segment import Segment
 
-__all__ = ["Engine"]
+__all__ = ["Engine", "combine"]
 
 _DESC = 16  # in a rank's line (after counter and pid), the headers of its current collective, by seq parity
+_FOLD = {MIN: torch.minimum, MAX: torch.maximum, PRODUCT: torch.mul}
+_HALVES = (torch.bfloat16, torch.float16)
+
+
+def combine(parts: list[torch.Tensor], out: torch.Tensor, op: int, scratch: torch.Tensor) -> None:
+    """``out`` = ``parts[0]`` op ``parts[1]`` op ... in rank order, for op MIN, MAX or PRODUCT. ``out`` may be one
+    of ``parts`` (a rank's own copy in shared memory); ``scratch``: float32 memory for at least ``out.numel()``
+    values. MIN and MAX are exact in any dtype (a NaN on any rank gives NaN, as ``torch.minimum``); PRODUCT rounds
+    like the sum: several half-precision values are multiplied in float32 and rounded once."""
+    fold = _FOLD[op]
+    if op == PRODUCT and out.dtype in _HALVES and len(parts) > 2:
+        acc, rest = scratch[: out.numel()].copy_(parts[0]), parts[1:]  # several halves: in float32, rounded once
+    elif any(p.data_ptr() == out.data_ptr() for p in parts[2:]):
+        acc, rest = fold(parts[0], parts[1]), parts[2:]  # out is a later rank's own copy: read it before writing it
+    else:
+        acc, rest = fold(parts[0], parts[1], out=out), parts[2:]
+    for p in rest:
+        fold(acc, p, out=acc)
+    if acc is not out:
+        out.copy_(acc)
 
 
 class Engine:
@@ -51,17 +71,19 @@ class Engine:
     rank runs up to 5 steps ahead of a descheduled peer: the two take turns in bursts, not at every chunk.
     """
 
-    def __init__(self, segment: Segment, rank: int, world_size: int, chunk_bytes: int, direct_bytes: int,
-                 areas: int, tables: torch.Tensor | None = None):
+    def __init__(self, segment: Segment, rank: int, world_size: int, chunk_bytes: int, areas: int,
+                 tables: torch.Tensor | None = None):
         """``tables``: the peer-read tables' memory in the segment, when every rank may read its peers' memory
-        (op REDUCE_TENSORS, ``shm_peer.py``); None otherwise."""
+        (``peer.py``); None otherwise."""
         self.seg, self.rank, self.n = segment, rank, world_size
-        self.chunk_bytes, self.direct_bytes, self.areas = chunk_bytes, direct_bytes, areas
+        self.chunk_bytes, self.areas = chunk_bytes, areas
         self._views: dict[torch.dtype, list] = {}
         self.written: list[Header | None] = [None, None]  # the latency path's header in place, by seq parity
+        self._small: dict[tuple, tuple] = {}  # the latency path's (area, dtype, shape) -> (slot views, header)
+        self._seen = 0  # every peer's count had reached this at the last small all_reduce
         self._scratch = torch.empty(chunk_bytes // 2, dtype=torch.float32)  # a chunk of half values, widened
         self._divisor = None  # of the collective being run: its sums are divided while the chunk is in cache
-        self._reduce = SUM  # of the collective being run: what sum_into computes (reduce_ops.py)
+        self._reduce = SUM  # of the collective being run: what sum_into computes (request.py)
         self._peer = None if tables is None else PeerReader(segment, rank, world_size, tables, chunk_bytes,
                                                             self.sum_into)
         # Parity: a rank rewrites descriptor seq % 2 only after the first step of seq + 1 completed, which its peers
@@ -73,6 +95,7 @@ class Engine:
         """Drop this engine's views of the segment (they would keep it mapped: ``Segment.close``); the peer reader
         goes too, which also breaks its reference cycle through ``sum_into``. The engine runs nothing after this."""
         self._views.clear()
+        self._small.clear()
         self._peer = None
 
     def step(self, dtype: torch.dtype, describe: Callable) -> tuple[int, list[torch.Tensor], torch.Tensor]:
@@ -138,10 +161,8 @@ class Engine:
                 same = replace(theirs, place=mine.place) == mine
                 if theirs.reduce != mine.reduce:
                     what += f" (op {theirs.reduce_name()}; rank {self.rank}'s: {mine.reduce_name()})"
-                elif same and mine.op in (REDUCE_TENSORS, SCATTER_TENSORS):
+                elif same:  # REDUCE_TENSORS, SCATTER_TENSORS: as many tensors
                     what += f" as {theirs.place} tensors (rank {self.rank}: {mine.place})"
-                elif same:  # a shared all_reduce of another place in the buckets' memory
-                    what += f" at {theirs.place & ((1 << 40) - 1)} bytes into region {theirs.place >> 40}"
                 raise RuntimeError(
                     f"fanfold shm transport: rank {self.rank} is in {describe()[0]} but rank {p} is in "
                     f"{what}: every rank must issue the same collectives, with the same "
@@ -154,17 +175,15 @@ class Engine:
         # all_to_all's lengths may differ by rank: its first step checks every pair of splits instead
         peer = op in (REDUCE_TENSORS, SCATTER_TENSORS)  # c.outs: the tensors, read where they lie
         numel = (sum(t.numel() for t in c.outs) if peer else 0 if flat is None or op == ALL_TO_ALL else flat.numel())
-        place = len(c.outs) if peer else c.shared[1] if c.shared is not None else 0
+        place = len(c.outs) if peer else 0
         header = Header.of(c, numel, place)
         header.write(self._desc[self.rank][seq & 1])
         self.written[seq & 1] = None
         cap = self.chunk_bytes // (flat.element_size() if flat is not None else 1)
-        if op == SHARED_ALL_REDUCE:
-            cap *= self.n  # a chunk holds one shard of chunk_bytes per rank
         count = max(1, -(-numel // cap))
         where = f"#{seq}" + ("" if c.bucket is None else f" (bucket {c.bucket})")
         if op in (ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL):
-            run_exchange(self, c, header, where)
+            _EXCHANGES[op](self, c, header, where)
             return
 
         def describe(i: int) -> Callable:
@@ -177,9 +196,6 @@ class Engine:
             self.seg.wait_all(self.seg.arrive(), describe(0))
             self.check(seq, header, describe(0))
             return
-        if op == SHARED_ALL_REDUCE:
-            self._shared_all_reduce(c.shared[0], cap, describe, (seq, header))
-            return
         if peer:
             check = lambda: self.check(seq, header, describe(0))  # noqa: E731
             if op == REDUCE_TENSORS:
@@ -187,11 +203,8 @@ class Engine:
             else:
                 scatter_tensors(self._peer, c.outs, c.out, describe, check, c.settle, *(c.compress or ()))
             return
-        if op == REDUCE_INTO:
-            self._reduce_into(c.shared[0], c.outs, cap, describe, (seq, header))
-            return
         chunks = [flat[i * cap:][:cap] for i in range(count)]
-        if op == ALL_REDUCE and cap * flat.element_size() > self.direct_bytes:
+        if op == ALL_REDUCE and c.shards:
             for i, chunk in enumerate(chunks):
                 self._reduce_scatter_gather(chunk, describe(i), i == 0 and (seq, header))
             return
@@ -246,59 +259,154 @@ class Engine:
         self.seg.wait_all(g + 1, describe)
         chunk.copy_(result[:c])
 
-    def _shared_all_reduce(self, parts: list[torch.Tensor], cap: int, describe: Callable, check: tuple) -> None:
-        # Every rank's tensor is readable by all: rank r sums shard r of each chunk from all copies into its own,
-        # then copies the peers' summed shards out of theirs -- half the memory traffic of the ring (no copy in,
-        # each element summed once). Shard edges sit on cache lines, so no two writers share one.
-        mine, c = parts[self.rank], parts[0].numel()
-        align = max(1, 64 // mine.element_size())
-        per = -(-cap // self.n // align) * align
-        count = max(1, -(-c // cap))
-        start = self.seg.arrive()  # this rank's tensor is complete: peers may read it
-        self.seg.wait_all(start, describe(0))
-        self.check(*check, describe(0))
+    def run_small(self, t: torch.Tensor, divisor: float | None, seq: int, bucket: int | None) -> None:
+        """The latency path: collective number ``seq``, an all_reduce of contiguous ``t`` (at most a quarter chunk;
+        the ring's direct sum of one chunk, step for step, so a peer running ``run`` meets it) on the calling
+        thread, with nothing made per call but a closure: the slot views and the header are made once per area,
+        dtype and shape."""
+        seg, g = self.seg, self.seg.arrived
+        key = (g % self.areas, t.dtype, t.shape)
+        views = self._small.get(key)
+        if views is None:
+            if len(self._small) > 512:
+                self._small.clear()
+            m = t.numel()
+            views = self._small[key] = ([s[:m].view(t.shape) for s in self.area(t.dtype, g)[: self.n]],
+                                        Header(ALL_REDUCE, DTYPES.index(t.dtype) + 1, 0, 0, m, 0))
+        slots, header = views
+        describe = lambda: self._describe_small(header, seq, bucket)  # noqa: E731 - only called on an error
+        if g + 3 - self.areas > self._seen:  # the area's last readers (see Engine.step): seen done last time
+            seg.wait_all(g + 3 - self.areas, describe)
+        if self.written[seq & 1] is not header:  # the same small collective again: its words are in place
+            header.write(self.desc_words(seq))
+            self.written[seq & 1] = header
+        slots[self.rank].copy_(t)
+        seg.arrive()
+        seg.wait_all(g + 1, describe)
+        self._seen = g + 1
+        self.check(seq, header, describe)
+        if self.n == 2 and divisor is None:
+            torch.add(slots[0], slots[1], out=t)  # Engine.sum_into's two-part case, without its checks
+        else:
+            self.set_sum(divisor)
+            self.sum_into(slots, t)
 
-        def fetch(j: int) -> None:  # the peers' summed shards of chunk j, published at step start + j + 1
-            base = j * cap
-            for p in range(self.n):
-                lo, hi = min(c, base + p * per), min(c, base + (p + 1) * per, base + cap)
-                if p != self.rank and hi > lo:
-                    mine[lo:hi].copy_(parts[p][lo:hi])
-
-        # Summing never waits for a peer: a descheduled peer (2 cores, 4 busy threads) only delays the fetches,
-        # which are done as soon as their chunk is ready, and waited for at the end.
-        fetched = 0
-        for i in range(count):
-            lo, hi = min(c, i * cap + self.rank * per), min(c, i * cap + (self.rank + 1) * per, (i + 1) * cap)
-            if hi > lo:
-                self.sum_into([p[lo:hi] for p in parts], mine[lo:hi])
-            self.seg.arrive()
-            while fetched <= i and self.seg.reached(start + fetched + 1):
-                fetch(fetched)
-                fetched += 1
-        for j in range(fetched, count):
-            self.seg.wait_all(start + j + 1, describe(j))
-            fetch(j)
-        # A peer may still be copying this rank's shards: the caller must not touch the tensor before they are done.
-        self.seg.wait_all(self.seg.arrive(), describe(count - 1))
+    @staticmethod
+    def _describe_small(header: Header, seq: int, bucket: int | None) -> tuple:
+        where = f"#{seq}" + ("" if bucket is None else f" (bucket {bucket})")
+        return f"{header.describe()} {where}, chunk 1 of 1", seq, bucket
 
 
-    def _reduce_into(self, parts: list[torch.Tensor], outs: list[torch.Tensor], cap: int, describe: Callable,
-                     check: tuple) -> None:
-        # Every rank sums every element from all copies, in rank order, straight into its own private outputs (the
-        # parameters' .grad): nothing is written back into shared memory, nothing fetched, nothing copied out
-        # afterwards. Per rank that is N reads and one write per element, against the in-place algorithm's shard
-        # sum, fetch and the caller's copy out: fewer bytes up to 3 ranks (the transport uses it only there).
-        start = self.seg.arrive()  # this rank's copy is complete: peers may read it
-        self.seg.wait_all(start, describe(0))
-        self.check(*check, describe(0))
-        offset = 0
-        for out in outs:
-            m = out.numel()
-            for lo in range(0, m, cap):  # chunk by chunk: the division finds its chunk in cache
-                hi = min(m, lo + cap)
-                self.sum_into([p[offset + lo: offset + hi] for p in parts], out[lo:hi])
-            offset += m
-        # A peer may still be reading this rank's copy: the caller must not rewrite it before they are done.
-        self.seg.wait_all(self.seg.arrive(), describe(max(0, -(-offset // cap) - 1)))
+def _describe(header: Header, where: str, count: int, bucket: int | None, seq: int) -> Callable:
+    def describe(i: int) -> Callable:
+        return lambda: (f"{header.describe()} {where}, chunk {i + 1} of {count}", seq, bucket)
+    return describe
 
+
+def _pipeline(engine: Any, dtype: torch.dtype, count: int, write: Callable, read: Callable, describe: Callable,
+              check: Callable[[], None]) -> None:
+    # Step i + 1 is written before step i is read (look-ahead of one), as the direct all-reduce does: a rank
+    # finishes reading step x before it publishes step x + 2, the engine's rule for reusing an area.
+    def post(i: int) -> tuple[int, list[torch.Tensor]]:
+        g, slots, _ = engine.step(dtype, describe(i))
+        write(i, slots[engine.rank])
+        engine.seg.arrive()
+        return g, slots
+
+    ahead = post(0)
+    for i in range(count):
+        g, slots = ahead
+        if i + 1 < count:
+            ahead = post(i + 1)
+        engine.seg.wait_all(g + 1, describe(i))
+        if i == 0:
+            check()
+        read(i, slots)
+
+
+def _all_gather(engine: Any, c: Collective, header: Header, where: str) -> None:
+    flat, out, n = c.flat, c.out, engine.n
+    m, cap = flat.numel(), engine.chunk_bytes // flat.element_size()
+    count = max(1, -(-m // cap))
+    describe = _describe(header, where, count, c.bucket, c.seq)
+
+    def write(i: int, slot: torch.Tensor) -> None:
+        part = flat[i * cap:][:cap]
+        slot[: part.numel()].copy_(part)
+
+    # in place (flat is this rank's part of out): that part already holds what its slot would give back
+    own = flat.data_ptr() == out.data_ptr() + engine.rank * m * flat.element_size() if m else False
+
+    def read(i: int, slots: list[torch.Tensor]) -> None:
+        lo = i * cap
+        size = max(0, min(cap, m - lo))
+        for p in range(n):
+            if not (own and p == engine.rank):
+                out[p * m + lo:][:size].copy_(slots[p][:size])
+
+    _pipeline(engine, flat.dtype, count, write, read, describe, lambda: engine.check(c.seq, header, describe(0)))
+
+
+def _reduce_scatter(engine: Any, c: Collective, header: Header, where: str) -> None:
+    flat, out, n, rank = c.flat, c.out, engine.n, engine.rank
+    m = out.numel()
+    k = engine.chunk_bytes // flat.element_size() // n  # a step carries k elements of each destination's shard
+    count = max(1, -(-m // k))
+    describe = _describe(header, where, count, c.bucket, c.seq)
+
+    def write(i: int, slot: torch.Tensor) -> None:
+        lo = i * k
+        size = max(0, min(k, m - lo))
+        for q in range(n):
+            slot[q * k:][:size].copy_(flat[q * m + lo:][:size])
+
+    def read(i: int, slots: list[torch.Tensor]) -> None:
+        lo = i * k
+        size = max(0, min(k, m - lo))
+        if size:  # rank order, as an all_reduce sums this shard
+            engine.sum_into([s[rank * k:][:size] for s in slots], out[lo:][:size])
+
+    _pipeline(engine, flat.dtype, count, write, read, describe, lambda: engine.check(c.seq, header, describe(0)))
+
+
+def _all_to_all(engine: Any, c: Collective, header: Header, where: str) -> None:
+    flat, out, n, rank = c.flat, c.out, engine.n, engine.rank
+    send, recv = c.splits
+    # First step: every rank publishes what it sends to and expects from each rank, so that every rank checks
+    # every pair (and all raise the same error) before any data moves.
+    describe = _describe(header, where, 1, c.bucket, c.seq)
+    g, slots, _ = engine.step(torch.int64, describe(0))
+    slots[rank][: 2 * n].copy_(torch.tensor(list(send) + list(recv), dtype=torch.int64))
+    engine.seg.arrive()
+    engine.seg.wait_all(g + 1, describe(0))
+    engine.check(c.seq, header, describe(0))
+    table = [slots[p][: 2 * n].tolist() for p in range(n)]
+    for p in range(n):
+        for q in range(n):
+            if table[p][q] != table[q][n + p]:
+                raise RuntimeError(
+                    f"fanfold shm transport: all_to_all #{c.seq}: rank {p} sends {table[p][q]} elements to rank {q}, "
+                    f"which expects {table[q][n + p]} from it: every rank's output splits must match what the "
+                    "others send it")
+    k = engine.chunk_bytes // flat.element_size() // n  # a step carries k elements for each destination
+    count = max(-(-table[p][q] // k) for p in range(n) for q in range(n))
+    if count == 0:
+        return
+    send_at = [sum(send[:q]) for q in range(n)]
+    recv_at = [sum(recv[:p]) for p in range(n)]
+    describe = _describe(header, where, count, c.bucket, c.seq)
+
+    def write(i: int, slot: torch.Tensor) -> None:
+        for q in range(n):
+            size = max(0, min(k, send[q] - i * k))
+            slot[q * k:][:size].copy_(flat[send_at[q] + i * k:][:size])
+
+    def read(i: int, slots: list[torch.Tensor]) -> None:
+        for p in range(n):
+            size = max(0, min(k, recv[p] - i * k))
+            out[recv_at[p] + i * k:][:size].copy_(slots[p][rank * k:][:size])
+
+    _pipeline(engine, flat.dtype, count, write, read, describe, lambda: None)
+
+
+_EXCHANGES = {ALL_GATHER: _all_gather, REDUCE_SCATTER: _reduce_scatter, ALL_TO_ALL: _all_to_all}

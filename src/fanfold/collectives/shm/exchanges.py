@@ -2,7 +2,8 @@
 ``reduce_scatter_tensors``) and all_to_all: argument checks and the requests.
 
 Part of ``collectives/shm``: a base class of ``ShmTransport`` (``transport.py``), which supplies the numbering and
-the thread (``_enqueue``); the algorithms are ``exchange.py``'s, the flat views ``tensors.py``'s.
+the thread (``_enqueue``) and the choice of algorithm (``_reads_peers``); the algorithms are ``engine.py``'s (the
+ring) and ``peer.py``'s (peer reads), the flat views ``request.py``'s.
 """
 from __future__ import annotations
 
@@ -11,9 +12,20 @@ from typing import Any
 
 import torch
 
-from .reduce_ops import reduce_code
-from .request import ALL_GATHER, ALL_TO_ALL, GATHER_PEERS, OPS, REDUCE_SCATTER, SCATTER_TENSORS, Collective
-from .tensors import check_reduce_tensors, exchange_counts, exchange_tensors, flat_view
+from .request import (
+    ALL_GATHER,
+    ALL_TO_ALL,
+    GATHER_PEERS,
+    OPS,
+    REDUCE_SCATTER,
+    SCATTER_TENSORS,
+    Collective,
+    check_reduce_tensors,
+    exchange_counts,
+    exchange_tensors,
+    flat_view,
+    reduce_code,
+)
 from .thread import ShmWork
 from .thread import completed as _completed
 
@@ -22,24 +34,22 @@ __all__ = ["Exchanges"]
 
 class Exchanges:
     """all_gather, reduce_scatter and all_to_all for a transport with ``world_size``, ``_chunk_bytes``,
-    ``peer_read`` and ``_enqueue(collective, value, finish)``."""
+    ``_reads_peers(nbytes)`` and ``_enqueue(collective, value, finish)``."""
 
     rank: int
     world_size: int
-    peer_read: bool
     _chunk_bytes: int
     _enqueue: Callable[..., Any]
+    _reads_peers: Callable[..., bool]
 
     def all_gather(self, tensor: torch.Tensor, out: torch.Tensor, bucket: int | None = None) -> ShmWork:
         """Every rank's ``tensor`` (same numel and dtype on every rank) into ``out`` (world_size times as many
-        elements: rank r's at r * numel), asynchronously; ``bucket`` labels errors. Where every rank may read its
-        peers' memory (``peer_read``), outputs above a quarter chunk are read straight from the peers' outputs."""
+        elements: rank r's at r * numel), asynchronously; ``bucket`` labels errors. Where the peers' memory is read
+        (``_reads_peers``), every rank copies the peers' parts straight from their outputs."""
         if tensor.numel() and out.numel() and _overlaps(tensor, out) and not _own_part(tensor, out, self.rank):
             tensor = tensor.clone()  # overlapping other ranks' places in out: the engine would overwrite it
         flat, out_flat, finish = exchange_tensors("all_gather", tensor, out, times=self.world_size)
-        # Above a quarter chunk where every rank may read its peers: each reads the peers' parts from their outputs
-        # (gather.py), no copy through the ring. The same choice on every rank: it depends on the sizes only.
-        peers = self.world_size > 1 and self.peer_read and out_flat.nbytes > self._chunk_bytes // 4
+        peers = self.world_size > 1 and self._reads_peers(out_flat.nbytes)
         return self._exchange(Collective(GATHER_PEERS if peers else ALL_GATHER, 0, flat, bucket, out=out_flat), out,
                               finish)
 
@@ -62,8 +72,8 @@ class Exchanges:
         on every rank) over the group and keep this rank's part in ``out`` (``ceil(total / world_size)`` elements:
         rank r's part is elements r * len(out) .. (r + 1) * len(out) of the concatenation; where it runs past
         ``total``, ``out`` is zeroed), asynchronously; divided by ``divisor``. Bitwise what :meth:`reduce_scatter`
-        of the zero-padded concatenation gives. Where every rank may read its peers' memory (``peer_read``) each
-        rank reads only its part from the peers' own tensors (``scatter.py``); ``settle=False``: the handle
+        of the zero-padded concatenation gives. Where the peers' memory is read (``_reads_peers``) each
+        rank reads only its part from the peers' own tensors (``peer.scatter_tensors``); ``settle=False``: the handle
         completes once ``out`` holds the result, and the tensors must stay unchanged until a later collective of
         this transport has returned. Otherwise they are copied into one buffer and reduce-scattered through the
         ring. ``compress``: as :meth:`reduce_tensors` (the compression hooks' bits); ``out`` stays float32."""
@@ -85,7 +95,7 @@ class Exchanges:
         pre = divisor if compress == torch.float16 else None  # float16 divides first, as fp16_compress_hook does
         if pre is not None:
             divisor = None
-        if self.world_size > 1 and self.peer_read:
+        if self.world_size > 1 and self._reads_peers(total * tensors[0].element_size(), listed=True):
             return self._enqueue(Collective(SCATTER_TENSORS, 0, tensors[0].view(-1), bucket, divisor=divisor,
                                             outs=tensors, out=flat_out, settle=bool(settle),
                                             compress=None if compress is None else (compress, pre)), out, None)

@@ -1,21 +1,13 @@
-"""All-reduce of private tensors by reading the peers' memory directly (Linux cross-memory attach,
-``process_vm_readv``): nothing is copied into shared memory first.
+"""The peer reads: all-reduce, reduce-scatter and all_gather of private tensors by reading the peers' memory
+directly (Linux cross-memory attach, ``process_vm_readv``): nothing is copied into shared memory first.
 
-Layer: used by ``shm_engine.py`` (op REDUCE_TENSORS), with the segment of ``shm_segment.py`` for the bounded waits
-and one table area per rank; the transport (``shm.py``) runs :func:`probe` at start-up.
-
-Why: the other algorithms need every rank's data in shared memory, and the gradients autograd produces are private
-allocations, so each rank first copies all of them into the segment (a read and a write of every byte) before
-anything is summed. Here each rank only publishes where its tensors lie. Rank r then sums shard r of their logical
-concatenation from every rank's memory, in rank order with the same float32 operations as the other algorithms
-(the same bits), into its own tensors, and at last copies the other shards from their owners' tensors straight into
-its own: about half the memory traffic of copy-in plus sum. The peers' pieces land in a buffer that stays in cache,
-where the sum (and the division of an average) reads them.
-
-Permission: reading another process needs ptrace rights over it (same user, and Yama's ptrace_scope 0 or
-CAP_SYS_PTRACE for siblings; seccomp profiles may forbid the call). :func:`probe` tries a real read of every peer,
-and the transport takes this path only if every rank succeeded. Under Yama's ptrace_scope=1 each rank first
-allows its peers (:func:`allow_peers`, ``prctl(PR_SET_PTRACER)``).
+Layer: run by ``engine.py`` on the transport's thread, with ``segment.py``'s bounded waits and one table area per
+rank in the segment (where each rank publishes where its tensors lie); the transport runs :func:`probe` at
+start-up. Why: autograd's gradients are private allocations, so the ring first copies all of them into the segment;
+here rank r reads shard r (or its part) of every peer's tensors into a cache-sized buffer and sums it with its own
+in rank order, with the same float32 operations as the ring (the same bits). Reading another process needs ptrace
+rights over it (same user; Yama's ptrace_scope 0, or 1 after :func:`allow_peers`; seccomp may forbid the call):
+:func:`probe` tries a real read of every peer, and the transport takes this path only if every rank succeeded.
 """
 from __future__ import annotations
 
@@ -28,7 +20,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["probe", "allow_peers", "PeerReader", "TABLE_BYTES"]
+__all__ = ["probe", "allow_peers", "PeerReader", "TABLE_BYTES", "gather_from_peers", "scatter_tensors"]
 
 TABLE_BYTES = 64 << 10  # per rank: (address, bytes) pairs, 4096 tensors a round; longer lists take several rounds
 PR_SET_PTRACER, PR_SET_PTRACER_ANY = 0x59616D61, 2**64 - 1  # <linux/prctl.h>; ANY is (unsigned long)-1
@@ -141,7 +133,7 @@ class PeerReader:
         self._compress: torch.dtype | None = None
         self._pre: float | None = None
         self.rows = self._tables[0].shape[0]  # tensors a round takes
-        self.unsettled: int | None = None  # step after which peers may still read this rank's table (scatter.py)
+        self.unsettled: int | None = None  # step after which peers may still read this rank's table (scatter_tensors)
 
     def run(self, tensors: list[torch.Tensor], describe: Callable, check: Callable[[], None], settle: bool,
             compress: torch.dtype | None = None, pre_divisor: float | None = None) -> None:
@@ -259,3 +251,88 @@ class PeerReader:
         except OSError as exc:
             raise RuntimeError(f"fanfold shm transport: rank {self.rank} could not read rank {p}'s memory in "
                                f"{describe()[0]}: {exc}") from exc
+
+
+def gather_from_peers(reader: Any, part: torch.Tensor, out: torch.Tensor, describe: Callable,
+                      check: Callable[[], None]) -> None:
+    """``out`` (contiguous, N parts of ``part``'s length) = every rank's ``part``, by rank (op GATHER_PEERS): each
+    rank puts its part in its place of its output, publishes where the output lies, and after one step reads every
+    peer's part straight from the peer's output, one ``process_vm_readv`` per peer. Settled: it returns only once
+    every peer has read this rank's part, so the caller may change it at once (ZeRO's next optimizer step)."""
+    seg, rank, n = reader.seg, reader.rank, reader.n
+    m = part.numel()
+    own = out[rank * m:][:m]
+    if m and part.data_ptr() != own.data_ptr():
+        own.copy_(part)
+    mine = reader.publish([out], describe(0))
+    start = seg.arrive()  # this rank's part is in place and its address published: peers may read it
+    seg.wait_all(start, describe(0))
+    check()  # the headers: every rank gathers parts of the same length and dtype
+    tables, _ = reader.peer_tables(mine)
+    nb = m * out.element_size()
+    for p in range(n):
+        if p != rank and nb:
+            reader.read(p, [(out.data_ptr() + p * nb, tables[p][0][0] + p * nb, nb)], describe(0))
+    seg.wait_all(seg.arrive(), describe(0))  # every peer has read this rank's part
+
+
+def scatter_tensors(reader: Any, tensors: list[torch.Tensor], out: torch.Tensor, describe: Callable,
+                    check: Callable[[], None], settle: bool, compress: torch.dtype | None = None,
+                    pre_divisor: float | None = None) -> None:
+    """``out`` = this rank's part of the sum of ``tensors`` over the group (op SCATTER_TENSORS; rounded as
+    ``compress`` says, see ``PeerReader.run``), in rounds of at most a table's worth of tensors (every rank's rounds
+    must hold the same bytes: with up to ``reader.rows`` tensors, one round). The tensors, laid end to end, are cut
+    in N parts of ``ceil(total / N)`` (ZeRO's ``BucketShard`` layout); rank r reads only its part from each peer and
+    sums it straight into ``out`` (zeroed beyond ``total``). Two steps a round: after the first every peer has
+    published its table; after the second no peer reads this rank's tensors. ``settle=False`` does not wait for
+    the second: the caller keeps the tensors unchanged until a later collective has waited (each one's first wait
+    implies the step), and this rank's table is rewritten only once the peers are past it (:meth:`PeerReader
+    .publish`)."""
+    reader.set_rounding(compress, pre_divisor)
+    total = sum(t.numel() for t in tensors)
+    chunk = -(-total // reader.n)
+    lo = min(total, reader.rank * chunk)
+    hi = min(total, lo + chunk)
+    out[hi - lo:].zero_()
+    base, rows = 0, reader.rows
+    for s in range(0, max(1, len(tensors)), rows):
+        group = tensors[s: s + rows]
+        _round(reader, group, out, base, (lo, hi), describe, check if s == 0 else None,
+               settle and s + rows >= len(tensors), s)
+        base += sum(t.numel() for t in group)
+
+
+def _round(reader: Any, tensors: list[torch.Tensor], out: torch.Tensor, base: int, part: tuple[int, int],
+           describe: Callable, check: Callable[[], None] | None, settle: bool, first: int) -> None:
+    seg, rank, n = reader.seg, reader.rank, reader.n
+    mine = reader.publish(tensors, describe(0))
+    start = seg.arrive()  # this rank's table is written and its tensors hold their values: peers may read
+    seg.wait_all(start, describe(0))
+    if check is not None:
+        check()  # the headers: the same op, dtype, total elements and number of tensors on every rank
+    tables, offsets = reader.peer_tables(mine)
+    total = sum(nb for _, nb in mine)
+    for p in range(n):
+        theirs = sum(nb for _, nb in tables[p])
+        if theirs != total:  # rounds beyond the first: the tensors' sizes differ by rank, not only their total
+            raise RuntimeError(f"fanfold shm transport: rank {p} reduce-scatters {theirs} bytes in tensors "
+                               f"{first}..{first + len(tensors) - 1} where rank {rank} has {total}, in "
+                               f"{describe(0)()[0]}: every rank must pass tensors of the same sizes")
+    size = tensors[0].element_size() if tensors else 1
+    # this rank's part, in bytes from the start of this round's tensors
+    a, b = (max(0, (x - base)) * size for x in part)
+    b = min(b, total)
+    steps, starts = 0, offsets[rank]
+    for k, (_, nb) in enumerate(mine):
+        ka, kb = max(a, starts[k]), min(b, starts[k] + nb)
+        for x in range(ka, kb, reader.chunk_bytes):
+            y = min(kb, x + reader.chunk_bytes)
+            own = tensors[k].view(-1)[(x - starts[k]) // size: (y - starts[k]) // size]
+            at = base + x // size - part[0]  # where the piece lies in this rank's part
+            reader.sum_from_peers(own, x, y, (tables, offsets), out[at: at + (y - x) // size], describe(steps))
+            steps += 1
+    end = seg.arrive()  # this rank reads nobody's tensors any more
+    if settle:
+        seg.wait_all(end, describe(max(0, steps - 1)))
+    else:
+        reader.unsettled = end

@@ -1,58 +1,53 @@
-"""The shared-memory segment of :class:`~fanfold.distributed.shm.ShmTransport`, and the bounded waits that order it.
+"""The shared-memory segment of :class:`~fanfold.collectives.shm.transport.ShmTransport`, the bounded waits that
+order it, and which processes share a host.
 
-Layer: below ``shm.py`` (the transport's algorithms); above the process group's store, which carries the segment's
-name. Rank 0 creates ``/dev/shm/fanfold-<pid namespace>-<pid>-<random>``, publishes the name in the store, the other
-ranks map it, and as soon as every rank has reported (attached or failed) every rank unlinks it. From then on the
-name is gone from /dev/shm and the kernel frees the memory when the last rank unmaps it, however that rank ends
-(SIGKILL included); each transport instance gets a fresh random name, so a restart never meets stale state.
-
-Layout: a header page (abort word and message), one 128-byte line per rank (its step counter, pid and the
-descriptor of its current collective), then the data area the transport divides into buffers.
-
-Ordering: rank r owns counter r (the steps it has published) and only ever writes its own line, so no atomic
-read-modify-write is needed: :meth:`arrive` bumps the own counter and wakes sleepers on it, :meth:`wait_all` waits
-until every peer's counter reached a step. x86-64 keeps stores in program order (TSO), so a peer that sees the
-counter also sees the data written before it. A wait spins a
-few microseconds (the peer is usually that close), then sleeps in the kernel on the peer's counter (futex, no CPU
-taken from the computing thread), waking every 50 ms to check the deadline, the abort word and whether the peer's
-process still exists.
+Layer: the bottom of ``shm/``, on ``_core/shm.py`` (mapping, futexes); the process group's store carries the
+segment's name. Rank 0 creates ``/dev/shm/fanfold-<pid namespace>-<pid>-<random>`` and publishes the name, the
+others map it, and once every rank has reported every rank unlinks it: the kernel frees the memory when the last
+rank unmaps it, however that rank ends. Layout: a header page (abort word and message), one 128-byte line per rank
+(its step counter, pid and current collective's header), then the data area. Rank r only writes its own line:
+:meth:`Segment.arrive` bumps its counter, :meth:`Segment.wait_all` waits (bounded) for every peer's.
 """
 from __future__ import annotations
 
 import ctypes
 import os
-import platform
 import secrets
 import time
 from datetime import timedelta
 from typing import Any
 
-import torch
+from ..._core.shm import (
+    SHM_DIR,
+    SPIN_S,
+    Futex,
+    alive,
+    create_segment,
+    map_tensor,
+    open_segment,
+    pid_namespace,
+    unlink,
+    unmap,
+)
 
-__all__ = ["Segment", "ShmTimeoutError", "SHM_DIR", "pid_namespace", "leftover_segments"]
+__all__ = ["Segment", "ShmTimeoutError", "SHM_DIR", "pid_namespace", "leftover_segments", "host_key"]
 
-SHM_DIR = "/dev/shm"
 _PREFIX = "fanfold-"
 _MAGIC = 0x464E464C  # "FNFL"
 _LINE = 128  # one rank's line: two cache lines, so neighbours' writes never share one (adjacent-line prefetch)
 _ABORT, _MSG, _MSG_LEN = 64, 128, 768
 _RANKS = 1024
-_SPIN_S = 100e-6  # polling a peer's counter (yielding the core in between) before sleeping in the kernel
-_SLICE = 0.05  # seconds between checks of deadline, abort word and peer liveness while asleep
-_FUTEX_WAIT, _FUTEX_WAKE = 0, 1
-_SYS_FUTEX = {"x86_64": 202, "amd64": 202, "aarch64": 98, "arm64": 98}.get(platform.machine().lower())
 
 
-def _syscall() -> Any:
-    fn = ctypes.CDLL(None, use_errno=True).syscall
-    fn.restype = ctypes.c_long
-    fn.argtypes = [ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p,
-                   ctypes.c_long]
-    return fn
-
-
-class _Timespec(ctypes.Structure):
-    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+def host_key() -> str:
+    """Equal for two processes exactly when they run on one kernel (boot id) and see the same /dev/shm mount."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        st = os.stat(SHM_DIR)
+    except OSError:
+        return f"no-shm-{os.getpid()}-{id(object())}"  # never equal to another process's key
+    return f"{boot}:{st.st_dev}:{st.st_ino}"
 
 
 class ShmTimeoutError(RuntimeError):
@@ -62,22 +57,6 @@ class ShmTimeoutError(RuntimeError):
     def __init__(self, message: str, *, rank: int, missing: list[int], seq: int, bucket: int | None):
         super().__init__(message)
         self.rank, self.missing, self.seq, self.bucket = rank, missing, seq, bucket
-
-
-def pid_namespace() -> str:
-    """An id of this process's pid namespace ("" when unknown): pids are comparable only inside one."""
-    try:
-        return os.readlink("/proc/self/ns/pid").split("[")[-1].rstrip("]")
-    except OSError:
-        return ""
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")  # a zombie has exited, unreaped
-    except OSError:
-        return False
 
 
 def leftover_segments() -> list[str]:
@@ -93,9 +72,9 @@ def _sweep(pidns: str) -> None:
     # only those of our pid namespace whose creator is gone (another namespace's pids mean nothing here).
     for name in leftover_segments():
         parts = name.split("-")
-        if len(parts) == 4 and parts[1] == pidns and parts[2].isdigit() and not _alive(int(parts[2])):
+        if len(parts) == 4 and parts[1] == pidns and parts[2].isdigit() and not alive(int(parts[2])):
             try:
-                os.unlink(os.path.join(SHM_DIR, name))
+                unlink(name)
             except OSError:
                 pass
 
@@ -105,21 +84,14 @@ class Segment:
     :meth:`arrive`, :meth:`wait_all`, :meth:`abort`. Collective: every rank constructs it with the same arguments."""
 
     def __init__(self, store: Any, rank: int, world_size: int, data_bytes: int, timeout: float, check_pids: bool):
-        if _SYS_FUTEX is None:
-            raise RuntimeError(f"the shm transport needs Linux futexes; machine {platform.machine()!r} is not known")
+        self._futex = Futex("the shm transport")
         self.rank, self.world_size, self.timeout, self.check_pids = rank, world_size, timeout, check_pids
         self._data_offset = -(-(_RANKS + world_size * _LINE) // 4096) * 4096
-        size = self._data_offset + data_bytes
-        self._mm = self._map(store, size)
-        # Through a memoryview: the tensor (and every view of it handed out: allocate()'s regions, DDP's buckets,
-        # .grad) then holds an export of the mapping, which mmap.close() refuses, so the mapping is unmapped only
-        # once the last such tensor dies (torch.frombuffer on the mmap itself holds no export: close() would unmap
-        # under live tensors).
-        self._bytes = torch.frombuffer(memoryview(self._mm), dtype=torch.uint8)
+        self._mm = self._map(store, self._data_offset + data_bytes)
+        # Every tensor handed out over the mapping (allocate()'s regions, DDP's buckets, .grad) holds it mapped.
+        self._bytes = map_tensor(self._mm)
         self.base = self._bytes.data_ptr()
         self.data = self._bytes[self._data_offset:]
-        self._futex = _syscall()
-        self._timespec = _Timespec()
         self._counters = [ctypes.c_uint32.from_address(self._line(r)) for r in range(world_size)]
         self._abort = ctypes.c_uint32.from_address(self.base + _ABORT)
         self.arrived = 0  # the steps this rank has published (its counter, without the 32-bit wrap)
@@ -128,8 +100,6 @@ class Segment:
         return self.base + _RANKS + r * _LINE
 
     def _map(self, store: Any, size: int) -> Any:
-        import mmap
-
         deadline = time.monotonic() + self.timeout
         name, error, mm = None, "", None
         try:
@@ -138,12 +108,7 @@ class Segment:
                     pidns = pid_namespace()
                     _sweep(pidns)
                     name = f"{_PREFIX}{pidns or 'x'}-{os.getpid()}-{secrets.token_hex(6)}"
-                    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-                    try:
-                        os.posix_fallocate(fd, 0, size)  # ENOSPC now, not SIGBUS at the first touch of a page
-                        mm = mmap.mmap(fd, size)
-                    finally:
-                        os.close(fd)
+                    mm = create_segment(name, size)
                     ctypes.c_uint32.from_buffer(mm, 0).value = _MAGIC
                     ctypes.c_uint32.from_buffer(mm, 4).value = self.world_size
                 finally:
@@ -153,13 +118,7 @@ class Segment:
                 name = store.get("name").decode() or None
                 if name is None:
                     raise RuntimeError("rank 0 could not create it")
-                fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
-                try:
-                    if os.fstat(fd).st_size != size:
-                        raise RuntimeError(f"{name} has {os.fstat(fd).st_size} bytes, this rank expects {size}")
-                    mm = mmap.mmap(fd, size)
-                finally:
-                    os.close(fd)
+                mm = open_segment(name, size)
                 header = tuple((ctypes.c_uint32 * 2).from_buffer(mm))
                 if header != (_MAGIC, self.world_size):
                     raise RuntimeError(f"{name} was made for another group (header {header})")
@@ -173,10 +132,7 @@ class Segment:
                 self._wait_reports(store, deadline)
             finally:
                 if name is not None:
-                    try:
-                        os.unlink(os.path.join(SHM_DIR, name))
-                    except FileNotFoundError:
-                        pass
+                    unlink(name)
         if error:
             raise RuntimeError(f"rank {self.rank} could not map the shm transport's segment: {error}")
         return mm
@@ -204,7 +160,7 @@ class Segment:
         return ctypes.c_uint32.from_address(self._line(r) + 8).value
 
     def _wake(self, r: int) -> None:
-        self._futex(_SYS_FUTEX, self._line(r), _FUTEX_WAKE, 0x7FFFFFFF, None, None, 0)
+        self._futex.wake(self._line(r))
 
     def arrive(self) -> int:
         """Publish this rank's next step (the data it wrote is visible to whoever sees the count); the new count."""
@@ -220,37 +176,34 @@ class Segment:
 
     def wait_all(self, target: int, describe: Any) -> None:
         """Wait until every peer's count reached ``target``, at most ``timeout`` seconds; ``describe()`` gives
-        (what this rank is doing, seq, bucket) for the error."""
+        (what this rank is doing, seq, bucket) for the error. Polls a few microseconds, then sleeps on the peer's
+        counter, checking the deadline, the abort word and whether the peer's process still exists between sleeps."""
         k = target & 0xFFFFFFFF
         deadline = None
         for p in range(self.world_size):
             c = self._counters[p]
             if p == self.rank or (c.value - k) & 0x80000000 == 0:
                 continue
-            spin_end = time.perf_counter() + _SPIN_S
+            # The poll inline, not through Futex.wait: on the latency path a function call per poll shows.
+            spin_end = time.perf_counter() + SPIN_S
             while (c.value - k) & 0x80000000 and time.perf_counter() < spin_end:
                 os.sched_yield()  # runnable threads (the computing one) get the core; otherwise returns at once
             if (c.value - k) & 0x80000000:
                 deadline = deadline or time.monotonic() + self.timeout
-                self._sleep_until(p, k, deadline, describe)
+                self._futex.sleep_until(c, lambda v: (v - k) & 0x80000000 == 0,
+                                        lambda p=p: self._check(p, k, deadline, describe))
 
-    def _sleep_until(self, p: int, k: int, deadline: float, describe: Any) -> None:
-        c = self._counters[p]
-        while True:
-            v = c.value
-            if (v - k) & 0x80000000 == 0:
-                return
-            if self._abort.value:
-                a = self._abort.value - 1
-                self._fail(describe, p, k, f"; rank {a} gave up first: {self.abort_message()}")
-            left = deadline - time.monotonic()
-            if left <= 0:
-                self._fail(describe, p, k, f" within {self.timeout:g} s, the timeout of every wait for a peer")
-            if self.check_pids and not _alive(self.pid(p)):
-                self._fail(describe, p, k, f" (rank {p}'s process {self.pid(p)} is gone)")
-            s = min(_SLICE, left)
-            self._timespec.tv_sec, self._timespec.tv_nsec = int(s), int((s % 1) * 1e9)
-            self._futex(_SYS_FUTEX, self._line(p), _FUTEX_WAIT, v, ctypes.addressof(self._timespec), None, 0)
+    def _check(self, p: int, k: int, deadline: float, describe: Any) -> float:
+        # between sleeps on peer p's counter: give up on an abort, the deadline or a dead peer; else sleep on
+        if self._abort.value:
+            a = self._abort.value - 1
+            self._fail(describe, p, k, f"; rank {a} gave up first: {self.abort_message()}")
+        left = deadline - time.monotonic()
+        if left <= 0:
+            self._fail(describe, p, k, f" within {self.timeout:g} s, the timeout of every wait for a peer")
+        if self.check_pids and not alive(self.pid(p)):
+            self._fail(describe, p, k, f" (rank {p}'s process {self.pid(p)} is gone)")
+        return left
 
     def _fail(self, describe: Any, p: int, k: int, why: str) -> None:
         doing, seq, bucket = describe()
@@ -280,8 +233,4 @@ class Segment:
         self.data = self._bytes = None
         self._abort = None
         mm, self._mm = getattr(self, "_mm", None), None
-        if mm is not None:
-            try:
-                mm.close()
-            except BufferError:
-                pass  # a tensor still views it: its memoryview keeps the mapping until the last view dies
+        unmap(mm)

@@ -2,10 +2,10 @@
 the handles of both.
 
 Layer: used by ``transport.py`` (which builds the requests); runs ``engine.Engine`` and closes the ``segment.Segment``
-mappings. Collectives run in the order they were numbered -- every rank issues its collectives in the same order, so
-the n-th collective of every rank is the same one: queued ones in FIFO order on one thread per transport, and a
-small one on the caller's thread only when nothing is queued or running (no hand-off to the thread: its latency is
-the peers' alone; the waits spin a little before sleeping, ``Segment.wait_all``).
+mappings. Collectives run in the order they were numbered (every rank issues them in the same order, so the n-th
+of every rank is the same one): queued ones in FIFO order on one thread per transport; one that the transport marks
+for the caller's thread runs there only when nothing is queued or running (no hand-off: its latency is the peers'
+alone).
 """
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ import torch
 from .engine import Engine
 from .request import Collective, Request
 from .segment import Segment
-from .small import SmallAllReduce
 
 __all__ = ["ShmWork", "completed", "Worker"]
 
@@ -57,7 +56,6 @@ class Worker:
 
     def __init__(self, engine: Engine, name: str):
         self.engine = engine
-        self.small = SmallAllReduce(engine)
         self.seq = 0  # the collectives numbered so far
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()  # numbering, queueing and the count of unfinished collectives, together
@@ -101,7 +99,7 @@ class Worker:
             self._pending = 1
             self._running.acquire()  # nothing unfinished: the thread is not running (see submit)
         try:
-            self.small.run(t, divisor, seq, bucket)
+            self.engine.run_small(t, divisor, seq, bucket)
         except BaseException as exc:  # noqa: BLE001 - every peer must learn of the failure, as in _execute
             self._error = exc
             self.engine.seg.abort(f"rank {self.engine.rank}: {type(exc).__name__}: {exc}")
@@ -140,7 +138,7 @@ class Worker:
             return
         request.future.set_result(request.value)
 
-    def stop(self, segment: Segment, regions: list, stages: dict) -> None:
+    def stop(self, segment: Segment, regions: list[Segment]) -> None:
         """Finish the queued collectives, stop the thread, let go of the segment and the regions: each is unmapped
         now, or when the last tensor viewing it dies (``Segment.close``)."""
         if self._thread.is_alive():
@@ -148,8 +146,7 @@ class Worker:
             self._thread.join(5.0)
         if not self._thread.is_alive():
             self.engine.close()
-            stages.clear()
             segment.close()
-            for *_, region in regions:
+            for region in regions:
                 region.close()
             regions.clear()

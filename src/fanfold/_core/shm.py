@@ -1,0 +1,166 @@
+"""Shared memory between the processes of one host, written once: named segments in /dev/shm (create, open, map as
+a uint8 tensor, close), fd-backed shared buffers, and futex waits on 32-bit words in that memory, every one bounded.
+
+Layer: the bottom; used by the shared-memory transport (``collectives/shm/segment.py``) and by DataParallel's
+process engine (``parallel/process_mailbox.py``). Linux only. Ordering across processes relies on stores becoming
+visible in program order (x86-64's total store order): a peer that sees a counter also sees what was written
+before it.
+"""
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import platform
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["SHM_DIR", "Futex", "create_segment", "open_segment", "map_tensor", "unmap", "unlink", "alive",
+           "pid_namespace", "shared_bytes"]
+
+SHM_DIR = "/dev/shm"
+SPIN_S = 100e-6  # polling a word before sleeping in the kernel: the peer is usually that close
+SLICE_S = 0.05  # seconds a sleep lasts at most, so that the caller's checks run between sleeps
+_FUTEX_WAIT, _FUTEX_WAKE = 0, 1
+_SYS_FUTEX = {"x86_64": 202, "amd64": 202, "aarch64": 98, "arm64": 98}.get(platform.machine().lower())
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+class Futex:
+    """``futex(2)`` wait and wake on 32-bit words in shared memory, through ``ctypes`` (which releases the
+    interpreter lock during the call). ``what`` names the feature in the error where the machine has no futexes.
+    One object per thread: it keeps the timespec of its waits."""
+
+    def __init__(self, what: str = "fanfold's shared memory"):
+        if _SYS_FUTEX is None:
+            raise RuntimeError(f"{what} needs Linux futexes; machine {platform.machine()!r} is not known")
+        fn = ctypes.CDLL(None, use_errno=True).syscall
+        fn.restype = ctypes.c_long
+        fn.argtypes = [ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
+                       ctypes.c_void_p, ctypes.c_long]
+        self._call = fn
+        self._timespec = _Timespec()
+        self._ts = ctypes.addressof(self._timespec)
+
+    def wake(self, address: int, count: int = 0x7FFFFFFF) -> None:
+        """Wake up to ``count`` sleepers on the word at ``address``."""
+        self._call(_SYS_FUTEX, address, _FUTEX_WAKE, count, None, None, 0)
+
+    def sleep(self, address: int, seen: int, seconds: float) -> None:
+        """Sleep while the word at ``address`` still holds ``seen``, at most ``seconds`` (a wake-up, a signal or a
+        changed word return earlier)."""
+        s = max(0.0, seconds)
+        self._timespec.tv_sec, self._timespec.tv_nsec = int(s), int((s % 1) * 1e9)
+        self._call(_SYS_FUTEX, address, _FUTEX_WAIT, seen, self._ts, None, 0)
+
+    def wait(self, word: Any, reached: Callable[[int], bool], check: Callable[[], float | None], *,
+             yield_core: bool) -> None:
+        """Return once ``reached(word.value)`` (``word``: a ``ctypes.c_uint32`` in shared memory). Polls for a few
+        microseconds (``yield_core``: giving the core to a runnable thread on each poll), then
+        :meth:`sleep_until`."""
+        spin_end = time.perf_counter() + SPIN_S
+        while time.perf_counter() < spin_end:
+            if reached(word.value):
+                return
+            if yield_core:
+                os.sched_yield()  # runnable threads (the computing one) get the core; otherwise returns at once
+        self.sleep_until(word, reached, check)
+
+    def sleep_until(self, word: Any, reached: Callable[[int], bool], check: Callable[[], float | None]) -> None:
+        """Sleep in the kernel on ``word`` until ``reached(word.value)``. ``check()`` runs before each sleep: it
+        raises to give up (a deadline, a dead peer) and returns the most seconds the next sleep may last (None: the
+        default slice of 50 ms)."""
+        address = ctypes.addressof(word)
+        while True:
+            seen = word.value
+            if reached(seen):
+                return
+            most = check()
+            self.sleep(address, seen, SLICE_S if most is None else min(SLICE_S, most))
+
+
+def create_segment(name: str, size: int) -> mmap.mmap:
+    """Create ``/dev/shm/<name>`` (never an existing one) of ``size`` bytes, its space reserved (a full /dev/shm is
+    an error now, not a SIGBUS at the first touch of a page), and map it."""
+    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, size)
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+
+
+def open_segment(name: str, size: int) -> mmap.mmap:
+    """Map the existing ``/dev/shm/<name>``, which must have ``size`` bytes."""
+    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+    try:
+        actual = os.fstat(fd).st_size
+        if actual != size:
+            raise RuntimeError(f"{name} has {actual} bytes, this process expects {size}")
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+
+
+def unlink(name: str) -> None:
+    """Remove ``/dev/shm/<name>`` if it is there (the memory lives on in every mapping)."""
+    try:
+        os.unlink(os.path.join(SHM_DIR, name))
+    except FileNotFoundError:
+        pass
+
+
+def map_tensor(mm: mmap.mmap) -> torch.Tensor:
+    """The mapping as a uint8 tensor that keeps it mapped: made over a ``memoryview``, so the tensor and every view
+    of it hold an export, which :func:`unmap` (``mmap.close``) respects. (``torch.frombuffer`` on the mmap itself
+    holds no export: the mapping could be closed under live tensors.)"""
+    return torch.frombuffer(memoryview(mm), dtype=torch.uint8)
+
+
+def unmap(mm: mmap.mmap | None) -> bool:
+    """Let go of ``mm``: unmapped now (True), or, while a tensor from :func:`map_tensor` still views it, when the
+    last such view dies (False)."""
+    if mm is None:
+        return True
+    try:
+        mm.close()
+    except BufferError:
+        return False
+    return True
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and has not exited (a zombie, exited but unreaped, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: signal 0 tells whether the process exists
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except OSError:
+            pass
+        return True
+
+
+def pid_namespace() -> str:
+    """An id of this process's pid namespace ("" when unknown): pids are comparable only inside one."""
+    try:
+        return os.readlink("/proc/self/ns/pid").split("[")[-1].rstrip("]")
+    except OSError:
+        return ""
+
+
+def shared_bytes(size: int) -> torch.Tensor:
+    """A byte buffer in shared memory for a child process: file-descriptor backed (``share_memory_``), so nothing
+    named is left in /dev/shm; it crosses to the child through torch's reductions."""
+    return torch.empty(size, dtype=torch.uint8).share_memory_()
