@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import re
+import signal
+import sys
 
 from ..launcher.agent import launch_script
 
@@ -52,6 +54,9 @@ def main(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         parser.error(_as_flags(str(exc)))
+    except KeyboardInterrupt:  # Ctrl-C before the agent took over the signals (no worker had started)
+        print("fanfold run: stopped by SIGINT", file=sys.stderr)
+        return 128 + signal.SIGINT
 
 
 # launch_script's messages name its Python arguments; the command line names the flags the user typed.
