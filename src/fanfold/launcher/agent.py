@@ -28,6 +28,7 @@ from datetime import timedelta
 from torch.distributed.elastic.rendezvous.api import RendezvousHandler, RendezvousInfo, RendezvousStoreInfo
 
 from .loopback import LOOPBACK, loopback_interface, loopback_store
+from .target import check_module, check_script
 
 __all__ = ["launch_script", "default_nproc_per_node", "threads_per_worker", "format_failure"]
 
@@ -137,8 +138,8 @@ def launch_script(
     cmd = [str(c) for c in cmd]
     if not cmd:
         raise ValueError("no script given; expected a script path and its arguments")
-    if not module and not os.path.isfile(cmd[0]):
-        raise ValueError(f"script not found: {cmd[0]!r}")
+    # before anything starts: a typo or a syntax error costs no worker start-up and reads as one line
+    check_module(cmd[0]) if module else check_script(cmd[0])
     if nproc_per_node is None:
         nproc_per_node = default_nproc_per_node()
     if not isinstance(nproc_per_node, int) or nproc_per_node < 1:
