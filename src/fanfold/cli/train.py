@@ -137,9 +137,9 @@ def _launch(args: argparse.Namespace) -> int:
         cmd.append("--sync-bn")
     # The workers need a few seconds (torch, the digits, the process group) before their first line: say so now.
     what = f"resuming {ckpt}" if args.resume else f"writing to {out}"
-    print(f"fanfold train: starting {args.devices} worker processes, {what}; the first epoch line follows once "
-          f"they have started (about 5-20 s)", file=sys.stderr, flush=True)
     try:
+        print(f"fanfold train: starting {args.devices} worker processes, {what}; the first epoch line follows once "
+              f"they have started (about 5-20 s)", file=sys.stderr, flush=True)
         code = launch_script(cmd, nproc_per_node=args.devices, max_restarts=args.max_restarts, module=True)
     except KeyboardInterrupt:  # Ctrl-C before the agent took over the signals (no worker had started)
         code = 128 + signal.SIGINT
