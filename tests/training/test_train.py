@@ -190,6 +190,10 @@ def test_resume_and_restart_say_where_they_pick_up(runs):
         in runs["resumed"].stderr
     restarted = runs["restarted"].stderr
     assert f"fanfold train: resumed from {runs['root'] / 'restart' / train.CHECKPOINT} at step 30 of 46" in restarted
+    # the failed attempt is labelled, and the peer's "connection closed" noise is one line at most
+    assert re.search(r"^fanfold run: local rank \d \(pid \d+\) .*; restarting \(attempt 1 of 1\)$", restarted, re.M), \
+        restarted
+    assert "Connection closed" not in restarted and "GLHF" not in restarted
     assert "resumed from" not in runs["ref"].stderr  # a fresh run resumes nothing
     # the start-up line comes first, before the workers' seconds of silence
     assert runs["ref"].stderr.startswith("fanfold train: starting 2 worker processes, writing to "), runs["ref"].stderr
