@@ -7,6 +7,7 @@ STAMP   := $(VENV)/.installed
 .PHONY: run test lint smoke demo bench fuzz conformance conformance-backend gpu-check clean
 
 $(STAMP): requirements.txt pyproject.toml
+	@echo "fanfold: one-time set-up: creating $(VENV) and installing torch (CPU build) and the pinned tools of requirements.txt; this takes about 1-2 minutes"
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check -r requirements.txt
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
@@ -19,6 +20,7 @@ demo: $(STAMP)
 	$(BIN)/fanfold demo --devices 3
 
 test: lint
+	@echo "fanfold: the test suite takes about 10-15 minutes on 2 cores (README.md, Set-up)"
 	$(BIN)/python -m pytest -q
 	$(MAKE) --no-print-directory smoke
 
@@ -37,7 +39,7 @@ smoke:
 
 # The layering (import-linter contracts in pyproject.toml) and ruff's lint; part of `make test`.
 lint: $(STAMP)
-	$(BIN)/lint-imports --no-cache
+	$(BIN)/lint-imports --no-cache --no-logo
 	$(BIN)/ruff check src tests benchmarks examples conformance
 
 bench: $(STAMP)

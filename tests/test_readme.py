@@ -58,3 +58,10 @@ def test_readme_block_runs(code, tmp_path):
                          timeout=TIMEOUT)
     assert res.returncode == 0, (f"exit {res.returncode}\n--- stdout\n{res.stdout[-3000:]}\n"
                                  f"--- stderr\n{res.stderr[-3000:]}")
+
+
+def test_blocks_write_only_in_their_own_directory():
+    # each block runs in an empty temporary directory that the test removes; an absolute path would outlive it
+    absolute = [(line, m.group(0)) for line, code in blocks(ROOT / "README.md")
+                for m in re.finditer(r"""["'](/tmp|/var|~)/[^"']*["']""", code)]
+    assert absolute == [], f"README.md blocks write outside their directory: {absolute}"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -102,6 +103,11 @@ def test_env_contract_args_threads_loopback_and_restart(tmp_path):
             # 127.0.0.1 in /proc/net/tcp's byte order; nothing on 0.0.0.0 or ::
             assert rep["listening"] and set(rep["listening"]) == {"0100007F"}, rep["listening"]
     assert "RuntimeError: planned failure of rank 1" in res.stderr  # attempt 0's traceback, then the restart
+    # labelled: the rank, and which attempt starts (the shim), then how the worker ended (the launcher)
+    assert "fanfold run: rank 1 failed; restarting (attempt 1 of 1). Traceback of rank 1:\n" in res.stderr
+    assert re.search(r"^fanfold run: local rank 1 \(pid \d+\) failed with exit code 1; restarting \(attempt 1 of 1\)$",
+                     res.stderr, re.M), res.stderr
+    assert "Connection closed" not in res.stderr and "GLHF" not in res.stderr
 
 
 CRASH = textwrap.dedent("""
@@ -187,8 +193,11 @@ SLEEPER = textwrap.dedent("""
 
 def test_killed_launcher_takes_its_workers_along(tmp_path):
     (tmp_path / "sleeper.py").write_text(SLEEPER)
+    # a SIGKILLed launcher cannot remove its temporary log directory: keep it inside tmp_path, not in /tmp
+    (tmp_path / "tmp").mkdir()
+    env = {**_env(), "TMPDIR": str(tmp_path / "tmp")}
     proc = subprocess.Popen([sys.executable, "-m", "fanfold", "run", "-n", "2", "sleeper.py"], cwd=tmp_path,
-                            env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + TIMEOUT
         while not all((tmp_path / f"pid{r}").exists() for r in range(2)):
@@ -199,6 +208,7 @@ def test_killed_launcher_takes_its_workers_along(tmp_path):
         proc.send_signal(signal.SIGKILL)  # the agent gets no chance to stop anything
         proc.wait(30)
         assert _wait_gone(pids) == []
+        assert [p.name[:12] for p in (tmp_path / "tmp").iterdir()] == ["fanfold-run-"]  # what it left is here
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -254,3 +264,89 @@ def test_arguments_pass_through_and_bad_values_are_named(tmp_path):
     with pytest.raises(ValueError, match="rdzv_endpoint"):
         launcher.launch_script([str(script)], nnodes="2")
     assert launcher.threads_per_worker(10_000) == 1
+
+
+CHATTY = textwrap.dedent("""
+    import os, sys, time
+    # rank 1 prints its whole line while rank 0 is in the middle of its own (files order the two, bounded waits)
+    def wait_for(name):
+        deadline = time.monotonic() + 60
+        while not os.path.exists(name) and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    if os.environ["RANK"] == "0":
+        print("worker", end="", flush=True)
+        print("half an error line", end="", file=sys.stderr, flush=True)
+        time.sleep(0.3)
+        open("mid-line", "w").close()
+        wait_for("rank1-done")
+        print("", 0, "done")
+        print(" from rank 0", file=sys.stderr)
+        print("unfinished", end="")  # ended by the shim when the worker ends
+    else:
+        wait_for("mid-line")
+        print("worker", 1, "done", flush=True)
+        time.sleep(0.3)
+        open("rank1-done", "w").close()
+""")
+
+
+@pytest.mark.parametrize("prefix", [False, True], ids=["whole-lines", "rank-prefix"])
+def test_worker_output_arrives_as_whole_lines(tmp_path, prefix):
+    (tmp_path / "chatty.py").write_text(CHATTY)
+    res = _run(tmp_path, "-n", "2", *(["--rank-prefix"] if prefix else []), "chatty.py")
+    assert res.returncode == 0, res.stderr
+    p0, p1 = ("[rank 0] ", "[rank 1] ") if prefix else ("", "")
+    assert res.stdout == f"{p1}worker 1 done\n{p0}worker 0 done\n{p0}unfinished\n"
+    assert res.stderr == f"{p0}half an error line from rank 0\n"
+
+
+def test_restart_notice_reads_the_agents_own_records(capsys):
+    import importlib
+    import logging
+
+    # the two records torch's agent writes when it restarts its workers, as its source writes them
+    poll = "failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s"
+    again = "[%s] Worker group %s. %s/%s attempts left; will restart worker group"
+    assert poll in inspect.getsource(importlib.import_module(launcher._POLL_LOGGER))
+    agent_source = inspect.getsource(importlib.import_module(launcher._AGENT_LOGGER))
+    assert '"%s/%s attempts left;"' in agent_source and '" will restart worker group"' in agent_source
+    notice = launcher._RestartNotice()
+
+    def record(name, level, msg, args):
+        notice.handle(logging.LogRecord(name, level, __file__, 0, msg, args, None))
+
+    record(launcher._POLL_LOGGER, logging.ERROR, poll, (-int(signal.SIGKILL), 1, 4242, "python"))
+    record(launcher._AGENT_LOGGER, logging.INFO, again, ("default", "FAILED", 2, 2))
+    record(launcher._POLL_LOGGER, logging.ERROR, poll, (1, 0, 4343, "python"))
+    record(launcher._AGENT_LOGGER, logging.INFO, again, ("default", "FAILED", 1, 2))
+    assert capsys.readouterr().err.splitlines() == [
+        "fanfold run: local rank 1 (pid 4242) was killed by signal SIGKILL; restarting (attempt 1 of 2)",
+        "fanfold run: local rank 0 (pid 4343) failed with exit code 1; restarting (attempt 2 of 2)",
+    ]
+
+
+def test_whole_lines_stream_passes_on_whole_lines_only():
+    import io
+
+    from fanfold.launcher.worker_shim import WholeLines
+
+    class Target(io.StringIO):
+        writes: list[str] = []
+
+        def write(self, text):
+            self.writes.append(text)
+            return super().write(text)
+
+    target = Target()
+    out = WholeLines(target, "[rank 3] ")
+    out.write("work")
+    out.flush()  # an unfinished line is kept back, even on flush
+    assert target.writes == []
+    out.write("er 3 done\nnext")
+    out.write(" 10%\r 20%\r")  # a progress bar redraws its line: each \r ends one
+    out.write("a\r\nb")
+    out.close_line()
+    assert target.writes == ["[rank 3] worker 3 done\n", "[rank 3] next 10%\r[rank 3]  20%\r", "[rank 3] a\r\n",
+                             "[rank 3] b\n"]
+    assert out.getvalue() == target.getvalue()  # everything else is the target's

@@ -4,7 +4,9 @@ The notebook is built here and executed by nbclient with ipykernel (test depende
 a training function (fanfold's DDP, 2 gloo ranks, each on half of a fixed batch); cell 2 launches it on 2 workers
 and prints the result; cell 3 trains the same model in the kernel's own process on the whole batch (the oracle) and
 prints whether both ranks match it; cell 4 launches a cell-defined function whose rank 1 raises, and prints the
-WorkerError. Cells cannot be pickled by reference, so this is the path a notebook user takes.
+WorkerError; cell 5 has both workers print a line in pieces, rank 0 pausing mid-line while rank 1 prints its own
+(whole lines must arrive, not "workerworker 1  done0"), then the same with ``rank_prefix=True``. Cells cannot be
+pickled by reference, so this is the path a notebook user takes.
 """
 from __future__ import annotations
 
@@ -70,6 +72,35 @@ try:
 except fanfold.WorkerError as e:
     print("WorkerError rank", e.rank, "|", str(e).splitlines()[0])
 ''',
+    '''
+import shutil, tempfile, time
+
+def chatty(folder):
+    # rank 1 prints its whole line while rank 0 is in the middle of its own (files order the two, bounded waits)
+    def wait_for(name):
+        deadline = time.monotonic() + 30
+        while not os.path.exists(os.path.join(folder, name)) and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    if os.environ["RANK"] == "0":
+        print("worker", end="", flush=True)
+        time.sleep(0.3)
+        open(os.path.join(folder, "mid-line"), "w").close()
+        wait_for("rank1-done")
+        print("", 0, "done")
+    else:
+        wait_for("mid-line")
+        print("worker", 1, "done", flush=True)
+        time.sleep(0.3)
+        open(os.path.join(folder, "rank1-done"), "w").close()
+
+for prefix in (False, True):
+    folder = tempfile.mkdtemp()
+    try:
+        fanfold.launch(chatty, folder, nprocs=2, timeout=60, rank_prefix=prefix)
+    finally:
+        shutil.rmtree(folder)
+''',
 ]
 
 
@@ -85,3 +116,5 @@ def test_function_defined_in_a_notebook_runs_on_two_workers():
     assert outputs[2] == ("rank 0 matches one process: True\nrank 1 matches one process: True\n"
                           "cuda initialised in the kernel: False\n"), outputs
     assert outputs[3] == "WorkerError rank 1 | rank 1 of 2 failed: ValueError: bad cell on rank 1\n", outputs
+    assert outputs[4] == ("worker 1 done\nworker 0 done\n"
+                          "[rank 1] worker 1 done\n[rank 0] worker 0 done\n"), outputs

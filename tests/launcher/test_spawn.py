@@ -1,6 +1,7 @@
 """fanfold.launch: results by rank, the torchrun env contract, failures named by rank, bounded time, no orphans."""
 import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -138,3 +139,11 @@ def test_unimportable_function_with_spawn_is_refused_at_once():
 
 def test_lambda_runs_in_forked_workers():
     assert fanfold.launch(lambda k: int(os.environ["RANK"]) * k, 10, nprocs=2, timeout=60) == [0, 10]
+
+
+def test_a_lambda_runs_as_docs_launching_says():
+    # docs/launching.md and docs/notebooks.md: a function the workers cannot import by name is forked, lambdas too
+    assert fanfold.launch(lambda: 42, nprocs=2, timeout=60) == [42, 42]
+    text = (Path(__file__).resolve().parents[2] / "docs" / "launching.md").read_text()
+    assert "`fanfold.launch(lambda: 42, nprocs=2)` returns `[42, 42]`" in text
+    assert "must be a\nmodule-level function" not in text and "must be a module-level function" not in text

@@ -48,3 +48,22 @@ def test_old_prefixed_checkpoint_loads(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(src.state_dict().values(), other.state_dict().values()))
     with pytest.raises(RuntimeError, match="Missing key"):  # torch's own load of the prefixed file fails
         nn.Module.load_state_dict(_net(), saved)
+
+
+def test_the_cpu_replacement_for_the_tutorials_cuda_guard_runs_as_written():
+    # docs/migrating.md: the tutorials' `if torch.cuda.device_count() > 1` guard and `.cuda(id)` calls, replaced
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "migrating.md").read_text()
+    assert "if torch.cuda.device_count() > 1:" in text and ".cuda(0)" in text
+    block = next(b for b in re.findall(r"^```\n(.*?)^```$", text, re.M | re.S) if b.startswith("device_ids = "))
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)), torch.randn(6, 3)
+    expected = model(x)  # the bare module on the whole batch: the oracle
+    scope = {"torch": torch, "fanfold": fanfold, "model": model, "x": x}
+    exec(block, scope)
+    assert isinstance(scope["model"], fanfold.DataParallel)
+    if not torch.cuda.is_available():
+        assert scope["model"].device_ids == [torch.device("cpu")] * 2
+    torch.testing.assert_close(scope["model"](scope["x"]).cpu(), expected)

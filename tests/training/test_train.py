@@ -182,3 +182,110 @@ def test_bad_run_directory_is_refused(tmp_path, capsys):
     assert "already holds checkpoint.pt" in capsys.readouterr().err
     assert train_cli.main(parser.parse_args(["train", "--devices", "3", "--batch-size", "64"])) == 2
     assert "does not split evenly" in capsys.readouterr().err
+
+
+def test_resume_and_restart_say_where_they_pick_up(runs):
+    ckpt = runs["root"] / "resume" / train.CHECKPOINT
+    assert f"fanfold train: resumed from {ckpt} at step {runs['saved_step']} of {EPOCHS * STEPS}\n" \
+        in runs["resumed"].stderr
+    restarted = runs["restarted"].stderr
+    assert f"fanfold train: resumed from {runs['root'] / 'restart' / train.CHECKPOINT} at step 30 of 46" in restarted
+    # the failed attempt is labelled, and the peer's "connection closed" noise is one line at most
+    assert re.search(r"^fanfold run: local rank \d \(pid \d+\) .*; restarting \(attempt 1 of 1\)$", restarted, re.M), \
+        restarted
+    assert "Connection closed" not in restarted and "GLHF" not in restarted
+    assert "resumed from" not in runs["ref"].stderr  # a fresh run resumes nothing
+    # the start-up line comes first, before the workers' seconds of silence
+    assert runs["ref"].stderr.startswith("fanfold train: starting 2 worker processes, writing to "), runs["ref"].stderr
+
+
+def _interrupt(out: Path, *argv: str, when, pause_at: int | None = None) -> subprocess.CompletedProcess:
+    """`fanfold train` in a session of its own (as a terminal's foreground job), Ctrl-C'd (SIGINT to the whole
+    group, as a terminal sends it) once ``when(out, stderr so far)`` holds; ``pause_at``: rank 0 waits after that
+    step (tests/training/_faults), so that the run is surely still going."""
+    import select
+    import signal
+    import time
+
+    env = _env()
+    if pause_at is not None:
+        env["FANFOLD_TEST_PAUSE_AT_STEP"] = str(pause_at)
+    proc = subprocess.Popen([sys.executable, "-m", "fanfold", "train", *ARGS, "--out", str(out), *argv],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    err = ""
+    try:
+        deadline = time.monotonic() + 200
+        while not when(out, err):
+            assert proc.poll() is None and time.monotonic() < deadline, f"never reached the point\n{err}"
+            if select.select([proc.stderr], [], [], 0.1)[0]:
+                err += proc.stderr.readline()
+        os.killpg(proc.pid, signal.SIGINT)
+        rest_out, rest_err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, rest_out, err + rest_err)
+
+
+def test_ctrl_c_before_the_first_checkpoint_leaves_no_run_folder(tmp_path):
+    out = tmp_path / "runs" / "a"
+    res = _interrupt(out, when=lambda out, err: "fanfold train: starting" in err)
+    assert res.returncode == 130, res.stderr
+    assert res.stderr.splitlines()[-1] == ("fanfold train: interrupted (Ctrl-C) before the first checkpoint: "
+                                           f"nothing to resume; removed the empty {out}"), res.stderr
+    assert "Traceback" not in res.stderr and "exit code 130" not in res.stderr
+    assert not (tmp_path / "runs").exists()  # runs/ was created for this run too
+
+
+def test_ctrl_c_after_a_checkpoint_says_how_to_resume(tmp_path):
+    out = tmp_path / "a"
+    res = _interrupt(out, "--checkpoint-every", "5", pause_at=5,
+                     when=lambda out, err: (out / "paused-at-step-5").exists())
+    assert res.returncode == 130, res.stderr
+    assert res.stderr.splitlines()[-1] == f"fanfold train: interrupted (Ctrl-C); continue with: " \
+                                          f"fanfold train --out {out} --resume", res.stderr
+    assert "workers failed" not in res.stderr and "Traceback" not in res.stderr
+    assert _load(out)[1] == 5
+
+
+def _bad_checkpoints(tmp_path: Path) -> dict[str, Path]:
+    """Run directories holding a checkpoint fanfold must refuse: random bytes, a truncated torch file, a pickle that
+    would run code, and a real torch checkpoint of someone else's (no run settings)."""
+    import pickle
+
+    dirs = {name: tmp_path / name for name in ("random", "truncated", "malicious", "foreign")}
+    for d in dirs.values():
+        d.mkdir()
+    (dirs["random"] / train.CHECKPOINT).write_bytes(bytes(range(256)) * 8)
+    torch.save({"w": torch.randn(1000)}, dirs["truncated"] / train.CHECKPOINT)
+    data = (dirs["truncated"] / train.CHECKPOINT).read_bytes()
+    (dirs["truncated"] / train.CHECKPOINT).write_bytes(data[: len(data) // 2])
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, ("touch pwned",))
+
+    (dirs["malicious"] / train.CHECKPOINT).write_bytes(pickle.dumps({"run": Payload()}, protocol=2))
+    torch.save({"model": torch.nn.Linear(2, 2).state_dict()}, dirs["foreign"] / train.CHECKPOINT)
+    return dirs
+
+
+def test_refused_checkpoints_are_one_error_line(tmp_path, capsys):
+    dirs = _bad_checkpoints(tmp_path)
+    for name, d in dirs.items():
+        assert cli.main(["train", "--out", str(d), "--resume"]) == 2, name
+        captured = capsys.readouterr()
+        assert captured.out == "", name
+        lines = captured.err.splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"fanfold train: error: {d / train.CHECKPOINT}"), captured.err
+    truncated = cli.main(["train", "--out", str(dirs["truncated"]), "--resume"])
+    assert truncated == 2
+    err = capsys.readouterr().err
+    # torch's reason in full, not cut mid-sentence
+    assert err.rstrip().endswith("or the file was modified after saving.)"), err
+    assert not (tmp_path / "pwned").exists() and not Path("pwned").exists()
+    # the same from a shell: no traceback, exit 2
+    res = _fanfold(["train", "--out", str(dirs["malicious"]), "--resume"])
+    assert res.returncode == 2 and res.stderr.startswith("fanfold train: error: ") and "Traceback" not in res.stderr

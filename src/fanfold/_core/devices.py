@@ -3,7 +3,9 @@
 A device may be given as an accelerator index (``0``), a string (``"cuda:1"``, ``"cpu"``) or a ``torch.device`` of
 any type. Everything above this file works with ``torch.device`` objects only, normalised so that two spellings of
 the same device compare equal (``"cpu:0"`` and ``"cpu"``; ``"cuda"`` and ``"cuda:<current>"``). Repeating a device
-(``["cpu", "cpu"]``) is allowed: it means several replicas on that device.
+(``["cpu", "cpu"]``) is allowed: it means several replicas on that device. ``usable_device(s)`` add the one check
+every primitive that moves data makes first: the device exists on this machine (a clear ValueError naming the
+argument and the CPU spelling, where torch would fail deep inside with "Torch not compiled with CUDA enabled").
 
 No CUDA-only assumptions: the accelerator type comes from ``torch.accelerator`` (cuda, xpu, mps, ...).
 """
@@ -70,3 +72,34 @@ def default_device_ids() -> list[int]:
         return []
     return list(range(torch.accelerator.device_count()))
 
+
+
+def _check_present(dev: torch.device, where: str, cpu_spelling: str) -> torch.device:
+    if dev.type in ("cpu", "meta"):
+        return dev
+    acc = accelerator_type()
+    if dev.type != acc:
+        raise ValueError(f"{where} is {dev}, but this machine has no {dev.type} device; {cpu_spelling}")
+    count = torch.accelerator.device_count()
+    if dev.index is not None and dev.index >= count:
+        raise ValueError(f"{where} is {dev}, but this machine has {count} {acc} device{'s' * (count != 1)} "
+                         f"({acc}:0 to {acc}:{count - 1})")
+    return dev
+
+
+def usable_device(device: DeviceLike, name: str) -> torch.device:
+    """``normalize_device(device)``, refused with a ValueError naming ``name`` unless this machine has it."""
+    try:
+        dev = normalize_device(device)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{name}: {e}") from None
+    return _check_present(dev, name, f"for the CPU give {name}='cpu'")
+
+
+def usable_devices(devices: Iterable[DeviceLike], name: str = "device_ids") -> list[torch.device]:
+    """``normalize_devices(devices, name)``, refused with a ValueError naming ``name[i]`` unless this machine has
+    every one of them."""
+    out = normalize_devices(devices, name)
+    for i, dev in enumerate(out):
+        _check_present(dev, f"{name}[{i}]", f"for CPU replicas give {name}=['cpu'] * {len(out)}")
+    return out

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import re
+import signal
+import sys
 
 from ..launcher.agent import launch_script
 
@@ -28,6 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-restarts", "--max_restarts", type=int, default=0, metavar="K",
                         help="restart all workers up to K times after a failure")
     parser.add_argument("-m", "--module", action="store_true", help="run the target as a module (python -m)")
+    parser.add_argument("--rank-prefix", action="store_true",
+                        help="start every line the workers print with [rank R] (lines are always whole)")
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="show torch's agent log lines and each failed rank's traceback as it happens")
     # Optional for argparse: its own message would call the pass-through arguments required too.
@@ -49,9 +53,13 @@ def main(args: argparse.Namespace) -> int:
             [args.script, *args.script_args], nproc_per_node=args.nproc_per_node, nnodes=args.nnodes,
             node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint, rdzv_backend=args.rdzv_backend,
             rdzv_id=args.rdzv_id, max_restarts=args.max_restarts, module=args.module, verbose=args.verbose,
+            rank_prefix=args.rank_prefix,
         )
     except ValueError as exc:
         parser.error(_as_flags(str(exc)))
+    except KeyboardInterrupt:  # Ctrl-C before the agent took over the signals (no worker had started)
+        print("fanfold run: stopped by SIGINT", file=sys.stderr)
+        return 128 + signal.SIGINT
 
 
 # launch_script's messages name its Python arguments; the command line names the flags the user typed.

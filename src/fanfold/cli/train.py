@@ -17,11 +17,13 @@ import argparse
 import importlib.util
 import os
 import shlex
+import signal
 import sys
 import time
 from pathlib import Path
 
 from ..launcher.agent import default_nproc_per_node, launch_script
+from ..training.checkpoint import CheckpointError
 from ..training.job import CHECKPOINT, RUN_DEFAULTS, RUN_FLAGS, RUN_KEYS, run_worker, saved_settings
 
 
@@ -57,7 +59,8 @@ def main(args: argparse.Namespace) -> int:
             _check(args)
             return run_worker(args)
         return _launch(args)
-    except ValueError as exc:
+    except (ValueError, CheckpointError) as exc:
+        # a refused checkpoint (corrupted, truncated, foreign, pickled code) is a refusal like any other: one line
         print(f"fanfold train: error: {exc}", file=sys.stderr)
         return 2
 
@@ -126,22 +129,52 @@ def _launch(args: argparse.Namespace) -> int:
     if args.devices is None:
         args.devices = default_nproc_per_node()
     _check(args)
-    out.mkdir(parents=True, exist_ok=True)
+    created = _make_dirs(out)
     cmd = ["fanfold.cli.train", "--worker", "--out", str(out), "--epochs", str(args.epochs),
            "--batch-size", str(args.batch_size), "--lr", repr(args.lr), "--seed", str(args.seed),
            "--checkpoint-every", str(args.checkpoint_every), "--devices", str(args.devices)]
     if args.sync_bn:
         cmd.append("--sync-bn")
-    code = launch_script(cmd, nproc_per_node=args.devices, max_restarts=args.max_restarts, module=True)
+    # The workers need a few seconds (torch, the digits, the process group) before their first line: say so now.
+    what = f"resuming {ckpt}" if args.resume else f"writing to {out}"
+    try:
+        print(f"fanfold train: starting {args.devices} worker processes, {what}; the first epoch line follows once "
+              f"they have started (about 5-20 s)", file=sys.stderr, flush=True)
+        code = launch_script(cmd, nproc_per_node=args.devices, max_restarts=args.max_restarts, module=True)
+    except KeyboardInterrupt:  # Ctrl-C before the agent took over the signals (no worker had started)
+        code = 128 + signal.SIGINT
+    advice = f"fanfold train --out {shlex.quote(str(out))} --resume"
+    interrupted = code in (128 + signal.SIGINT, 128 + signal.SIGTERM)
+    what = "interrupted (Ctrl-C)" if code == 128 + signal.SIGINT else (
+        "stopped (SIGTERM)" if interrupted else f"workers failed (exit code {code})")
     if code == 0:
         tidy = "" if args.out else " (runs/ keeps every run: `rm -r runs` removes them all)"
         print(f"fanfold train: wrote {ckpt} and {out / 'loss.png'}{tidy}")
     elif ckpt.is_file():
-        print(f"fanfold train: workers failed (exit code {code}); continue with: "
-              f"fanfold train --out {shlex.quote(str(out))} --resume", file=sys.stderr)
+        print(f"fanfold train: {what}; continue with: {advice}", file=sys.stderr)
     else:
-        print(f"fanfold train: workers failed (exit code {code}) before the first checkpoint", file=sys.stderr)
+        removed = _remove_empty(created)
+        gone = f"; removed the empty {out}" if removed else ""
+        print(f"fanfold train: {what} before the first checkpoint: nothing to resume{gone}", file=sys.stderr)
     return code
+
+
+def _make_dirs(out: Path) -> list[Path]:
+    """Create ``out`` and its missing parents; return those created, innermost first."""
+    created = [d for d in (out, *out.parents) if not d.exists()]
+    out.mkdir(parents=True, exist_ok=True)
+    return created
+
+
+def _remove_empty(created: list[Path]) -> bool:
+    """Remove the directories this run created that are still empty (innermost first); whether ``created[0]`` went.
+    A run stopped before its first checkpoint leaves nothing to resume, and an empty folder only misleads."""
+    for d in created:
+        try:
+            d.rmdir()
+        except OSError:  # not empty (something else wrote there), or already gone
+            break
+    return bool(created) and not created[0].exists()
 
 
 if __name__ == "__main__":  # the worker entry: python -m fanfold.cli.train --worker ...

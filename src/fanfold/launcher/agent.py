@@ -17,6 +17,7 @@ helpers). ``fanfold.cli.run`` parses ``fanfold run``'s flags and calls ``launch_
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import sys
@@ -28,6 +29,7 @@ from datetime import timedelta
 from torch.distributed.elastic.rendezvous.api import RendezvousHandler, RendezvousInfo, RendezvousStoreInfo
 
 from .loopback import LOOPBACK, loopback_interface, loopback_store
+from .target import check_module, check_script
 
 __all__ = ["launch_script", "default_nproc_per_node", "threads_per_worker", "format_failure"]
 
@@ -117,6 +119,7 @@ def launch_script(
     module: bool = False,
     extra_env: Mapping[str, str] | None = None,
     verbose: bool = False,
+    rank_prefix: bool = False,
 ) -> int:
     """Run ``python cmd[0] cmd[1:]`` (``python -m`` with ``module=True``) in ``nproc_per_node`` processes; wait.
 
@@ -125,7 +128,9 @@ def launch_script(
     rendezvous on 127.0.0.1; otherwise torch's ``rdzv_backend`` at ``rdzv_endpoint`` (``nnodes`` is "N" or
     "MIN:MAX", ``node_rank`` is read by the static backend only). ``extra_env`` is added to the workers' environment.
     ``verbose`` shows torch's agent log lines and every failed rank's traceback as it happens; without it, one
-    report at the end: the rank that failed first, its traceback, the ranks stopped, the exit code.
+    report at the end: the rank that failed first, its traceback, the ranks stopped, the exit code. The workers'
+    output arrives as whole lines (never two workers within one line); ``rank_prefix`` starts each with
+    ``[rank R] ``.
     """
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -137,8 +142,8 @@ def launch_script(
     cmd = [str(c) for c in cmd]
     if not cmd:
         raise ValueError("no script given; expected a script path and its arguments")
-    if not module and not os.path.isfile(cmd[0]):
-        raise ValueError(f"script not found: {cmd[0]!r}")
+    # before anything starts: a typo or a syntax error costs no worker start-up and reads as one line
+    check_module(cmd[0]) if module else check_script(cmd[0])
     if nproc_per_node is None:
         nproc_per_node = default_nproc_per_node()
     if not isinstance(nproc_per_node, int) or nproc_per_node < 1:
@@ -169,10 +174,13 @@ def launch_script(
     env.update(extra_env or {})
     if verbose:
         env["FANFOLD_VERBOSE"] = "1"
+    if rank_prefix:
+        env["FANFOLD_RANK_PREFIX"] = "1"
 
     shim = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker_shim.py")
     args = ["-u", shim, *(["-m"] if module else []), *cmd]
-    with tempfile.TemporaryDirectory(prefix="fanfold-run-") as logs, _environ(env), _quiet_torch(not verbose):
+    with tempfile.TemporaryDirectory(prefix="fanfold-run-") as logs, _environ(env), _quiet_torch(not verbose), \
+            _restart_notices(quiet=not verbose):
         config = LaunchConfig(
             min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=nproc_per_node, run_id=run_id,
             rdzv_endpoint=endpoint, rdzv_backend=backend, rdzv_configs=configs, max_restarts=max_restarts,
@@ -197,8 +205,6 @@ def _quiet_torch(quiet: bool) -> Iterator[None]:
     if not quiet:
         yield
         return
-    import logging
-
     names = [n for n in list(logging.root.manager.loggerDict)
              if n.startswith(("torch.distributed.elastic", "torch.distributed.launcher"))]
     loggers = [logging.getLogger(n) for n in names]
@@ -210,6 +216,59 @@ def _quiet_torch(quiet: bool) -> Iterator[None]:
     finally:
         for lg, level in zip(loggers, saved):
             lg.setLevel(level)
+
+
+_POLL_LOGGER = "torch.distributed.elastic.multiprocessing.api"  # logs "failed (exitcode: ...) local_rank: ..."
+_AGENT_LOGGER = "torch.distributed.elastic.agent.server.api"  # logs "... attempts left; will restart worker group"
+
+
+class _RestartNotice(logging.Handler):
+    """One line on stderr when the agent restarts the workers: which worker failed, how, and the attempt starting,
+    e.g. ``fanfold run: local rank 1 (pid 41) was killed by signal SIGKILL; restarting (attempt 1 of 2)``.
+
+    torch's agent says both things only in its own log records (the first failure, then the restart), which the
+    quiet mode hides; the workers' own tracebacks are printed by the shim, labelled with their rank.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self._failure: tuple | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = record.msg if isinstance(record.msg, str) else ""
+        args = record.args if isinstance(record.args, tuple) else ()
+        if text.startswith("failed (exitcode") and len(args) >= 3:
+            self._failure = args[:3]  # exitcode, local rank, pid
+        elif "will restart worker group" in text and "attempts left" in text and len(args) >= 4:
+            left, total = int(args[2]), int(args[3])
+            what = ""
+            if self._failure is not None:
+                code, local_rank, pid = self._failure
+                how = (f"was killed by signal {signal.Signals(-code).name}" if code < 0
+                       else f"failed with exit code {code}")
+                what = f"local rank {local_rank} (pid {pid}) {how}; "
+            self._failure = None
+            print(f"fanfold run: {what}restarting (attempt {total - left + 1} of {total})", file=sys.stderr,
+                  flush=True)
+
+
+@contextlib.contextmanager
+def _restart_notices(quiet: bool) -> Iterator[None]:
+    loggers = [logging.getLogger(n) for n in (_POLL_LOGGER, _AGENT_LOGGER)]
+    saved = [(lg.level, lg.propagate) for lg in loggers]
+    notice = _RestartNotice()
+    for lg in loggers:
+        lg.setLevel(logging.INFO)
+        lg.addHandler(notice)
+        if quiet:  # the records reach the notice only, not torch's handlers
+            lg.propagate = False
+    try:
+        yield
+    finally:
+        for lg, (level, propagate) in zip(loggers, saved):
+            lg.removeHandler(notice)
+            lg.setLevel(level)
+            lg.propagate = propagate
 
 
 def _time_ns(failure) -> float:

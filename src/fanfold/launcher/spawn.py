@@ -27,6 +27,7 @@ from multiprocessing.connection import wait
 from typing import Any
 
 from .loopback import LOOPBACK, free_port, loopback_interface, loopback_store
+from .worker_shim import whole_lines
 
 __all__ = ["launch", "WorkerError", "free_port", "loopback_store", "loopback_interface"]
 
@@ -62,9 +63,11 @@ def _send(conn, data: bytes) -> None:
     conn.close()
 
 
-def _worker(fn, args, rank: int, env: Mapping[str, str], threads: int, conn) -> None:
+def _worker(fn, args, rank: int, env: Mapping[str, str], threads: int, conn, rank_prefix: bool) -> None:
     os.environ.update(env)
     os.environ["RANK"] = os.environ["LOCAL_RANK"] = str(rank)
+    # whole lines only: two workers printing to one notebook cell must not interleave within a line
+    streams = whole_lines(f"[rank {rank}] " if rank_prefix else "")
     import torch
 
     torch.set_num_threads(threads)
@@ -87,6 +90,9 @@ def _worker(fn, args, rank: int, env: Mapping[str, str], threads: int, conn) -> 
                 dist.destroy_process_group()
             except Exception:
                 pass
+    for stream in streams:  # os._exit skips every flush: what the worker printed must reach the parent first
+        stream.close_line()
+        stream.flush()
     if report.ok:
         _send(conn, data)
     os._exit(0 if report.ok else 1)
@@ -242,6 +248,7 @@ def launch(
     threads: int = 1,
     env: Mapping[str, str] | None = None,
     start_method: str | None = None,
+    rank_prefix: bool = False,
 ) -> list:
     """Run ``fn(*args)`` in ``nprocs`` local processes with the torchrun environment; return the results by rank.
 
@@ -249,7 +256,8 @@ def launch(
     the workers cannot import by name (defined in a notebook cell or in ``__main__``, a lambda, a closure) is run
     in forked workers instead, which is how it works from Jupyter: the parent must not have initialised CUDA (a
     clear ``RuntimeError`` says so) and the workers initialise the device themselves. Each worker uses
-    ``threads`` intra-op threads. ``env`` adds environment variables.
+    ``threads`` intra-op threads. ``env`` adds environment variables. The workers' ``print`` output arrives as
+    whole lines (never two ranks within one line); ``rank_prefix=True`` starts each with ``[rank R] ``.
     Raises :class:`WorkerError` naming the first rank that failed, with its traceback, or :class:`TimeoutError`
     naming the ranks still running after ``timeout`` seconds; in every case no worker is left running.
     """
@@ -275,7 +283,8 @@ def launch(
     try:
         for rank in range(nprocs):
             recv, send = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_worker, args=(fn, args, rank, base, threads, send), name=f"fanfold-rank{rank}")
+            p = ctx.Process(target=_worker, args=(fn, args, rank, base, threads, send, rank_prefix),
+                            name=f"fanfold-rank{rank}")
             p.start()
             send.close()
             procs.append(p)

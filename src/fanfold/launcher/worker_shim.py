@@ -9,20 +9,79 @@ Runs the user's script (or module, with ``-m``) as ``__main__`` exactly as ``pyt
   launcher will not show it (a failure the agent restarts from, no error file) or with ``FANFOLD_VERBOSE=1``;
 - ``faulthandler`` is on, so a segfault still leaves a Python stack on stderr;
 - on Linux the worker is killed when the launcher dies, even by SIGKILL, so no worker outlives it; and when the
-  worker ends, the processes it started in its process group (helpers, servers, pools) are stopped with it.
+  worker ends, the processes it started in its process group (helpers, servers, pools) are stopped with it;
+- ``sys.stdout`` and ``sys.stderr`` pass on whole lines only (:class:`WholeLines`), so that N workers sharing a
+  terminal never interleave within a line; with ``FANFOLD_RANK_PREFIX=1`` (``fanfold run --rank-prefix``) each line
+  starts with ``[rank R] ``. ``fanfold.launch`` uses the same class for its workers.
 
 Deliberately imports neither torch nor fanfold: a script that does not need them starts in milliseconds.
 """
 from __future__ import annotations
 
+import atexit
 import faulthandler
 import json
 import os
+import re
 import runpy
 import signal
 import sys
+import threading
 import time
 import traceback
+
+_LINE_ENDS = re.compile(r"(?<=\n)|(?<=\r)(?!\n)")  # splits after each \n, and after a \r not part of \r\n
+
+
+class WholeLines:
+    """A text stream over ``target`` that passes on whole lines only, each with one ``write`` and a ``flush``, and
+    starts each with ``prefix``; every other attribute (``fileno``, ``isatty``, ``buffer``, ...) is ``target``'s.
+
+    A line ends at ``\\n`` or at ``\\r`` (a progress bar redrawing its line). ``flush`` keeps an unfinished line back:
+    a whole line per write is the point, and ``print(..., end="", flush=True)`` on two ranks at once is exactly
+    what interleaves. What is left unfinished is written by :meth:`close_line`, when the worker ends.
+    """
+
+    def __init__(self, target, prefix: str = ""):
+        self._target, self._prefix = target, prefix
+        self._pending = ""
+        self._lock = threading.Lock()  # a worker's threads print too
+
+    def write(self, text: str) -> int:
+        with self._lock:
+            self._pending += text
+            cut = max(self._pending.rfind("\n"), self._pending.rfind("\r")) + 1
+            if cut:
+                self._emit(self._pending[:cut])
+                self._pending = self._pending[cut:]
+        return len(text)
+
+    def _emit(self, text: str) -> None:
+        if self._prefix:
+            text = "".join(self._prefix + line for line in _LINE_ENDS.split(text) if line)
+        self._target.write(text)
+        self._target.flush()
+
+    def flush(self) -> None:
+        self._target.flush()
+
+    def close_line(self) -> None:
+        """Write what is left of an unfinished line, ended with a newline."""
+        with self._lock:
+            if self._pending:
+                self._emit(self._pending + "\n")
+                self._pending = ""
+
+    def __getattr__(self, name: str):
+        return getattr(self._target, name)
+
+
+def whole_lines(prefix: str = "") -> tuple[WholeLines, WholeLines]:
+    """Replace ``sys.stdout`` and ``sys.stderr`` by :class:`WholeLines` over them; returns the two."""
+    sys.stdout, sys.stderr = WholeLines(sys.stdout, prefix), WholeLines(sys.stderr, prefix)
+    for stream in (sys.stdout, sys.stderr):
+        atexit.register(stream.close_line)  # registered first, run last: after the user's own exit handlers
+    return sys.stdout, sys.stderr
 
 
 def _die_with_parent() -> None:
@@ -84,6 +143,29 @@ def _record(exc: BaseException, text: str) -> None:
         print(f"fanfold run: cannot write the error file {path}: {err}", file=sys.stderr)
 
 
+def _restart_follows() -> tuple[int, int] | None:
+    """(the attempt the agent starts next, the restarts allowed) when a failure now is followed by a restart."""
+    try:
+        done, allowed = int(os.environ["TORCHELASTIC_RESTART_COUNT"]), int(os.environ["TORCHELASTIC_MAX_RESTARTS"])
+    except (KeyError, ValueError):
+        return None
+    return (done + 1, allowed) if done < allowed else None
+
+
+# A rank whose peer died fails in its next collective with gloo's or the store's "connection closed" errors: the
+# consequence, not the cause (the cause is the peer's own traceback, or the launcher's line on how it died).
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "DistNetworkError")
+
+
+def _restart_report(exc: BaseException, text: str, restart: tuple[int, int]) -> str:
+    rank, (attempt, allowed) = os.environ.get("RANK", "?"), restart
+    label = f"restarting (attempt {attempt} of {allowed})"
+    if any(s in f"{type(exc).__name__}: {exc}" for s in _PEER_GONE) and os.environ.get("FANFOLD_VERBOSE") != "1":
+        return (f"fanfold run: rank {rank} also failed: a peer is gone ({type(exc).__name__}); {label} "
+                f"(--verbose shows its traceback)\n")
+    return f"fanfold run: rank {rank} failed; {label}. Traceback of rank {rank}:\n{text}"
+
+
 def _launcher_wont_show() -> bool:
     # The launcher prints the traceback of the rank that failed first once the run has failed; a failure the agent
     # restarts from is never reported by it, and --verbose (FANFOLD_VERBOSE) shows every rank's as it happens.
@@ -104,7 +186,9 @@ def main(argv: list[str]) -> int:
         return 2
     target = argv[0]
     sys.argv = list(argv)
-    faulthandler.enable(all_threads=True)
+    prefix = f"[rank {os.environ.get('RANK', '?')}] " if os.environ.get("FANFOLD_RANK_PREFIX") == "1" else ""
+    streams = whole_lines(prefix)
+    faulthandler.enable(file=sys.__stderr__, all_threads=True)
     _die_with_parent()
     try:
         if module:
@@ -117,12 +201,17 @@ def main(argv: list[str]) -> int:
         raise
     except BaseException as exc:  # KeyboardInterrupt too: the launcher reports it like any other failure
         text = "".join(traceback.format_exception(type(exc), exc, _user_frames(exc.__traceback__)))
-        if _launcher_wont_show():
+        restart = _restart_follows() if os.environ.get("TORCHELASTIC_ERROR_FILE") else None
+        if restart is not None:  # the launcher reports only the failure that ends the run: label this one here
+            sys.stderr.write(_restart_report(exc, text, restart))
+        elif _launcher_wont_show():
             sys.stderr.write(text)
-            sys.stderr.flush()
+        sys.stderr.flush()
         _record(exc, text)
         return 1
     finally:
+        for stream in streams:
+            stream.close_line()
         _stop_own_group()
     return 0
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .._core.devices import DeviceLike, normalize_device, normalize_devices
+from .._core.devices import DeviceLike, usable_device, usable_devices
 
 
 def _copy_to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -25,7 +25,7 @@ def _copy_to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def broadcast(tensor: torch.Tensor, devices: Sequence[DeviceLike]) -> list[torch.Tensor]:
     """One copy of ``tensor`` on each of ``devices``."""
-    return [_copy_to(tensor, d) for d in normalize_devices(devices, "devices")]
+    return [_copy_to(tensor, d) for d in usable_devices(devices, "devices")]
 
 
 def reduce_add(tensors: Sequence[torch.Tensor], destination: DeviceLike) -> torch.Tensor:
@@ -36,7 +36,7 @@ def reduce_add(tensors: Sequence[torch.Tensor], destination: DeviceLike) -> torc
     for i, t in enumerate(tensors):
         if t.shape != shape:
             raise ValueError(f"reduce_add: tensors[{i}] has shape {tuple(t.shape)}, tensors[0] has {tuple(shape)}")
-    dest = normalize_device(destination)
+    dest = usable_device(destination, "destination")
     out = _copy_to(tensors[0], dest)
     for t in tensors[1:]:
         out.add_(t.to(dest))
@@ -47,7 +47,7 @@ def scatter(
     tensor: torch.Tensor, devices: Sequence[DeviceLike], chunk_sizes: Sequence[int], dim: int = 0
 ) -> list[torch.Tensor]:
     """Split ``tensor`` along ``dim`` into ``chunk_sizes`` (which must sum to its size) and copy chunk i to device i."""
-    devs = normalize_devices(devices, "devices")
+    devs = usable_devices(devices, "devices")
     if len(chunk_sizes) != len(devs):
         raise ValueError(f"scatter: {len(chunk_sizes)} chunk_sizes for {len(devs)} devices")
     if sum(chunk_sizes) != tensor.size(dim):
@@ -62,5 +62,5 @@ def gather(tensors: Sequence[torch.Tensor], destination: DeviceLike, dim: int = 
     """Concatenate ``tensors`` along ``dim`` on ``destination``."""
     if not tensors:
         raise ValueError("gather: no tensors given")
-    dest = normalize_device(destination)
+    dest = usable_device(destination, "destination")
     return torch.cat([t.to(dest) for t in tensors], dim)

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._core.devices import DeviceLike, accelerator_type, default_device_ids, normalize_device, normalize_devices
+from .._core.devices import DeviceLike, default_device_ids, usable_device, usable_devices
 from .._core.prefixes import unwrap_module
 from .parallel_apply import WorkerPool, parallel_apply
 from .parallel_backward import parallel_apply_backward
@@ -114,17 +114,12 @@ class DataParallel(nn.Module):
                 self.device_ids: list[torch.device] = []
                 self.output_device = self.src_device_obj = None
                 return
-        self.device_ids = normalize_devices(device_ids, "device_ids")
-        for i, d in enumerate(self.device_ids):
-            if d.type not in ("cpu", "meta") and d.type != accelerator_type():
-                raise ValueError(
-                    f"device_ids[{i}] is {d}, but this machine has no {d.type} device; for CPU replicas give "
-                    f"device_ids=['cpu'] * {len(self.device_ids)}, or leave device_ids out to run the module as it is"
-                )
+        self.device_ids = usable_devices(device_ids, "device_ids")
         if self.weights is not None and len(self.weights) != len(self.device_ids):
             raise ValueError(f"DataParallel: {len(self.weights)} weights for {len(self.device_ids)} device_ids")
         self.src_device_obj = self.device_ids[0]
-        self.output_device = self.src_device_obj if output_device is None else normalize_device(output_device)
+        self.output_device = (self.src_device_obj if output_device is None
+                              else usable_device(output_device, "output_device"))
         if len(self.device_ids) == 1:
             self.module.to(self.src_device_obj)
         if engine == "process" and any(d.type != "cpu" for d in self.device_ids):

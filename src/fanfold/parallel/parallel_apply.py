@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.nn.utils.rnn import PackedSequence
 
-from .._core.devices import DeviceLike, accelerator_type, normalize_device
+from .._core.devices import DeviceLike, accelerator_type, usable_devices
 from .._core.tree import flatten
 
 
@@ -214,7 +214,7 @@ def parallel_apply(
     if devices is None:
         devs = [_infer_device(m, a, k) for m, a, k in zip(modules, args, kwargs)]
     else:
-        devs = [normalize_device(d) for d in devices]
+        devs = usable_devices(devices, "devices")
     state = _caller_state(devs)
     if n == 1:
         try:

@@ -26,7 +26,7 @@ from typing import Protocol, TypeVar, runtime_checkable
 import torch
 from torch import nn
 
-from .._core.devices import DeviceLike, normalize_devices
+from .._core.devices import DeviceLike, usable_devices
 from . import comm
 from .functions import Broadcast
 
@@ -89,7 +89,7 @@ def replicate(network: M, devices: Sequence[DeviceLike], detach: bool = False) -
     """One replica of ``network`` per entry of ``devices`` (a device may repeat: ``["cpu", "cpu"]``)."""
     if not isinstance(network, nn.Module):
         raise TypeError(f"replicate: network must be an nn.Module, got {type(network).__name__}")
-    devs = normalize_devices(devices, "devices")
+    devs = usable_devices(devices, "devices")
     _check_replicable(network)
 
     modules = list(network.modules())

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
-from .._core.devices import DeviceLike, normalize_device, normalize_devices
+from .._core.devices import DeviceLike, usable_device, usable_devices
 from .._core.tree import first_difference, flatten, unflatten
 from .functions import Gather, Scatter
 
@@ -169,7 +169,7 @@ def scatter(
 ) -> list:
     """Split ``inputs`` (a tensor or nested structure) over ``target_gpus``; one structure per replica used."""
     _check_dim(dim)
-    devices = normalize_devices(target_gpus, "target_gpus")
+    devices = usable_devices(target_gpus, "target_gpus")
     leaves, spec = flatten(inputs, "inputs")
     sizes = _plan(leaves, devices, dim, chunk_sizes, weights)
     return [unflatten(spec, replica) for replica in _scatter_leaves(leaves, devices, dim, sizes)]
@@ -186,7 +186,7 @@ def scatter_kwargs(
 ) -> tuple[tuple[tuple, ...], tuple[dict[str, Any], ...]]:
     """Split positional ``inputs`` and ``kwargs`` with one plan: two tuples of the same length (replicas used)."""
     _check_dim(dim)
-    devices = normalize_devices(target_gpus, "target_gpus")
+    devices = usable_devices(target_gpus, "target_gpus")
     inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
     kwargs = {} if kwargs is None else kwargs
     if not isinstance(kwargs, dict):
@@ -273,7 +273,7 @@ def gather(outputs: Sequence[Any], target_device: DeviceLike, dim: int = 0) -> A
     _check_dim(dim)
     if len(outputs) == 0:
         raise ValueError("gather: outputs is empty (no replica returned anything)")
-    device = normalize_device("cpu" if target_device == -1 else target_device)
+    device = usable_device("cpu" if target_device == -1 else target_device, "target_device")
     flat = [flatten(out, "output") for out in outputs]
     spec = flat[0][1]
     for i, (_, other) in enumerate(flat[1:], 1):

@@ -119,11 +119,14 @@ def run_worker(args: argparse.Namespace) -> int:
              "step": 0, "losses": [], "run": run}
     # After a restart by the launcher the workers start afresh: the checkpoint, if any, is where they left off.
     # (The parent refused a --out that already held one unless --resume was given, and checked its settings.)
-    if ckpt.exists():
+    resumed = ckpt.exists()
+    if resumed:
         if saved_settings(ckpt) != run:  # only if the file changed under us: the parent checked it
             raise ValueError(f"{ckpt} belongs to a run with other settings than {run}")
         state.update(load(ckpt, state))
     step, losses = state["step"], state["losses"]
+    if rank == 0 and resumed:  # --resume, or a restart by the launcher: say where the run picks up
+        print(f"fanfold train: resumed from {ckpt} at step {step} of {total}", file=sys.stderr, flush=True)
     # A bar on a terminal; written to a file or a pipe, one plain line an epoch instead of glued bar fragments.
     show = rank == 0
     plain = show and not sys.stderr.isatty()

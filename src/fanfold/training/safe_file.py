@@ -12,6 +12,7 @@ import os
 import pickle
 import secrets
 import struct
+import warnings
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -154,7 +155,11 @@ def has_footer(path: Path) -> bool:
 def _unpickle(path: Path, f: BinaryIO) -> Any:
     f.seek(0)
     try:
-        return torch.load(f, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():
+            # torch warns about a pickle protocol it did not write just before refusing the file: the refusal
+            # below says it all, once
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.load(f, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         # weights_only refuses any global outside torch's allowlist before calling it: the payload never ran.
         lines = [line.strip() for line in str(exc).splitlines()]
@@ -163,9 +168,10 @@ def _unpickle(path: Path, f: BinaryIO) -> Any:
             f"{path}: refused: it holds pickled objects that are not tensors or plain containers, and fanfold loads "
             f"only with torch.load(weights_only=True), which never runs their code ({reason})") from None
     except Exception as exc:
+        # torch's whole first line: cut short, its reason ended mid-sentence
         first = str(exc).splitlines()[0] if str(exc) else ""
         raise CheckpointError(f"{path}: not a readable torch checkpoint: truncated, corrupted or another format "
-                              f"({type(exc).__name__}: {first[:200]})") from None
+                              f"({type(exc).__name__}: {first})") from None
 
 
 def read_verified(path: Path) -> tuple[Any, bool]:

@@ -1,13 +1,15 @@
 """Test-only fault injection for `fanfold train`'s workers (tests/training/test_train.py); not part of fanfold.
 
 The test puts this folder on PYTHONPATH of the runs it starts, so Python runs this ``sitecustomize`` at the start
-of every process of the run. With FANFOLD_TEST_LEDGER=1 or FANFOLD_TEST_KILL_AT_STEP=S set, it waits for
+of every process of the run. With FANFOLD_TEST_LEDGER=1, FANFOLD_TEST_KILL_AT_STEP=S or FANFOLD_TEST_PAUSE_AT_STEP=S
+set, it waits for
 ``fanfold.training.job`` to be imported and wraps three of its names, leaving the product code untouched:
 
 - ``run_worker``, to learn the run directory; ``load``, to learn the step a worker resumes from;
 - ``DataLoader``: the training loader's iterator. Fetching batch s+1 means step s is complete (optimizer step and
   any checkpoint included), so that is when step s is recorded in ``ledger-rank<R>.txt`` (``step epoch ids...``)
-  and when the last rank SIGKILLs itself after step S, as a crash would (once per run directory).
+  and when the last rank SIGKILLs itself after step S, as a crash would (once per run directory), or rank 0 pauses
+  after step S (writing ``paused-at-step-S``) so that the test can interrupt the run at a known point.
 
 A resumed worker rolls back the ledger lines of the steps the crash lost (they are trained, and recorded, again);
 rank 0 also rolls back those of ranks that a run resumed on fewer processes no longer has.
@@ -19,6 +21,7 @@ import importlib.machinery
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 _TARGET = "fanfold.training.job"
@@ -55,6 +58,7 @@ def _roll_back(out: Path, rank: int, world: int, step: int):
 def _patch(job) -> None:
     ledger_on = os.environ.get("FANFOLD_TEST_LEDGER") == "1"
     kill_at = int(os.environ.get("FANFOLD_TEST_KILL_AT_STEP", "0"))
+    pause_at = int(os.environ.get("FANFOLD_TEST_PAUSE_AT_STEP", "0"))
     run = {"step": 0, "out": None, "ledger": None}
     run_worker, load, loader_cls = job.run_worker, job.load, job.DataLoader
 
@@ -81,6 +85,9 @@ def _patch(job) -> None:
             if not marker.exists():
                 marker.touch()
                 os.kill(os.getpid(), signal.SIGKILL)
+        if step == pause_at and rank == 0:
+            (run["out"] / f"paused-at-step-{step}").touch()
+            time.sleep(120)  # the test interrupts the run meanwhile
 
     class DataLoader(loader_cls):
         def __iter__(self):
@@ -102,5 +109,6 @@ def _patch(job) -> None:
     job.run_worker, job.load, job.DataLoader = patched_run_worker, patched_load, DataLoader
 
 
-if os.environ.get("FANFOLD_TEST_LEDGER") == "1" or os.environ.get("FANFOLD_TEST_KILL_AT_STEP"):
+if os.environ.get("FANFOLD_TEST_LEDGER") == "1" or os.environ.get("FANFOLD_TEST_KILL_AT_STEP") \
+        or os.environ.get("FANFOLD_TEST_PAUSE_AT_STEP"):
     sys.meta_path.insert(0, _Finder())
