@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .reduce_ops import reduce_code
+from .reduce_ops import SUM, reduce_code
 from .request import ALL_GATHER, ALL_TO_ALL, GATHER_PEERS, OPS, REDUCE_SCATTER, SCATTER_TENSORS, Collective
 from .tensors import check_reduce_tensors, exchange_counts, exchange_tensors, flat_view
 from .thread import ShmWork
@@ -52,6 +52,12 @@ class Exchanges:
             raise ValueError(f"reduce_scatter: divisor must be a positive number, got {divisor!r}")
         reduce = reduce_code(op, divisor)
         flat, out_flat, finish = exchange_tensors("reduce_scatter", tensor, out, per=self.world_size)
+        if reduce == SUM and self.world_size > 1 and self.peer_read and flat.is_cpu and not flat.is_complex() and \
+                flat.numel() and not (_overlaps(flat, out_flat) or _overlaps(out_flat, flat)):
+            # Where ranks read each other's memory, each reads only its part of the peers' tensors (scatter.py): no
+            # copy through the ring, the same bits (ZeRO stage 2's gradients)
+            return self._enqueue(Collective(SCATTER_TENSORS, 0, flat, bucket, divisor=divisor, outs=[flat],
+                                            out=out_flat), out, finish)
         return self._exchange(Collective(REDUCE_SCATTER, 0, flat, bucket, divisor=divisor, out=out_flat,
                                          reduce=reduce), out, finish)
 
