@@ -196,8 +196,7 @@ class Reducer(BucketPaths):
                "gradient_as_bucket_view=True (there are no full buckets to view)" if self.as_view else
                "sparse gradients (nn.Embedding(sparse=True))" if any(self.sparse) else
                "delay_all_reduce_named_params" if self.delayed else
-               "a backward in progress" if self._queued or self._touched else
-               "a gradient strategy already in use" if self._strategy is not None else None)
+               "a backward in progress" if self._queued or self._touched else None)
         if why:
             raise ValueError(f"{who} (rank {rank}): not supported with {why}")
         strategy = make(self)
