@@ -135,7 +135,6 @@ class Reducer(BucketPaths):
         self.on_first_ready: Callable[[], None] | None = None  # DDP's join announcement, before any bucket launch
         self.params_back: Callable[[], None] | None = None  # mixed precision: masters back after each backward
         self.readiness = Readiness(self.names, transport.rank, static_graph)
-        self.last_ready_order: list[int] = []
         self._static_used: list[float] | None = None  # static graph: which parameters some rank used, once
         self._shadowing = False
         self._double = False  # this backward differentiates the gradients of a create_graph one: averaged too
@@ -347,7 +346,6 @@ class Reducer(BucketPaths):
     def _finalize(self) -> None:
         r, double, arm = self.readiness, self._double, bool(self._graph_grads)
         counting = r.counting and not double
-        self.last_ready_order = list(r.order)  # this rank's, for inspection; rank 0's decides the rebuild
         if counting:
             r.learn()
         missing = [i for i, ready in enumerate(r.ready) if not ready]
