@@ -148,6 +148,17 @@ def _errors():
             ddp.shard_gradients(make())
         except (TypeError, ValueError) as exc:
             out.append(f"{type(exc).__name__}: {exc}")
+    view = fanfold.DistributedDataParallel(_model(), transport="torch", gradient_as_bucket_view=True)
+    try:
+        view.shard_gradients(fanfold.ZeroRedundancyOptimizer(view.module.parameters(), torch.optim.Adam))
+    except ValueError as exc:
+        out.append(f"ValueError: {exc}")
+    ddp.shard_gradients(fanfold.ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam))
+    x, y = _data(0, 0, dist.get_rank(), dist.get_world_size())
+    try:
+        _loss(ddp, x, y).backward(create_graph=True)
+    except RuntimeError as exc:
+        out.append(f"RuntimeError: {exc}")
     return out
 
 
@@ -206,11 +217,13 @@ def test_torch_reduce_scatter_and_all_gather(two_ranks):
         torch.testing.assert_close(full, torch.tensor([7.0] * 5 + [8.0] * 5, dtype=torch.float64))
 
 
-def test_shard_gradients_refuses_other_optimizers(two_ranks):
+def test_shard_gradients_refuses_other_optimizers_and_settings(two_ranks):
     for res in two_ranks:
-        plain, subset = res["errors"]
+        plain, subset, view, graph = res["errors"]
         assert plain.startswith("TypeError") and "fanfold.ZeroRedundancyOptimizer" in plain
         assert subset.startswith("ValueError") and "exactly the DistributedDataParallel's trainable" in subset
+        assert view.startswith("ValueError") and "gradient_as_bucket_view=True" in view
+        assert graph.startswith("RuntimeError") and "create_graph=True) is not supported" in graph
 
 
 @pytest.mark.parametrize("key", ["adam/shm/bf16", "adam/torch/fp16"])
