@@ -42,13 +42,16 @@ def _reordered(flip):
     ddp = fanfold.DDP(model, bucket_cap_mb=0.0006, first_bucket_cap_mb=0.0005)
     names = {p: name for name, p in model.named_parameters()}
     layout = lambda: [[names[ddp.reducer.params[i]] for i in members] for members in ddp.reducer.buckets]
-    before, orders = layout(), []
+    before, orders, seen = layout(), [], []
+    for p in model.parameters():  # the order in which autograd finishes each gradient on this rank
+        p.register_post_accumulate_grad_hook(lambda p: seen.append(names[p]))
     opt = optimizer(model)
     for step in range(3):
         x, y = batch("mlp", step)
         opt.zero_grad()
         loss_fn("mlp", ddp(shard(x, r, n), flip=flip and r == 1), shard(y, r, n)).backward()
-        orders.append([names[ddp.reducer.params[i]] for i in ddp.reducer.last_ready_order])
+        orders.append(list(seen))
+        seen.clear()
         opt.step()
     return before, layout(), [p.detach().clone() for p in model.parameters()], orders[0]
 

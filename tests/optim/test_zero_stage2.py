@@ -1,7 +1,7 @@
 """ZeRO stage 2 (``DistributedDataParallel.shard_gradients``) on 2 and 3 gloo ranks against one process training on
 the whole batch with the plain torch optimizer (SGD with momentum, Adam, AdamW), 20 steps, with no_sync accumulation
-and ``fanfold.clip_grad_norm_``; the torch transport (a true reduce-scatter) and the shm one (its all-reduce
-fallback); torch's own reduce-scatter and all-gather; a comm hook written for torch's DDP; the bf16/fp16 comm hooks;
+and ``fanfold.clip_grad_norm_``; the torch transport (a true reduce-scatter) and the shm one; torch's own
+reduce-scatter and all-gather; a comm hook written for torch's DDP; the bf16/fp16 comm hooks;
 unused parameters; a checkpoint saved at 2 ranks and resumed at 3; memory held after backward, counted by walking
 every tensor the reducer and the optimizer hold, against plain DDP + a plain optimizer.
 """
@@ -14,7 +14,6 @@ from test_zero_training import MAX_NORM, OPTS, SAVE_AT, STEPS, _data, _loss, _mo
 import fanfold
 from fanfold.collectives.transport import TorchTransport
 from fanfold.distributed import init_process_group
-from fanfold.distributed.shard_collectives import all_gather, reduce_scatter
 
 CAPS = dict(bucket_cap_mb=0.01, first_bucket_cap_mb=0.005)  # several buckets of the 5,768-element MLP
 
@@ -131,11 +130,11 @@ def _ranks(plan, path):
 
 
 def _native_ops():
-    """torch's reduce-scatter (average) and all-gather of 10 elements through stage 2's collectives."""
+    """torch's reduce-scatter (average) and all-gather of 10 elements through the transport stage 2 uses."""
     ops, r = TorchTransport(native_scatter=True), dist.get_rank()
     out, full = torch.empty(5, dtype=torch.float64), torch.empty(10, dtype=torch.float64)
-    reduce_scatter(ops, out, torch.arange(10, dtype=torch.float64) * (r + 1), 0, 2).wait()
-    all_gather(ops, full, torch.full((5,), float(r + 7), dtype=torch.float64), 0).wait()
+    ops.reduce_scatter(torch.arange(10, dtype=torch.float64) * (r + 1), out, 0, divisor=2).wait()
+    ops.all_gather(torch.full((5,), float(r + 7), dtype=torch.float64), full, 0).wait()
     return out, full
 
 
@@ -149,6 +148,17 @@ def _errors():
             ddp.shard_gradients(make())
         except (TypeError, ValueError) as exc:
             out.append(f"{type(exc).__name__}: {exc}")
+    view = fanfold.DistributedDataParallel(_model(), transport="torch", gradient_as_bucket_view=True)
+    try:
+        view.shard_gradients(fanfold.ZeroRedundancyOptimizer(view.module.parameters(), torch.optim.Adam))
+    except ValueError as exc:
+        out.append(f"ValueError: {exc}")
+    ddp.shard_gradients(fanfold.ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam))
+    x, y = _data(0, 0, dist.get_rank(), dist.get_world_size())
+    try:
+        _loss(ddp, x, y).backward(create_graph=True)
+    except RuntimeError as exc:
+        out.append(f"RuntimeError: {exc}")
     return out
 
 
@@ -207,11 +217,13 @@ def test_torch_reduce_scatter_and_all_gather(two_ranks):
         torch.testing.assert_close(full, torch.tensor([7.0] * 5 + [8.0] * 5, dtype=torch.float64))
 
 
-def test_shard_gradients_refuses_other_optimizers(two_ranks):
+def test_shard_gradients_refuses_other_optimizers_and_settings(two_ranks):
     for res in two_ranks:
-        plain, subset = res["errors"]
+        plain, subset, view, graph = res["errors"]
         assert plain.startswith("TypeError") and "fanfold.ZeroRedundancyOptimizer" in plain
         assert subset.startswith("ValueError") and "exactly the DistributedDataParallel's trainable" in subset
+        assert view.startswith("ValueError") and "gradient_as_bucket_view=True" in view
+        assert graph.startswith("RuntimeError") and "create_graph=True) is not supported" in graph
 
 
 @pytest.mark.parametrize("key", ["adam/shm/bf16", "adam/torch/fp16"])

@@ -111,7 +111,7 @@ class BucketPaths(BucketLayout):
         (a missing one into a temporary of zeros that the write-back hands back). The same sum and division."""
         flat, members = self.flats[b], self.buckets[b]
         views = [self._views[i] for i in members]
-        known = self._known_grads  # the .grad of every parameter, just read (deferred.py), else None
+        known = self._known_grads  # the .grad of every parameter, just read (Reducer._settle_deferred), else None
         grads = [] if self._shadowing else [self.params[i].grad for i in members] if known is None else \
             [known[i] for i in members]  # joined: its .grad stays
         if self._shadowing:

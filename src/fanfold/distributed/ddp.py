@@ -34,8 +34,7 @@ from .mixed_precision import MixedPrecision
 from .model_check import broadcast_tensors, check_same_model
 from .optim_in_backward import refusal, take_over
 from .participants import DDPParticipant
-from .reducer import Reducer
-from .sharded_grads import shard_gradients
+from .reducer import Reducer, ShardsGradients
 
 __all__ = ["DistributedDataParallel", "DDP"]
 
@@ -213,7 +212,7 @@ class DistributedDataParallel(nn.Module):
         step on the averaged gradient, not on this rank's (``optim_in_backward.py``)."""
         r = self.reducer
         conflict = (_HOOK if self._comm_hook is not None else _MIXED if self._mp is not None else
-                    _STAGE2 if r.shards is not None else _JOIN if self._join is not None else None)
+                    _STAGE2 if r.strategy is not None else _JOIN if self._join is not None else None)
         r.in_backward = take_over(r.params, r.names, self.transport.rank, conflict)
 
     def _refuse_with_in_backward(self, what: str) -> None:
@@ -262,10 +261,16 @@ class DistributedDataParallel(nn.Module):
 
     def shard_gradients(self, optimizer: Any) -> None:
         """ZeRO stage 2 with ``optimizer`` (a ``fanfold.ZeroRedundancyOptimizer`` over this model's parameters): this
-        rank keeps the average of its part of each bucket, ``.grad`` stays None (``sharded_grads.py``). Collective."""
+        rank keeps the average of its part of each bucket, ``.grad`` stays None (``optim/sharded_grads.py``).
+        Collective."""
         self._ensure_built()
         self._refuse_with_in_backward(_STAGE2)
-        shard_gradients(self.reducer, optimizer, self.module)
+        if not isinstance(optimizer, ShardsGradients):
+            raise TypeError(f"DistributedDataParallel.shard_gradients (rank {self.transport.rank}): optimizer must be "
+                            f"a fanfold.ZeroRedundancyOptimizer, got {type(optimizer).__name__}")
+        # the module: where reads of the parameters wait for their gather after each step
+        self.reducer.use_strategy(lambda r: optimizer.gradient_strategy(r, self.module),
+                                  "DistributedDataParallel.shard_gradients")
 
     @contextmanager
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
@@ -276,7 +281,7 @@ class DistributedDataParallel(nn.Module):
             yield
             return
         check_join(self._join is not None, self._options.skip_unused,
-                   self.reducer is not None and self.reducer.shards is not None)
+                   self.reducer is not None and self.reducer.strategy is not None)
         self._ensure_built()
         self._refuse_with_in_backward(_JOIN)
         state = JoinState(self.transport, divide_by_initial_world_size, throw_on_early_termination)

@@ -1,10 +1,10 @@
 """The gradient reducer: per-parameter hooks fill flat buckets, each bucket's all-reduce starts as soon as it is
 full, and the end of backward waits, averages and writes the gradients back.
 
-Layers: ``buckets <- readiness, deferred, bucket_layout <- bucket_paths <- reducer <- ddp``; every collective goes
-through one ``collectives.Transport``, sparse gradients through ``sparse.py``. Collectives match by issue order, so
-buckets are launched strictly in bucket order on every rank: a bucket that fills early waits for those before it.
-With one bucket the hooks only record and the end of backward settles readiness (``deferred.py``).
+Layers: ``buckets <- readiness, bucket_layout <- bucket_paths <- reducer <- ddp``; every collective goes through one
+``collectives.Transport``, sparse gradients through ``sparse.py``. Collectives match by issue order, so buckets are
+launched strictly in bucket order on every rank: a bucket that fills early waits for those before it. With one
+bucket the hooks only record and the end of backward settles readiness (:class:`Deferred`).
 
 The end of backward is a callback queued where the backward reaches DDP's outputs (hooks set by ``DDP.forward``):
 it runs when the outermost backward ends, not a reentrant one nested in it (``checkpoint(use_reentrant=True)``), and
@@ -14,26 +14,94 @@ parameter without gradient) is raised there once every collective of the step is
 waiting. A parameter without gradient contributes zeros (``find_unused_parameters=True``, a static graph: a bitmap
 all-reduce tells whether some rank used it; one no rank used keeps ``grad=None``) or is named by that error.
 ``backward(create_graph=True)``: the average stays differentiable in this rank's own gradient (the identity), and
-the next backward -- a gradient penalty -- is averaged too: both give the one-process gradients. ZeRO stage 2
-(``sharded_grads.py``, ``self.shards``) takes over the launch, the wait and the write-back (the "stage 2 seam"s).
+the next backward -- a gradient penalty -- is averaged too: both give the one-process gradients. A
+:class:`GradientStrategy` (ZeRO stage 2, ``fanfold.optim``) takes over each bucket's launch, the wait and the
+write-back: the reducer still decides when.
 """
 from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from ..collectives.protocol import Transport
 from .bucket_paths import BucketPaths
 from .comm_hooks import Future, GradBucket, allreduce_hook
-from .deferred import Deferred, gradient_hook
 from .delayed import reduce_delayed
 from .readiness import Readiness, unused_message
 from .sparse import all_reduce_sparse, empty_sparse_like
 
-__all__ = ["Reducer"]
+__all__ = ["GradientStrategy", "Reducer", "ShardsGradients"]
+
+
+class GradientStrategy(Protocol):
+    """Where the averaged gradients go instead of ``.grad`` (ZeRO stage 2: this rank's part of each bucket). Handed
+    to :meth:`Reducer.use_strategy`; it reduces each bucket itself, from its parameters' ``.grad``, with the
+    reducer's ``transport`` and comm hook (``hook``, ``hook_state``, ``hook_divisor``). The reducer still decides when,
+    on every rank in the same order: each bucket once it is ready, then the wait and the write-back."""
+
+    def launch(self, bucket: int) -> None:
+        """The ``.grad`` of ``reducer.buckets[bucket]``'s parameters are final for this backward (None: the
+        parameter contributes zeros): start the bucket's reduction. In bucket order."""
+        ...
+
+    def finish(self) -> None:
+        """Wait for every reduction launched."""
+        ...
+
+    def write_back(self, used: list[float] | None) -> None:
+        """The end of a synchronised backward without error: ``used[i]`` ranks used parameter i (None: all did)."""
+        ...
+
+
+@runtime_checkable
+class ShardsGradients(Protocol):
+    """An optimizer that steps a reducer's gradients where a strategy of its own leaves them
+    (``fanfold.ZeroRedundancyOptimizer``)."""
+
+    def gradient_strategy(self, reducer: Reducer, module: torch.nn.Module | None = None) -> GradientStrategy:
+        """Lay the optimizer out after ``reducer``'s buckets (collective; may refuse); the strategy to hand them to."""
+        ...
+
+
+class Deferred:
+    """The state the reducer shares with its hooks (which must not hold the reducer itself): whether this backward
+    defers (``on``), and the parameter indices whose hooks fired, in order.
+
+    With a single bucket nothing can be reduced before the last gradient is in, so following readiness parameter by
+    parameter buys no overlap, only a Python call per parameter. When a synchronised backward has one bucket and none
+    of the features that act in the middle of backward (a static graph, join's announcement, sparse or delayed
+    parameters, a gradient strategy, the backward of a create_graph backward), each hook appends its index and
+    returns; the end of backward settles readiness at once (:meth:`Reducer._settle_deferred`)."""
+
+    __slots__ = ("on", "order")
+
+    def __init__(self) -> None:
+        self.on = False
+        self.order: list[int] = []
+
+
+def gradient_hook(ref: weakref.ref, deferred: Deferred, i: int | None) -> Callable[[torch.Tensor], None]:
+    """Parameter ``i``'s post-accumulate-grad hook (None: a delayed parameter's). A weak reference to the reducer:
+    the parameters must not keep a discarded reducer (and its hooks) alive."""
+
+    def hook(param: torch.Tensor) -> None:
+        if deferred.on:
+            order = deferred.order
+            order.append(i)
+            if len(order) > 1:
+                return
+            reducer = ref()
+            if reducer is not None:
+                reducer.backward_started()  # the end of backward must run, whatever reached the outputs
+            return
+        reducer = ref()
+        if reducer is not None:
+            reducer._on_ready(i, param)
+
+    return hook
 
 
 def _remove_handles(handles: list) -> None:
@@ -67,17 +135,16 @@ class Reducer(BucketPaths):
         self.on_first_ready: Callable[[], None] | None = None  # DDP's join announcement, before any bucket launch
         self.params_back: Callable[[], None] | None = None  # mixed precision: masters back after each backward
         self.readiness = Readiness(self.names, transport.rank, static_graph)
-        self.last_ready_order: list[int] = []
         self._static_used: list[float] | None = None  # static graph: which parameters some rank used, once
         self._shadowing = False
         self._double = False  # this backward differentiates the gradients of a create_graph one: averaged too
         self._used = [False] * len(self.params)  # got a gradient since the last synchronisation (no_sync included)
         self._device = (self.params or self.delayed or [torch.zeros(0)])[0].device
-        self.shards: Any = None
+        self._strategy: GradientStrategy | None = None  # where the averages go instead of .grad (use_strategy)
         # optimizers in backward (optim_in_backward.py): the parameters whose optimizers step on the average at the
         # end of each synchronised backward; None until DDP's first forward looks for them, as torch's does
         self.in_backward: list[int] | None = None
-        self._deferred = Deferred()  # one bucket: the hooks only record, the end of backward settles (deferred.py)
+        self._deferred = Deferred()  # one bucket: the hooks only record, the end of backward settles
         super().__init__(caps, reduce_dtype)
         self._reset()
         self._handles = [p.register_post_accumulate_grad_hook(gradient_hook(weakref.ref(self), self._deferred, i))
@@ -109,7 +176,34 @@ class Reducer(BucketPaths):
             self._reset()
         self._double = False
         self.expect_sync = sync and bool(self.params or self.delayed)
-        self._deferred.arm(self)
+        self._deferred.order.clear()
+        self._deferred.on = self.expect_sync and len(self.buckets) == 1 and not self.readiness.static and \
+            self.on_first_ready is None and self._strategy is None and not self.delayed and not any(self.sparse)
+
+    @property
+    def strategy(self) -> GradientStrategy | None:
+        """The gradient strategy in use (:meth:`use_strategy`), or None: the averages go into ``.grad``."""
+        return self._strategy
+
+    def use_strategy(self, make: Callable[[Reducer], GradientStrategy], who: str) -> None:
+        """From now on the buckets go to the strategy that ``make(self)`` returns (collective: ``make`` may move an
+        optimizer's state; it may refuse by raising, and the reducer stays as it was). ``who`` names the caller in
+        the errors. The buckets are frozen (the strategy lays its memory out after them) and the reducer's own
+        full-size buckets are dropped: they are never written again."""
+        rank = self.transport.rank
+        why = ("mixed_precision (the reduction dtype differs from the parameters')" if self.reduce_dtype else
+               "gradient_as_bucket_view=True (there are no full buckets to view)" if self.as_view else
+               "sparse gradients (nn.Embedding(sparse=True))" if any(self.sparse) else
+               "delay_all_reduce_named_params" if self.delayed else
+               "a backward in progress" if self._queued or self._touched else None)
+        if why:
+            raise ValueError(f"{who} (rank {rank}): not supported with {why}")
+        strategy = make(self)
+        self.rebuilt = True
+        self.flats = [torch.empty(f.numel(), dtype=f.dtype, device="meta") for f in self.flats]
+        self._views = [None if v is None else torch.empty(v.shape, dtype=v.dtype, device="meta") for v in self._views]
+        self._workspaces = {}
+        self._strategy = strategy
 
     # ---- during backward -----------------------------------------------------------------------------------
     def backward_started(self) -> None:
@@ -157,7 +251,7 @@ class Reducer(BucketPaths):
 
     def _end_of_backward(self) -> None:
         if self._deferred.on and self._deferred.order:
-            self._deferred.settle(self)  # before _queued is cleared: what it replays must not queue this again
+            self._settle_deferred()  # before _queued is cleared: what it replays must not queue this again
         self._queued = self._announced = False
         if not self._touched:
             return  # no parameter reached: a later backward of the same forward still synchronises
@@ -169,12 +263,43 @@ class Reducer(BucketPaths):
             if self.params_back is not None:
                 self.params_back()
 
+    def _settle_deferred(self) -> None:
+        """The end of a deferred backward that reached some parameter: readiness as the hooks would have left it.
+        Every parameter got exactly one gradient, dense and not itself differentiable (the ordinary step): all are
+        ready at once and the bucket launches. Anything else (a parameter without gradient or ready twice,
+        create_graph, a sparse gradient of a dense parameter): the recorded hooks are replayed in their order through
+        the per-parameter path; nothing was launched in between, so errors and messages are the hooks' own."""
+        d = self._deferred
+        order, d.on = list(d.order), False
+        d.order.clear()
+        params, n = self.params, len(self.params)
+        grads = [p.grad for p in params] if len(order) == n else []
+        if not grads or len(set(order)) != n or any(g is None or g.requires_grad or g.is_sparse for g in grads):
+            for i in order:
+                self._on_ready(i, params[i])
+            return
+        self._touched = True
+        self.begin_backward()  # queued already; no announcement to make (no join)
+        self._used = [True] * n
+        r = self.readiness
+        r.ready, r.counts, r.order = [True] * n, [1] * n, order
+        if self._direct:
+            self._left[0] = 0  # the bucket's tensors are the gradients themselves: nothing to copy here
+            self._known_grads = grads  # read once: the launch takes them from here
+            try:
+                self._launch_ready()
+            finally:
+                self._known_grads = None
+        else:
+            for i in order:
+                self._take(i, params[i])
+
     def _take(self, i: int, p: torch.Tensor) -> None:
         """Parameter ``i``'s gradient is final for this backward: its share of the bucket."""
         self._own_grad(i, p)
         if self.sparse[i]:
             return  # reduced at the end of backward
-        if not self._direct and self.shards is None:  # stage 2 copies a bucket's gradients at its launch
+        if not self._direct and self._strategy is None:  # a strategy takes a bucket's gradients at its launch
             if self.batched:
                 self._pending.add(i)
             else:
@@ -205,7 +330,7 @@ class Reducer(BucketPaths):
     def _launch_ready(self) -> None:
         while self._next < len(self.buckets) and self._left[self._next] == 0:
             if not self._skipped(self._next):
-                (self._launch if self.shards is None else self.shards.launch)(self._next)  # stage 2 seam
+                (self._launch if self._strategy is None else self._strategy.launch)(self._next)
             self._next += 1
 
     def _skipped(self, b: int) -> bool:
@@ -221,7 +346,6 @@ class Reducer(BucketPaths):
     def _finalize(self) -> None:
         r, double, arm = self.readiness, self._double, bool(self._graph_grads)
         counting = r.counting and not double
-        self.last_ready_order = list(r.order)  # this rank's, for inspection; rank 0's decides the rebuild
         if counting:
             r.learn()
         missing = [i for i, ready in enumerate(r.ready) if not ready]
@@ -233,19 +357,23 @@ class Reducer(BucketPaths):
             for i in missing:  # contribute what the parameter holds (no_sync accumulation) or zeros
                 self._own_grad(i, self.params[i])
                 if not self.sparse[i]:
-                    if not self._direct and self.shards is None:  # stage 2 copies at the launch
+                    if not self._direct and self._strategy is None:  # a strategy takes them at the launch
                         self._copy_in(i, self.params[i])
                     self._left[self._loc[i][0]] = 0
             self._launch_ready()
             used = self._used_everywhere(counting)
             delayed = reduce_delayed(self.all_reduce, self.delayed, self.divisor, self._shadowing, self.reduce_dtype)
             sparse = {i: self._reduce_sparse(k, i) for k, i in enumerate(self._sparse_ids())}
-            (self._wait_all if self.shards is None else self.shards.finish)()  # stage 2 seam
+            (self._wait_all if self._strategy is None else self._strategy.finish)()
             delayed()
             if self.params_back is not None:
                 self.params_back()
-            if self._error is None:  # stage 2 seam: the averages are this rank's parts, .grad stays None
-                self._write_back(used, sparse) if self.shards is None else self.shards.write_back(used)
+            if self._strategy is not None and self._graph_grads:
+                self._fail(RuntimeError(
+                    f"DistributedDataParallel (rank {self.transport.rank}): backward(create_graph=True) is not "
+                    "supported with sharded gradients (shard_gradients): the full gradients are freed"))
+            if self._error is None:
+                self._write_back(used, sparse) if self._strategy is None else self._strategy.write_back(used)
                 if self.in_backward:
                     self._step_in_backward()
         finally:
@@ -342,6 +470,3 @@ class Reducer(BucketPaths):
             self._shadowing = False
         self._rebuild(self.readiness.order)
         self._reset()
-
-    def remove_hooks(self) -> None:
-        _remove_handles(self._handles)

@@ -1,8 +1,6 @@
-"""fanfold.optim: sharded optimizers. ``ZeroRedundancyOptimizer`` (state sharded in equal flat slices: ``layout``,
-``shard_state``, ``zero``; stage 2 with DDP's sharded gradients: ``zero_stage2``) and ``clip_grad_norm_`` over
-sharded gradients (``clip``).
-May import ``fanfold.distributed``, ``fanfold.parallel``, ``fanfold.collectives`` and ``fanfold._core``; ``training``
-(checkpoints) imports it.
+"""fanfold.optim: sharded optimizers. ``ZeroRedundancyOptimizer`` (``zero``: state sharded in equal flat slices laid
+out by ``layout``; stage 2, the reducer's gradient strategy: ``sharded_grads`` and ``param_gather``) and
+``clip_grad_norm_`` over sharded gradients (``clip``).
 """
 from .clip import clip_grad_norm_
 from .zero import ZeroRedundancyOptimizer

@@ -1,22 +1,24 @@
-"""Where each rank's shard lies: contiguous equal slices of a flat view of all parameters.
+"""Where each rank's shard lies (equal slices of the flat parameters, cut in cache-sized pieces), and the optimizer
+state per piece: cut from torch's per-parameter form and glued back.
 
-The parameters, in optimizer order, are laid end to end, one flat space per (dtype, device) so that a space can be
-all-gathered as one tensor. A space of ``T`` elements is cut into ``N`` slices of ``ceil(T / N)`` elements (the last
-ones shorter or empty); rank ``r`` owns slice ``r``. A slice may start or end inside a parameter: the part of one
-parameter inside one slice is a :class:`Piece`. For the step, pieces are cut further into pieces of at most
-``PIECE_BYTES`` (``split_pieces``), batched into parameter groups of about that size (``cache_batches``,
-``inner_groups``), so that each pass of the inner optimizer runs over data still in cache. Pure arithmetic, no
-collective; part of ``fanfold.optim``.
+The parameters, in optimizer order, are laid end to end, one flat space per (dtype, device). A space of ``T``
+elements is cut into ``N`` slices of ``ceil(T / N)`` (the last ones shorter or empty); rank ``r`` owns slice ``r``.
+The part of one parameter inside one slice is a :class:`Piece`. Torch's elementwise optimizers (``PIECEWISE``) step
+pieces of at most ``PIECE_BYTES``, batched into parameter groups of about that size, so that each pass of the update
+runs over data still in cache (docs/zero.md). Pure arithmetic, no collective.
 """
 from __future__ import annotations
 
 from bisect import bisect_right
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-__all__ = ["PIECE_BYTES", "Piece", "Space", "plan_spaces", "pieces_of", "spans", "split_pieces", "cache_batches",
-           "inner_groups"]
+__all__ = ["PIECE_BYTES", "NOT_ELEMENTWISE", "PIECEWISE", "Piece", "PieceState", "Space", "plan_spaces", "pieces_of",
+           "spans", "split_pieces", "cache_batches", "inner_groups", "check_elementwise", "steps_in_pieces",
+           "assemble", "cut"]
 
 # The most bytes of parameter one piece of the step covers. Adam's passes over a piece touch about four times this
 # (parameter, gradient, two state tensors), which stays in the cache of the 2-core VM measured (1 MiB L2 per core,
@@ -154,3 +156,75 @@ def inner_groups(pieces: list[Piece], params: list[torch.Tensor],
         batches += [(g, [len(out) + k for k in run]) for run in runs]
         out += mine
     return out, batches
+
+
+# torch optimizers whose update of one element depends on other elements of the same parameter (matrix
+# factorisations, line searches, sparse rows): a slice of a parameter would not step as the whole parameter does.
+# Every other class is taken at its word, as torch's ZeroRedundancyOptimizer does.
+NOT_ELEMENTWISE = ("LBFGS", "SparseAdam", "Adafactor", "Muon")
+# torch optimizers that also step pieces, each batch of them in a group of its own: elementwise, and every
+# per-parameter scalar (``step``, ASGD's ``eta`` and ``mu``, NAdam's ``mu_product``) advances alike for every piece
+# (read in each class's update). Matched by exact type: a subclass may override ``step``, so it steps whole.
+PIECEWISE = ("SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adamax", "NAdam", "RAdam", "Adadelta", "Rprop", "ASGD")
+
+
+def check_elementwise(optimizer_class: type) -> None:
+    """ValueError for the torch optimizers that cannot step slices of parameters."""
+    bad = [n for n in NOT_ELEMENTWISE if getattr(torch.optim, n, None) is optimizer_class]
+    if bad:
+        raise ValueError(f"ZeroRedundancyOptimizer: {bad[0]} does not update each element independently, so "
+                         f"it cannot step slices of parameters")
+
+
+def steps_in_pieces(optimizer_class: type, options: Mapping[str, Any]) -> bool:
+    """Whether ``optimizer_class`` steps a parameter group with these ``options`` (the user's defaults and the
+    group's own) in cache-sized pieces: one of torch's own ``PIECEWISE`` classes exactly, not fused."""
+    known = any(getattr(torch.optim, n, None) is optimizer_class for n in PIECEWISE)
+    return known and not options.get("fused")
+
+
+@dataclass
+class PieceState:
+    """One piece's optimizer state, as it travels to the rank that consolidates."""
+
+    index: int
+    start: int
+    stop: int
+    state: dict
+
+
+def _elementwise(key: Any, value: Any, shape: torch.Size) -> bool:
+    return isinstance(value, torch.Tensor) and key != "step" and value.shape == shape
+
+
+def assemble(records: list[PieceState], params: list[torch.Tensor]) -> dict[int, dict]:
+    """torch's per-parameter ``state`` (keyed by parameter index) from every rank's pieces."""
+    by_param: dict[int, list[PieceState]] = {}
+    for r in records:
+        by_param.setdefault(r.index, []).append(r)
+    full: dict[int, dict] = {}
+    for index in sorted(by_param):
+        parts = sorted(by_param[index], key=lambda r: r.start)
+        if not any(r.state for r in parts):
+            continue
+        if any(set(r.state) != set(parts[0].state) for r in parts):
+            raise RuntimeError(f"ZeroRedundancyOptimizer: the shards of parameter {index} disagree on their state "
+                               f"({[sorted(r.state) for r in parts]}); some rank stepped it and another did not")
+        p = params[index]
+        entry = {}
+        for key in parts[0].state:
+            piece_shape = torch.Size([parts[0].stop - parts[0].start])
+            if _elementwise(key, parts[0].state[key], piece_shape):
+                entry[key] = torch.cat([r.state[key].reshape(-1) for r in parts]).reshape(p.shape)
+            else:
+                entry[key] = parts[0].state[key]
+        if entry:
+            full[index] = entry
+    return full
+
+
+def cut(state: dict, piece: Piece, param: torch.Tensor) -> dict:
+    """The part of one parameter's torch state that belongs to ``piece``. Tensors are copied: a view would keep the
+    full tensor alive, and a shared ``step`` would be counted up by two optimizers."""
+    return {k: v.reshape(-1)[piece.start:piece.stop].clone() if _elementwise(k, v, param.shape)
+            else v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}

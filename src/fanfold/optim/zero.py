@@ -4,12 +4,10 @@ Shards are contiguous equal slices of a flat view of all parameters (``layout``)
 rank holds ``1/N`` of the state whatever the parameter sizes. Each rank's inner optimizer (``.optim``, an instance
 of ``optimizer_class``) steps 1-D views of its slice of the parameters, in place; the updated slices are then
 all-gathered so that every rank holds the whole model again. For torch's elementwise optimizers the views are cut
-in cache-sized pieces, each batch of them an inner parameter group (``elementwise``, ``layout.inner_groups``). As
-with torch's ``ZeroRedundancyOptimizer`` the gradients must already be averaged over the ranks
-(DistributedDataParallel does that). Stage 2: after ``DistributedDataParallel.shard_gradients(opt)`` the slices are
-the parts of DDP's buckets (``zero_stage2``) whose averaged gradients the reducer leaves this rank, and the gather
-is the reducer's. Part of ``fanfold.optim``: imports ``torch.distributed`` and the layout and state helpers beside
-it.
+in cache-sized pieces, each batch of them an inner parameter group (``layout``). As with torch's
+``ZeroRedundancyOptimizer`` the gradients must already be averaged over the ranks (DistributedDataParallel does
+that). Stage 2: after ``DistributedDataParallel.shard_gradients(opt)`` the slices are the parts of DDP's buckets whose
+averaged gradients the reducer leaves this rank (``sharded_grads``), and the gather goes bucket by bucket.
 """
 from __future__ import annotations
 
@@ -20,10 +18,20 @@ import torch
 import torch.distributed as dist
 
 from ..collectives.objects import all_gather_object, gather_object
-from .elementwise import check_elementwise, steps_in_pieces
-from .layout import Piece, inner_groups, pieces_of, plan_spaces, spans
-from .shard_state import PieceState, assemble, cut
-from .zero_stage2 import bucket_pieces, check_shards
+from ..distributed.reducer import Reducer
+from .layout import (
+    Piece,
+    PieceState,
+    assemble,
+    check_elementwise,
+    cut,
+    inner_groups,
+    pieces_of,
+    plan_spaces,
+    spans,
+    steps_in_pieces,
+)
+from .sharded_grads import GradientShards, bucket_pieces, check_shards
 
 __all__ = ["ZeroRedundancyOptimizer"]
 
@@ -72,7 +80,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self.optimizer_class = optimizer_class
         self._user_defaults = dict(defaults)
         self._consolidated, self._consolidated_to = None, None  # the state gathered by consolidate_state_dict
-        self._stage2: Any = None  # DDP's GradientShards once use_gradient_shards ran (stage 2)
+        self._stage2: GradientShards | None = None  # the reducer's strategy, once gradient_strategy ran (stage 2)
         super().__init__(params, defaults)
         self._check_same_params()
         self._build()
@@ -171,9 +179,11 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         if self._stage2 is not None:
             self._stage2.zero_grad(set_to_none)
 
-    def use_gradient_shards(self, shards: Any) -> None:
-        """Stage 2, called by ``DistributedDataParallel.shard_gradients(self)`` on every rank (collective): the
-        slices become the parts of DDP's buckets that the reducer leaves this rank; the state moves to match."""
+    def gradient_strategy(self, reducer: Reducer, module: torch.nn.Module | None = None) -> GradientShards:
+        """Stage 2, for ``DistributedDataParallel.shard_gradients(self)`` on every rank (collective): the slices become
+        this rank's parts of ``reducer``'s buckets and the state moves to match; returns the strategy that the reducer
+        hands its buckets to (``sharded_grads.py``). ``module``: where reads of the parameters wait for their gather."""
+        shards = GradientShards(reducer, module)
         index = check_shards(shards, self._params, self.rank, self.world_size)
         full = self._full_state_everywhere()
         shards.lay_flat()  # the parameters become views of DDP's buckets: the views below must be taken after
@@ -182,6 +192,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._build()
         self._load_full(full)
         self._consolidated = None
+        return shards
 
     @torch.no_grad()
     def _gather_params(self) -> None:

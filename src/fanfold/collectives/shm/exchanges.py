@@ -19,6 +19,7 @@ from .request import (
     OPS,
     REDUCE_SCATTER,
     SCATTER_TENSORS,
+    SUM,
     Collective,
     check_reduce_tensors,
     exchange_counts,
@@ -62,6 +63,12 @@ class Exchanges:
             raise ValueError(f"reduce_scatter: divisor must be a positive number, got {divisor!r}")
         reduce = reduce_code(op, divisor)
         flat, out_flat, finish = exchange_tensors("reduce_scatter", tensor, out, per=self.world_size)
+        if reduce == SUM and self.world_size > 1 and self._reads_peers(flat.nbytes) and flat.is_cpu and \
+                not flat.is_complex() and flat.numel() and not (_overlaps(flat, out_flat) or _overlaps(out_flat, flat)):
+            # Where ranks read each other's memory, each reads only its part of the peers' tensors (peer.py): no
+            # copy through the ring, the same bits (ZeRO stage 2's gradients)
+            return self._enqueue(Collective(SCATTER_TENSORS, 0, flat, bucket, divisor=divisor, outs=[flat],
+                                            out=out_flat), out, finish)
         return self._exchange(Collective(REDUCE_SCATTER, 0, flat, bucket, divisor=divisor, out=out_flat,
                                          reduce=reduce), out, finish)
 

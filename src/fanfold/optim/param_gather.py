@@ -1,22 +1,9 @@
-"""ZeRO stage 2's parameter gather after the optimizer's step, overlapped with what runs next (the next forward).
+"""ZeRO stage 2's parameter gather after the optimizer's step, overlapped with the next forward.
 
-Layer: ``distributed``, under ``sharded_grads.py`` (``GradientShards.lay_flat`` builds it, ``gather_params``
-starts it). The trainable parameters become views of one flat tensor per DDP bucket, laid out as the bucket is
-(``BucketShard``: members at their offsets, padded to ``N`` equal parts), so each bucket is gathered by one
-all-gather straight into the parameters: no copy in or out, and every bucket can be in flight at once without
-extra memory. The gathers are issued in the order the forward is expected to need them (the bucket holding the
-first registered parameter first) and return at once.
-
-Until a bucket's gather is waited for, its parameters must not be read. :class:`_PendingReads`, a
-``TorchFunctionMode`` pushed on this thread while gathers are in flight, waits for the bucket of every tensor
-that an operation is about to read (any view of a bucket's memory: the parameter, ``p.data``, the optimizer's
-slices), so a forward, an eval forward, a state_dict or a user's own read between ``step()`` and the forward sees
-the gathered values; metadata (``p.grad``, ``p.shape``) does not wait. The model's forward ends by waiting for
-every bucket (a forward hook on the root module) and popping the mode; ``step()`` and ``state_dict()`` wait too.
-Where the mode cannot see every read the gather is waited for before ``step()`` returns, announced once: another
-mode is active when ``step()`` ends (``with torch.device(...)``: ours could not be popped cleanly), the model
-holds TorchScript modules (their operations bypass Python), or the transport has no asynchronous all-gather
-(gloo: one broadcast per rank's part, in place).
+The trainable parameters become views of one flat tensor per DDP bucket (laid out as ``BucketShard`` says), so each
+bucket is one all-gather straight into the parameters, all in flight at once. Until a bucket's gather is waited for,
+:class:`_PendingReads` (a ``TorchFunctionMode``) makes every read of its memory wait for it; the model's forward ends
+by waiting for all. Where reads cannot be seen, ``step()`` waits and says so once (docs/zero.md).
 """
 from __future__ import annotations
 
@@ -27,7 +14,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .shard_collectives import all_gather, gathers
+from ..collectives.protocol import Transport
 
 __all__ = ["ParamGather"]
 
@@ -95,7 +82,8 @@ def _wait_all(ref: weakref.ref, *_: Any) -> None:
 class ParamGather:
     """The parameters of ``layout``'s buckets laid flat, and their gather (issue, per-bucket waits)."""
 
-    def __init__(self, layout: list, params: list[torch.Tensor], transport: Any, module: torch.nn.Module | None):
+    def __init__(self, layout: list, params: list[torch.Tensor], transport: Transport,
+                 module: torch.nn.Module | None):
         self.layout, self.transport = layout, transport
         self.rank, self.world_size = transport.rank, transport.world_size
         self.flats: list[torch.Tensor] = []
@@ -112,10 +100,9 @@ class ParamGather:
         self.order = sorted(range(len(layout)), key=lambda b: min(layout[b].members))
         self.pending: dict[int, Any] = {}  # bucket -> handle of its gather, in issue order
         self._announced: set[str] = set()
-        self.why_not = None if gathers(transport) else \
-            "the transport has no asynchronous all-gather here (gloo: one broadcast per rank's part)"
-        if module is not None and any(isinstance(m, torch.jit.ScriptModule) for m in module.modules()):
-            self.why_not = "the model holds TorchScript modules, whose reads of the parameters cannot be seen"
+        scripted = module is not None and any(isinstance(m, torch.jit.ScriptModule) for m in module.modules())
+        self.why_not = "the model holds TorchScript modules, whose reads of the parameters cannot be seen" \
+            if scripted else None
         self._hooks = []
         if module is not None:
             ref = weakref.ref(self)
@@ -135,12 +122,9 @@ class ParamGather:
         self.wait_all()  # also pops the modes left by earlier gathers (this one's or another model's)
         if self.world_size == 1:
             return
-        if not gathers(self.transport):
-            self._broadcast_parts()
-        else:
-            for b in self.order:
-                s, flat = self.layout[b], self.flats[b]
-                self.pending[b] = all_gather(self.transport, flat, flat[self.rank * s.chunk:][:s.chunk], b)
+        for b in self.order:
+            s, flat = self.layout[b], self.flats[b]
+            self.pending[b] = self.transport.all_gather(flat[self.rank * s.chunk:][:s.chunk], flat, b)
         why = self.why_not or (None if torch._C._len_torch_function_stack() == 0 else
                                "another TorchFunctionMode is active when step() returns")
         if why is not None:
@@ -148,17 +132,6 @@ class ParamGather:
             self.wait_all()
             return
         torch._C._push_on_torch_function_stack(_PendingReads(self))
-
-    def _broadcast_parts(self) -> None:
-        # One per rank's part of a bucket: contiguous in the flat parameters.
-        direct = self.transport
-        for b in self.order:
-            s, flat = self.layout[b], self.flats[b]
-            for q in range(self.world_size):
-                lo = min(q * s.chunk, s.numel)
-                hi = min(lo + s.chunk, s.numel)
-                if hi > lo:
-                    direct.broadcast(flat[lo:hi], q)
 
     def wait_all(self) -> None:
         """Wait for every gather in flight; pop the modes that have nothing left to wait for."""
