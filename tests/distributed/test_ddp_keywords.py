@@ -40,14 +40,11 @@ def test_signature_is_torchs():
 @pytest.mark.parametrize("kwargs, error, match", [
     (dict(process_group=object(), device_mesh=object()), RuntimeError, "both process_group and device_mesh"),
     (dict(delay_all_reduce_named_params=[]), ValueError, "need to be set at the same time"),
-    (dict(mixed_precision=object()), ValueError, "gradient_as_bucket_view=True cannot be combined"),
     (dict(static_graph="yes"), TypeError, "static_graph must be True or False"),
     (dict(bucket_cap_mb_list=[]), ValueError, "bucket_cap_mb_list must be a non-empty list"),
     (dict(bucket_cap_mb_list=[1], first_bucket_cap_mb=1), ValueError, "give one"),
 ])
 def test_bad_keywords_are_refused_by_name(kwargs, error, match):
-    if "mixed_precision" in kwargs:
-        kwargs["gradient_as_bucket_view"] = True
     with pytest.raises(error, match=match):
         fanfold.DDP(nn.Linear(2, 2), **kwargs)
 
