@@ -65,18 +65,14 @@ def test_mixed_precision_with_bucket_views_is_torchs(set_to_none, param_dtype, r
     tol = dict(atol=2e-3, rtol=1e-2) if param_dtype == torch.float16 else dict(atol=2e-2, rtol=5e-2)
     for r, res in enumerate(results):
         for as_view in (True, False):
-            for torch_view in (True, False):
-                for step, ((want, w_dtypes, _), (got, g_dtypes, flag)) in enumerate(
-                        zip(res["torch", torch_view], res["fanfold", as_view], strict=True)):
-                    assert flag is as_view and g_dtypes == w_dtypes == [torch.float32] * 5, (step, g_dtypes)
-                    if torch_view and step > 0:
-                        break  # torch's run with bucket views has stepped on its wrong gain gradient (below)
-                    for k in want:
-                        if torch_view and k == "gain":
-                            # torch's DDP with bucket views hands back zeros or infinities for a parameter the
-                            # forward uses directly (not through a submodule); without them, the average, as fanfold's
-                            continue
-                        assert got[k].dtype == want[k].dtype == torch.float32, k
-                        assert torch.allclose(got[k], want[k], **tol), (r, as_view, step, k, got[k], want[k])
+            # torch's own run with bucket views is accepted but its gradients are not usable on the CPU (zeros and
+            # infinities, different from run to run: it frees the low-precision storage the views read); its run
+            # without them is the oracle, which torch documents for both
+            for step, ((want, w_dtypes, _), (got, g_dtypes, flag)) in enumerate(
+                    zip(res["torch", False], res["fanfold", as_view], strict=True)):
+                assert flag is as_view and g_dtypes == w_dtypes == [torch.float32] * 5, (step, g_dtypes)
+                for k in want:
+                    assert got[k].dtype == want[k].dtype == torch.float32, k
+                    assert torch.allclose(got[k], want[k], **tol), (r, as_view, step, k, got[k], want[k])
     for (g0, _, _), (g1, _, _) in zip(results[0]["fanfold", True], results[1]["fanfold", True]):
         assert all(torch.equal(g0[k], g1[k]) for k in g0)  # averaged: the same on every rank
