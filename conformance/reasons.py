@@ -57,6 +57,23 @@ INTERNAL: dict[str, str] = {
         "`model._set_ddp_runtime_logging_sample_rate(2)` and `model._get_ddp_logging_data()` (the C++ `Logger`'s "
         "`DDPLoggingData`: iteration count, bucket sizes and rebuilt bucket indices, environment variables, "
         "compute/communication timings)",
+    "test_ddp_unused_params_rebuild_buckets_exception":
+        "`verify_ddp_error_logged(ddp, msg)`, i.e. `model._get_ddp_logging_data()` (the error the C++ `Logger` "
+        "recorded); before it fanfold raised torch's error at the same moment (the second iteration's forward), "
+        "naming `net2.weight`",
+    "test_invalid_static_graph":
+        "`verify_ddp_error_logged(model, ...)`, i.e. `model._get_ddp_logging_data()` (the error the C++ `Logger` "
+        "recorded); before it fanfold raised in the second iteration with the regex's words (\"Your training graph "
+        "has changed in this iteration\"), naming `lin2.weight`",
+    "test_ddp_native_mixed_precision_ignored_params":
+        "`p._mp_param` and `p._fp_param` (torch's low- and full-precision copies of each parameter, set when its "
+        "DDP is built); fanfold's DDP was built with `mixed_precision` and `gradient_as_bucket_view=True`",
+    "test_ddp_profiling_torch_profiler":
+        "the profiler's `search_unused_parameters` event (the record of torch's C++ reducer's private graph search "
+        "for unused parameters; fanfold finds them at the end of backward, with no such step). Before it the test "
+        "counts `gloo:all_reduce` events, which fanfold's default transport (shared memory) does not make; with "
+        "`FANFOLD_TRANSPORT=torch` (gloo underneath) those are there and the test fails only at this read "
+        "(`--cuda-on-cpu --only test_ddp_profiling_torch_profiler`, checked)",
     "test_static_graph_api_cpu":
         "`model._set_static_graph()` (the private pre-2.0 way to ask for a static graph; must raise \"should be "
         "called before training loop starts\" after a step) and `model._get_ddp_logging_data()` (the error logged "
@@ -74,33 +91,15 @@ _PICKLE = (
     "'torch._C._distributed_c10d.PrefixStore'\". `copy.deepcopy` fails the same way."
 )
 
+_OPTIM_SUPERSET = (
+    "fanfold's superset: torch's DDP ends the backward of its optimizer-in-backward hook by waiting on the "
+    "accelerator's current stream, which the CPU lacks (\"Cannot access accelerator device\"); fanfold's takes the "
+    "optimizers over as torch's does (they step on the averaged gradient; docs/ddp-compat.md) and passes.")
+
 REASONS: dict[str, str] = {
-    "test_ddp_multiple_nested_unused_params_err_ignore_params":
-        "as `test_ddp_multiple_nested_unused_params_error` (a documented deviation): fanfold raises in the first "
-        "backward, naming the 3 unused parameters (the ignored embedding left out, as the test wants), where the "
-        "test expects torch's error and wording in the next iteration.",
-    "test_ddp_native_mixed_precision_ignored_params":
-        "a documented deviation, then internals: fanfold refuses `gradient_as_bucket_view=True` with "
-        "`mixed_precision` (docs/ddp-compat.md), which the test passes; after it the test reads torch's "
-        "`p._mp_param` and `p._fp_param` (its low- and full-precision copies of each parameter).",
-    "test_ddp_multiple_nested_unused_params_error":
-        "a documented deviation (docs/ddp-compat.md): with a parameter never used and no "
-        "`find_unused_parameters`, fanfold raises at the end of the first backward, naming the parameters (\"got "
-        "no gradient in this backward: sub_module.embedding_net.embedding.weight, ...\"); torch hands back "
-        "un-averaged gradients, raises at the next iteration (\"Expected to have finished reduction in the prior "
-        "iteration ...\") and the test matches that text, then reads `_get_ddp_logging_data()`.",
-    "test_ddp_unused_params_rebuild_buckets_exception":
-        "as `test_ddp_multiple_nested_unused_params_error`: fanfold raises in the first backward (naming "
-        "`net2.weight`), where the test expects torch's error in the second, with torch's wording, and reads the "
-        "error back from `_get_ddp_logging_data()`.",
-    "test_invalid_static_graph":
-        "wording, then torch's internals: fanfold raises for a static graph that changed (\"static_graph=True but "
-        "the training graph has changed in this iteration: parameter 'lin2.weight' got 1 gradient(s) where the "
-        "first iteration gave it 0 ...\"), which the test's regex \"Your training graph has changed in this "
-        "iteration\" does not match; after it the test reads the error back from `_get_ddp_logging_data()`.",
-    "test_ddp_profiling_torch_profiler":
-        "transport: the test counts the profiler's `gloo:all_reduce` events (6 expected, one per step); fanfold's "
-        "default transport reduces in shared memory, not through gloo's all_reduce, so there are none.",
+    "test_ddp_apply_optim_in_backward": _OPTIM_SUPERSET,
+    "test_ddp_apply_optim_in_backward_grad_as_bucket_view_false": _OPTIM_SUPERSET,
+    "test_ddp_apply_optim_in_backward_ignored_params": _OPTIM_SUPERSET,
     "test_ddp_inference":
         "fanfold's superset: torch's DDP refuses any SyncBatchNorm in a CPU module when it is built (\"SyncBatchNorm "
         "layers only work with GPU modules\"); fanfold's accepts it, and this test runs its SyncBatchNorm model in "
@@ -153,11 +152,14 @@ PORT_NOTES: dict[str, str] = {
     "test_ddp_apply_optim_in_backward": _OPTIM_IN_BACKWARD,
     "test_ddp_apply_optim_in_backward_grad_as_bucket_view_false": _OPTIM_IN_BACKWARD,
     "test_ddp_native_mixed_precision_grad_as_bucket_view_no_set_grad_none": _MP.format(
-        "refuses `gradient_as_bucket_view=True` with `mixed_precision` (docs/ddp-compat.md)."),
+        "runs (with `gradient_as_bucket_view=True` too), then the test reads `p._mp_param` (torch's low-precision "
+        "copy of each parameter)."),
     "test_ddp_native_mixed_precision_grad_as_bucket_view_set_grad_to_none": _MP.format(
-        "refuses `gradient_as_bucket_view=True` with `mixed_precision` (docs/ddp-compat.md)."),
+        "runs (with `gradient_as_bucket_view=True` too), then the test reads `p._mp_param` (torch's low-precision "
+        "copy of each parameter)."),
     "test_ddp_native_mixed_precision_no_grad_as_bucket_view_set_grad_to_none": _MP.format(
-        "refuses `gradient_as_bucket_view=True` with `mixed_precision` (docs/ddp-compat.md)."),
+        "runs (with `gradient_as_bucket_view=True` too), then the test reads `p._mp_param` (torch's low-precision "
+        "copy of each parameter)."),
     "test_ddp_native_mixed_precision_no_grad_as_bucket_view_no_set_grad_none": _MP.format(
         "runs, then the test reads `p._mp_param` (torch's low-precision copy of each parameter)."),
     "test_ddp_uneven_inputs":

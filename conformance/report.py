@@ -265,7 +265,7 @@ def write_page(page: Path, meta: dict, selected: list[str], outcomes: dict[str, 
         out += ["", *port_lines(*port, t)]
     out += ["", "## How to run", "", *HOW_TO_RUN]
     out += ["", *summary_lines(root / "build" / "conformance-backend")]
-    out += ["", "## Differential fuzzing", "", DIFFERENTIAL]
+    out += ["", "## The differential fuzz (`make fuzz`)", "", DIFFERENTIAL]
     failing = [n for n in tests if n in f and f[n].status in ("fail", "timeout")]
     if failing:
         out += ["", "## fanfold's errors, as the ranks raised them", ""]

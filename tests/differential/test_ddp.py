@@ -42,6 +42,12 @@ def check(runner, config) -> None:
 # inside join(), a parameter no active rank used: torch gives zeros, fanfold None as one process (TORCH_WRONG)
 @example(config=DDPConfig(world=3, family="branch_rank", join="active", batches=(1, 3, 1), seed=945,
                           keywords=(("find_unused_parameters", True),)))
+# a reduction that cannot finish (unused without find_unused_parameters; a static graph's branch dropped): torch's
+# un-averaged gradients, then its error at the next forward; mixed precision with bucket views (fanfold refused it)
+@example(config=DDPConfig(family="branch_never", steps=2))
+@example(config=DDPConfig(family="branch_step", steps=3, keywords=(("gradient_as_bucket_view", True),)))
+@example(config=DDPConfig(family="branch_step", steps=2, keywords=(("static_graph", True),)))
+@example(config=DDPConfig(keywords=(("gradient_as_bucket_view", True), ("mixed_precision", "float16"))))
 # issue 24's defects, fixed: fanfold's hooks divided by the active ranks under join(divide_by_initial_world_size=False)
 @example(config=DDPConfig(join="active", batches=(3, 1), hook="fp16", dtype="float32"))
 # torch's DDP on the fanfold backend hung under join(divide_by_initial_world_size=False), raised TypeError under

@@ -125,3 +125,51 @@ def test_fanfold_hooks_divide_as_torchs_under_join(hooks_under_join, name):
         for step, (g, w) in enumerate(zip(got, want, strict=True)):
             # bitwise: two ranks' sums round once on both backends, and halving is exact
             assert all(torch.equal(a, b) for a, b in zip(g, w, strict=True)), (name, r, step)
+
+
+
+def _delayed_under_join():
+    dist.init_process_group("gloo", timeout=timedelta(seconds=30))
+
+    def wrap(model):
+        return fanfold.DDP(model, delay_all_reduce_named_params=list(model.a.named_parameters(prefix="a")),
+                           param_to_hook_all_reduce=model.head.weight)
+    out = _train(wrap, torch.float32, {"divide_by_initial_world_size": False})
+    dist.destroy_process_group()
+    return out
+
+
+def _delayed_oracle(delayed_divisor):
+    """One process: each step, every active rank's gradient; the delayed parameters (``a``) summed and divided by
+    ``delayed_divisor(active)``, the others by the active ranks (divide_by_initial_world_size=False)."""
+    torch.manual_seed(0)
+    master = Branchy()
+    opt = torch.optim.SGD(master.parameters(), lr=0.1, momentum=0.9)
+    steps = {r: [] for r in range(2)}
+    for step in range(max(COUNTS)):
+        active = [r for r in range(2) if step < COUNTS[r]]
+        grads = []
+        for r in active:
+            master.zero_grad()
+            master(_batch(r, step, torch.float32)).pow(2).mean().backward()
+            grads.append({n: p.grad.clone() for n, p in master.named_parameters()})
+        for n, p in master.named_parameters():
+            p.grad = sum(g[n] for g in grads) / (delayed_divisor(active) if n.startswith("a.") else len(active))
+        opt.step()
+        for r in active:
+            steps[r].append([p.detach().clone() for p in master.parameters()])
+    return {r: steps[r] + [[p.detach().clone() for p in master.parameters()]] for r in steps}
+
+
+def test_delayed_parameters_divide_by_the_world_size_under_join_as_torchs():
+    """torch's delayed all-reduce (``DistributedDataParallel._delayed_all_reduce``) divides by the group's size
+    whoever has joined; the buckets follow divide_by_initial_world_size. torch's own DDP cannot be the oracle
+    here: with a rank joined its join hook issues no delayed all-reduce, and gloo aborts the process ("Is there a
+    distributed collective mismatch"), so the oracle is one process with torch's divisors."""
+    want = _delayed_oracle(lambda active: 2)
+    other = _delayed_oracle(len)  # the divisor fanfold used before: tells the two apart
+    for r, got in enumerate(fanfold.launch(_delayed_under_join, nprocs=2, timeout=120)):
+        assert len(got) == len(want[r]) == COUNTS[r] + 1
+        for step, (g, w) in enumerate(zip(got, want[r], strict=True)):
+            assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(g, w, strict=True)), (r, step)
+        assert not all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got[-1], other[r][-1], strict=True))

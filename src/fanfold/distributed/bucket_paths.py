@@ -36,6 +36,7 @@ class BucketPaths(BucketLayout):
     batched: bool
     _shadowing: bool
     _pending: set
+    _in_place: set
     _temps: dict
     _futures: list
     _graph_grads: dict
@@ -94,6 +95,7 @@ class BucketPaths(BucketLayout):
             self._futures[b] = self._launch_flat(b)
             return
         if self._direct:
+            self._in_place.add(b)
             # Only the last bucket waits for the peers to be done with this rank's gradients (settle): every earlier
             # bucket's are by then, and nothing changes a gradient before the end of backward.
             self._futures[b] = self.transport.reduce_tensors(self._grads(b), bucket=b, divisor=self.hook_divisor,

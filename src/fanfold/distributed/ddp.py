@@ -122,8 +122,10 @@ class DistributedDataParallel(nn.Module):
     def _build_reducer(self) -> None:
         o, params = self._options, dict(self.module.named_parameters())
         names = [n for n in params if n not in o.delayed and n not in self.parameters_to_ignore]
+        # mixed precision: torch's buckets hold the low precision, and its hook hands back a full-precision .grad
+        # (a copy, not a view, whatever gradient_as_bucket_view says): the reducer's copying path does just that
         self.reducer = Reducer(
-            [params[n] for n in names], names, self.transport, o.caps, o.find_unused, o.as_view,
+            [params[n] for n in names], names, self.transport, o.caps, o.find_unused, o.as_view and self._mp is None,
             static_graph=o.static_graph, sparse=sparse_flags(self.module, names),
             reduce_dtype=self._mp.reduce_dtype if self._mp is not None else None, batched_copy=o.batched_copy,
             skip_unused=o.skip_unused, delayed=[params[n] for n in o.delayed])
@@ -176,6 +178,8 @@ class DistributedDataParallel(nn.Module):
     @torch.compiler.disable
     def _pre_forward(self, inputs: tuple, kwargs: dict) -> tuple[tuple, dict, bool]:
         self._ensure_built()
+        if self.reducer.unfinished is not None and torch.is_grad_enabled():
+            raise RuntimeError(self.reducer.unfinished)  # torch's: before any collective of this forward
         if self.reducer.in_backward is None:
             self._take_over_in_backward_optimizers()
         grad = torch.is_grad_enabled()

@@ -29,7 +29,7 @@ class DDPOptions:
     init_sync_buffers: bool  # buffers in the broadcast at construction (off only for broadcast_buffers=False)
     caps: list[int]  # bucket caps in bytes: the k-th bucket of a dtype takes caps[k], the last one after
     find_unused: bool
-    as_view: bool
+    as_view: bool  # torch's gradient_as_bucket_view (with mixed_precision .grad is a full-precision copy, as in torch)
     static_graph: bool
     skip_unused: bool
     batched_copy: bool
@@ -119,9 +119,6 @@ def resolve_options(
                       "which finds the unused parameters in the first iteration (they must stay unused).",
                       stacklevel=3)
     as_view = _flag("gradient_as_bucket_view", gradient_as_bucket_view)
-    if as_view and mixed_precision is not None:
-        raise ValueError("DistributedDataParallel: gradient_as_bucket_view=True cannot be combined with "
-                         "mixed_precision: the full-precision .grad is a copy of the low-precision bucket, not a view")
     return DDPOptions(
         process_group=group, forward_sync_buffers=forward, init_sync_buffers=init, caps=caps,
         find_unused=find_unused, as_view=as_view, static_graph=static,

@@ -4,6 +4,7 @@ Used by the reducer (``reducer.py``) at the end of each synchronised backward, a
 rank that has joined (``join.py``) issues the same all-reduce with zeros. torch issues it when the gradient of
 ``param_to_hook_all_reduce`` is computed and does not wait for it; fanfold issues it at a point every rank reaches
 in the same order (the end of backward) and waits for it before the gradients are handed back: the same average.
+As torch's, it divides by the world size, also inside ``join(divide_by_initial_world_size=False)``.
 """
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["Readiness", "marked_twice_message", "unused_message"]
+__all__ = ["Readiness", "marked_twice_message", "unfinished_message"]
 
 
 def marked_twice_message(rank: int, name: str) -> str:
@@ -29,12 +29,29 @@ def marked_twice_message(rank: int, name: str) -> str:
             "times in every iteration, or checkpoint with use_reentrant=False.")
 
 
-def unused_message(rank: int, names: list[str]) -> str:
-    shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
-    return (f"DistributedDataParallel (rank {rank}): {len(names)} parameter(s) got no gradient in this backward: "
-            f"{shown}. Every parameter that requires grad must take part in the loss on every rank, or pass "
-            "find_unused_parameters=True to DistributedDataParallel (or set requires_grad=False on parameters you "
-            "never train).")
+# torch's words for a reduction a backward left unfinished (raised at the next forward), which torch's own tests match
+_UNFINISHED = "Expected to have finished reduction in the prior iteration before starting a new one. "
+_UNUSED = ("This error indicates that your module has parameters that were not used in producing loss. You can enable "
+           "unused parameter detection by passing the keyword argument `find_unused_parameters=True` to "
+           "`torch.nn.parallel.DistributedDataParallel`, and by making sure all `forward` function outputs participate "
+           "in calculating loss (or set requires_grad=False on parameters you never train).")
+_STATIC = ("This error indicates that your training graph has changed in this iteration, e.g., one parameter is used "
+           "in first iteration, but then got unused in the second iteration. this is not compatible with static_graph "
+           "set to True.")
+
+
+def unfinished_message(rank: int, indices: list[int], names: list[str], static: bool = False,
+                       detail: str = "") -> str:
+    """The error of the forward after a backward whose reduction could not finish: parameters that got no gradient
+    without find_unused_parameters, or fewer than a static graph's first iteration gave them. torch's words, the
+    parameters' indices (torch's) and names, which fanfold gives whatever TORCH_DISTRIBUTED_DEBUG says."""
+    return (f"DistributedDataParallel (rank {rank}): {_UNFINISHED}{_STATIC if static else _UNUSED}\n"
+            f"Parameter indices which did not receive grad for rank {rank}: {' '.join(map(str, indices))}\n"
+            f"Parameters which did not receive grad for rank {rank}: {', '.join(names)}{detail}\n"
+            "(fanfold names them whatever the environment says; torch's DDP asks you to set the environment "
+            "variable TORCH_DISTRIBUTED_DEBUG to either INFO or DETAIL to see them.) That backward left every "
+            ".grad as this rank computed it, un-averaged, as torch's DDP does; no forward with grad runs until this "
+            "DistributedDataParallel is built again.")
 
 
 class Readiness:
@@ -95,13 +112,21 @@ class Readiness:
         return [i for i, (c, e) in enumerate(zip(self.counts, self.expected)) if 0 < e and c < e]
 
     def changed_message(self, indices: list[int]) -> str:
-        return self._changed(indices[0], len(indices))
+        """A parameter got fewer gradients than the static graph's first iteration gave it: the reduction cannot
+        finish (torch's error at the next forward)."""
+        detail = "; ".join(f"{self.names[i]!r} got {self.counts[i]} gradient(s) where the first iteration gave it "
+                           f"{self.expected[i]}" for i in indices)
+        return unfinished_message(self.rank, indices, [self.names[i] for i in indices], static=True,
+                                  detail=f" ({detail}). Pass static_graph=False (with find_unused_parameters=True "
+                                         "if some parameters go unused).")
 
-    def _changed(self, i: int, how_many: int = 1) -> str:
-        more = f" (and {how_many - 1} more)" if how_many > 1 else ""
-        return (f"DistributedDataParallel (rank {self.rank}): static_graph=True but the training graph has changed "
-                f"in this iteration: parameter {self.names[i]!r}{more} got {self.counts[i]} gradient(s) where the "
-                f"first iteration gave it {self.expected[i]}. A parameter unused in the first iteration must stay "
-                "unused, and a used one must be used the same number of times (this is not compatible with "
-                "static_graph set to True); pass static_graph=False (with find_unused_parameters=True if some "
-                "parameters go unused).")
+    def _changed(self, i: int) -> str:
+        """A parameter got more gradients than the static graph's first iteration gave it (torch raises in the
+        backward, with these words)."""
+        was = "unused" if self.expected[i] == 0 else "used fewer times"
+        return (f"DistributedDataParallel (rank {self.rank}): Your training graph has changed in this iteration, "
+                f"e.g., one parameter is {was} in first iteration, but then got used in the second iteration. this "
+                f"is not compatible with static_graph set to True. (static_graph=True: parameter {self.names[i]!r} "
+                f"got {self.counts[i]} gradient(s) where the first iteration gave it {self.expected[i]}. A parameter "
+                "unused in the first iteration must stay unused, and a used one must be used the same number of "
+                "times; pass static_graph=False, with find_unused_parameters=True if some parameters go unused.)")

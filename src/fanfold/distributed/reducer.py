@@ -9,10 +9,12 @@ bucket the hooks only record and the end of backward settles readiness (:class:`
 The end of backward is a callback queued where the backward reaches DDP's outputs (hooks set by ``DDP.forward``):
 it runs when the outermost backward ends, not a reentrant one nested in it (``checkpoint(use_reentrant=True)``), and
 launches what is left, reduces the sparse and delayed gradients, waits for every bucket and writes back. No raise
-mid-backward: an error found in a hook (a parameter ready twice, a static graph that changed) or at the end (a
-parameter without gradient) is raised there once every collective of the step is issued, so no peer is left
-waiting. A parameter without gradient contributes zeros (``find_unused_parameters=True``, a static graph: a bitmap
-all-reduce tells whether some rank used it; one no rank used keeps ``grad=None``) or is named by that error.
+mid-backward: an error found in a hook (a parameter ready twice, a static graph that changed) is raised at the end
+once every collective of the step is issued, so no peer is left waiting. A parameter without gradient contributes
+zeros (``find_unused_parameters=True``, a static graph: a bitmap all-reduce tells whether some rank used it; one no
+rank used keeps ``grad=None``). Without them, as in torch, the reduction cannot finish: the collectives still go
+out, ``.grad`` keeps this rank's own gradients, and the next forward with grad raises torch's "Expected to have
+finished reduction in the prior iteration", naming the parameters (``unfinished``).
 ``backward(create_graph=True)``: the average stays differentiable in this rank's own gradient (the identity), and
 the next backward -- a gradient penalty -- is averaged too: both give the one-process gradients. A
 :class:`GradientStrategy` (ZeRO stage 2, ``fanfold.optim``) takes over each bucket's launch, the wait and the
@@ -30,7 +32,7 @@ from ..collectives.protocol import Transport
 from .bucket_paths import BucketPaths
 from .comm_hooks import Future, GradBucket, allreduce_hook
 from .delayed import reduce_delayed
-from .readiness import Readiness, unused_message
+from .readiness import Readiness, unfinished_message
 from .sparse import all_reduce_sparse, empty_sparse_like
 
 __all__ = ["GradientStrategy", "Reducer", "ShardsGradients"]
@@ -144,6 +146,8 @@ class Reducer(BucketPaths):
         # optimizers in backward (optim_in_backward.py): the parameters whose optimizers step on the average at the
         # end of each synchronised backward; None until DDP's first forward looks for them, as torch's does
         self.in_backward: list[int] | None = None
+        # torch's error for the next forward with grad, once a backward could not finish its reduction (sticky)
+        self.unfinished: str | None = None
         self._deferred = Deferred()  # one bucket: the hooks only record, the end of backward settles
         super().__init__(caps, reduce_dtype)
         self._reset()
@@ -155,6 +159,7 @@ class Reducer(BucketPaths):
         self._temps: dict[int, torch.Tensor] = {}  # reduce_tensors' tensors for parameters without a usable .grad
         self._graph_grads: dict[int, torch.Tensor] = {}  # create_graph: this rank's differentiable gradients
         self._pending: set[int] = set()  # batched_grad_copy: ready, not yet copied into its bucket
+        self._in_place: set[int] = set()  # buckets the transport reduces in .grad itself (reduce_tensors)
         self.readiness.reset()
         self._left = [len(m) for m in self.buckets]
         self._next = 0
@@ -349,10 +354,15 @@ class Reducer(BucketPaths):
         if counting:
             r.learn()
         missing = [i for i, ready in enumerate(r.ready) if not ready]
-        if r.short() and not double:
-            self._fail(RuntimeError(r.changed_message(r.short())))
+        # torch's reducer cannot finish this reduction (a parameter without its gradient, no find_unused_parameters;
+        # a static graph's parameter short of its count): it hands back this rank's own gradients and raises at the
+        # next forward. The collectives still go out, with zeros, so that no peer is left waiting.
+        short = r.short() if not double else []
+        if short:
+            self.unfinished = r.changed_message(short)
         elif missing and not (self.find_unused or r.static or double):
-            self._fail(RuntimeError(unused_message(self.transport.rank, [self.names[i] for i in missing])))
+            self.unfinished = unfinished_message(self.transport.rank, missing, [self.names[i] for i in missing])
+        keep = self._keep_local() if self.unfinished is not None else None
         try:
             for i in missing:  # contribute what the parameter holds (no_sync accumulation) or zeros
                 self._own_grad(i, self.params[i])
@@ -362,7 +372,10 @@ class Reducer(BucketPaths):
                     self._left[self._loc[i][0]] = 0
             self._launch_ready()
             used = self._used_everywhere(counting)
-            delayed = reduce_delayed(self.all_reduce, self.delayed, self.divisor, self._shadowing, self.reduce_dtype)
+            # torch's: the delayed parameters are divided by the world size, inside join() too, whatever
+            # divide_by_initial_world_size says (that applies to the buckets)
+            delayed = reduce_delayed(self.all_reduce, self.delayed, self.transport.world_size, self._shadowing,
+                                     self.reduce_dtype)
             sparse = {i: self._reduce_sparse(k, i) for k, i in enumerate(self._sparse_ids())}
             (self._wait_all if self._strategy is None else self._strategy.finish)()
             delayed()
@@ -372,7 +385,10 @@ class Reducer(BucketPaths):
                 self._fail(RuntimeError(
                     f"DistributedDataParallel (rank {self.transport.rank}): backward(create_graph=True) is not "
                     "supported with sharded gradients (shard_gradients): the full gradients are freed"))
-            if self._error is None:
+            if keep is not None:
+                if self._error is None and self._strategy is None:
+                    self._restore_local(keep)
+            elif self._error is None:  # the strategy seam: ZeRO stage 2 keeps this rank's parts, .grad stays None
                 self._write_back(used, sparse) if self._strategy is None else self._strategy.write_back(used)
                 if self.in_backward:
                     self._step_in_backward()
@@ -384,6 +400,34 @@ class Reducer(BucketPaths):
         self.expect_sync = self._double = arm and error is None
         if error is not None:
             raise error
+
+    def _keep_local(self) -> dict[int, torch.Tensor]:
+        """This rank's own gradients, where torch's unfinished reduction leaves them (its buckets are copies): every
+        one but those of buckets already reduced in place -- the bucket itself under gradient_as_bucket_view, where
+        torch has them averaged too, or the transport's in-place path (``_in_place``), averaged where torch's are not.
+        Taken before the buckets left are launched."""
+        keep = {}
+        for b, members in enumerate(self.buckets):
+            if b < self._next and (self.as_view or b in self._in_place):
+                continue
+            for i in members:
+                g = self.params[i].grad
+                if g is not None:
+                    keep[i] = g.detach().clone()
+        return keep
+
+    def _restore_local(self, keep: dict[int, torch.Tensor]) -> None:
+        """``.grad`` as torch's unfinished reduction leaves it: this rank's own; under gradient_as_bucket_view a
+        parameter that was ready has been copied into its bucket, divided by the world size on the way (unless a comm
+        hook is registered, which divides itself), and ``.grad`` is that view."""
+        for i, g in keep.items():
+            p = self.params[i]
+            if self.as_view and self.readiness.ready[i]:
+                p.grad = self._views[i].copy_(g if self.hook_registered else g / self.divisor)
+            elif p.grad is None or p.grad.shape != g.shape:
+                p.grad = g
+            else:
+                p.grad.detach().copy_(g)
 
     def _step_in_backward(self) -> None:
         """torch's DDP with optimizers in backward: each such parameter's optimizers step on its averaged gradient,
@@ -462,7 +506,8 @@ class Reducer(BucketPaths):
                 self._launch(b)
             self._used = [False] * len(self.params)
             self._used_everywhere(counting)
-            delayed = reduce_delayed(self.all_reduce, self.delayed, self.divisor, self._shadowing, self.reduce_dtype)
+            delayed = reduce_delayed(self.all_reduce, self.delayed, self.transport.world_size, self._shadowing,
+                                     self.reduce_dtype)
             [self._reduce_sparse(k, i) for k, i in enumerate(self._sparse_ids())]
             self._wait_all()
             delayed()
