@@ -417,3 +417,11 @@ def test_latest_picks_newest_complete_checkpoint(tmp_path):
     time.sleep(0.01)
     (tmp_path / "c.pt").write_bytes((tmp_path / "b.pt").read_bytes()[:-5])  # newest, but incomplete
     assert ckpt.latest(tmp_path) == tmp_path / "b.pt"
+
+
+def test_a_checkpoint_cut_in_half_is_called_truncated(tmp_path):
+    # issue 28: the refusal read "not a readable torch checkpoint ... (OSError: [Errno 22] Invalid argument)"
+    data = _reference_file(tmp_path)
+    (tmp_path / "bad.pt").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=r"bad\.pt: truncated or corrupted: it begins as a torch checkpoint"):
+        fanfold.load(tmp_path / "bad.pt", {"model": _net(4)}, strict=False)

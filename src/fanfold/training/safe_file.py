@@ -170,6 +170,11 @@ def _unpickle(path: Path, f: BinaryIO) -> Any:
     except Exception as exc:
         # torch's whole first line: cut short, its reason ended mid-sentence
         first = str(exc).splitlines()[0] if str(exc) else ""
+        f.seek(0)
+        if f.read(4) == b"PK\x03\x04":  # torch.save's zip archive, whose directory at the end is missing or bad
+            raise CheckpointError(f"{path}: truncated or corrupted: it begins as a torch checkpoint (a zip archive) "
+                                  f"but torch cannot read its end; nothing was loaded ({type(exc).__name__}: "
+                                  f"{first})") from None
         raise CheckpointError(f"{path}: not a readable torch checkpoint: truncated, corrupted or another format "
                               f"({type(exc).__name__}: {first})") from None
 
