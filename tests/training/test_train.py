@@ -119,6 +119,7 @@ def test_short_run_learns_and_writes_its_files(runs):
     # Not a terminal: no progress bar, one plain line an epoch from rank 0
     assert re.findall(r"^epoch (\d)/2: step (\d+)/46, loss ", ref.stderr, re.M) == [("1", "23"), ("2", "46")]
     assert "0%|" not in ref.stderr and "\r" not in ref.stderr
+    assert "Warning" not in ref.stderr, ref.stderr  # a new user's first run shows no library's warnings
     _assert_exact_epochs(_ledger(out))
 
 

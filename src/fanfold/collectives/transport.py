@@ -133,13 +133,16 @@ class TorchTransport:
             # gloo: its all-reduce was faster than its reduce-scatter here; this rank keeps its part of the sum
             return self.all_reduce(tensor, bucket, divisor) if self.world_size == 1 else DividedWork(
                 self.all_reduce(tensor, bucket, divisor), lambda: out.copy_(tensor[self.rank * n:(self.rank + 1) * n]))
-        work = dist.reduce_scatter_tensor(out, tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # as all_gather
+        work = scatter(out, tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         return work if divisor is None else DividedWork(work, lambda: out.div_(divisor))
 
     def all_gather(self, tensor: torch.Tensor, out: torch.Tensor, bucket: int | None = None) -> Any:
         lo, hi = out.data_ptr(), out.data_ptr() + out.numel() * out.element_size()
         send = tensor.clone() if lo <= tensor.data_ptr() < hi else tensor  # in-place all-gathers are not promised
-        return dist.all_gather_into_tensor(out, send, group=self.group, async_op=True)
+        # torch 2.13 deprecated all_gather_into_tensor for all_gather_single (older torch has only the first)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return gather(out, send, group=self.group, async_op=True)
 
     def allocate(self, numel: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
         return torch.zeros(numel, dtype=dtype, device=device)
