@@ -290,3 +290,27 @@ def test_refused_checkpoints_are_one_error_line(tmp_path, capsys):
     # the same from a shell: no traceback, exit 2
     res = _fanfold(["train", "--out", str(dirs["malicious"]), "--resume"])
     assert res.returncode == 2 and res.stderr.startswith("fanfold train: error: ") and "Traceback" not in res.stderr
+
+
+def test_progress_bars_only_on_a_sized_terminal(tmp_path):
+    """A pipe or file gets plain epoch lines; so does a pseudo-terminal of zero columns (tqdm drew empty lines
+    there: `script -c "make run"` showed ten blank lines instead of the epochs); a sized terminal gets bars."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    from fanfold.training.job import draws_bars
+
+    with open(tmp_path / "log", "w") as f:
+        assert not draws_bars(f)
+    leader, follower = pty.openpty()
+    try:
+        with os.fdopen(os.dup(follower), "w") as tty:
+            fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 0, 0, 0))
+            assert not draws_bars(tty)
+            fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+            assert draws_bars(tty)
+    finally:
+        os.close(leader)
+        os.close(follower)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -47,6 +48,18 @@ def run_settings(args: argparse.Namespace) -> dict:
     run = {k: getattr(args, k) for k in RUN_KEYS}
     run.update({k: True for k in RUN_FLAGS if getattr(args, k, False)})
     return run
+
+
+def draws_bars(stream) -> bool:
+    """True when ``stream`` is a terminal a progress bar can be drawn on. Written to a file or a pipe, the job prints
+    one plain line an epoch instead of glued bar fragments; so it does on a terminal that reports zero columns (a
+    pseudo-terminal nobody sized, as under ``script`` or some CI runners), where tqdm would draw empty lines."""
+    if not stream.isatty():
+        return False
+    try:
+        return os.get_terminal_size(stream.fileno()).columns > 0
+    except OSError:
+        return False
 
 
 def saved_settings(ckpt: Path) -> dict:
@@ -127,9 +140,8 @@ def run_worker(args: argparse.Namespace) -> int:
     step, losses = state["step"], state["losses"]
     if rank == 0 and resumed:  # --resume, or a restart by the launcher: say where the run picks up
         print(f"fanfold train: resumed from {ckpt} at step {step} of {total}", file=sys.stderr, flush=True)
-    # A bar on a terminal; written to a file or a pipe, one plain line an epoch instead of glued bar fragments.
     show = rank == 0
-    plain = show and not sys.stderr.isatty()
+    plain = show and not draws_bars(sys.stderr)
 
     def checkpoint() -> None:
         save(ckpt, {**state, "step": step, "losses": losses})
