@@ -58,7 +58,7 @@ def test_all_gather_reading_peers_equals_gloo(nprocs):
         for dtype, m, in_place, apart, strided in out:
             assert in_place and apart and strided, (r, dtype, m, in_place, apart, strided)
     if not results[0][1]:
-        pytest.xfail("this machine forbids process_vm_readv between sibling processes: the ring ran")
+        pytest.skip("no process_vm_readv between siblings here (test_peer_probe.py): the ring ran")
     # the path: every output above a quarter chunk (float32, then float64), three gathers each, and nothing else
     want = sorted(m for size in (4, 8) for m in SIZES if size * m * nprocs > CHUNK // 4 for _ in range(3))
     for _, _, calls in results:

@@ -159,7 +159,7 @@ def test_every_engine_path_folds_in_rank_order(nprocs):
         assert "'mean'" in o["refused"][1], o["refused"]
     assert all(o["digests"] == out[0]["digests"] for o in out), "the ranks hold different bits"
     if not out[0]["peer read"]:
-        pytest.xfail("this machine forbids process_vm_readv between sibling processes: 'peer' took the ring")
+        pytest.skip("no process_vm_readv between siblings here (test_peer_probe.py): 'peer' took the ring")
 
 
 def _nan():

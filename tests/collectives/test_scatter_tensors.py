@@ -124,7 +124,7 @@ def test_reduce_scatter_tensors_equals_rank_order_sum_and_gloo(results):
             assert near_gloo and untouched, (r, key)
         assert o["compress"] == [(True, True, True)] * 2, o["compress"]
     if not out[0]["peer read"]:
-        pytest.xfail("this machine forbids process_vm_readv between sibling processes: the ring fallback ran")
+        pytest.skip("no process_vm_readv between siblings here (test_peer_probe.py): the ring fallback ran")
 
 
 def test_reduce_scatter_tensors_mismatch_named(results):

@@ -192,7 +192,7 @@ def test_all_reduce_exact_fixed_order_and_bitwise_equal(nprocs):
         assert torch.equal(o["strided"], expect)
         assert o["broadcast"] == [float(nprocs - 1)]
     if not out[0]["peer read"]:  # all else held: only the peer-read path itself went untested here
-        pytest.xfail("this machine forbids process_vm_readv between sibling processes: reduce_tensors fell back")
+        pytest.skip("no process_vm_readv between siblings here (test_peer_probe.py): reduce_tensors fell back")
 
 
 def _dead_pid():
@@ -506,7 +506,7 @@ def test_ddp_training_equivalent_on_both_transports():
             torch.testing.assert_close(a, o, rtol=0.05, atol=0.02)
         assert not all(torch.equal(a, c) for a, c in zip(shm[0][hook][1], shm[0]["mlp"][1]))  # really rounded
     if not peer:  # all else held: only the peer-read path itself went untested here
-        pytest.xfail("this machine forbids process_vm_readv between sibling processes: DDP used the fallbacks")
+        pytest.skip("no process_vm_readv between siblings here (test_peer_probe.py): DDP used the fallbacks")
 
 
 def _three_rank_paths():
@@ -537,4 +537,4 @@ def test_ddp_three_ranks_every_path_agrees():
     for a, o in zip(out[0]["peer"][1], model.parameters()):
         torch.testing.assert_close(a, o.detach(), rtol=1e-5, atol=1e-6)
     if not out[0]["peer"][3]:
-        pytest.xfail("this machine forbids process_vm_readv between sibling processes: DDP used the fallbacks")
+        pytest.skip("no process_vm_readv between siblings here (test_peer_probe.py): DDP used the fallbacks")
