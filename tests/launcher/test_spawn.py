@@ -147,3 +147,26 @@ def test_a_lambda_runs_as_docs_launching_says():
     text = (Path(__file__).resolve().parents[2] / "docs" / "launching.md").read_text()
     assert "`fanfold.launch(lambda: 42, nprocs=2)` returns `[42, 42]`" in text
     assert "must be a\nmodule-level function" not in text and "must be a module-level function" not in text
+
+
+
+def _sigterm_is_default():
+    import signal
+
+    return signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
+def test_stopped_workers_die_quietly_whatever_sigterm_handler_the_parent_had():
+    """torch's elastic agent leaves a SIGTERM handler that raises (after `fanfold.launch_script`, as in the smoke
+    run or a notebook); forked workers inherited it, and a worker the launcher stopped while it flushed its output
+    printed a SignalException traceback. A worker starts with SIGTERM's default action."""
+    import signal
+
+    def raising(signum, frame):
+        raise RuntimeError("the parent's SIGTERM handler ran in a worker")
+
+    before = signal.signal(signal.SIGTERM, raising)
+    try:
+        assert fanfold.launch(_sigterm_is_default, nprocs=2, timeout=60, start_method="fork") == [True, True]
+    finally:
+        signal.signal(signal.SIGTERM, before)

@@ -64,6 +64,9 @@ def _send(conn, data: bytes) -> None:
 
 
 def _worker(fn, args, rank: int, env: Mapping[str, str], threads: int, conn, rank_prefix: bool) -> None:
+    # A forked worker inherits its parent's handlers: one that raises (torch's elastic agent leaves such a handler
+    # after `launch_script`) printed a traceback when the launcher stopped this worker. Stopped is stopped.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.environ.update(env)
     os.environ["RANK"] = os.environ["LOCAL_RANK"] = str(rank)
     # whole lines only: two workers printing to one notebook cell must not interleave within a line
