@@ -1,12 +1,8 @@
 """The main job's worker: a small CNN learns scikit-learn's digits, data-parallel, one process per rank.
 
-Layer: ``fanfold.training`` (top of the library; ``fanfold.cli.train`` parses the flags, starts the workers through
-``fanfold.launcher`` and calls :func:`run_worker` in each). Each worker uses fanfold's own pieces only:
-``init_process_group``, ``DistributedDataParallel``, ``DistributedSampler`` (exact resume; ``even=False`` for the
-evaluation) and ``save``/``load`` (atomic, per-rank RNG). It is also the README's training-loop pattern, for real.
-
-Same seed, same parameters, bitwise: one torch thread per rank, the data order is a function of (seed, epoch) only,
-the gradient sum over ranks is the same every run, and the checkpoint holds everything the next step depends on.
+``fanfold.cli.train`` parses the flags, starts the workers and calls :func:`run_worker` in each; a worker uses
+fanfold's own pieces only (``init_process_group``, ``DistributedDataParallel``, ``DistributedSampler``,
+``save``/``load``): the README's training-loop pattern, for real. Same seed, same parameters, bitwise: docs/main-job.md.
 """
 from __future__ import annotations
 
