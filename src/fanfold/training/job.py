@@ -33,8 +33,7 @@ TEST_SIZE = 357
 SPLIT_SEED = 0  # the split never depends on --seed: runs with different seeds are evaluated on the same samples
 # Hyperparameters a checkpoint is bound to: resuming with other values would not continue the same run.
 RUN_KEYS = ("epochs", "batch_size", "lr", "seed")
-# Switches added later (``--sync-bn``): recorded only when on, so a checkpoint without one ran with it off and
-# checkpoints of runs without them read as before.
+# On/off switches (``--sync-bn``): recorded only when on, so a checkpoint without one ran with it off.
 RUN_FLAGS = ("sync_bn",)
 RUN_DEFAULTS = {"epochs": 10, "batch_size": 64, "lr": 1e-2, "seed": 0, "sync_bn": False}
 
