@@ -1,13 +1,7 @@
-"""Device normalisation: the bottom layer every fanfold module builds on.
-
-A device may be given as an accelerator index (``0``), a string (``"cuda:1"``, ``"cpu"``) or a ``torch.device`` of
-any type. Everything above this file works with ``torch.device`` objects only, normalised so that two spellings of
-the same device compare equal (``"cpu:0"`` and ``"cpu"``; ``"cuda"`` and ``"cuda:<current>"``). Repeating a device
-(``["cpu", "cpu"]``) is allowed: it means several replicas on that device. ``usable_device(s)`` add the one check
-every primitive that moves data makes first: the device exists on this machine (a clear ValueError naming the
-argument and the CPU spelling, where torch would fail deep inside with "Torch not compiled with CUDA enabled").
-
-No CUDA-only assumptions: the accelerator type comes from ``torch.accelerator`` (cuda, xpu, mps, ...).
+"""Device normalisation: an index (``0``), a string (``"cuda:1"``, ``"cpu"``) or a ``torch.device`` of any type becomes
+a ``torch.device`` that compares equal across spellings (``"cpu:0"`` and ``"cpu"``; ``"cuda"`` and
+``"cuda:<current>"``); a repeated device means several replicas there. ``usable_device(s)`` also check that the
+device exists here (a ValueError naming the argument). The accelerator type comes from ``torch.accelerator``.
 """
 from __future__ import annotations
 

@@ -1,11 +1,8 @@
 """One walk over nested data: flatten a structure to (path, leaf) pairs and a spec, rebuild it from new leaves.
 
-Containers walked: tuple, list, dict (and their subclasses), namedtuple, torch's structseq return types and dataclass
-instances. Everything else is a leaf: tensors, numbers, strings, None, and ``PackedSequence``, whose four fields are
-not independent (splitting its ``data`` row-wise would not give valid sequences), so scatter/gather treat it whole.
-
-Each leaf carries a path such as ``inputs[1]['mask']`` or ``outputs.logits`` for error messages. Scatter and gather
-(``scatter_gather.py``) are flatten -> work on the leaf list -> unflatten; no recursive closure is kept alive.
+Containers: tuple, list, dict (and subclasses), namedtuple, torch's structseq types and dataclass instances; anything
+else is a leaf, ``PackedSequence`` included (its fields are not independent). Paths such as ``inputs[1]['mask']``
+name leaves in error messages. Scatter and gather are flatten -> work on the leaves -> unflatten.
 """
 from __future__ import annotations
 

@@ -1,16 +1,7 @@
-"""``fanfold demo``: the classic DataParallel tutorial, on GPUs or on CPU replicas.
-
-A ``Linear(5, 2)`` runs on ``RandomDataset(5, 100)`` in batches of 30; the model prints the size of the chunk each
-replica sees, the loop prints the size of the whole batch it gets back::
-
-    fanfold demo --devices 3      # 3 GPUs if there are, else 3 CPU replicas
-      In Model: input size torch.Size([10, 5]) output size torch.Size([10, 2])    (x3)
-    Outside: input size torch.Size([30, 5]) output_size torch.Size([30, 2])
-
-Replicas run concurrently; every line goes through ``tqdm.write`` (one locked write per line), so lines from
-different replicas never interleave and the progress bar stays below them. The bar is drawn on a terminal only:
-written to a file or a pipe, the output is the demo's lines and nothing else. The order of the "In Model" lines of
-one step may change from run to run.
+"""``fanfold demo``: the classic DataParallel tutorial (``Linear(5, 2)`` on ``RandomDataset(5, 100)``, batches of 30),
+on GPUs or on CPU replicas. Each replica prints the size of its chunk, the loop the size of the whole batch; every
+line is one locked ``tqdm.write``, so replicas never interleave mid-line, and the bar is drawn on a terminal only.
+Sample output: docs/data-parallel.md, "Demo".
 """
 from __future__ import annotations
 

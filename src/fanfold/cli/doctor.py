@@ -1,13 +1,8 @@
 """``fanfold doctor``: what fanfold will do on this machine, and why.
 
-Prints torch's version and build, the CPUs this process may use and torch's threads, the accelerators, the
-process-group backends compiled in, ``/dev/shm``, and, from two real worker processes (``fanfold.launch``), whether
-the shared-memory collectives (``fanfold.collectives.ShmTransport``) and their peer reads (``process_vm_readv``,
-probed by the transport itself) work here; for each "no", the reason. Exits 1 when something fanfold needs is
-missing (torch.distributed, the gloo backend, two local workers that can all-reduce), 0 otherwise: the shared-memory
-path is an acceleration, its absence only a note (fanfold then uses torch's collectives).
-
-Layer: ``fanfold.cli`` (top); the probe runs in the workers through public names only.
+Prints torch's build, the CPUs and threads, accelerators, backends, ``/dev/shm``, and, from two real worker
+processes, whether the shared-memory collectives and their peer reads work here, with the reason for each "no".
+Exits 1 when something fanfold needs is missing (torch.distributed, gloo, two local workers that can all-reduce).
 """
 from __future__ import annotations
 

@@ -1,15 +1,10 @@
 """``fanfold train``: the main job's command. A small CNN learns scikit-learn's digits, data-parallel over N processes.
-
-The parent checks the flags and the run directory, then starts N workers through ``fanfold.launcher``
-(``launch_script``); each worker is this module run as ``python -m fanfold.cli.train --worker ...`` and calls
-``fanfold.training.job.run_worker``.
+The parent checks the flags and the run directory and starts N workers (``fanfold.launcher.launch_script``); each
+runs this module with ``--worker`` and calls ``fanfold.training.job.run_worker``. Every flag: docs/main-job.md.
 
     fanfold train                                   # 2 processes on a CPU-only machine, runs/<timestamp>/
-    fanfold train --devices 4 --epochs 5 --out runs/a
-    fanfold train --out runs/a --resume             # continue from runs/a/checkpoint.pt, mid-epoch, exactly,
-                                                    # with the settings it was trained with
+    fanfold train --out runs/a --resume             # continue mid-epoch, exactly, with the settings it was trained with
     fanfold train --max-restarts 2                  # a killed worker costs at most --checkpoint-every steps
-    fanfold train --sync-bn                         # BatchNorm after each convolution, over the global batch
 """
 from __future__ import annotations
 

@@ -1,14 +1,8 @@
 """Assign parameters to gradient buckets: pure functions over sizes and (dtype, device) keys, no torch.distributed.
 
-Second layer of ``env <- buckets <- reducer <- ddp``. A bucket is a list of parameter indices whose gradients are
-all-reduced as one flat tensor, so every bucket holds one dtype on one device. Buckets are filled in the order the
-gradients are expected to become ready -- reverse parameter order at first (backward visits the last layer first),
-then the order actually observed in the first backward -- so that the first bucket fills early and its all-reduce
-overlaps the rest of backward. The first bucket is small (1 MiB) for the same reason; later ones are capped at
-``bucket_cap_mb`` (25 MiB), a cap reached by adding the parameter that crosses it (a parameter larger than the cap
-gets a bucket of its own). torch's ``bucket_cap_mb_list`` gives one cap per bucket instead (the k-th bucket of each
-(dtype, device) key takes the k-th cap, the last cap after the list runs out). The bucket list is ordered by when
-each bucket is expected to fill: the launch order.
+A bucket is a list of parameter indices reduced as one flat tensor of one dtype on one device; buckets are filled
+in the order gradients are expected to become ready (a small first bucket, then ``bucket_cap_mb``, or torch's
+``bucket_cap_mb_list``), and listed in launch order. The rules: docs/ddp.md, "Design notes".
 """
 from __future__ import annotations
 

@@ -1,23 +1,9 @@
 """Communication hooks: how one gradient bucket is reduced across ranks.
 
-Used by the reducer (``reducer.py``); registered with ``DistributedDataParallel.register_comm_hook(state, hook)``.
-A hook has torch's shape, ``hook(state, bucket) -> future``: it receives a :class:`GradBucket` whose ``buffer()``
-is the bucket's flat gradient (this rank's local sum; for a sparse gradient, a bucket of its own as in torch, the
-sparse tensor itself), starts the reduction and returns a future whose ``wait()`` gives a tensor of the buffer's
-size holding the *averaged* gradient. ``bucket.all_reduce(tensor, divisor=None)``
-issues the all-reduce through the DDP's transport, so a hook works on every transport and its collectives are
-labelled with the bucket index; with ``divisor`` it is an average (the shm transport divides each shard while it is
-in cache, other transports after the wait). ``bucket.divisor`` is what to divide by: for a registered hook, the
-world size, whoever has joined, as torch's hooks divide by ``process_group.size()``; only DDP's own reduction (no
-hook registered) divides by the ranks still active inside ``join(divide_by_initial_world_size=False)``, as torch's
-reducer does (``BucketPaths.hook_divisor``). Hooks written for torch's DDP that call ``dist.all_reduce`` themselves
-also work on the torch transport, since the reducer accepts torch futures.
-
-The compression hooks cast to the narrow type (fp16 divides first, so that it cannot overflow on the sum; bf16 has
-fp32's range and lets the all-reduce average), all-reduce in it and cast the result back into the fp32 buffer: half
-the bytes on the wire, about 3 (bf16) or 4-5 (fp16) significant digits kept. The narrow copy is the bucket's
-``workspace(dtype)``, kept from step to step in memory that the transport sums in place when it has such memory
-(``ShmTransport.allocate``).
+torch's hook shape, ``hook(state, bucket) -> future`` whose ``wait()`` gives the averaged bucket: :class:`GradBucket`
+(torch's methods plus ``all_reduce`` through the DDP's transport and ``divisor``), a lazily completed
+:class:`Future`, and the built-in ``allreduce_hook``, ``fp16_compress_hook`` and ``bf16_compress_hook``. Registered
+with ``DistributedDataParallel.register_comm_hook``; semantics: docs/ddp.md, "Comm hooks".
 """
 from __future__ import annotations
 

@@ -1,21 +1,9 @@
-"""Uneven inputs: the join-state exchange and the shadow loop of ranks that ran out of data.
+"""Uneven inputs for ``DistributedDataParallel.join()``: the join-state exchange and the shadow loop of ranks that ran
+out of data.
 
-Used by ``DistributedDataParallel.join()`` (``ddp.py``). Inside the context, every forward and every synchronised
-backward of an active rank starts with one small all-reduce, the *announcement*: a vector holding the number of
-active ranks, what follows (a forward, with or without a buffer broadcast, or a backward's bucket all-reduces) and
-one slot per rank saying who is active. A rank that leaves the context early announces nothing but zeros; it then
-reads each announcement and issues the collectives that follow with zero gradients (its *shadow*), so the active
-ranks never wait on it. When an announcement sums to zero every rank has joined: the parameters and buffers of the
-lowest rank among the last active ones are broadcast, so that every rank ends with the same model.
-
-With ``throw_on_early_termination=True`` every rank raises at the first step some rank lacks, with torch's words:
-"Detected at least one rank that exhausted inputs. Throwing across all ranks." on the ranks still training, "Rank
-R exhausted all inputs." on a rank that ran out -- each followed by fanfold's account naming the ranks.
-
-Submodules with collectives of their own in forward or backward (``fanfold.SyncBatchNorm``: a ``DDPParticipant``,
-``participants.py``) get the state on entry; they ``record`` each collective they issue with a replay that issues it
-with zeros, and a rank that has joined runs, for each announced forward or backward, the replays of its own last
-one, in order.
+Inside the context every forward and synchronised backward of an active rank starts with a small all-reduce
+announcing who is active and what follows; a rank that has left answers with zeros and issues the announced
+collectives with zero gradients (its *shadow*, participants' replays included), so nobody waits. See docs/ddp.md.
 """
 from __future__ import annotations
 

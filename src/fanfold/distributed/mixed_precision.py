@@ -1,16 +1,8 @@
 """torch's ``mixed_precision=_MixedPrecision(param_dtype, reduce_dtype, buffer_dtype)`` for DistributedDataParallel.
 
-Used by ``ddp.py``; the reducer (``reducer.py``) keeps its buckets in the reduction dtype. torch's meaning: the
-forward and backward run on low-precision copies of the parameters (``param_dtype``), with floating-point inputs
-cast to it; gradients are reduced in ``reduce_dtype`` (default: ``param_dtype``); floating-point buffers are kept in
-``buffer_dtype`` from construction on. Outside forward and backward the parameters are the full-precision master
-weights, and after a synchronised backward ``.grad`` is full precision too, ready for the optimizer (and
-``state_dict`` saves full precision).
-
-Differences from torch, where torch's own code leaves the model in low precision: the master weights come back at
-the end of *every* backward (under ``no_sync`` too, the gradient being kept in full precision between micro-steps,
-cast down again before the next forward as torch does), and after a forward run without grad (unless the backward
-of an earlier forward is still to come). torch's version needs CUDA streams and events; this one runs on any device.
+Forward and backward on low-precision copies of the parameters, gradients reduced in ``reduce_dtype``, floating
+buffers in ``buffer_dtype``; full-precision master weights and ``.grad`` outside forward and backward. Runs on any
+device (torch's needs CUDA streams); the differences from torch: docs/ddp-compat.md.
 """
 from __future__ import annotations
 

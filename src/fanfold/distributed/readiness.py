@@ -1,17 +1,8 @@
 """Which parameters are ready in one synchronised backward: each once, or (``static_graph``) as often as in the first.
 
-Used by the reducer (``reducer.py``), below it in ``buckets <- readiness <- reducer <- ddp``; no collectives here.
-
-A parameter is *ready* when autograd has finished accumulating its gradient for this backward; its bucket can then
-be reduced. Normally every gradient hook makes its parameter ready, and a second hook for the same parameter in one
-backward is an error, as in torch ("Expected to mark a variable ready only once"): a parameter reached by several
-autograd passes -- a block checkpointed with ``use_reentrant=True`` and also used outside the checkpoint, or
-checkpointed twice -- would have its bucket reduced before its gradient is complete.
-
-With ``static_graph=True`` (torch's meaning: the same parameters take part, the same number of times, in every
-iteration) the first synchronised backward only counts the hooks of each parameter; the reducer reduces everything
-at its end. From then on a parameter is ready when its count is reached, parameters the first iteration never saw
-are unused for good, and a count that differs from the first iteration's is an error naming the parameter.
+No collectives here. A parameter is *ready* when autograd has finished accumulating its gradient for this backward,
+and its bucket can then be reduced; a second hook for the same parameter is torch's error, unless ``static_graph``
+counted it in the first backward. The rules and why: docs/ddp.md, "Design notes".
 """
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
-"""Converting a model's BatchNorm layers to fanfold's SyncBatchNorm and back.
-
-Layer: ``fanfold.nn``, below ``syncbn.py`` (whose ``convert_sync_batchnorm`` and ``revert_sync_batchnorm`` call these).
-Both directions build a new layer and hand it the old one's parameter and buffer *objects* (not copies): an
-optimizer made before the conversion keeps updating the same tensors, and the state dict keys do not change.
-The way back gives each layer the torch class it was converted from (BatchNorm1d/2d/3d), so that a model can be
-scripted or exported as before; a SyncBatchNorm built directly, whose input dimension nothing records, becomes a
-``_BatchNormNd``: torch's BatchNorm for any input of at least 2 dimensions, as SyncBatchNorm takes.
+"""Converting a model's BatchNorm layers to fanfold's SyncBatchNorm and back (``syncbn.py``'s ``convert_sync_batchnorm``
+and ``revert_sync_batchnorm``). Both directions hand the new layer the old one's parameter and buffer *objects*, so
+an optimizer made before keeps working and the state dict keys do not change; the way back gives each layer the torch
+class it was converted from, or ``_BatchNormNd`` (any input of at least 2 dimensions) when nothing records one.
 """
 from __future__ import annotations
 

@@ -1,23 +1,9 @@
-"""The autograd Functions of SyncBatchNorm in training: normalising with the whole batch's statistics, and the
-exact gradient of that, whose one collective sums each part's ``sum(dy)`` and ``sum(dy * xhat)``.
+"""The autograd Functions of SyncBatchNorm in training: normalising with the whole batch's statistics, and the exact
+gradient of that, whose one collective sums each part's ``sum(dy)`` and ``sum(dy * xhat)``.
 
-Layer: ``fanfold.nn``, above ``moments.py``; used by ``syncbn.py``. The forward's collective (the moments) happens
-before, outside autograd; the backward's goes through the callable in the ``plan``. With M the whole batch's count
-and the sums over the whole batch, BatchNorm's gradient is ``dx = w * invstd * (dy - sum(dy)/M - xhat *
-sum(dy * xhat)/M)``, the weight's ``sum(dy * xhat)`` and the bias's ``sum(dy)``; like torch's SyncBatchNorm, a part
-keeps its own share of the last two (DDP then averages them as any gradient).
-
-``SyncNormalize.apply(x, mean, var, weight, bias, plan)``: one node per part (a rank; a replica whose backward runs
-in its own thread), the statistics constants: torch's kernel for the part's sums (one pass, no temporaries), one
-collective, then ``dx``.
-
-For replicas whose backward autograd's engine runs one after another on one thread, a node per replica would wait
-in its backward for replicas not run yet. There the statistics are one node joining the replicas' graphs, and the
-gradient flows through the mean and the variance, as autograd would through the formulas:
-``BatchStats.apply(plan, *xs) -> (mean_0, var_0, mean_1, var_1, ...)`` (one pair per part, on its device; backward:
-the summed ``dL/dmean`` and ``dL/dvar`` give each part ``dL/dmean / M + dL/dvar * 2 (x - mean) / M``) and per replica
-``Normalize.apply(x, mean, var, weight, bias, plan)`` (backward: the direct ``dx``, ``dL/dmean = -w * invstd *
-sum(dy)``, ``dL/dvar = -w * invstd^2 * sum(dy * xhat) / 2``).
+``SyncNormalize``: one node per part (a rank, or a replica whose backward runs in its own thread). ``BatchStats`` +
+``Normalize``: replicas whose backward autograd runs one after another on one thread, the statistics one node joining
+their graphs. The gradient formulas: docs/syncbn.md, "Design notes".
 """
 from __future__ import annotations
 

@@ -1,13 +1,6 @@
-"""SyncBatchNorm's collectives over ranks: one all-reduce SUM per forward and per backward, and their part in
-``DistributedDataParallel.join()``.
-
-Each goes through an inspected transport (``collectives.stall``): DDP's when the layer runs under fanfold's DDP on
-its own group (the shared-memory one when the ranks share a host, small sums on the caller's thread), else the
-layer's own on its ``process_group`` (``group_transport``). Under ``join()`` a rank that ran out of data replays
-what it recorded (zeros) so that the ranks still training are not left waiting; those collectives must not share a
-channel with DDP's own, whose shadow cannot know how they interleave, so inside ``join()`` they take the layer's own
-transport, and a DDP transport on the same torch.distributed group is refused (``check_channel``). Design notes:
-docs/syncbn.md.
+"""SyncBatchNorm's collectives over ranks: one all-reduce SUM per forward and per backward, each through an inspected
+transport (DDP's under fanfold's DDP on the same group, else the layer's own), and their part in
+``DistributedDataParallel.join()`` (zeros replayed; ``check_channel`` refuses a shared channel). See docs/syncbn.md.
 """
 from __future__ import annotations
 

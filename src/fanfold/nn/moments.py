@@ -1,18 +1,8 @@
 """Batch moments of a batch split into parts (ranks, replicas): each part's contribution as one packed vector.
 
-Bottom of ``fanfold.nn``: tensors in, tensors out, no communication. A part packs, per channel, its sample count
-times its mean and its sum of squares about zero, both in float64, plus its count: ``[n*mean | n*(var + mean^2) |
-n]``, 2C+1 numbers. Parts are combined by summing these vectors (one all-reduce SUM over ranks, a loop over
-replicas), which every transport does, in any order.
-
-Numerics: a sum of squares in float32 loses everything when |mean| >> std (E[x^2] - E[x]^2 cancels). Each part
-computes its own mean and variance exactly: torch's statistics kernel on contiguous CPU inputs, else the corrected
-two-pass algorithm (a float32 mean as a guess g, then over d = x - g, sum(d), which corrects the guess for its
-rounding, and sum(d^2), both free of cancellation). Only the exchange goes through E[x^2] - E[x]^2, in float64,
-where the cancellation costs (mean/std)^2 * 1e-16 relative: negligible below |mean|/std ~ 1e5, past which float32
-data cannot resolve its own variance anyway. Chan's pairwise update would avoid even that, but needs the global
-mean first (a second collective) or an all-gather of every part's moments (a message that grows with the world
-size); float64 sums keep one fixed-size all-reduce.
+Tensors in, tensors out, no communication. A part packs, per channel, ``[n*mean | n*(var + mean^2) | n]`` in float64
+(2C+1 numbers), its mean and variance computed exactly; parts combine by summing these vectors (one all-reduce SUM).
+Why this form: docs/syncbn.md, "Numerics" and "Design notes".
 """
 from __future__ import annotations
 

@@ -1,12 +1,8 @@
 """Where the replicas of one SyncBatchNorm meet inside one DataParallel forward: a barrier with one slot per replica.
 
-Layer: ``fanfold.nn``, used by ``syncbn.py``; no torch.distributed (the replicas are threads of one process).
-``fanfold.DataParallel`` runs its replicas in worker threads and, before each forward, hands the replicas of every
-module that asks (``link_replicas``) their replica index and one shared ``Rendezvous``. At each meeting every replica
-deposits its payload; the last to arrive combines them, in replica order (so every replica sees the same bits, run
-after run), and every replica returns the result. Every wait is bounded: a replica that never comes (it raised
-earlier, its backward was not run, or the replicas run one after another on one thread) makes the others raise,
-naming the missing replicas, instead of hanging; the rendezvous then stays broken, so later meetings fail at once.
+No torch.distributed: the replicas are threads of one process. The last replica to arrive combines the payloads in
+replica order, so every replica sees the same bits; every wait is bounded, and a replica that never comes makes the
+others raise naming it, after which the rendezvous stays broken so later meetings fail at once.
 """
 from __future__ import annotations
 

@@ -1,23 +1,9 @@
 """``SyncBatchNorm``: BatchNorm whose training statistics are the whole batch's, over ranks and DataParallel replicas.
 
-Top of ``fanfold.nn``: the module, over ``moments.py`` (what each part contributes), ``functions.py`` (the autograd
-Functions), ``group_sum.py`` (collectives over ranks, and DDP's join) and ``rendezvous.py`` (replicas in threads).
-
-In training, each part of the batch (this rank's, or this replica's) packs its moments into one vector; one sum
-over every part gives the whole batch's mean and variance; the output is normalised with them, the running
-statistics move with the unbiased variance (the same bits on every rank and replica), and backward sums each part's
-``sum(dy)`` and ``sum(dy * xhat)`` the same way. The parts are summed:
-
-- over the ranks of ``process_group`` (torch.distributed, any backend) when it has more than one rank;
-- over the replicas of a ``fanfold.DataParallel`` forward, in the process: DataParallel links the replicas before
-  running them (``link_replicas``). When each replica runs its own backward in its own thread
-  (``parallel_backward``) they meet again in backward; when autograd's engine runs them one after another, the
-  statistics are one autograd node joining the replicas' graphs, whose backward sees every replica's gradient at
-  once -- a barrier there would deadlock;
-- both, when each rank runs DataParallel replicas (the replicas sum first, then one of them all-reduces).
-
-With neither, it is plain BatchNorm (torch's ``F.batch_norm``, the same result). Eval mode uses the running
-statistics and never communicates.
+The module: each part of the batch packs its moments (``moments.py``), one sum over every part (``group_sum.py``
+over ranks, ``rendezvous.py`` over replicas, or both) gives the whole batch's mean and variance, and the autograd
+Functions (``functions.py``) normalise and differentiate. With nothing to sum over it is plain BatchNorm; eval mode
+never communicates. Semantics: docs/syncbn.md.
 """
 from __future__ import annotations
 

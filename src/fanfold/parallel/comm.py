@@ -1,13 +1,8 @@
 """Plain-tensor communication between devices of one process, without autograd.
 
-The four moves of data parallelism in one process: ``broadcast`` (one tensor to every device), ``reduce_add`` (sum
-tensors from several devices onto one), ``scatter`` (split along ``dim`` onto devices) and ``gather`` (concatenate
-onto one device). Any device type works, and a device may repeat (``["cpu", "cpu"]`` means two CPU replicas).
-
-Every result is a new tensor that shares no memory with the inputs, even on the input's own device: a replica may
-then modify its input in place without touching the caller's tensor or another replica's, and ``functions.py`` can
-return these results from an autograd Function without creating views of its inputs (which autograd would forbid
-modifying in place). ``functions.py`` wraps these ops into differentiable pairs; layer: ``_utils`` <- ``comm``.
+``broadcast``, ``reduce_add``, ``scatter`` and ``gather`` on any device type, a device possibly repeated
+(``["cpu", "cpu"]``); every result is a new tensor sharing no memory with the inputs. ``functions.py`` wraps them
+into differentiable pairs.
 """
 from __future__ import annotations
 

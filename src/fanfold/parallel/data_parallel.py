@@ -1,28 +1,8 @@
 """DataParallel and data_parallel(): scatter -> replicate -> parallel_apply -> gather, in one process.
 
-A drop-in for ``torch.nn.DataParallel`` (change one import) that also runs several replicas on the CPU
-(``device_ids=["cpu", "cpu"]``). Each of the four verbs is a one-line method over the free function of the same name,
-so a subclass can swap one step. Beyond torch:
-
-- ``state_dict()`` has the bare module's keys (no ``module.`` prefix) at any nesting depth, also when a DataParallel
-  is a sub-block of a bigger model; ``load_state_dict`` accepts both prefixed and unprefixed keys.
-- reading an attribute the wrapper lacks falls through to the wrapped module (``dp.fc``, ``dp.hidden_size``);
-  setting one sets it on the wrapper, as for any module.
-- ``weights=[3, 1]`` splits batches in proportion (unequal devices), ``chunk_sizes=[...]`` splits them explicitly.
-- CPU replicas also run their backward concurrently, in the worker threads (``parallel_backward.py``; autograd
-  alone would run them one after the other on the caller's thread). ``parallel_backward=False`` keeps autograd's
-  way; double backward (``create_graph=True``) works with both, the default re-running the replicas' forward.
-
-- ``engine="process"``: replica 0 in the caller, the other CPU replicas in persistent worker processes sharing the
-  module's memory (``process_engine.py``), so that small operations do not serialise on the interpreter lock.
-
-What a forward with several replicas keeps (as in torch): replicas are discarded after the forward, so attributes
-they set are lost, and buffer updates are kept from the first replica on the module's device only: BatchNorm's
-running statistics end up updated from the first chunk of the batch (``fanfold.SyncBatchNorm``'s replicas share
-their statistics, so theirs are the whole batch's). Parameters are shared (same device) or copied
-differentiably, so gradients always reach the original module. With one device the module itself runs.
-
-Layer: ``scatter_gather`` / ``replicate`` / ``parallel_apply`` / ``parallel_backward`` <- ``data_parallel``.
+A drop-in for ``torch.nn.DataParallel`` that also runs replicas on the CPU (``device_ids=["cpu", "cpu"]``), each
+verb a one-line method a subclass can swap; replicas run in threads (their backward too, ``parallel_backward``) or,
+with ``engine="process"``, in worker processes (``process_engine``). Semantics: docs/data-parallel.md.
 """
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """Double backward through CPU replicas (``create_graph=True``, a gradient penalty): the replicas' gradients rebuilt
 as a differentiable graph by running each replica's forward again on the caller's thread.
 
-Used by ``parallel_backward`` (the replicas' concurrent backward), whose worker threads build no graph that a second
-backward could go through.
+Used by ``parallel_backward``, whose worker threads build no graph that a second backward could go through.
 """
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""Differentiable device communication: autograd Functions in dual pairs.
-
-The gradient of a communication op is its dual op: copying one tensor to several devices (``Broadcast``) sends the
-gradients back summed (``ReduceAdd``) and the other way round; splitting a batch over devices (``Scatter``) sends the
-gradients back concatenated (``Gather``) and the other way round. Each backward calls its dual's ``apply``, so
-higher-order gradients work too (a first-order ``Gather`` backward onto the replicas' own device passes views, not
-copies). Any device type, repeated devices allowed; the data moves are ``comm.py``'s.
-Layer: ``comm`` <- ``functions`` <- ``scatter_gather`` / ``replicate``.
+"""Differentiable device communication: ``Broadcast``/``ReduceAdd`` and ``Scatter``/``Gather``, autograd Functions in
+dual pairs, each backward calling its dual's ``apply`` (so higher-order gradients work too). Any device type,
+repeated devices allowed; the data moves are ``comm.py``'s.
 """
 from __future__ import annotations
 

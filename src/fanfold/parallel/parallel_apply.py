@@ -1,24 +1,8 @@
-"""parallel_apply: run one replica per device concurrently on a persistent pool of worker threads.
+"""parallel_apply: run one replica per device concurrently on a persistent pool of worker threads (``WorkerPool``).
 
-``WorkerPool`` owns the threads: worker i always runs replica i (its thread-local state, like the current CUDA device
-or its intra-op thread count, stays put between calls), threads are daemons started on first use and stopped when
-the pool is closed or garbage-collected. ``DataParallel`` keeps one pool for its lifetime, so no thread is started
-per forward. The free function ``parallel_apply(..., pool=None)`` has nowhere to keep threads between calls without
-a global, so it starts a short-lived pool for that call and stops it after; pass ``pool=`` to reuse threads.
-
-Thread-local state is carried from the caller into each worker: grad mode, inference mode, autocast (enabled,
-dtype, cache) for the replica's device type, and on an accelerator the current device and stream.
-
-Intra-op threads: ``torch.set_num_threads`` sets the OpenMP thread count of the *calling thread* (plus a process-wide
-default that threads not yet initialised pick up). So each worker sets its own count, by default
-``max(1, torch.get_num_threads() // number_of_replicas)``, so that N CPU replicas do not each start the caller's
-full OpenMP team (2 replicas x 2 threads on 2 cores is slower than either alone); the caller then restores the
-process-wide default. Its own count is never changed.
-
-An exception in a replica is re-raised in the caller, after every worker has finished, as the same exception type
-(RuntimeError if that type cannot be built from a message) naming the replica index and device, chained to the
-original (``__cause__``), whose traceback shows the replica's frames. The pool stays usable.
-Layer: ``replicate`` <- ``parallel_apply`` <- ``data_parallel``.
+Worker i always runs replica i, with the caller's grad mode, inference mode, autocast and current device carried in
+and its own intra-op thread count; an exception in a replica is re-raised in the caller naming the replica and
+device. Without ``pool=`` the free function starts a pool for that call only.
 """
 from __future__ import annotations
 

@@ -1,29 +1,8 @@
 """parallel_apply_backward: run CPU replicas forward AND backward concurrently, on the same worker pool.
 
-Autograd's engine runs every CPU node on the thread that called ``backward()``, so replicas run by ``parallel_apply``
-go forward concurrently but backward one after the other on the caller's thread, each weight gradient as a separate
-half-batch product, and the engine then adds up the replicas' gradients of each shared parameter. Here one autograd
-Function, ``_Replicas``, spans all replicas:
-
-- forward: worker i runs replica i under ``enable_grad`` on *detached* copies of its tensor arguments and of the
-  module's parameters (aliases: the memory is shared, no copy), so each replica builds its own graph, whose leaves
-  are its own. The Function's outputs are the replicas' output tensors, detached.
-- backward: worker i runs ``torch.autograd.grad`` on its own graph (intra-op threads per worker as in
-  ``parallel_apply``), for its arguments and every parameter; then the parameters' gradients are summed across
-  replicas, each parameter by one worker, in place into replica 0's gradient where that tensor is owned by nobody
-  else; the Function returns the sums and the arguments' gradients. The engine accumulates the sums into ``.grad``
-  exactly as for the bare module, so ``backward()``, ``autograd.grad``, hooks on parameters (run once, on the sum)
-  and gradient accumulation behave alike.
-
-Leaves a replica reaches that are neither an argument nor a parameter (a tensor kept as a plain attribute) are found
-by walking each replica's graph after forward and become inputs of the Function too, so their gradients are kept.
-The replicas' graphs are saved with ``save_for_backward``: a second backward after ``retain_graph=True`` works, and
-without it the engine frees them after the first one, as for any graph. Double backward (``create_graph=True``,
-a gradient penalty): the replicas' graphs start at detached arguments, so the backward runs each replica's forward
-again on the caller's thread, on the real arguments and parameters (as ``parallel_backward=False`` does, announced
-once by a warning), and differentiates that graph; buffers are left as the first forward set them, and outputs that
-changed (dropout drawing again) raise, pointing to ``parallel_backward=False``.
-Layer: ``parallel_apply`` <- ``parallel_backward`` <- ``data_parallel``.
+One autograd Function, ``_Replicas``, spans all replicas: each worker runs its replica on detached arguments and
+aliases of the parameters, differentiates its own graph at backward, and the replicas' parameter gradients are
+summed and handed to autograd as the real parameters' gradient. Design notes: docs/data-parallel.md.
 """
 from __future__ import annotations
 

@@ -1,26 +1,9 @@
-"""ProcessEngine: ``DataParallel(..., engine="process")``'s replicas, the caller and one persistent worker process per
-further replica (CPU).
+"""ProcessEngine: ``DataParallel(..., engine="process")``'s replicas, replica 0 in the caller and one persistent
+worker process per further CPU replica, sharing the module's memory.
 
-Threads running CPU replicas serialise on the interpreter lock for small operations; processes do not. The engine
-starts on first use: it moves the user's parameters and buffers into shared memory in place (``share_memory_()``: the
-optimizer keeps stepping the same tensors and every worker sees them), makes replica 0 for the caller itself (a
-shallow copy of the module whose parameters are leaves of its own on the same memory, as a worker's are) and starts
-one worker per other replica (``process_worker.worker_main``). It restarts when the module's structure changes (a
-parameter or buffer replaced, moved, re-typed or its ``requires_grad`` flipped), after a worker died, and after
-Ctrl-C.
-
-A step: the caller scatters the batch (``DataParallel.scatter``), copies each worker's chunk into that worker's shared
-slot buffer (``process_slots``) and posts it a small header through its mailbox (``process_mailbox``: shared memory
-and futexes, no pipe), then runs replica 0 on its own chunk while the workers run theirs, and reads their outputs
-from their slots. ``process_remote.Remote`` joins every replica's outputs to the caller's graph; its backward runs the
-same way (post the workers' output gradients, differentiate replica 0 here, sum the parameter gradients). So the
-caller's core computes too, and N replicas take N processes, not N + 1.
-
-Threads: every replica, the caller's included, runs ``torch.get_num_threads() // replicas`` intra-op threads (a
-forked worker one, since it cannot use the OpenMP threads its parent has used); ``close()`` gives the caller its count
-back. More would spin, between the small operations, on the cores the other replicas need.
-Every wait is bounded and checks the workers every 50 ms: a dead worker is an error at once, never a hang.
-Layer: ``process_worker`` / ``process_remote`` / ``process_start`` <- ``process_engine`` <- ``data_parallel``.
+Starts on first use (parameters and buffers moved into shared memory in place), restarts after a structure change,
+a dead worker or Ctrl-C; a step posts each worker its chunk through slots and mailboxes and joins their outputs to
+the caller's graph (``process_remote.Remote``). Every wait is bounded. How and why: docs/data-parallel.md.
 """
 from __future__ import annotations
 

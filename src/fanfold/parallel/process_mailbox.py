@@ -1,11 +1,6 @@
 """The process engine's messages (small dataclasses) and its mailboxes: one per worker, one message each way, in a
-block of fd-backed shared memory with a counter per side, woken through ``_core.shm.Futex`` (the transport's futex
-waits: polling a few microseconds, then bounded sleeps that check the peer's process, the stop word and the
-deadline). Caller and worker alternate strictly, so one area per side suffices. A step's repeated messages
-(``Forward``, ``Outputs``, ``Backward``, ``Gradients`` of the same structure) cross as a few bytes (:class:`Codec`);
-anything else is pickled with ``ForkingPickler`` (what must cross as a file descriptor does), spilled into a
-shared buffer of its own when too big for its area.
-Layer: ``_core.shm``, ``process_slots`` <- ``process_mailbox`` <- ``process_worker`` <- ``process_engine``.
+block of fd-backed shared memory woken through ``_core.shm.Futex``. A step's repeated messages cross as a few bytes
+(:class:`Codec`); anything else is pickled with ``ForkingPickler``, spilled into a shared buffer when too big.
 """
 from __future__ import annotations
 

@@ -1,13 +1,6 @@
-"""The process engine's autograd Function: the replicas' outputs joined to the caller's graph, and their backward.
-
-``Remote``'s inputs are the chunks that require grad and the parameters that do; its outputs are every replica's
-outputs (replica 0's, computed by the caller itself, detached; the workers', read from their slots). Its backward
-posts the gradients of each worker's outputs, differentiates replica 0's graph in the caller meanwhile, and sums the
-parameter gradients in replica order, out of place: one ``_foreach_add`` for all parameters when every replica has
-them all, dense; a sparse gradient (``nn.Embedding(sparse=True)``) comes pickled and stays sparse, as for the bare
-module. The sum is handed to autograd, which accumulates it into ``.grad`` as for the bare module, so a parameter
-hook runs once, on the sum.
-Layer: ``process_worker`` <- ``process_remote`` <- ``process_engine``.
+"""The process engine's autograd Function, ``Remote``: every replica's outputs joined to the caller's graph, and their
+backward (post each worker's output gradients, differentiate replica 0 in the caller meanwhile, sum the parameter
+gradients in replica order and hand the sum to autograd, so a parameter hook runs once, on the sum).
 """
 from __future__ import annotations
 

@@ -1,14 +1,8 @@
 """Fixed shared-memory slots for the process engine: a step's tensors cross between the caller and a worker unpickled.
 
-Sending a tensor through a pipe with torch's reductions copies it into a fresh shared-memory storage and passes that
-storage's file descriptor over a connection of its own: about a millisecond per tensor, several times per step. Here
-each direction of each worker owns one shared byte buffer, an ``Arena``: the sender copies the step's tensors into it
-and sends small ``Slot`` headers (offset, shape, dtype), the receiver reads them as views of the buffer and copies
-what must outlive the next message. The buffer itself crosses only when it is created or grows. Parameter gradients
-get a buffer of their own per worker, laid out once when the workers start (``layout``), one slot per parameter.
-Tensors that are not plain dense CPU tensors (sparse, quantized, subclasses, PackedSequence) are left in the message
-and pickled as before.
-Layer: ``_core.shm`` (the shared buffers) <- ``process_slots`` <- ``process_worker`` <- ``process_engine``.
+Each direction of each worker owns one shared byte buffer (``Arena``) and sends small ``Slot`` headers (offset,
+shape, dtype, strides); parameter gradients get slots of their own, laid out once (``layout``). Tensors that are not
+plain dense CPU tensors stay in the message and are pickled.
 """
 from __future__ import annotations
 

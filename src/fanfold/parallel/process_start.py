@@ -1,9 +1,6 @@
-"""How the process engine's workers are started and stopped: the start method, the module's structure (a change
-restarts the workers), and a bounded stop that also gives the caller its intra-op threads back.
-
-Start method: a forkserver that has imported torch, or ``fork`` when a module's class is defined in ``__main__`` (a
-notebook cell; a forkserver child could not unpickle it).
-Layer: ``process_mailbox`` <- ``process_start`` <- ``process_engine``.
+"""How the process engine's workers are started and stopped: the start method (a forkserver that has imported torch,
+or ``fork`` for a module whose class is defined in ``__main__``), the module's structure (a change restarts the
+workers), and a bounded stop that also gives the caller its intra-op threads back.
 """
 from __future__ import annotations
 

@@ -1,21 +1,8 @@
-"""One replica in its own process, for ``DataParallel(..., engine="process")``: the messages and the worker's loop.
+"""One replica in its own process, for ``DataParallel(..., engine="process")``: the worker's loop, and the forward and
+backward steps (``run_forward``, ``run_backward``) that the caller also uses to run replica 0 itself.
 
-The worker holds the user's module as it arrived (forked, or unpickled by torch's reductions): its parameters and
-buffers alias the caller's shared memory, so an optimizer step in the caller is seen here at once. Each parameter that
-requires grad is replaced by a leaf of the worker's own sharing its memory (as ``parallel_backward`` does for threads),
-so the worker's graph ends at these leaves and the caller's hooks never run here. Replica 0 writes the module's
-buffers (BatchNorm's statistics), every other replica works on private copies refreshed from them at each forward:
-torch's DataParallel semantics (the caller runs replica 0 itself, so its workers are replicas 1 and up). A step's
-tensors travel through fixed shared-memory slots (``process_slots``): the messages carry only small headers; a slot
-buffer crosses (torch's reductions, a file descriptor) only when it is created or grows. Parameter gradients are
-written into this worker's gradient slots, which the caller sums.
-
-A forward that records a graph keeps it under its ``step`` until the caller sends the gradients of its outputs
-(``Backward``) or says the caller's graph is gone (``Forward.release``). Messages go through the worker's mailbox
-(``process_mailbox``: shared memory and futexes). The worker exits when the caller sets the stop word or when the
-caller's process is gone (checked every 50 ms while waiting). Ctrl-C is the caller's: the worker ignores SIGINT and is
-stopped by the caller. ``run_forward`` and ``run_backward`` are also how the caller runs replica 0 itself.
-Layer: ``parallel_backward`` (aliases) <- ``process_worker`` <- ``process_engine``.
+The worker's module aliases the caller's shared memory; its parameters become leaves of its own, so its graph ends
+there. It exits when the caller sets the stop word or its process is gone; Ctrl-C is the caller's.
 """
 from __future__ import annotations
 

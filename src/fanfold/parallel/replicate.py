@@ -1,22 +1,8 @@
 """replicate(network, devices, detach=False): one cheap replica of a module per device, for one forward pass.
 
-A replica is a shallow copy of every submodule (a new module object whose ``__dict__`` is a copy of the original's,
-made by the module's own ``_replicate_for_data_parallel`` hook, which e.g. ``nn.LSTM`` overrides to copy its flat
-weight list), linked to the replicas of its children. No weights are copied where none need to be:
-
-- parameters: a replica on a parameter's own device uses the original ``Parameter`` object itself (gradients
-  accumulate straight into ``.grad``); on any other device it gets a copy made by the differentiable ``Broadcast``
-  (one copy per distinct device, shared by the replicas there), whose backward sums the replicas' gradients back
-  onto the original. With ``detach=True`` replicas get detached tensors instead: no gradient flows back.
-- buffers: the first replica on a buffer's device shares the original buffer, so in-place updates made there
-  (BatchNorm's running statistics) are kept, as in ``torch.nn.DataParallel`` where device[0]'s replica shares
-  storage with the module; every other replica gets its own copy (even on the same device, so that replicas running
-  concurrently never write the same buffer), and what it writes is discarded with the replica.
-
-Attributes a replica sets during forward are set on the replica and discarded with it.
-Modules whose replicas must cooperate during the forward (fanfold.SyncBatchNorm: statistics over every replica's
-slice) implement ``LinkedReplicas``; DataParallel calls :func:`link_replicas` before running the replicas.
-Layer: ``functions`` / ``comm`` <- ``replicate`` <- ``data_parallel``.
+Shallow copies of every submodule (each module's ``_replicate_for_data_parallel`` hook); parameters shared on their
+own device, else copied by the differentiable ``Broadcast``; the first replica on a buffer's device shares it, the
+others get copies. ``LinkedReplicas`` / :func:`link_replicas`: replicas that cooperate during forward (SyncBatchNorm).
 """
 from __future__ import annotations
 

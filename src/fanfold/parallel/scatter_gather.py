@@ -1,24 +1,8 @@
 """scatter / scatter_kwargs / gather over nested data, with torch's signatures, and the split rule ``split_sizes``.
 
-scatter splits every tensor of a nested structure (tuple, list, dict, namedtuple, dataclass) along ``dim`` with
-``torch.chunk`` semantics, or into explicit ``chunk_sizes``, or in proportion to ``weights`` (unequal devices); every
-other leaf goes to every replica by reference. All tensors being scattered must agree on their size along ``dim``
-(the batch size); a batch smaller than the number of devices uses fewer replicas. ``scatter_kwargs`` splits the
-positional and keyword arguments with ONE plan, so both lists always have the same length (no padding needed; torch
-pads them separately and crashes on small batches, pytorch#15161, #52260).
-
-A ``PackedSequence`` is split by sequences, whatever ``dim`` is: replica i gets a valid PackedSequence of its chunk of
-the sequences (in the caller's order), repacked with ``enforce_sorted=False``. gather concatenates such outputs back
-into one PackedSequence of all the sequences in replica order. (The round trip gives the same sequences; a packed
-input made with ``enforce_sorted=True`` comes back with an identity ``sorted_indices`` instead of None.)
-
-gather is the inverse: the same structure back, tensors concatenated along ``dim`` on ``target_device``
-(differentiable). Replicas returning 0-dim tensors give a vector of one value per replica, with a warning, as torch
-does. Non-tensor leaves must be the same (or equal) in every replica and come back as that value.
-
-Torch's scatter_map/gather_map are recursive closures that reference themselves, a cycle torch breaks in ``finally``;
-here the recursion lives in the module-level functions of ``_tree.py``, so no such cycle exists.
-Layer: ``_tree`` + ``functions`` <- ``scatter_gather`` <- ``data_parallel``.
+scatter splits every tensor of a nested structure along ``dim`` (``torch.chunk`` sizes, ``chunk_sizes`` or
+``weights``), positional and keyword arguments by one plan; a ``PackedSequence`` is split by sequences. gather is
+the inverse, differentiable. The walk over the structure is ``_core.tree``'s. Semantics: docs/data-parallel.md.
 """
 from __future__ import annotations
 

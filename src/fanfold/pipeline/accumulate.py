@@ -1,20 +1,8 @@
 """Weight gradients of ``nn.Linear`` layers in a pipeline training step: after the input gradients, in place.
 
-Part of ``fanfold.pipeline`` (below ``stage``, which uses it in its detached training mode only). Micro-batching
-splits each weight gradient ``grad_out.T @ x`` into M products over M slices of the batch. Left to autograd, each
-product is a freshly allocated full-size tensor that ``AccumulateGrad`` then adds into ``.grad`` (for a large layer
-and small micro-batches that costs about as much as the product: new pages, then a read-add-write of the whole
-weight), and it is computed before the input gradient goes on to the previous stage, which waits for it. Here the
-backward of such a layer computes only the input gradient and keeps the micro-batch's output-gradient and input
-rows; the stage calls ``step()`` after it has sent its input gradients upstream, and the pending products are
-added into ``.grad`` with one ``addmm_`` per layer, which accumulates where it writes. Measured
-(``docs/benchmarks.md``): the measured bubble falls to the ideal. The result is the same sum in another order:
-equal to autograd's within float rounding.
-
-Only where that is indistinguishable from autograd's accumulation: exact ``nn.Linear`` layers (not subclasses,
-which may compute something else), grad enabled, no autocast, input, weight and bias of one floating dtype, a
-contiguous weight, and parameters without hooks (a hook expects ``AccumulateGrad`` to run). Everything else runs
-the layer as it is.
+In ``stage``'s detached (training) mode, an eligible layer's backward computes only its input gradient and keeps
+the micro-batch's rows; ``step()``, called once the stage has sent its input gradients upstream, adds the pending
+weight gradients into ``.grad`` with one ``addmm_`` per layer. Eligibility and why: docs/pipeline.md.
 """
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """The walk over what crosses a stage boundary: a tensor, or nested tuples/lists of tensors (other leaves pass).
 
-Bottom of ``fanfold.pipeline``, beside ``schedule``: used by ``partition`` (timing layers), ``stage`` (leaves,
-copies, gradients) and ``p2p``. Its order of tensors is the one contract between a sender's outputs and the
-gradients it receives back for them.
+Used by ``partition`` (timing layers) and ``stage`` (leaves, copies, gradients). Its order of tensors is the one
+contract between a sender's outputs and the gradients it receives back for them.
 """
 from __future__ import annotations
 

@@ -1,13 +1,7 @@
-"""How stages hand each other activations and gradients: the ``Channel`` interface and its in-process version.
-
-Part of ``fanfold.pipeline`` (beside ``schedule``, below ``stage``). A stage sends the activations of micro-batch m to
-the next stage and the gradients of its inputs to the previous one, and receives by (source, kind, micro-batch).
-``ThreadChannel`` serves stages on threads of one process: one inbox (a blocking queue) per stage, so a worker waits
-without spinning, and a per-stage stash for messages that arrive before the step that needs them (a schedule may
-consume in another order than the sender produced). ``p2p.py`` is the same interface over torch.distributed.
-
-A stage that fails calls ``abort``: every other stage's next receive raises :class:`StageAborted` instead of waiting
-for a message that will never come, so one failure ends the whole pass and never hangs it.
+"""How stages hand each other activations and gradients: the ``Channel`` interface and ``ThreadChannel``, its version
+for stages on threads of one process (an inbox per stage, a stash for messages that arrive early). A failing stage
+calls ``abort``, and every other stage's next receive raises :class:`StageAborted` instead of hanging.
+``p2p.py`` is the same interface between processes.
 """
 from __future__ import annotations
 

@@ -1,15 +1,8 @@
 """``DistributedPipeline``: one pipeline stage per process, and data parallelism over such pipelines.
 
-Top of ``fanfold.pipeline`` for several processes (``pipe.py`` is the one-process version; both drive the same
-``StageRun`` through the same schedules, only the channel differs: ``p2p.py``). Run under ``fanfold run -n N`` (or
-torchrun, or ``fanfold.launch``) after ``fanfold.distributed.init_process_group()``.
-
-Layout: with ``stages=S`` and N processes, N/S pipelines of S stages; consecutive ranks form a pipeline (rank r is
-stage ``r % S`` of pipeline ``r // S``), and the S-th ranks across pipelines (the replicas of one stage) form its
-data-parallel group. Every rank builds the whole model the same way (same code, same seed) and keeps only its own
-stage's layers. With more than one pipeline, the replicas start from data-parallel rank 0's weights, and after each
-training step their gradients are averaged over the replicas (``grads.py``), so N/S pipelines, each on its share of
-the batch, follow the trajectory of one pipeline (or one process) on the whole batch.
+With ``stages=S`` and N processes, N/S pipelines of S consecutive ranks; the replicas of a stage average their
+gradients after each training step (``grads.py``). Drives the same ``StageRun`` and schedules as ``pipe.py``, over
+``p2p.py``'s channel. Run after ``fanfold.distributed.init_process_group()``; layout and use: docs/pipeline.md.
 """
 from __future__ import annotations
 

@@ -1,12 +1,8 @@
 """Drive the stages through their steps: serially in the caller's thread, or each stage on its own worker thread.
 
-Part of ``fanfold.pipeline`` (above ``stage``, below ``pipe``). Each worker follows only its own stage's order and
-blocks on the channel for its inputs; ``schedule.stage_orders`` has checked that the orders complete, so the workers
-cannot deadlock. CPU autograd runs a backward on the thread that calls it, so stages on their own threads run their
-forward and backward steps at the same time, which one ``loss.backward()`` on one thread cannot.
-
-An error in a stage aborts the channel (the other stages stop at their next receive) and is raised in the caller,
-after every worker has returned, as the same exception type naming the stage and its device, chained to the original.
+Each worker follows only its own stage's order (checked by ``schedule.stage_orders``, so it cannot deadlock) and
+blocks on the channel for its inputs. An error in a stage aborts the channel and is raised in the caller, once every
+worker has returned, as the same exception type naming the stage and its device.
 """
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""Data parallelism over pipelines: start every replica of a stage from the same weights, average its gradients.
-
-Part of ``fanfold.pipeline`` (beside ``stage``). The replicas of a stage (the same stage in each of D pipelines, one
-pipeline per data-parallel rank) form a process group; after a training step every replica holds the gradient of
-its own share of the batch, and the average over the group is the gradient of the whole batch. One all-reduce per
-flat bucket of parameters of one (dtype, device), after the schedule: no overlap with the backward (that is what
-``fanfold.DistributedDataParallel`` adds, around a plain ``loss.backward()``), but no interplay with the schedule.
-Both go through the group's inspected transport (``collectives.stall.group_transport``): a stall names them.
+"""Data parallelism over pipelines: start every replica of a stage from the same weights (``broadcast_state``) and
+average its gradients over the replicas after the schedule (``average_gradients``, one all-reduce per flat bucket of
+one dtype and device), both through the group's inspected transport so that a stall names them.
 """
 from __future__ import annotations
 

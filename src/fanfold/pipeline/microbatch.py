@@ -1,13 +1,7 @@
 """Micro-batches: split a batch along dim 0, re-join the outputs, and weigh each micro-batch's loss.
 
-Part of ``fanfold.pipeline`` (above ``partition``); the split and the re-join are fanfold's own ``scatter`` and
-``gather`` (the same verbs as data parallelism, with every chunk on the first stage's device), so tuples, lists,
-dicts and PackedSequences of a batch are split the way ``DataParallel`` splits them and non-tensor leaves go to
-every micro-batch as they are.
-
-The sizes follow ``torch.chunk``: chunks of ``ceil(batch / chunks)`` rows and a smaller last one, so a batch
-smaller than ``chunks`` (or one that does not divide well) gives FEWER micro-batches: 6 rows with ``chunks=4`` give
-three micro-batches of 2, 3 rows with ``chunks=8`` give three of 1. Never an empty micro-batch, never a dropped row.
+The split and the re-join are fanfold's own ``scatter`` and ``gather`` with every chunk on the first stage's device;
+sizes follow ``torch.chunk``, so a small batch gives fewer micro-batches, never an empty one or a dropped row.
 """
 from __future__ import annotations
 

@@ -1,13 +1,7 @@
 """The ``Channel`` between stages in different processes: torch.distributed point-to-point sends and receives.
 
-Part of ``fanfold.pipeline`` (beside ``channel``, below ``distributed``). The receiver does not know the shapes of
-what comes (the last micro-batch is smaller; a stage may hand on a tuple), so every message is three parts on one
-tag: the header's length, the header (the structure, and per tensor: present, dtype, shape), then the tensors. The
-tag is unique per (kind, micro-batch), so a receive matches its send whatever order the two schedules use.
-
-Sends are asynchronous (``isend``) and completed at the end of the pass (``finish``): a blocking send could wait
-for a receive that its peer posts only after its own blocking send, the classic exchange deadlock of 1F1B. A receive
-blocks for at most the process group's timeout. With gloo, tensors travel through host memory.
+Every message is a header's length, the header (structure, dtypes, shapes) and the tensors, on one tag unique per
+(kind, micro-batch); sends are asynchronous and completed at the end of the pass (``finish``). Why: docs/pipeline.md.
 """
 from __future__ import annotations
 

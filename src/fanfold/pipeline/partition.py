@@ -1,13 +1,8 @@
 """Cut a sequential model into stages: the layers, the checks on ``balance``, and the automatic balances.
 
-Second from the bottom of ``fanfold.pipeline`` (above ``schedule``). A model is pipelined only if it is a sequence
-of layers: an ``nn.Sequential``, or a list/tuple/``nn.ModuleList`` of modules applied one after the other. Stage s
-takes ``balance[s]`` consecutive layers and keeps their names (``nn.Sequential`` of an ordered dict), so the
-pipeline's ``state_dict`` has the keys of the sequential model.
-
-``balance="auto"`` splits by parameter count; ``balance="profile"`` by a short timing of each layer's forward and
-backward on a sample batch. Both minimise the most expensive stage over contiguous splits (an exact dynamic
-programme), then, among equal splits, the largest number of layers in a stage.
+A model is a sequence of layers (``nn.Sequential``, or a list/tuple/``nn.ModuleList``); stage s takes ``balance[s]``
+consecutive layers under their own names, so ``state_dict`` keeps the sequential model's keys. ``"auto"`` balances
+parameter counts, ``"profile"`` a timing of each layer, both by an exact dynamic programme over contiguous splits.
 """
 from __future__ import annotations
 

@@ -1,15 +1,8 @@
 """``Pipeline``: a sequential model cut into stages on devices of one process, run on micro-batches.
 
-Top of ``fanfold.pipeline`` for one process (``distributed.py`` is its one-stage-per-process sibling). Four verbs,
-as in data parallelism: split the batch into micro-batches, run the stages on them (each stage on its own worker
-thread, micro-batch m of stage s beside micro-batch m + 1 of stage s - 1), join the last stage's outputs.
-
-``forward`` keeps one autograd graph over all stages, so a plain ``loss.backward()`` gives the sequential model's
-gradients; but CPU autograd runs the whole backward on one thread, one stage after the other. ``train_step`` runs
-forward and backward as a schedule (GPipe or 1F1B), each stage's backward on its own worker
-(``torch.autograd.backward`` on the stage's outputs with the gradients handed from the next stage), so the stages
-overlap in both directions. Worker threads start once per Pipeline and are reused; each runs
-``threads_per_stage`` intra-op threads (default 1) and the caller's grad mode, inference mode and autocast.
+``forward`` keeps one autograd graph over all stages (a plain ``loss.backward()`` works); ``train_step`` runs forward
+and backward as a schedule (GPipe or 1F1B), each stage on its own persistent worker thread, so the stages overlap in
+both directions. ``distributed.py`` is the one-stage-per-process sibling.
 """
 from __future__ import annotations
 

@@ -1,12 +1,7 @@
-"""Random numbers in a pipeline: each (micro-batch, stage) cell draws from a generator state of its own.
-
-Part of ``fanfold.pipeline`` (below ``stage``). A pass takes one seed from the caller's CPU generator; the forward
-of micro-batch m on stage s runs with its device's generator seeded from (seed, s, m), and a checkpoint's
-recomputation of that cell runs from the same state again, so it draws the forward's masks. Both leave the
-generator as they found it. Stages on threads of one process share a device's generator (all CPU stages share
-torch's one), so cells on a shared generator take a lock per pass: their forwards and recomputations run one at a
-time, the rest of the stages' work still overlaps. The masks depend on the seed, the stage and the micro-batch only:
-not on the schedule, the checkpoint mode, the thread timing, or whether the stages are threads or processes.
+"""Random numbers in a pipeline: each (micro-batch, stage) cell draws from a generator state of its own, seeded from
+(the pass's seed, stage, micro-batch), so a checkpoint's recomputation draws its forward's masks and the masks do not
+depend on schedule, checkpoint mode, thread timing or processes. Cells on a shared generator take a lock per pass.
+Semantics and cost: docs/pipeline.md, "Randomness".
 """
 from __future__ import annotations
 

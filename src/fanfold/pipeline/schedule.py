@@ -1,14 +1,8 @@
 """Pipeline schedules: which stage runs which micro-batch's forward (F) or backward (B), clock cycle by clock cycle.
 
-Bottom of ``fanfold.pipeline``: no torch here. A schedule is a function ``(stages, microbatches) -> iterable of clock
-cycles``, each cycle a list of :class:`Step` that may run at the same time. ``gpipe`` runs every forward, then every
-backward (the last micro-batch's first); ``one_f_one_b`` (PipeDream-flush) lets stage s run ``stages - 1 - s``
-warm-up forwards and then alternate one forward with one backward, so a stage holds at most ``stages - s``
-micro-batches' activations instead of all of them. Both take ``stages + microbatches - 1`` cycles per phase pair at
-best, hence the ideal bubble ``(S - 1) / (M + S - 1)``.
-
-``clocked`` turns per-stage orders into cycles and is the check every executor relies on: the workers only follow
-their own stage's order and block on messages, so an order that ``clocked`` can complete cannot deadlock.
+No torch here. A schedule is ``(stages, microbatches) -> iterable of cycles``, each a list of :class:`Step`:
+``gpipe`` and ``one_f_one_b`` (PipeDream-flush). ``clocked`` turns per-stage orders into cycles and is the check
+every executor relies on: an order that it can complete cannot deadlock.
 """
 from __future__ import annotations
 

@@ -1,25 +1,9 @@
-"""One stage's share of a pass: its forward and backward steps, whichever thread or process runs them.
+"""One stage's share of a pass: its forward and backward steps (:class:`StageRun`), whichever thread or process runs
+them; ``pipe`` and ``distributed`` both drive a StageRun per stage through its order of steps.
 
-Middle of ``fanfold.pipeline``: above ``schedule``, ``channel`` and ``threadstate``, below ``pipe`` (threads of one
-process) and ``distributed`` (one stage per process), which both drive a :class:`StageRun` per stage through its
-order of steps; only the channel differs.
-
-Two modes. Connected (``Pipeline.forward``): a stage's input is the previous stage's output moved to its device, one
-autograd graph spans the stages, and a plain ``loss.backward()`` afterwards differentiates the whole model.
-Detached (training steps): each stage owns its graph. A received activation becomes a fresh leaf that requires grad,
-and the stage runs on a copy of it (a first layer may then work in place, as it could in the sequential model);
-forward keeps the stage's output; backward runs ``torch.autograd.backward(outputs, grads from the next stage)`` and
-sends the leaves' ``.grad`` back. The last stage applies ``loss_fn`` to each micro-batch and backpropagates
-``weight_m * loss_m``, the weights making the sum the loss of the whole batch, so ``.grad`` ends equal to the
-sequential model's. In this mode the stage's ``nn.Linear`` layers compute their weight gradients after the input
-gradients have gone upstream, added into ``.grad`` in place (``accumulate.py``).
-
-Activation checkpointing (``"always"``; ``"except_last"``: all micro-batches but the last) uses torch's
-non-reentrant checkpoint, the copy of the input made inside the checkpointed function (checkpoint keeps its inputs
-for the recomputation). The recomputation runs the stage's forward a second time, which would update BatchNorm's
-running statistics twice; it saves the stage's buffers before and restores them after. It replays its forward's
-random numbers from the cell's own generator state (``rng.py``), not torch's saved state: another stage's thread may
-draw from the same generator in between.
+Connected mode (``Pipeline.forward``): one autograd graph spans the stages. Detached mode (training steps): each stage
+owns its graph, receives activations as fresh leaves and sends their gradients back. Activation checkpointing and
+its buffer and random-number replay are here too; design notes: docs/pipeline.md.
 """
 from __future__ import annotations
 

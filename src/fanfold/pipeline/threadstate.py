@@ -1,10 +1,6 @@
-"""The caller's thread-local torch state, carried into the threads that run the stages.
-
-Part of ``fanfold.pipeline`` (below ``stage``). Grad mode, inference mode and autocast are thread-local in torch: a
-fresh worker thread starts with grad enabled and autocast off whatever its caller set, so without this a stage
-would build a graph under the caller's ``torch.no_grad()``, or run in float32 under the caller's ``autocast``. An
-accelerator stage also runs with its device as the thread's current device (a new thread's is device 0).
-The intra-op thread count is per thread too; the worker pool (``fanfold.WorkerPool``) sets it.
+"""The caller's thread-local torch state (grad mode, inference mode, autocast, an accelerator's current device),
+carried into the threads that run the stages: a fresh thread would otherwise build a graph under the caller's
+``torch.no_grad()`` or run in float32 under its ``autocast``.
 """
 from __future__ import annotations
 

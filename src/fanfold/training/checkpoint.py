@@ -1,10 +1,9 @@
 """Portable, safe, atomic checkpoints: ``save(path, state)`` / ``load(path, state)`` with exact resume.
 
-``state`` maps names to live objects (modules, optimizers, LR schedulers, samplers: anything with ``state_dict`` /
-``load_state_dict``) and plain values (``{"model": m, "optimizer": o, "step": 120}``). The file is a dict of those
-names plus ``"__fanfold__"`` (format version, world size, entry kinds, every rank's RNG states), written by
-``torch.save`` and closed by a checksum footer (``_safe_file``); it loads with ``torch.load(weights_only=True)``.
-Sits on top of the layers; wrappers and key prefixes are ``_prefixes``'s business.
+``state`` maps names to live objects (anything with ``state_dict`` / ``load_state_dict``) and plain values; the file
+adds ``"__fanfold__"`` (format version, world size, entry kinds, every rank's RNG states), is written by
+``torch.save`` with a checksum footer (``safe_file``) and loads with ``torch.load(weights_only=True)``. Wrapper
+prefixes are ``_core.prefixes``' business, key matching ``keys``'. Format and guarantees: docs/checkpoints.md.
 """
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
 """A distributed sampler that advances its own epochs and resumes mid-epoch exactly, and exact evaluation.
 
-``DistributedSampler`` hands rank ``r`` of ``R`` the positions ``r, r + R, ...`` of one global order per epoch
-(``torch.randperm`` seeded by ``seed + epoch``, as torch's sampler), so with the same arguments it yields what
-``torch.utils.data.DistributedSampler`` yields. Its state is world-size free: the epoch and how many positions
-of the global order all ranks have consumed; a run saved on 4 ranks resumes on 2. ``gather_evaluation`` puts the
-per-rank results of an evaluation pass back in dataset order, each sample once. On top of ``torch.distributed``.
+``DistributedSampler`` yields what ``torch.utils.data.DistributedSampler`` yields for the same arguments, and keeps a
+world-size-free state (a run saved on 4 ranks resumes on 2). ``gather_evaluation`` puts the per-rank results of an
+evaluation pass back in dataset order, each sample once, gathered through the group's inspected transport.
 """
 from __future__ import annotations
 

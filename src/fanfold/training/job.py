@@ -1,12 +1,8 @@
 """The main job's worker: a small CNN learns scikit-learn's digits, data-parallel, one process per rank.
 
-Layer: ``fanfold.training`` (top of the library; ``fanfold.cli.train`` parses the flags, starts the workers through
-``fanfold.launcher`` and calls :func:`run_worker` in each). Each worker uses fanfold's own pieces only:
-``init_process_group``, ``DistributedDataParallel``, ``DistributedSampler`` (exact resume; ``even=False`` for the
-evaluation) and ``save``/``load`` (atomic, per-rank RNG). It is also the README's training-loop pattern, for real.
-
-Same seed, same parameters, bitwise: one torch thread per rank, the data order is a function of (seed, epoch) only,
-the gradient sum over ranks is the same every run, and the checkpoint holds everything the next step depends on.
+``fanfold.cli.train`` parses the flags, starts the workers and calls :func:`run_worker` in each; a worker uses
+fanfold's own pieces only (``init_process_group``, ``DistributedDataParallel``, ``DistributedSampler``,
+``save``/``load``): the README's training-loop pattern, for real. Same seed, same parameters, bitwise: docs/main-job.md.
 """
 from __future__ import annotations
 
@@ -37,8 +33,7 @@ TEST_SIZE = 357
 SPLIT_SEED = 0  # the split never depends on --seed: runs with different seeds are evaluated on the same samples
 # Hyperparameters a checkpoint is bound to: resuming with other values would not continue the same run.
 RUN_KEYS = ("epochs", "batch_size", "lr", "seed")
-# Switches added later (``--sync-bn``): recorded only when on, so a checkpoint without one ran with it off and
-# checkpoints of runs without them read as before.
+# On/off switches (``--sync-bn``): recorded only when on, so a checkpoint without one ran with it off.
 RUN_FLAGS = ("sync_bn",)
 RUN_DEFAULTS = {"epochs": 10, "batch_size": 64, "lr": 1e-2, "seed": 0, "sync_bn": False}
 
