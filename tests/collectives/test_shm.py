@@ -21,7 +21,7 @@ from fanfold.collectives.shm import peer as shm_peer
 from fanfold.collectives.shm.segment import SHM_DIR, host_key, pid_namespace
 from fanfold.collectives.shm.transport import ShmTimeoutError, ShmTransport
 from fanfold.distributed import free_port
-from fanfold.distributed.bucket_paths import SMALL_TENSOR_BYTES
+from fanfold.distributed.reducer import SMALL_TENSOR_BYTES
 
 CHUNK = 64 << 10  # small chunks: many chunk edges and both algorithms (direct below 16 KB) at cheap sizes
 # elements: 1 .. 64 MB of float32, odd lengths, each side of the 16 KB / 64 KB edges
@@ -433,7 +433,7 @@ def _train(kind, transport, steps, hook=None, **kwargs):
     # The built-in hooks hand .grad to the transport (reduce_tensors): the reducer's buckets stay untouched (zeros).
     # With peer reads the shm transport sums the gradients where autograd left them; without, through the ring.
     inner, r = ddp.transport.inner, ddp.reducer
-    # (a bucket of small gradients goes through its flat tensor, one copy each way: bucket_paths.SMALL_TENSOR_BYTES)
+    # (a bucket of small gradients goes through its flat tensor, one copy each way: reducer.SMALL_TENSOR_BYTES)
     small = [f.numel() * f.element_size() < SMALL_TENSOR_BYTES * len(m) for f, m in zip(r.flats, r.buckets)]
     direct = r._direct and not any(f.any() for f, s in zip(r.flats, small) if not s)
     # Another hook, or .grad a view of the bucket: the bucket itself is all-reduced, rebuilt in the transport's memory

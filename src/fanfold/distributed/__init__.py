@@ -1,12 +1,6 @@
-"""fanfold.distributed: one process per replica on torch.distributed process groups.
-
-Inside: env (the torchrun contract) <- buckets <- reducer (readiness, bucket_layout, bucket_paths, sparse, delayed)
-<- ddp (ddp_options, mixed_precision, model_check); every collective of the reducer and of DDP goes through one
-transport object of ``fanfold.collectives`` (torch.distributed or shared memory), wrapped by its stall inspector
-(``collectives/stall.py``); comm_hooks say how a bucket is reduced, join.py how ranks with fewer batches shadow
-the others. Re-exports the launcher's ``launch`` and the transports for convenience.
-May import ``fanfold._core``, ``fanfold.collectives`` and ``fanfold.launcher``; never ``parallel``, ``training`` or
-the CLI.
+"""fanfold.distributed: one process per replica on torch.distributed process groups: ``DistributedDataParallel``
+(its reducer in ``reducer.py``), the torchrun contract (``env.py``), comm hooks and join. Every collective goes
+through one transport of ``fanfold.collectives``. May import ``_core``, ``collectives`` and ``launcher`` only.
 """
 from ..collectives import ShmTimeoutError, ShmTransport, TorchTransport, select_transport
 from ..collectives.stall import InspectedTransport, StallError

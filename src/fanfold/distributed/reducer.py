@@ -1,24 +1,7 @@
-"""The gradient reducer: per-parameter hooks fill flat buckets, each bucket's all-reduce starts as soon as it is
-full, and the end of backward waits, averages and writes the gradients back.
-
-Layers: ``buckets <- readiness, bucket_layout <- bucket_paths <- reducer <- ddp``; every collective goes through one
-``collectives.Transport``, sparse gradients through ``sparse.py``. Collectives match by issue order, so buckets are
-launched strictly in bucket order on every rank: a bucket that fills early waits for those before it. With one
-bucket the hooks only record and the end of backward settles readiness (:class:`Deferred`).
-
-The end of backward is a callback queued where the backward reaches DDP's outputs (hooks set by ``DDP.forward``):
-it runs when the outermost backward ends, not a reentrant one nested in it (``checkpoint(use_reentrant=True)``), and
-launches what is left, reduces the sparse and delayed gradients, waits for every bucket and writes back. No raise
-mid-backward: an error found in a hook (a parameter ready twice, a static graph that changed) is raised at the end
-once every collective of the step is issued, so no peer is left waiting. A parameter without gradient contributes
-zeros (``find_unused_parameters=True``, a static graph: a bitmap all-reduce tells whether some rank used it; one no
-rank used keeps ``grad=None``). Without them, as in torch, the reduction cannot finish: the collectives still go
-out, ``.grad`` keeps this rank's own gradients, and the next forward with grad raises torch's "Expected to have
-finished reduction in the prior iteration", naming the parameters (``unfinished``).
-``backward(create_graph=True)``: the average stays differentiable in this rank's own gradient (the identity), and
-the next backward -- a gradient penalty -- is averaged too: both give the one-process gradients. A
-:class:`GradientStrategy` (ZeRO stage 2, ``fanfold.optim``) takes over each bucket's launch, the wait and the
-write-back: the reducer still decides when.
+"""The gradient reducer, one object: per-parameter hooks fill flat buckets, each bucket's reduction starts as soon
+as it is full (in bucket order on every rank: collectives match by issue order), and the end of backward waits,
+averages and writes the gradients back into ``.grad``. Every collective goes through one ``collectives.Transport``;
+ZeRO stage 2 takes over the buckets as a :class:`GradientStrategy`. Design notes: docs/ddp.md, "The reducer".
 """
 from __future__ import annotations
 
@@ -29,13 +12,20 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from ..collectives.protocol import Transport
-from .bucket_paths import BucketPaths
-from .comm_hooks import Future, GradBucket, allreduce_hook
+from .buckets import assign_buckets, rebuild_order
+from .comm_hooks import Future, GradBucket, allreduce_hook, bf16_compress_hook, fp16_compress_hook
 from .delayed import reduce_delayed
 from .readiness import Readiness, unfinished_message
 from .sparse import all_reduce_sparse, empty_sparse_like
 
-__all__ = ["GradientStrategy", "Reducer", "ShardsGradients"]
+__all__ = ["GradientStrategy", "Reducer", "ShardsGradients", "BUILT_IN", "SMALL_TENSOR_BYTES"]
+
+# The hooks whose result the reducer can have a transport compute straight into .grad: hook -> compression dtype
+BUILT_IN = {allreduce_hook: None, bf16_compress_hook: torch.bfloat16, fp16_compress_hook: torch.float16}
+# Below this mean gradient size a bucket's gradients are copied into its flat tensor and back (one foreach copy
+# each way) rather than handed to reduce_tensors one by one: the transport's work per tensor costs more than the
+# copies (a bucket of LayerNorm weights and biases)
+SMALL_TENSOR_BYTES = 16 << 10
 
 
 class GradientStrategy(Protocol):
@@ -111,7 +101,7 @@ def _remove_handles(handles: list) -> None:
         handles.pop().remove()
 
 
-class Reducer(BucketPaths):
+class Reducer:
     """Bucketed, overlapped gradient averaging for ``params`` (those requiring grad) over ``transport``. ``caps``:
     bytes per bucket (k-th bucket of a dtype: ``caps[k]``, the last after); ``sparse[i]``: parameter i's gradients are
     sparse; ``reduce_dtype``: the buckets' dtype; ``delayed``: averaged at the end of backward, outside the buckets."""
@@ -149,7 +139,11 @@ class Reducer(BucketPaths):
         # torch's error for the next forward with grad, once a backward could not finish its reduction (sticky)
         self.unfinished: str | None = None
         self._deferred = Deferred()  # one bucket: the hooks only record, the end of backward settles
-        super().__init__(caps, reduce_dtype)
+        self.caps, self.reduce_dtype = list(caps), reduce_dtype
+        self.rebuilt = False  # buckets rebuilt, once, in rank 0's gradient-ready order (_rebuild)
+        self._known_grads: list | None = None  # every .grad, read once by _settle_deferred for the launch
+        self._choose_path()
+        self._build(None)
         self._reset()
         self._handles = [p.register_post_accumulate_grad_hook(gradient_hook(weakref.ref(self), self._deferred, i))
                          for i, p in [*enumerate(self.params), *((None, p) for p in self.delayed)]]
@@ -515,3 +509,192 @@ class Reducer(BucketPaths):
             self._shadowing = False
         self._rebuild(self.readiness.order)
         self._reset()
+
+    # ---- bucket memory: flat tensors, one view per parameter ----------------------------------------------
+    def _bucket_dtype(self, p: torch.Tensor) -> torch.dtype:
+        return self.reduce_dtype or p.dtype
+
+    def _build(self, order: list[int] | None) -> None:
+        ps = self.params
+        dense = [i for i in range(len(ps)) if not self.sparse[i]]
+        position = {i: k for k, i in enumerate(dense)}
+        sizes = [ps[i].numel() * torch.empty(0, dtype=self._bucket_dtype(ps[i])).element_size() for i in dense]
+        keys = [(self._bucket_dtype(ps[i]), ps[i].device) for i in dense]
+        groups = assign_buckets(sizes, keys, order=None if order is None else
+                                [position[i] for i in order if i in position], caps=self.caps)
+        groups = [[dense[k] for k in members] for members in groups]
+        old_views = getattr(self, "_views", None)
+        self.buckets, self.flats, self._views, self._loc = groups, [], [None] * len(ps), [None] * len(ps)
+        self._workspaces: dict[tuple, torch.Tensor] = {}
+        for b, members in enumerate(groups):
+            first = ps[members[0]]
+            flat = self._bucket_memory(sum(ps[i].numel() for i in members), self._bucket_dtype(first), first.device)
+            offset = 0
+            for i in members:
+                n = ps[i].numel()
+                self._views[i] = flat[offset: offset + n].view(ps[i].shape)
+                self._loc[i] = (b, offset, n)
+                offset += n
+            self.flats.append(flat)
+        if self.as_view and old_views is not None:
+            for i, p in enumerate(ps):  # keep .grad a view into the (new) bucket
+                if p.grad is not None and p.grad is old_views[i]:
+                    self._views[i].copy_(p.grad)
+                    p.grad = self._views[i]
+
+    def _bucket_memory(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        # The transport's memory (ShmTransport's: all-reduced in place, no copy into its ring) for the buckets
+        # rebuilt after the first backward: every rank rebuilds the same buckets at the same point (allocate is
+        # collective). Not on the direct path, whose buckets never hold data.
+        if self.rebuilt and not self._direct:
+            return self.transport.allocate(numel, dtype, device)
+        return torch.zeros(numel, dtype=dtype, device=device)
+
+    def _workspace(self, b: int, dtype: torch.dtype) -> torch.Tensor:
+        """Bucket ``b``'s scratch tensor of ``dtype`` (a compression hook's narrow copy), kept across steps. Every
+        rank's hooks ask for the same ones in bucket order, so taking it from the transport stays collective."""
+        key = (b, dtype)
+        if key not in self._workspaces:
+            flat = self.flats[b]
+            self._workspaces[key] = self._bucket_memory(flat.numel(), dtype, flat.device)
+        return self._workspaces[key]
+
+    def _rebuild(self, ready_order: list[int]) -> None:
+        """Adopt rank 0's observed gradient-ready order, once, so that every rank builds the same buckets."""
+        if self.rebuilt:
+            return
+        order = torch.tensor(rebuild_order(ready_order, len(self.params)), dtype=torch.float32)
+        self.transport.broadcast(order, 0)
+        self.rebuilt = True
+        new = [int(i) for i in order.tolist()]
+        current = [i for members in self.buckets for i in members]
+        if [i for i in new if not self.sparse[i]] != current or not self._direct:
+            self._build(new)  # a hook's buckets move into the transport's memory
+
+    # ---- each bucket's path: the launch, the wait, the write-back into .grad --------------------------------
+    def _choose_path(self) -> None:
+        # _direct: the built-in hooks, handed to the transport as the .grad tensors themselves (reduce_tensors), no
+        # bucket of ours in between. Not under gradient_as_bucket_view (.grad is the bucket) nor mixed precision
+        # (gradients change dtype on their way); compression as the Protocol takes it, for float32 gradients.
+        fp32 = all(p.dtype == torch.float32 for p in self.params)
+        self._direct = not self.as_view and self.reduce_dtype is None and self.hook in BUILT_IN and \
+            (BUILT_IN[self.hook] is None or fp32)
+
+    def all_reduce(self, tensor: torch.Tensor, bucket: int | None = None, divisor: float | None = None) -> Any:
+        """Every all-reduce of the reducer but the gradients' (hooks, delayed parameters, the used-bitmap)."""
+        return self.transport.all_reduce(tensor, bucket, divisor)
+
+    def set_comm_hook(self, state: Any, hook: Callable) -> None:
+        if not callable(hook):
+            raise TypeError(f"hook must be callable as hook(state, bucket), got {hook!r}")
+        self.hook, self.hook_state, self.hook_registered = hook, state, True
+        self._choose_path()
+
+    @property
+    def hook_divisor(self) -> int:
+        """What a bucket's reduction divides by. torch's hooks divide by ``process_group.size()``, whoever has joined;
+        only DDP's own reduction (no hook registered) divides by the ranks still active inside
+        ``join(divide_by_initial_world_size=False)`` (``divisor``), as torch's reducer does."""
+        return self.transport.world_size if self.hook_registered else self.divisor
+
+    def _copy_in(self, i: int, p: torch.Tensor) -> None:
+        self._pending.discard(i)
+        view = self._views[i]
+        if p.grad is None:
+            view.zero_()
+        elif p.grad is not view:
+            view.copy_(p.grad)
+            if self.as_view:
+                p.grad = view  # from now on autograd accumulates straight into the bucket
+
+    def _grads(self, b: int) -> list[torch.Tensor]:
+        """Bucket ``b``'s .grad tensors where the transport can work on them in place (contiguous, the bucket's
+        dtype); else a temporary (zeros for a missing one) that the write-back hands back."""
+        out = []
+        for i in self.buckets[b]:
+            g, view = None if self._shadowing else self.params[i].grad, self._views[i]  # joined: its .grad stays
+            if g is None or g is view or not g.is_contiguous() or g.dtype != view.dtype:
+                g = self._temps[i] = torch.zeros_like(view) if g is None else torch.empty_like(view).copy_(g)
+            out.append(g)
+        return out
+
+    def _launch(self, b: int) -> None:
+        last = b == len(self.buckets) - 1
+        if self._direct and BUILT_IN[self.hook] is None and \
+                self.flats[b].numel() * self.flats[b].element_size() < SMALL_TENSOR_BYTES * len(self.buckets[b]):
+            self._futures[b] = self._launch_flat(b)
+            return
+        if self._direct:
+            self._in_place.add(b)
+            # Only the last bucket waits for the peers to be done with this rank's gradients (settle): every earlier
+            # bucket's are by then, and nothing changes a gradient before the end of backward.
+            self._futures[b] = self.transport.reduce_tensors(self._grads(b), bucket=b, divisor=self.hook_divisor,
+                                                             settle=last, compress=BUILT_IN[self.hook])
+            return
+        for i in [i for i in self.buckets[b] if i in self._pending]:
+            self._copy_in(i, self.params[i])  # batched_grad_copy: the bucket's copies, together
+        members = self.buckets[b]
+        bucket = GradBucket(b, self.flats[b], [self.params[i] for i in members], [self._views[i] for i in members],
+                            last, self.hook_divisor, self.all_reduce, self._workspace)
+        self._futures[b] = self.hook(self.hook_state, bucket)
+
+    def _launch_flat(self, b: int) -> Future:
+        """The direct path for a bucket of small gradients: into the flat bucket, all-reduced, back where they were
+        (a missing one into a temporary of zeros that the write-back hands back). The same sum and division."""
+        flat, members = self.flats[b], self.buckets[b]
+        views = [self._views[i] for i in members]
+        known = self._known_grads  # the .grad of every parameter, just read (Reducer._settle_deferred), else None
+        grads = [] if self._shadowing else [self.params[i].grad for i in members] if known is None else \
+            [known[i] for i in members]  # joined: its .grad stays
+        if self._shadowing:
+            flat.zero_()
+        else:
+            for k, g in enumerate(grads):
+                if g is None:
+                    grads[k] = self._temps[members[k]] = torch.zeros_like(views[k])
+            torch._foreach_copy_(views, grads)
+        work = self.transport.all_reduce(flat, b, self.hook_divisor)
+
+        def finish() -> None:
+            work.wait()
+            if grads:
+                torch._foreach_copy_(grads, views)
+
+        return Future(finish)
+
+    def _wait_all(self) -> None:
+        for b, fut in enumerate(self._futures):
+            if fut is None:
+                continue  # skipped (skip_all_reduce_unused_params)
+            result = fut.wait()
+            if self._direct:
+                continue  # the results are in .grad (or the temporaries) already
+            if isinstance(result, (list, tuple)):  # a torch future of a c10d work yields [tensor]
+                result = result[0]
+            if isinstance(result, torch.Tensor) and result is not self.flats[b]:
+                self.flats[b].copy_(result.reshape(-1))
+
+    def _write_back(self, used: list[float] | None, sparse: dict[int, torch.Tensor]) -> None:
+        """The averages into ``.grad``: ``used[i]`` ranks used parameter i (None: all); ``sparse``: the averaged
+        sparse gradients by parameter."""
+        if self._direct and used is None and not sparse and not self._temps and not self._graph_grads:
+            return  # every .grad holds its average already
+        for i, p in enumerate(self.params):
+            if used is not None and used[i] == 0:
+                continue  # no rank used it: leave .grad as a single process would (None)
+            view, temp = self._views[i], self._temps.get(i)
+            if self.sparse[i]:
+                p.grad = sparse[i].to(p.dtype)
+            elif self._direct:  # .grad holds the average already, unless it had none usable: then a fresh tensor does
+                if temp is not None:
+                    p.grad = temp if p.grad is None else p.grad.copy_(temp)
+            elif self.as_view:
+                p.grad = view
+            elif p.grad is None or p.grad.dtype != p.dtype:  # mixed precision: back to the parameter's dtype
+                p.grad = view.to(p.dtype, copy=True)
+            else:
+                p.grad.copy_(view)
+        with torch.enable_grad():
+            for i, g in self._graph_grads.items():  # differentiable in this rank's own gradient, value unchanged
+                p = self.params[i]
+                p.grad = (g - g.detach()) + p.grad

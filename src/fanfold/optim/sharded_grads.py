@@ -16,9 +16,8 @@ from typing import Any
 
 import torch
 
-from ..distributed.bucket_paths import BUILT_IN
 from ..distributed.comm_hooks import GradBucket
-from ..distributed.reducer import Reducer
+from ..distributed.reducer import BUILT_IN, Reducer
 from .layout import Piece
 from .param_gather import ParamGather
 
