@@ -309,10 +309,11 @@ def _kinds(errors: list) -> str:
 # ---- one-process oracles ----------------------------------------------------------------------------------------
 
 def simulate(config: DDPConfig) -> list[Run] | tuple:
-    """The training DDP should do, in one process: each rank's replica (a copy of the master parameters, cast to
-    mixed precision's type) runs its own batches; the gradients are averaged over the ranks (over those still
-    training with join's divide_by_initial_world_size=False), zeros for a parameter a rank did not use, None where
-    none did; the optimizer steps the master. Per rank a Run, or (exception type, message) if the oracle raises."""
+    """The training DDP should do, in one process: each rank's replica (a copy of the master, its parameters cast to
+    mixed precision's type, its buffers not) runs its own batches; the gradients are averaged over the ranks (over
+    those still training with join's divide_by_initial_world_size=False), zeros for a parameter a rank did not use,
+    None where none did; the optimizer steps the master. Per rank a Run, or (exception type, message) if the
+    oracle raises."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -328,7 +329,7 @@ def _simulate(config: DDPConfig) -> list[Run]:
     low_dtype = _DTYPES[low] if low else dtype
     reduce_dtype = _DTYPES[reduce] if reduce else low_dtype
     master = build(config.family, dtype, config.seed, config.checkpointing, config.output, config.frozen)
-    replicas = [copy.deepcopy(master).to(low_dtype) for _ in range(config.world)]
+    replicas = [_low_precision_replica(master, low_dtype) for _ in range(config.world)]
     opt = _optimizer(config.optimizer, master)
     steps = [config.rank_steps(r) for r in range(config.world)]
     runs = [Run() for _ in range(config.world)]
@@ -377,6 +378,19 @@ def _simulate(config: DDPConfig) -> list[Run]:
     for run in runs:
         run.final = {n: p.detach().clone() for n, p in named.items()}
     return runs
+
+
+def _low_precision_replica(master: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """A copy of ``master`` whose floating-point parameters are in ``dtype``, its buffers as they are: torch's
+    ``_MixedPrecision(param_dtype)`` casts the parameters for forward and backward and the buffers only when given a
+    ``buffer_dtype`` (``_cast_buffers`` with ``None`` keeps their dtype), which these draws never give. So a
+    BatchNorm's running statistics stay in the model's dtype and its CPU kernel refuses a bfloat16 input with them,
+    under torch's DDP as under fanfold's."""
+    replica = copy.deepcopy(master)
+    for p in replica.parameters():
+        if p.is_floating_point():
+            p.data = p.data.to(dtype)
+    return replica
 
 
 def _classify_zero(config: ZeroConfig, results: list) -> Outcome:

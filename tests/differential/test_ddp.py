@@ -110,6 +110,22 @@ def check(runner, config) -> None:
                           set_to_none=False, seed=54462, keywords=(("bucket_cap_mb", 1e-05), ("check_reduction", True),
                                                                    ("init_sync", False),
                                                                    ("mixed_precision", "bfloat16"))))
+# found by `make fuzz`, the oracle's: it cast the whole replica, buffers included, to bfloat16; torch's
+# _MixedPrecision casts buffers only with a buffer_dtype, so BatchNorm's float64 statistics meet a bfloat16 input and
+# the CPU kernel refuses it ("expected scalar type BFloat16 but found Double") under torch's DDP as under fanfold's
+@example(config=DDPConfig(world=3, backend="fanfold", transport="torch", family="conv_bn", output="dict", frozen=True,
+                          steps=2, optimizer="adam", set_to_none=False, accumulate=3, hook="user", lifetime="deepcopy",
+                          seed=1889, keywords=(("batched_grad_copy", True), ("broadcast_buffers", False),
+                                               ("mixed_precision", "bfloat16"), ("process_group", "new_group"))))
+@example(config=DDPConfig(backend="fanfold", transport="shm", family="conv_bn", output="tuple", frozen=True, steps=2,
+                          set_to_none=False, hook="allreduce", lifetime="pickle", seed=65536, first_bucket_cap_mb=1e-05,
+                          keywords=(("batched_grad_copy", True), ("broadcast_buffers", False), ("bucket_cap_mb", 0.001),
+                                    ("device_ids", ["cpu"]), ("mixed_precision", "bfloat16"))))
+# found by `make fuzz`, fanfold's backend: dynamo traced into the group's broadcast (torch's DDP syncs its buffers
+# from the compiled forward) and failed reading its attributes; the group's collectives now run eagerly
+@example(config=DDPConfig(backend="fanfold", transport="torch", family="sparse_embedding", dtype="float32",
+                          output="tuple", checkpointing="reentrant", set_to_none=False, compiled=True, seed=200,
+                          keywords=(("gradient_as_bucket_view", True),)))
 @settings(BUDGET, max_examples=70)
 @given(config=ddp_configs(compile_p=0.0))
 def test_fanfold_ddp_matches_torch_ddp(runner, config):

@@ -152,40 +152,52 @@ class FanfoldProcessGroup(dist.ProcessGroup):
             return resolve_stall_timeout(), f"the stall timeout (${STALL_ENV_VAR})"
         return group, "the timeout of the group"
 
-    # torch's methods, in every calling form of torch's (forms.py); the Work handed out is safe in C++ (work.py)
+    # torch's methods, in every calling form of torch's (forms.py); the Work handed out is safe in C++ (work.py).
+    # Under torch.compile dynamo calls them instead of tracing into them (torch's DDP broadcasts its buffers from
+    # the traced forward): a collective runs the transport's threads, locks and futures, which no graph holds, and
+    # dynamo cannot read a Python process group's attributes (an opaque object to it).
 
+    @torch.compiler.disable
     def allreduce(self, *args: Any, **kwargs: Any) -> dist.Work:
         tensors, opts = forms.allreduce(args, kwargs)
         return self._handout(self._allreduce(tensors, opts), opts.asyncOp)
 
+    @torch.compiler.disable
     def allreduce_coalesced(self, *args: Any, **kwargs: Any) -> dist.Work:
         tensors, opts = forms.allreduce_coalesced(args, kwargs)
         return self._handout(self._allreduce_coalesced(tensors, opts), opts.asyncOp)
 
+    @torch.compiler.disable
     def broadcast(self, *args: Any, **kwargs: Any) -> dist.Work:
         tensors, opts = forms.broadcast(args, kwargs)
         return self._handout(self._broadcast(tensors, opts), opts.asyncOp)
 
+    @torch.compiler.disable
     def allgather(self, *args: Any, **kwargs: Any) -> dist.Work:
         outs, ins, opts = forms.allgather(args, kwargs)
         return self._handout(self._allgather(outs, ins, opts), opts.asyncOp)
 
+    @torch.compiler.disable
     def all_gather_single(self, *args: Any, **kwargs: Any) -> dist.Work:
         output, input, opts = forms.all_gather_single(args, kwargs)
         return self._handout(self._all_gather_single(output, input, opts), opts.asyncOp)
 
+    @torch.compiler.disable
     def reduce_scatter(self, *args: Any, **kwargs: Any) -> dist.Work:
         outs, ins, opts = forms.reduce_scatter(args, kwargs)
         return self._handout(self._reduce_scatter(outs, ins, opts), opts.asyncOp)
 
+    @torch.compiler.disable
     def reduce_scatter_single(self, *args: Any, **kwargs: Any) -> dist.Work:
         output, input, opts = forms.reduce_scatter_single(args, kwargs)
         return self._handout(self._reduce_scatter_single(output, input, opts), opts.asyncOp)
 
+    @torch.compiler.disable
     def all_to_all_single(self, *args: Any, **kwargs: Any) -> dist.Work:
         output, input, out_splits, in_splits, opts = forms.all_to_all_single(args, kwargs)
         return self._handout(self._all_to_all_single(output, input, out_splits, in_splits, opts), opts.asyncOp)
 
+    @torch.compiler.disable
     def barrier(self, *args: Any, **kwargs: Any) -> dist.Work:
         (opts,) = forms.barrier(args, kwargs)
         return self._handout(self._barrier(opts), opts.asyncOp)
