@@ -72,8 +72,9 @@ def _torch_compiled_on_fanfold():
     dist.init_process_group("fanfold")
     gloo = dist.new_group(backend="gloo")
     ours = torch.compile(torch.nn.parallel.DistributedDataParallel(_model()), backend="aot_eager")
-    theirs = torch.nn.parallel.DistributedDataParallel(_model(), process_group=gloo)
-    worst = _largest_difference(ours, theirs, dist.get_rank())
+    # built in the call: a name here would keep it past _largest_difference's teardown
+    worst = _largest_difference(ours, torch.nn.parallel.DistributedDataParallel(_model(), process_group=gloo),
+                                dist.get_rank())
     dist.destroy_process_group()
     return worst
 
