@@ -41,9 +41,10 @@ def _largest_difference(ours, theirs, r):
     # torch's DDP goes while its process group is still referenced from Python. torch 2.13 stashes a Python object
     # in the thread state of every backward, so each gloo Work its reducer issues there holds one, released on
     # gloo's worker thread (taking the GIL) once the Work is done. A reducer holding the group's last reference
-    # destroys the group with the GIL held and joins that thread: one rank in about three hung at this function's
-    # return once destroy_process_group() had run. The group's own Python reference lets go of the GIL first.
-    # (A compiled torch DDP is kept by dynamo's caches: its collectives here went to shared memory, not gloo.)
+    # destroys the group with the GIL held and joins that thread: a rank hung at the caller's return, after its
+    # destroy_process_group(), in 4 runs of 10. The group's own Python reference lets go of the GIL first.
+    # (``ours`` may stay: fanfold's DDP has no such reducer; torch's compiled one, on the fanfold group, reduced
+    # through shared memory, not gloo.)
     reducer = weakref.ref(theirs.reducer)
     del ours, theirs, opts, m, opt
     gc.collect()
@@ -72,8 +73,9 @@ def _torch_compiled_on_fanfold():
     dist.init_process_group("fanfold")
     gloo = dist.new_group(backend="gloo")
     ours = torch.compile(torch.nn.parallel.DistributedDataParallel(_model()), backend="aot_eager")
-    theirs = torch.nn.parallel.DistributedDataParallel(_model(), process_group=gloo)
-    worst = _largest_difference(ours, theirs, dist.get_rank())
+    # built in the call: a name here would keep it past _largest_difference's teardown
+    worst = _largest_difference(ours, torch.nn.parallel.DistributedDataParallel(_model(), process_group=gloo),
+                                dist.get_rank())
     dist.destroy_process_group()
     return worst
 
