@@ -297,3 +297,35 @@ def test_backend_matches_gloo(name):
         assert o["transport"] == "HierarchicalTransport", (r, o["transport"])
         failed = [k for k, ok in o["checks"].items() if not ok]
         assert not failed, (r, failed)
+
+
+def _stall():
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    r = dist.get_rank()
+    store = dist.distributed_c10d._get_default_store()
+    t = HierarchicalTransport()
+    t.all_reduce(torch.ones(64)).wait()
+    message = None
+    if r != 3:  # rank 3 (host 1) never joins this one: its cross-host partner and its host's ranks must say so
+        start = time.monotonic()
+        try:
+            t.all_reduce(torch.ones(64)).wait()
+        except Exception as exc:  # noqa: BLE001 - the test looks at what arrived
+            message = (str(exc), time.monotonic() - start)
+        store.set(f"done/{r}", "1")
+    else:
+        store.wait([f"done/{q}" for q in range(3)], timedelta(seconds=60))
+    return message
+
+
+def test_a_rank_missing_on_the_other_host_is_diagnosed_on_both_hosts():
+    out, _ = _launch("2x2", _stall, env={"FANFOLD_STALL_TIMEOUT": "3"})
+    for r in range(3):
+        assert out[r] is not None, f"rank {r} did not fail"
+        message, waited = out[r]
+        assert waited < 30, (r, waited)
+        assert "hierarchical transport" in message, (r, message)
+    # rank 1's cross-host partner is rank 3; rank 2 waits for rank 3 at home, so rank 0 waits for rank 2 across
+    assert "rank 1 (host 0 of 2" in out[1][0] and "across hosts (gloo group of ranks [1, 3])" in out[1][0], out[1][0]
+    assert "rank 0 (host 0 of 2" in out[0][0] and "across hosts" in out[0][0], out[0][0]
+    assert "rank 2 (host 1 of 2" in out[2][0] and "[2, 3]" in out[2][0], out[2][0]

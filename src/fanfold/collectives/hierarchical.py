@@ -137,6 +137,8 @@ class HierarchicalTransport:
         self._cross = {k: dist.ProcessGroupGloo(dist.PrefixStore(f"cross{k}/", store), h, len(self.layout.hosts),
                                                 wait)
                        for k in self.layout.owned(self.rank)}
+        self._across = "across hosts (gloo group of ranks " + ", ".join(
+            str(list(self.layout.cross(k))) for k in self._cross) + ")"
         self._lock = threading.Lock()  # the in-host first stage and the queue in one order
         self._steps: queue.SimpleQueue = queue.SimpleQueue()
         self._error: BaseException | None = None
@@ -161,18 +163,20 @@ class HierarchicalTransport:
             if step is None:
                 return
             if self._error is not None:
-                step.future.set_exception(RuntimeError(
-                    f"rank {self.rank}: the hierarchical transport failed earlier and cannot be used: {self._error}"))
+                step.future.set_exception(RuntimeError(f"the hierarchical transport failed earlier and cannot be used: "
+                                                       f"{self._error}"))
                 continue
+            phase = "in host"
             try:
                 if step.first is not None:
                     step.first.wait()
+                phase = self._across
                 for work in step.cross():
                     work.wait()
+                phase = "in host"
                 last = step.then()
             except BaseException as exc:  # noqa: BLE001 - every failure must reach the waiting caller
-                self._error = exc
-                step.future.set_exception(exc)
+                self._fail(step, phase, exc)
                 continue
             if last is None:
                 self._complete(step, None)
@@ -186,10 +190,22 @@ class HierarchicalTransport:
             if step.finish is not None:
                 step.finish()
         except BaseException as exc:  # noqa: BLE001
-            self._error = exc
-            step.future.set_exception(exc)
+            self._fail(step, "in host", exc)
             return
         step.future.set_result(step.value)
+
+    def _fail(self, step: _Step, phase: str, exc: BaseException) -> None:
+        """Fail ``step`` and every later collective, with an error naming this rank, its host and the phase; tell
+        this host's other ranks at once (their in-host waits raise instead of running into the timeout)."""
+        members = self.layout.hosts[self.host]
+        where = (f"rank {self.rank} (host {self.host} of {len(self.layout.hosts)}, whose local ranks 0.. are ranks "
+                 f"{list(members)}) failed {phase}")
+        error = RuntimeError(f"fanfold hierarchical transport: {where}: {type(exc).__name__}: {exc}")
+        error.__cause__ = exc
+        self._error = error
+        for inside in (self._scatter, self._gather):
+            inside.abort(f"{where}: {type(exc).__name__}: {exc}")
+        step.future.set_exception(error)
 
     # -- shard geometry
 
