@@ -3,7 +3,7 @@ simulated with a mount namespace per rank (``_simhosts.py``; root needed, skippe
 2 x 1 and an uneven 1 + 2; and forced on one real host (no root needed). Every collective against gloo (bitwise
 for sums of integer-valued floats), the same bits on every rank and run after run, which path each layout takes,
 fanfold's DDP against one process on the whole batch, and the ``fanfold`` backend (torch's collectives and torch's
-DDP) against gloo."""
+DDP against gloo; FSDP2 and HSDP against one process)."""
 import os
 import time
 from datetime import timedelta
@@ -285,18 +285,51 @@ def _backend_checks():
     checks["torch DDP"] = all(torch.allclose(a, b, rtol=1e-5, atol=1e-6)
                               for a, b in zip(results["gloo"], results["fanfold"]))
     out["checks"] = checks
+    # FSDP2 over the whole group, and HSDP (shard inside a host, replicate across) where the hosts are equal
+    from torch.distributed.device_mesh import DeviceMesh
+    meshes = {"fsdp": DeviceMesh.from_group(dist.group.WORLD, "cpu")}
+    if n == 4:
+        meshes["hsdp"] = DeviceMesh("cpu", [[0, 1], [2, 3]], mesh_dim_names=("replicate", "shard"))
+    out["sharded"] = {name: _sharded(mesh) for name, mesh in meshes.items()}
+    if n == 4:
+        out["hsdp groups"] = [type(meshes["hsdp"].get_group(d).transport).__name__
+                              for d in ("shard", "replicate")]
     dist.destroy_process_group()
     return out
+
+
+def _sharded(mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    r, n = dist.get_rank(), dist.get_world_size()
+    model = _model()
+    for layer in (model[0], model[2], model[4]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    per = _BATCH // n
+    for step in range(_STEPS):
+        x, y = _data(step)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x[r * per:(r + 1) * per]), y[r * per:(r + 1) * per]).backward()
+        opt.step()
+    return [p.full_tensor().detach().clone() for p in model.parameters()]
 
 
 @pytest.mark.parametrize("name", ["2x2", "1+2"])
 def test_backend_matches_gloo(name):
     out, left = _launch(name, _backend_checks)
     assert not left, left
+    reference = _one_process()
     for r, o in enumerate(out):
         assert o["transport"] == "HierarchicalTransport", (r, o["transport"])
         failed = [k for k, ok in o["checks"].items() if not ok]
         assert not failed, (r, failed)
+        for kind, params in o["sharded"].items():
+            for got, want in zip(params, reference):
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m, kind=kind: f"{kind}: {m}")
+        if "hsdp groups" in o:  # the shard dimension is one host's ranks: shared memory; replicate: one per host
+            assert o["hsdp groups"] == ["ShmTransport", "NoneType"], o["hsdp groups"]
 
 
 def _stall():
