@@ -164,28 +164,27 @@ def _data(step):
 def _fanfold_ddp():
     """fanfold's DDP with its transport chosen as usual, several buckets; the transport's class and the final
     parameters."""
-    r, n = dist.get_rank(), dist.get_world_size()
     model = _model()
     ddp = fanfold.DDP(model, bucket_cap_mb=0.002, first_bucket_cap_mb=0.001)
+    return type(ddp.transport.inner).__name__, _train(model, ddp, dist.get_rank(), dist.get_world_size())
+
+
+def _train(model, wrapped, r, n):
+    """SGD with momentum through ``wrapped`` (``model``, or a wrapper of it) on rank ``r``'s share (of ``n``) of
+    each global batch; the final parameters."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     per = _BATCH // n
     for step in range(_STEPS):
         x, y = _data(step)
         opt.zero_grad()
-        nn.functional.mse_loss(ddp(x[r * per:(r + 1) * per]), y[r * per:(r + 1) * per]).backward()
+        nn.functional.mse_loss(wrapped(x[r * per:(r + 1) * per]), y[r * per:(r + 1) * per]).backward()
         opt.step()
-    return type(ddp.transport.inner).__name__, [p.detach().clone() for p in model.parameters()]
+    return [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for p in model.parameters()]
 
 
 def _one_process():
     model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    for step in range(_STEPS):
-        x, y = _data(step)
-        opt.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-    return [p.detach().clone() for p in model.parameters()]
+    return _train(model, model, 0, 1)
 
 
 def _launch(name, fn, timeout=300, env=None):
@@ -273,15 +272,8 @@ def _backend_checks():
     results = {}
     for name, group in (("gloo", gloo), ("fanfold", None)):
         model = _model()
-        ddp = nn.parallel.DistributedDataParallel(model, process_group=group, bucket_cap_mb=0.002)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        per = _BATCH // n
-        for step in range(_STEPS):
-            x, y = _data(step)
-            opt.zero_grad()
-            nn.functional.mse_loss(ddp(x[r * per:(r + 1) * per]), y[r * per:(r + 1) * per]).backward()
-            opt.step()
-        results[name] = [p.detach().clone() for p in model.parameters()]
+        results[name] = _train(model, nn.parallel.DistributedDataParallel(model, process_group=group,
+                                                                          bucket_cap_mb=0.002), r, n)
     checks["torch DDP"] = all(torch.allclose(a, b, rtol=1e-5, atol=1e-6)
                               for a, b in zip(results["gloo"], results["fanfold"]))
     out["checks"] = checks
@@ -301,19 +293,11 @@ def _backend_checks():
 def _sharded(mesh):
     from torch.distributed.fsdp import fully_shard
 
-    r, n = dist.get_rank(), dist.get_world_size()
     model = _model()
     for layer in (model[0], model[2], model[4]):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    per = _BATCH // n
-    for step in range(_STEPS):
-        x, y = _data(step)
-        opt.zero_grad()
-        nn.functional.mse_loss(model(x[r * per:(r + 1) * per]), y[r * per:(r + 1) * per]).backward()
-        opt.step()
-    return [p.full_tensor().detach().clone() for p in model.parameters()]
+    return _train(model, model, dist.get_rank(), dist.get_world_size())
 
 
 @pytest.mark.parametrize("name", ["2x2", "1+2"])

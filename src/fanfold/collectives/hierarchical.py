@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from .._core.group import require_initialized
-from .shm.request import flat_view, split_into
+from .shm.request import flat_view
 from .shm.segment import host_key
 from .shm.thread import ShmWork
 from .shm.thread import completed as _completed
@@ -33,6 +33,7 @@ from .shm.transport import ShmTransport
 from .store import StoreGroup, group_store
 from .timeouts import ENV_VAR as STALL_ENV_VAR
 from .timeouts import resolve_stall_timeout
+from .transport import reduce_through_copy
 
 __all__ = ["HierarchicalTransport", "HostLayout", "host_layout"]
 
@@ -276,22 +277,10 @@ class HierarchicalTransport:
 
     def reduce_tensors(self, tensors: Sequence[torch.Tensor], bucket: int | None = None, *,
                        divisor: float | None = None, settle: bool = True,
-                       compress: torch.dtype | None = None) -> ShmWork:
-        """``tensors`` all-reduced in place through one flat copy (``settle``: nothing to settle, the copy is
-        private). ``compress``: cast, divide, all-reduce, copy back, as torch's compression hooks do."""
-        if compress not in (None, torch.bfloat16, torch.float16):
-            raise ValueError(f"reduce_tensors: compress must be None, torch.bfloat16 or torch.float16, got {compress}")
-        tensors = list(tensors)
-        if not tensors:
-            return _completed(tensors)
-        flat = torch.cat([t.reshape(-1) for t in tensors])
-        if compress is not None:
-            flat = flat.to(compress)
-            if divisor is not None:
-                flat.div_(divisor)
-            divisor = None
-        work = self.all_reduce(flat, bucket, divisor)
-        return ShmWork(work.get_future().then(lambda _: split_into(flat, [t.view(-1) for t in tensors]) or tensors))
+                       compress: torch.dtype | None = None) -> Any:
+        """``tensors`` all-reduced in place through one flat copy, as ``TorchTransport`` does (``settle``: nothing to
+        settle, the copy is private; ``compress``: torch's compression hooks' steps)."""
+        return reduce_through_copy(self, tensors, bucket, divisor, compress)
 
     def reduce_scatter(self, tensor: torch.Tensor, out: torch.Tensor, bucket: int | None = None, *,
                        divisor: float | None = None, op: str = "sum") -> ShmWork:
