@@ -46,7 +46,7 @@ def select_transport(group: Any = None, transport: str | None = None, device: An
     if transport is None:
         transport, source = os.environ.get(ENV_VAR) or None, ENV_VAR
     if transport is not None and transport not in CHOICES:
-        raise ValueError(f"{source} must be one of {', '.join(map(repr, CHOICES))}, got {transport!r}")
+        raise ValueError(f"{source} must be 'torch', 'shm' or 'hierarchical', got {transport!r}")
     require_initialized("choosing a transport")
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     store = group_store(group, "select", rank)
@@ -84,8 +84,7 @@ def resolve_transport(transport: Any = None, group: Any = None) -> Any:
             return ShmTransport(group)
         if transport == "hierarchical":
             return HierarchicalTransport(group)
-        raise ValueError(f"{source} must be one of {', '.join(map(repr, CHOICES))} or a transport object, "
-                         f"got {transport!r}")
+        raise ValueError(f"{source} must be 'torch', 'shm', 'hierarchical' or a transport object, got {transport!r}")
     methods = ("all_reduce", "reduce_tensors", "reduce_scatter", "all_gather", "broadcast", "barrier", "allocate")
     missing = [m for m in methods if not callable(getattr(transport, m, None))]
     missing += [a for a in ("rank", "world_size") if not isinstance(getattr(transport, a, None), int)]
