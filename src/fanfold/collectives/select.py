@@ -4,7 +4,8 @@ shared memory; ranks on several hosts, some host with more than one: the hierarc
 inside each host, gloo across); otherwise torch.distributed's group. The choice is made once, when the group's
 transport is set up (docs/hierarchical.md).
 
-Layer: beside ``shm.py`` (the transport), used by it and by ``transport.resolve_transport``.
+Used by fanfold's DDP (``resolve_transport``) and ``fanfold doctor``; the ``fanfold`` backend applies the same rule
+to its own group (``backend.py``).
 """
 from __future__ import annotations
 
