@@ -229,7 +229,8 @@ def test_ddp_without_process_group_says_how_to_start():
 def test_transport_choice_is_validated(monkeypatch):
     from fanfold.collectives.select import resolve_transport
 
-    with pytest.raises(ValueError, match="transport must be 'torch', 'shm' or a transport object, got 'nccl'"):
+    expected = "transport must be 'torch', 'shm', 'hierarchical' or a transport object, got 'nccl'"
+    with pytest.raises(ValueError, match=expected):
         resolve_transport("nccl")
     monkeypatch.setenv("FANFOLD_TRANSPORT", "bogus")
     with pytest.raises(ValueError, match="FANFOLD_TRANSPORT must be"):

@@ -1,19 +1,22 @@
 """The ``fanfold`` torch.distributed backend: ``init_process_group("fanfold")`` (or ``"cpu:fanfold"``) runs torch's
 own collectives -- and so torch's DDP, ZeroRedundancyOptimizer and FSDP2 -- with fanfold's shared memory where the
-ranks share a host.
+ranks share a host, and with the hierarchical transport (shared memory inside each host, gloo across) where they
+span hosts.
 
 Layer: collectives (above ``shm/``). :class:`FanfoldProcessGroup` is a ``dist.ProcessGroup`` written in Python:
 torch calls its ``allreduce``, ``allreduce_coalesced``, ``broadcast``, ``barrier``, ``allgather``,
 ``all_gather_single``, ``reduce_scatter``, ``reduce_scatter_single`` and ``all_to_all_single`` (and their older
-names); each takes the shared-memory transport (``shm.ShmTransport``) when the tensors allow it, else the inner gloo
-backend built on the same store. Every other collective (the coalesced gathers, list all_to_all, send/recv, gather,
+names); each takes the group's transport (``shm.ShmTransport`` on one host, ``hierarchical.HierarchicalTransport``
+across hosts; all_to_all_single on the first only) when the tensors allow it, else the inner gloo backend built on
+the same store. Every other collective (the coalesced gathers, list all_to_all, send/recv, gather,
 scatter, reduce) goes straight to that gloo backend, registered as the group's CPU backend, so no call fails for
 the choice of backend.
 
 Which path a collective takes depends only on what is the same on every rank (the op, the dtype, the device, the
 number of tensors), never on a rank's own state, so every rank takes the same path. The transport is created at
-the group's first fast collective (a collective itself), after checking through the store that all ranks share
-this host; ``$FANFOLD_TRANSPORT=torch`` turns the shared memory off (everything goes through gloo).
+the group's first fast collective (a collective itself), after comparing every rank's host identity through the
+store (``select.py``'s rule: one host, shared memory; several, some with more than one rank, hierarchical; one rank
+per host, gloo); ``$FANFOLD_TRANSPORT=torch`` turns the shared memory off (everything goes through gloo).
 """
 from __future__ import annotations
 
@@ -29,6 +32,8 @@ import torch
 import torch.distributed as dist
 
 from . import forms
+from .hierarchical import HierarchicalTransport, host_layout
+from .protocol import Transport
 from .select import ENV_VAR
 from .shm.request import DTYPES
 from .shm.segment import host_key
@@ -73,8 +78,9 @@ class FanfoldProcessGroup(dist.ProcessGroup):
     """The process group behind ``init_process_group("fanfold")`` and ``new_group(backend="fanfold")``.
 
     ``store``, ``rank``, ``world_size`` and ``timeout`` are torch's (the creator's arguments). :attr:`gloo` is the
-    inner gloo backend, :attr:`transport` the shared-memory transport once created (None before the first fast
-    collective, or where the ranks do not share a host): fanfold's own DDP can take it from the group."""
+    inner gloo backend, :attr:`transport` the group's transport once created (``ShmTransport`` on one host,
+    ``HierarchicalTransport`` across hosts; None before the first fast collective, or with one rank per host):
+    fanfold's own DDP can take it from the group."""
 
     def __init__(self, store: dist.Store, rank: int, world_size: int, timeout: timedelta):
         super().__init__(rank, world_size)
@@ -85,7 +91,7 @@ class FanfoldProcessGroup(dist.ProcessGroup):
         if torch.cuda.is_available():
             self._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.GLOO, self.gloo)
         self._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
-        self._shm: ShmTransport | None = None
+        self._shm: Transport | None = None
         self._decided = False
         self._lock = threading.Lock()
         self._handout = Handout()
@@ -94,17 +100,17 @@ class FanfoldProcessGroup(dist.ProcessGroup):
         return BACKEND
 
     @property
-    def transport(self) -> ShmTransport | None:
+    def transport(self) -> Transport | None:
         return self._shm
 
-    def shared_transport(self) -> ShmTransport | None:
-        """``protocol.TransportOwner``: the shared-memory transport, created now if no fast collective has run yet
+    def shared_transport(self) -> Transport | None:
+        """``protocol.TransportOwner``: the group's transport, created now if no fast collective has run yet
         (collective then, as the first fast collective is); fanfold's DDP on this group runs on it."""
         return self._fast()
 
-    def _fast(self) -> ShmTransport | None:
-        """The shared-memory transport, created at the first call (collective: every rank makes the same first
-        fast collective); None where the ranks do not all share this host, or it is turned off."""
+    def _fast(self) -> Transport | None:
+        """The group's transport, created at the first call (collective: every rank makes the same first fast
+        collective); None with one rank per host, or where it is turned off."""
         if self._decided:  # set once, under the lock, after _shm: no lock on every collective
             return self._shm
         with self._lock:
@@ -113,7 +119,7 @@ class FanfoldProcessGroup(dist.ProcessGroup):
                 self._decided = True
             return self._shm
 
-    def _create(self) -> ShmTransport | None:
+    def _create(self) -> Transport | None:
         rank, size = self.rank(), self.size()
         if size == 1:
             return None
@@ -134,14 +140,20 @@ class FanfoldProcessGroup(dist.ProcessGroup):
             raise ValueError(f"ranks set different ${ENV_VAR} (by rank): {[v[0] for v in views]}")
         if choice == "torch":
             return None
-        reason = ("the ranks run on different hosts" if len({v[1] for v in views}) > 1 else
-                  "the shared-memory transport needs x86-64" if not all(v[2] for v in views) else None)
+        layout = host_layout([v[1] for v in views])
+        hosts = len(layout.hosts) > 1
+        reason = ("the shared-memory transport needs x86-64" if not all(v[2] for v in views) else
+                  "the ranks run on different hosts" if hosts and choice == "shm" else
+                  "every rank runs on a host of its own" if hosts and not layout.worthwhile and choice is None
+                  else None)
         if reason is not None:
-            if choice == "shm":
-                raise RuntimeError(f"rank {rank}: ${ENV_VAR}=shm, but {reason}")
+            if choice is not None:
+                raise RuntimeError(f"rank {rank}: ${ENV_VAR}={choice}, but {reason}")
             warnings.warn(f"fanfold backend (rank {rank}): every collective goes through gloo: {reason}",
                           stacklevel=3)
             return None
+        if hosts or choice == "hierarchical":
+            return HierarchicalTransport(StoreGroup(store, rank, size), limit)
         return ShmTransport(StoreGroup(store, rank, size), limit)
 
     def _wait_limit(self) -> tuple[float, str]:
@@ -211,7 +223,7 @@ class FanfoldProcessGroup(dist.ProcessGroup):
     def _allreduce(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
         # The latency path, tried once, with as few checks as make it safe (run_small checks the tensor): a small
         # SUM, or AVG of floating point, summed on this thread when nothing is queued. Anything else is queued.
-        if len(tensors) == 1 and self._decided and self._shm is not None:
+        if len(tensors) == 1 and self._decided and isinstance(self._shm, ShmTransport):
             t, op = tensors[0], opts.reduceOp
             try:
                 if op == _SUM and self._shm.run_small(t):
@@ -291,13 +303,13 @@ class FanfoldProcessGroup(dist.ProcessGroup):
                            input_split_sizes: list[int], opts: Any) -> dist.Work:
         counts = all_to_all_counts(output, input, list(output_split_sizes), list(input_split_sizes), self.size())
         shm = self._exchange_ok([input], [output], counts is not None)
-        if shm is None:
+        if not isinstance(shm, ShmTransport):  # the hierarchical transport has no all_to_all: gloo's
             return self.gloo.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)
         work = shm.all_to_all(input.detach(), output.detach(), counts[0], counts[1])
         return FanfoldWork(work.get_future(), [output])
 
     def _exchange_ok(self, ins: list[torch.Tensor], outs: list[torch.Tensor], shapes_ok: bool,
-                     op: str | None = "sum") -> ShmTransport | None:
+                     op: str | None = "sum") -> Transport | None:
         # One input, CPU, one supported dtype for inputs and outputs: all equal on every rank of a correct program
         return self._fast() if len(ins) == 1 and shapes_ok and _supported(ins + outs, op) else None
 

@@ -1,8 +1,11 @@
-"""Where the shared-memory transport may be used: :func:`select_transport` (the same answer on every rank) and the
-host identity it compares (:func:`host_key`); :func:`group_store` gives each transport-like object its own key
-space in the process group's store.
+"""Which transport a group's collectives take: :func:`select_transport` (the same answer on every rank, from the
+host identity of every rank, :func:`host_key`) and :func:`resolve_transport` (the object). All ranks on one host:
+shared memory; ranks on several hosts, some host with more than one: the hierarchical transport (shared memory
+inside each host, gloo across); otherwise torch.distributed's group. The choice is made once, when the group's
+transport is set up (docs/hierarchical.md).
 
-Layer: beside ``shm.py`` (the transport), used by it and by ``transport.resolve_transport``.
+Used by fanfold's DDP (``resolve_transport``) and ``fanfold doctor``; the ``fanfold`` backend applies the same rule
+to its own group (``backend.py``).
 """
 from __future__ import annotations
 
@@ -16,30 +19,35 @@ import torch.distributed as dist
 
 from .._core.devices import accelerator_type
 from .._core.group import require_initialized
+from .hierarchical import HierarchicalTransport, host_layout
 from .protocol import TransportOwner
 from .shm.segment import host_key
 from .shm.transport import ShmTransport
 from .store import group_store
 from .transport import TorchTransport
 
-__all__ = ["select_transport", "resolve_transport", "ENV_VAR"]
+__all__ = ["select_transport", "resolve_transport", "ENV_VAR", "CHOICES"]
 
 ENV_VAR = "FANFOLD_TRANSPORT"
+CHOICES = ("torch", "shm", "hierarchical")
 
 
 def select_transport(group: Any = None, transport: str | None = None, device: Any = None) -> str:
-    """"torch" or "shm" for ``group``, the same answer on every rank (collective: every rank calls it).
+    """"torch", "shm" or "hierarchical" for ``group``, the same answer on every rank (collective: every rank calls
+    it).
 
     ``transport`` (or ``$FANFOLD_TRANSPORT`` when None) forces a choice; ranks that ask for different ones get a
-    ValueError naming them. Unforced: "shm" when every rank sees the same kernel and /dev/shm (compared through
-    the store), the group's backend is gloo, the tensors live on the CPU (``device``; when None: no CUDA here) and
-    the machine is x86-64 (the segment's ordering relies on its total store order); "torch" otherwise.
+    ValueError naming them. Unforced, when the group's backend is gloo, the tensors live on the CPU (``device``;
+    when None: no CUDA here) and the machine is x86-64 (the segment's ordering relies on its total store order):
+    "shm" when every rank has the same ``host_key`` (kernel and /dev/shm, compared through the store);
+    "hierarchical" when the ranks are on several hosts and some host has more than one of them; "torch" otherwise
+    (and always where the conditions fail).
     """
     source = "transport"
     if transport is None:
         transport, source = os.environ.get(ENV_VAR) or None, ENV_VAR
-    if transport not in (None, "torch", "shm"):
-        raise ValueError(f"{source} must be 'torch' or 'shm', got {transport!r}")
+    if transport is not None and transport not in CHOICES:
+        raise ValueError(f"{source} must be 'torch', 'shm' or 'hierarchical', got {transport!r}")
     require_initialized("choosing a transport")
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     store = group_store(group, "select", rank)
@@ -53,15 +61,17 @@ def select_transport(group: Any = None, transport: str | None = None, device: An
         raise ValueError(f"ranks ask for different transports (by rank, {source}): {asked}")
     if transport is not None:
         return transport
-    same_host = len({v[1] for v in views}) == 1
-    return "shm" if same_host and all(v[2] for v in views) else "torch"
+    if not all(v[2] for v in views):
+        return "torch"
+    layout = host_layout([v[1] for v in views])
+    return "shm" if len(layout.hosts) == 1 else "hierarchical" if layout.worthwhile else "torch"
 
 
 def resolve_transport(transport: Any = None, group: Any = None) -> Any:
     """The transport named by ``transport``: None -> the group's own where it has one (``TransportOwner``: the
-    ``fanfold`` backend's group), else ``$FANFOLD_TRANSPORT``, else "shm" when every rank shares this host and the
-    CPU (``select_transport``, collective), else "torch"; "torch" -> TorchTransport; "shm" -> the
-    shared-memory transport; an object implementing ``protocol.Transport`` -> used as is."""
+    ``fanfold`` backend's group), else ``$FANFOLD_TRANSPORT``, else ``select_transport``'s choice (collective);
+    "torch" -> TorchTransport; "shm" -> the shared-memory transport; "hierarchical" -> HierarchicalTransport; an
+    object implementing ``protocol.Transport`` -> used as is."""
     source = "transport"
     if transport is None:
         pg = group if group is not None or not dist.is_initialized() else dist.group.WORLD
@@ -73,7 +83,9 @@ def resolve_transport(transport: Any = None, group: Any = None) -> Any:
             return TorchTransport(group)
         if transport == "shm":
             return ShmTransport(group)
-        raise ValueError(f"{source} must be 'torch', 'shm' or a transport object, got {transport!r}")
+        if transport == "hierarchical":
+            return HierarchicalTransport(group)
+        raise ValueError(f"{source} must be 'torch', 'shm', 'hierarchical' or a transport object, got {transport!r}")
     methods = ("all_reduce", "reduce_tensors", "reduce_scatter", "all_gather", "broadcast", "barrier", "allocate")
     missing = [m for m in methods if not callable(getattr(transport, m, None))]
     missing += [a for a in ("rank", "world_size") if not isinstance(getattr(transport, a, None), int)]

@@ -22,7 +22,7 @@ from .._core.group import require_initialized
 from .protocol import Transport
 from .work import completed_work
 
-__all__ = ["TorchTransport", "DividedWork", "all_gather_rows", "all_gather_bytes"]
+__all__ = ["TorchTransport", "DividedWork", "reduce_through_copy", "all_gather_rows", "all_gather_bytes"]
 
 
 class DividedWork(dist._Work):
@@ -91,26 +91,7 @@ class TorchTransport:
                        compress: torch.dtype | None = None) -> dist.Work:
         """``tensors`` all-reduced in place through one flat copy (``settle``: nothing to settle, the copy is
         private). ``compress``: torch's compression hook on that copy -- cast, divide, all-reduce, copy back."""
-        if compress not in (None, torch.bfloat16, torch.float16):
-            raise ValueError(f"reduce_tensors: compress must be None, torch.bfloat16 or torch.float16, got {compress}")
-        tensors = list(tensors)
-        if not tensors:
-            return completed_work(tensors)
-        flat = torch.cat([t.reshape(-1) for t in tensors])
-        if compress is not None:
-            flat = flat.to(compress)
-            if divisor is not None:
-                flat.div_(divisor)
-            divisor = None
-        # self.all_reduce without divisor: a subclass that only records the call sees it as a plain all-reduce
-        work = self.all_reduce(flat, bucket)
-
-        def finish() -> None:
-            if divisor is not None:
-                flat.div_(divisor)
-            _split(flat, tensors)
-
-        return DividedWork(work, finish)
+        return reduce_through_copy(self, tensors, bucket, divisor, compress)
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         # src is a rank of this group; torch wants the global rank.
@@ -149,6 +130,33 @@ class TorchTransport:
 
     def __repr__(self) -> str:
         return f"TorchTransport(rank={self.rank}, world_size={self.world_size}, backend={dist.get_backend(self.group)})"
+
+
+def reduce_through_copy(transport: Transport, tensors: Sequence[torch.Tensor], bucket: int | None,
+                        divisor: float | None, compress: torch.dtype | None) -> dist.Work:
+    """``reduce_tensors`` for a transport that has no way of its own to reduce tensors where they lie: one flat copy,
+    ``transport.all_reduce`` of it, the division, the copy back. ``compress``: torch's compression hook on that copy
+    (cast, divide, all-reduce, copy back)."""
+    if compress not in (None, torch.bfloat16, torch.float16):
+        raise ValueError(f"reduce_tensors: compress must be None, torch.bfloat16 or torch.float16, got {compress}")
+    tensors = list(tensors)
+    if not tensors:
+        return completed_work(tensors)
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    if compress is not None:
+        flat = flat.to(compress)
+        if divisor is not None:
+            flat.div_(divisor)
+        divisor = None
+    # all_reduce without divisor: a subclass that only records the call sees it as a plain all-reduce
+    work = transport.all_reduce(flat, bucket)
+
+    def finish() -> None:
+        if divisor is not None:
+            flat.div_(divisor)
+        _split(flat, tensors)
+
+    return DividedWork(work, finish)
 
 
 def all_gather_rows(transport: Transport, row: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """fanfold.distributed: one process per replica on torch.distributed process groups: ``DistributedDataParallel``
 (its reducer in ``reducer.py``), the torchrun contract (``env.py``), comm hooks and join. Every collective goes
-through one transport of ``fanfold.collectives``. May import ``_core``, ``collectives`` and ``launcher`` only.
+through one transport of ``fanfold.collectives`` (torch.distributed, shared memory, or both: hierarchical).
+Re-exports the launcher's ``launch`` and the transports. May import ``_core``, ``collectives`` and ``launcher`` only.
 """
-from ..collectives import ShmTimeoutError, ShmTransport, TorchTransport, select_transport
+from ..collectives import HierarchicalTransport, ShmTimeoutError, ShmTransport, TorchTransport, select_transport
 from ..collectives.stall import InspectedTransport, StallError
 from ..launcher.spawn import WorkerError, free_port, launch
 from .comm_hooks import allreduce_hook, bf16_compress_hook, fp16_compress_hook
@@ -36,6 +37,7 @@ __all__ = [
     "DDP",
     "TorchTransport",
     "ShmTransport",
+    "HierarchicalTransport",
     "ShmTimeoutError",
     "select_transport",
     "StallError",

@@ -234,6 +234,13 @@ class ShmTransport(Exchanges):
         """Return once every rank has reached this barrier (and finished the collectives queued before it)."""
         self._submit(BARRIER, None).wait()
 
+    def abort(self, message: str) -> None:
+        """Tell the peers that this rank gave up (their waits on this transport raise at once, with ``message``):
+        for a layer above that failed elsewhere (the hierarchical transport's cross-host step), so that the ranks of
+        this host learn it now rather than at their timeout."""
+        if self._segment is not None and self._finalizer.alive:
+            self._segment.abort(f"rank {self.rank}: {message}")
+
     @property
     def issued(self) -> int:
         """How many collectives this rank has issued on the transport (run or queued)."""
