@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
-from .progress import Collective, Publisher, caller_line, process_gone, read_progress
+from .progress import WRITE_INTERVAL_S, Collective, Publisher, caller_line, process_gone, read_progress
 from .protocol import Transport, TransportOwner
 from .shm.engine import ShmMismatchError
 from .shm.transport import ShmTransport
@@ -271,8 +271,11 @@ class StallInspector:
         alarm = self.alarm
         self._publish(gave_up=op.seq)
         self.flush()
-        # A peer whose connection just dropped is usually still exiting: give it up to a second to finish.
+        # A peer whose connection just dropped is usually still exiting: give it up to a second to finish. And a peer's
+        # record may lag its progress by up to WRITE_INTERVAL_S: a rank that fails at once (a dead peer, a mismatch)
+        # waits that long, so that it does not report as behind a peer that arrived with it.
         grace_until = time.monotonic() + (1.0 if cause is not None else 0.0)
+        time.sleep(2 * WRITE_INTERVAL_S)
         never, gave_up, disagreed, ahead, unknown, lines = [], [], [], [], [], []
         for r in range(self.world_size):
             if r == self.rank:

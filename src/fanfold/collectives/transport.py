@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import AllgatherOptions  # torch.distributed does not re-export it
 
 from .._core.group import require_initialized
 from .protocol import Transport
@@ -61,7 +62,7 @@ class TorchTransport:
     ``native_scatter``: whether ``reduce_scatter`` and ``all_gather`` call torch's own (None: unless the group is
     gloo's, whose all-reduce was faster than its reduce-scatter; ZeRO stage 2 then broadcasts instead of gathering).
     ``timeout`` (seconds; default ``$FANFOLD_STALL_TIMEOUT``, else 300; at most the group's timeout; a
-    ``stall_timeout`` block replaces it) bounds each all_reduce, broadcast and barrier inside torch's backend: gloo
+    ``stall_timeout`` block replaces it) bounds each collective inside torch's backend (its options' timeout): gloo
     ends a collective that runs out of time and closes its connections, so the peers' pending collectives fail at
     once instead of waiting out the group's timeout, and no process is held at exit by a collective left behind."""
 
@@ -149,16 +150,14 @@ class TorchTransport:
             # gloo: its all-reduce was faster than its reduce-scatter here; this rank keeps its part of the sum
             return self.all_reduce(tensor, bucket, divisor) if self.world_size == 1 else DividedWork(
                 self.all_reduce(tensor, bucket, divisor), lambda: out.copy_(tensor[self.rank * n:(self.rank + 1) * n]))
-        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # as all_gather
-        work = scatter(out, tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        work = self._pg._reduce_scatter_base(out, tensor, self._options(dist.ReduceScatterOptions,
+                                                                        reduceOp=dist.ReduceOp.SUM))
         return work if divisor is None else DividedWork(work, lambda: out.div_(divisor))
 
     def all_gather(self, tensor: torch.Tensor, out: torch.Tensor, bucket: int | None = None) -> Any:
         lo, hi = out.data_ptr(), out.data_ptr() + out.numel() * out.element_size()
         send = tensor.clone() if lo <= tensor.data_ptr() < hi else tensor  # in-place all-gathers are not promised
-        # torch 2.13 deprecated all_gather_into_tensor for all_gather_single (older torch has only the first)
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        return gather(out, send, group=self.group, async_op=True)
+        return self._pg._allgather_base(out, send, self._options(AllgatherOptions))
 
     def allocate(self, numel: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
         return torch.zeros(numel, dtype=dtype, device=device)
