@@ -7,7 +7,9 @@ host a write can take milliseconds), at most once per ``WRITE_INTERVAL_S`` (the 
 meanwhile collapse into it) unless a reader needs it now (``flush``). A record matters only once a collective
 stalls, seconds later, and writing one per collective cost fanfold DDP about a tenth of a small model's training
 step on two cores: the store's server and the writing thread took CPU time from the ranks. A process killed within
-``WRITE_INTERVAL_S`` of its newest record leaves an older one.
+``WRITE_INTERVAL_S`` of its newest record leaves an older one. The same thread, when idle, looks every
+``ALARM_POLL_S`` for the group's alarm (a rank that diagnosed a stall, ``stall.py``), so that the other ranks' waits
+end too (docs/stalls.md).
 """
 from __future__ import annotations
 
