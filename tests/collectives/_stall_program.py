@@ -45,12 +45,15 @@ def train(setup, case, path):
         if case == "extra_all_reduce" and culprit and last:
             entered("extra all_reduce")
             dist.all_reduce(torch.ones(1))  # the user's own, one the other ranks never issue
-        if case == "skip_backward" and culprit and last:
+        if case in ("skip_backward", "skip_to_dist_barrier") and culprit and last:
             continue
         entered(f"backward {step}")
         loss.backward()
         opt.step()
         opt.zero_grad()
+    if case == "skip_to_dist_barrier":
+        entered("dist.barrier")
+        dist.barrier()  # torch's own, on the gloo group where rank 0 still waits in its last backward's all_reduce
     if case == "missing_barrier" and not culprit or case == "missing_save" and culprit:
         entered("barrier")
         model.transport.barrier()

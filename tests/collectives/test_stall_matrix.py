@@ -67,6 +67,7 @@ CASES = [  # setup, case, ranks
     ("ddp-shm", "skip_backward", 2),
     ("ddp-shm", "killed", 3),
     ("ddp-torch", "missing_barrier", 2),
+    ("ddp-torch", "skip_to_dist_barrier", 2),
     ("backend", "extra_all_reduce", 2),
     ("zero", "missing_save", 2),
 ]
@@ -105,6 +106,13 @@ def test_every_rank_diagnoses_and_exits_within_the_stall_timeout(setup, case, np
         assert victim["message"].startswith("rank 0 of 2: all_reduce #6 (bucket 0) "), logs
         assert f"did not complete within {STALL:g} s. Ranks that never arrived: [1]." in victim["message"], logs
         assert "rank 1: behind: its last collective is all_reduce #5 (bucket 0)" in victim["message"], logs
+    elif case == "skip_to_dist_barrier":
+        # rank 1 waits in torch's own dist.barrier(): gloo ends rank 0's all_reduce at the stall timeout and closes
+        # its connections, so that barrier fails at once instead of at the group's timeout (60 s)
+        assert victim["type"] == "StallError" and victim["missing"] == [1], logs
+        assert victim["message"].startswith("rank 0 of 2: all_reduce #6 (bucket 0) "), logs
+        assert "Ranks that never arrived: [1]." in victim["message"], logs
+        assert c["type"] in ("RuntimeError", "DistBackendError"), logs
     elif case == "missing_barrier":
         assert victim["type"] == "StallError" and victim["missing"] == [1], logs
         assert victim["message"].startswith("rank 0 of 2: barrier #7 "), logs
