@@ -7,6 +7,7 @@ below it; checked by import-linter in ``make test``): ``cli`` > ``training`` > `
 from . import pipeline
 from .collectives.backend import FanfoldProcessGroup, register
 from .collectives.stall import StallError
+from .collectives.timeouts import stall_timeout
 from .distributed.ddp import DDP, DistributedDataParallel
 from .launcher import WorkerError, launch, launch_script
 from .nn import SyncBatchNorm, revert_sync_batchnorm
@@ -45,6 +46,7 @@ __all__ = [
     "DistributedDataParallel",
     "DDP",
     "StallError",
+    "stall_timeout",
     "save",
     "load",
     "latest",

@@ -332,3 +332,53 @@ def test_every_inspected_collective_is_a_named_span_in_torch_profiler_traces():
     assert counts.get("fanfold.all_reduce") == 2 and counts.get("fanfold.broadcast") == 1, counts
     t0.all_reduce(torch.ones(2)).wait()  # no profiler: no span, and nothing left open
     assert t0.inspector._pending == []
+
+
+def test_stall_timeout_block_and_group_timeout_bound_each_collective(monkeypatch):
+    from fanfold import stall_timeout
+    from fanfold.collectives.stall import StallInspector
+    from fanfold.collectives.timeouts import bound
+
+    monkeypatch.setenv("FANFOLD_STALL_TIMEOUT", "0.2")
+    assert bound(resolve_stall_timeout()) == 0.2 and bound(300, 60) == 60  # the smaller of the two
+    with stall_timeout(30):
+        assert bound(300, 60) == 30 and bound(300, 10) == 10  # the block's, never above the group's
+        with stall_timeout(timedelta(seconds=45)):
+            assert bound(300, 60) == 45
+        assert bound(300, 60) == 30
+    assert bound(300, 60) == 60  # undone on the way out
+
+    def never(timeout=None, limit=None):
+        inspector = StallInspector(dist.HashStore(), 0, 2, timeout, limit=limit)
+        return inspector, inspector.run("all_reduce", None, torch.futures.Future)
+
+    _, handle = never()  # $FANFOLD_STALL_TIMEOUT
+    with pytest.raises(StallError, match="did not complete within 0.2 s"):
+        handle.wait()
+    with stall_timeout(0.6):  # a phase lengthened: the bound is taken when the collective starts
+        _, handle = never()
+    start = time.monotonic()
+    with pytest.raises(StallError, match="did not complete within 0.6 s"):
+        handle.wait()
+    assert time.monotonic() - start >= 0.55
+    _, handle = never(timeout=30, limit=0.3)  # the group's timeout is shorter: it wins
+    with pytest.raises(StallError, match="did not complete within 0.3 s"):
+        handle.wait()
+
+
+def test_the_groups_alarm_ends_every_inspectors_waits_at_once():
+    # rank 0's inspector diagnoses a stall; rank 1's waits (another feature's transport, its barrier) end at once
+    store = dist.HashStore()
+    r0 = InspectedTransport(_FutureTransport(), timeout=0.3, store=store, rank=0, world_size=2)
+    r1 = InspectedTransport(_FutureTransport(), timeout=60, store=store, rank=1, world_size=2, feature="fanfold.save")
+    pending = r1.all_reduce(torch.ones(1))
+    with pytest.raises(StallError, match="Ranks that never arrived: \\[1\\]"):
+        r0.all_reduce(torch.ones(1), bucket=0).wait()
+    start = time.monotonic()
+    with pytest.raises(StallError) as e:
+        pending.wait()
+    assert time.monotonic() - start < 5  # not the 60 s of its own timeout
+    assert str(e.value).startswith("rank 1 of 2: fanfold.save's all_reduce #1 ")
+    assert "was ended: rank 0 had diagnosed a stall (rank 0 of 2: all_reduce #1 (bucket 0)" in str(e.value)
+    with pytest.raises(StallError, match="was ended: rank 0 had diagnosed a stall"):
+        r1.barrier()

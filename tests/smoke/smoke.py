@@ -156,6 +156,24 @@ def check_StallError() -> None:
         raise AssertionError("a collective that never completes did not raise StallError")
 
 
+def check_stall_timeout() -> None:
+    from fanfold.distributed import InspectedTransport
+
+    class Never:  # a transport whose all-reduce never completes
+        def all_reduce(self, tensor, bucket=None, divisor=None):
+            return torch.futures.Future()
+
+    inspected = InspectedTransport(Never(), timeout=60, store=dist.HashStore(), rank=0, world_size=2)
+    with fanfold.stall_timeout(0.2):  # this phase waits 0.2 s, not 60
+        handle = inspected.all_reduce(torch.ones(1))
+    try:
+        handle.wait()
+    except fanfold.StallError as exc:
+        assert "did not complete within 0.2 s" in str(exc), exc
+    else:
+        raise AssertionError("a collective started inside stall_timeout(0.2) did not raise StallError")
+
+
 def check_CheckpointError() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp, "ckpt.pt")
@@ -209,7 +227,8 @@ LOCAL = {
     "replicate": check_replicate, "parallel_apply": check_parallel_apply, "WorkerPool": check_WorkerPool,
     "data_parallel": check_data_parallel, "DataParallel": check_DataParallel, "unwrap": check_unwrap,
     "launch": check_launch, "launch_script": check_launch_script, "WorkerError": check_WorkerError,
-    "StallError": check_StallError, "CheckpointError": check_CheckpointError, "latest": check_latest,
+    "StallError": check_StallError, "stall_timeout": check_stall_timeout, "CheckpointError": check_CheckpointError,
+    "latest": check_latest,
     "Pipeline": check_Pipeline, "pipeline": check_pipeline, "revert_sync_batchnorm": check_revert_sync_batchnorm,
     "FanfoldProcessGroup": check_FanfoldProcessGroup,
 }

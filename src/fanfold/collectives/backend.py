@@ -40,8 +40,8 @@ from .shm.segment import host_key
 from .shm.transport import ShmTransport
 from .splits import all_to_all_counts, unflatten
 from .store import StoreGroup
+from .timeouts import DEFAULT_STALL_TIMEOUT, bound, resolve_stall_timeout
 from .timeouts import ENV_VAR as STALL_ENV_VAR
-from .timeouts import resolve_stall_timeout
 from .work import FanfoldWork, Handout, completed_work, failed_work
 
 __all__ = ["FanfoldProcessGroup", "register", "BACKEND"]
@@ -152,17 +152,23 @@ class FanfoldProcessGroup(dist.ProcessGroup):
             warnings.warn(f"fanfold backend (rank {rank}): every collective goes through gloo: {reason}",
                           stacklevel=3)
             return None
-        if hosts or choice == "hierarchical":
-            return HierarchicalTransport(StoreGroup(store, rank, size), limit)
-        return ShmTransport(StoreGroup(store, rank, size), limit)
+        group = StoreGroup(store, rank, size, self._timeout.total_seconds())
+        return HierarchicalTransport(group) if hosts or choice == "hierarchical" else ShmTransport(group)
 
     def _wait_limit(self) -> tuple[float, str]:
-        """How long any wait for a peer may take, and what set it: the group's timeout, or $FANFOLD_STALL_TIMEOUT
-        where that is shorter."""
+        """How long a wait for a peer may take now, and what set it: the stall timeout (a ``stall_timeout`` block's,
+        else $FANFOLD_STALL_TIMEOUT, else 300 s), or the group's timeout where that is shorter."""
         group = self._timeout.total_seconds()
-        if os.environ.get(STALL_ENV_VAR) and resolve_stall_timeout() < group:
-            return resolve_stall_timeout(), f"the stall timeout (${STALL_ENV_VAR})"
+        seconds = bound(resolve_stall_timeout(), group)
+        if seconds < group:
+            return seconds, f"the stall timeout (${STALL_ENV_VAR}, default {DEFAULT_STALL_TIMEOUT:g} s)"
         return group, "the timeout of the group"
+
+    def _bounded(self, opts: Any) -> Any:
+        """``opts`` of a collective handed to gloo, bounded as the shared memory's are (``_wait_limit``): gloo ends
+        it after that, and closes its connections, so the peers' waits end too."""
+        opts.timeout = timedelta(seconds=self._wait_limit()[0])
+        return opts
 
     # torch's methods, in every calling form of torch's (forms.py); the Work handed out is safe in C++ (work.py).
     # Under torch.compile dynamo calls them instead of tracing into them (torch's DDP broadcasts its buffers from
@@ -235,7 +241,7 @@ class FanfoldProcessGroup(dist.ProcessGroup):
         op = _op_name(opts.reduceOp)
         shm = self._fast() if len(tensors) == 1 and _supported(tensors, op) else None
         if shm is None:
-            return self.gloo.allreduce(tensors, opts)
+            return self.gloo.allreduce(tensors, self._bounded(opts))
         divisor = self.size() if op == "avg" else None
         # detach: collectives write a tensor's data whatever autograd thinks of it (a Parameter), as gloo does
         work = shm.all_reduce(tensors[0].detach(), divisor=divisor, op=_shm_op(op))
@@ -245,7 +251,7 @@ class FanfoldProcessGroup(dist.ProcessGroup):
         op = _op_name(opts.reduceOp)
         shm = self._fast() if _supported(tensors, op) else None
         if shm is None:
-            return self.gloo.allreduce_coalesced(tensors, opts)
+            return self.gloo.allreduce_coalesced(tensors, self._bounded(opts))
         flat = torch.cat([t.detach().reshape(-1) for t in tensors])
         divisor = self.size() if op == "avg" else None
 
@@ -255,7 +261,7 @@ class FanfoldProcessGroup(dist.ProcessGroup):
     def _broadcast(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
         shm = self._fast() if len(tensors) == 1 and opts.rootTensor == 0 and _supported(tensors) else None
         if shm is None:
-            return self.gloo.broadcast(tensors, opts)
+            return self.gloo.broadcast(tensors, self._bounded(opts))
         shm.broadcast(tensors[0].detach(), opts.rootRank)  # returns once done: broadcasts are rare and small
         return completed_work(tensors)
 
@@ -265,7 +271,7 @@ class FanfoldProcessGroup(dist.ProcessGroup):
         shm = self._exchange_ok(input_tensors, outs, len(outs) == self.size() and
                                 all(o.shape == input_tensors[0].shape for o in outs))
         if shm is None:
-            return self.gloo.allgather(output_tensors, input_tensors, opts)
+            return self.gloo.allgather(output_tensors, input_tensors, self._bounded(opts))
         flat = torch.empty(self.size() * input_tensors[0].numel(), dtype=input_tensors[0].dtype)
         work = shm.all_gather(input_tensors[0].detach(), flat)
         return FanfoldWork(work.get_future(), output_tensors, lambda: unflatten(flat, outs))
@@ -273,7 +279,7 @@ class FanfoldProcessGroup(dist.ProcessGroup):
     def _all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> dist.Work:
         shm = self._exchange_ok([input], [output], output.numel() == self.size() * input.numel())
         if shm is None:
-            return self.gloo._allgather_base(output, input, opts)
+            return self.gloo._allgather_base(output, input, self._bounded(opts))
         return FanfoldWork(shm.all_gather(input.detach(), output.detach()).get_future(), [output])
 
     def _reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
@@ -283,7 +289,7 @@ class FanfoldProcessGroup(dist.ProcessGroup):
         shm = self._exchange_ok(output_tensors, ins, len(ins) == self.size() and op is not None and all(
             t.shape == output_tensors[0].shape for t in ins), op)
         if shm is None:
-            return self.gloo.reduce_scatter(output_tensors, input_tensors, opts)
+            return self.gloo.reduce_scatter(output_tensors, input_tensors, self._bounded(opts))
         flat = torch.cat([t.detach().reshape(-1) for t in ins])
         work = shm.reduce_scatter(flat, output_tensors[0].detach(), divisor=self.size() if op == "avg" else None,
                                   op=_shm_op(op))
@@ -294,7 +300,7 @@ class FanfoldProcessGroup(dist.ProcessGroup):
         shm = self._exchange_ok([input], [output], op is not None and input.numel() == self.size() * output.numel(),
                                 op)
         if shm is None:
-            return self.gloo._reduce_scatter_base(output, input, opts)
+            return self.gloo._reduce_scatter_base(output, input, self._bounded(opts))
         divisor = self.size() if op == "avg" else None
         work = shm.reduce_scatter(input.detach(), output.detach(), divisor=divisor, op=_shm_op(op))
         return FanfoldWork(work.get_future(), [output])
@@ -303,8 +309,8 @@ class FanfoldProcessGroup(dist.ProcessGroup):
                            input_split_sizes: list[int], opts: Any) -> dist.Work:
         counts = all_to_all_counts(output, input, list(output_split_sizes), list(input_split_sizes), self.size())
         shm = self._exchange_ok([input], [output], counts is not None)
-        if not isinstance(shm, ShmTransport):  # the hierarchical transport has no all_to_all: gloo's
-            return self.gloo.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)
+        if not isinstance(shm, ShmTransport):  # none, or the hierarchical transport, which has no all_to_all: gloo's
+            return self.gloo.alltoall_base(output, input, output_split_sizes, input_split_sizes, self._bounded(opts))
         work = shm.all_to_all(input.detach(), output.detach(), counts[0], counts[1])
         return FanfoldWork(work.get_future(), [output])
 
@@ -318,7 +324,7 @@ class FanfoldProcessGroup(dist.ProcessGroup):
         if shm is not None:
             shm.barrier()  # every rank has finished its queued shared-memory collectives
         # then gloo's, behind the delegated collectives queued before it
-        return self.gloo.barrier(opts)
+        return self.gloo.barrier(self._bounded(opts))
 
     def shutdown(self) -> None:
         """Close the transport (its queued collectives finish first), then torch's own shutdown (gloo's)."""

@@ -12,7 +12,6 @@ for uneven hosts and sum order: docs/hierarchical.md.
 """
 from __future__ import annotations
 
-import os
 import queue
 import threading
 import weakref
@@ -31,8 +30,7 @@ from .shm.thread import ShmWork
 from .shm.thread import completed as _completed
 from .shm.transport import ShmTransport
 from .store import StoreGroup, group_store
-from .timeouts import ENV_VAR as STALL_ENV_VAR
-from .timeouts import resolve_stall_timeout
+from .timeouts import bound, group_timeout, resolve_stall_timeout
 from .transport import reduce_through_copy
 
 __all__ = ["HierarchicalTransport", "HostLayout", "host_layout"]
@@ -104,7 +102,8 @@ class HierarchicalTransport:
     gloo across. Collective: every rank of ``group`` (None: the default group; or a ``StoreGroup``, the ``fanfold``
     backend's) constructs it, in the same order as its other transports; the ranks exchange their host identity
     (``host_key``) through the group's store and build the same layout. ``timeout`` (seconds or timedelta; default
-    ``$FANFOLD_STALL_TIMEOUT``, else the process group's) bounds every wait for a peer, in shared memory and in gloo.
+    ``$FANFOLD_STALL_TIMEOUT``, else 300; at most the process group's) bounds every wait for a peer, in shared memory
+    and in gloo.
     Tensors: CPU, the shared-memory transport's dtypes. Call :meth:`close` when done (also run when collected)."""
 
     def __init__(self, group: Any = None, timeout: float | timedelta | None = None):
@@ -114,9 +113,9 @@ class HierarchicalTransport:
         self.group = group
         self.rank, self.world_size = (group.rank, group.world_size) if own else (dist.get_rank(group),
                                                                                  dist.get_world_size(group))
-        if timeout is None and not os.environ.get(STALL_ENV_VAR):
-            timeout = (group.store if own else dist.distributed_c10d._get_default_store()).timeout
-        self.timeout = resolve_stall_timeout(timeout)
+        # the stall timeout, at most the group's (as every transport's: timeouts.bound)
+        self._base, self._limit = resolve_stall_timeout(timeout), group_timeout(group)
+        self.timeout = bound(self._base, self._limit)
         store = group_store(group, "hierarchical", self.rank)
         store.set(f"host/{self.rank}", host_key())
         keys = [f"host/{r}" for r in range(self.world_size)]
@@ -125,12 +124,12 @@ class HierarchicalTransport:
         h, local = self.layout.place(self.rank)
         self.host, self.local_rank = h, local
         members = self.layout.hosts[h]
-        inside = StoreGroup(dist.PrefixStore(f"host{h}/", store), local, len(members))
+        inside = StoreGroup(dist.PrefixStore(f"host{h}/", store), local, len(members), self._limit)
         # Two in-host transports, each matched by its own issue order: the reduce-scatters are issued by callers,
         # the all-gathers by this transport's thread once the cross-host step is done; one transport for both
         # would see them in an order that depends on timing, different on each rank.
-        self._scatter = ShmTransport(inside, self.timeout)
-        self._gather = ShmTransport(inside, self.timeout)
+        self._scatter = ShmTransport(inside, self._base)
+        self._gather = ShmTransport(inside, self._base)
         # Cross-host groups built from the store by their members alone (no new_group over the whole world, which
         # a backend still under construction cannot call), ascending: every rank creates its groups in the same
         # order, so no two ranks wait for each other's rendezvous in opposite orders.

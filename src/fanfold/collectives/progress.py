@@ -7,7 +7,9 @@ host a write can take milliseconds), at most once per ``WRITE_INTERVAL_S`` (the 
 meanwhile collapse into it) unless a reader needs it now (``flush``). A record matters only once a collective
 stalls, seconds later, and writing one per collective cost fanfold DDP about a tenth of a small model's training
 step on two cores: the store's server and the writing thread took CPU time from the ranks. A process killed within
-``WRITE_INTERVAL_S`` of its newest record leaves an older one.
+``WRITE_INTERVAL_S`` of its newest record leaves an older one. The same thread, when idle, looks every
+``ALARM_POLL_S`` for the group's alarm (a rank that diagnosed a stall, ``stall.py``), so that the other ranks' waits
+end too (docs/stalls.md).
 """
 from __future__ import annotations
 
@@ -17,14 +19,17 @@ import sys
 import sysconfig
 import threading
 import time
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Collective", "Publisher", "WRITE_INTERVAL_S", "caller_line", "read_progress", "process_gone"]
+__all__ = ["Collective", "Publisher", "WRITE_INTERVAL_S", "ALARM_POLL_S", "caller_line", "read_progress",
+           "process_gone"]
 
 WRITE_INTERVAL_S = 0.05  # the least time between two writes of a rank's record, unless flushed
+ALARM_POLL_S = 0.5  # how often an idle writer looks for the group's alarm (a rank that diagnosed a stall)
 
 # Frames in these trees are plumbing; the line worth showing is the first one outside them (the user's).
 _PLUMBING = tuple(
@@ -56,15 +61,18 @@ def caller_line() -> str:
 
 
 class Publisher:
-    """Writes the newest record ``post``-ed to it under ``key`` of ``store``, from a daemon thread."""
+    """Writes the newest record ``post``-ed to it under ``key`` of ``store``, from a daemon thread. With ``alarm``
+    (a key of ``store`` and a callback), the same thread, when idle, looks for that key every ``ALARM_POLL_S`` and
+    calls the callback once with its JSON value when it appears: off the training thread, and no store round trip
+    per collective."""
 
-    def __init__(self, store: dist.Store, key: str):
+    def __init__(self, store: dist.Store, key: str, alarm: tuple[str, Callable[[dict], None]] | None = None):
         self._cond = threading.Condition()
         self._latest: dict | None = None
         self._busy = self._closed = self._urgent = False
         # Its own connection: a store client serves one request at a time, and the training thread may sit in a
         # long store wait (a barrier) during which the record must still get through.
-        threading.Thread(target=self._run, args=(store.clone(), key), daemon=True,
+        threading.Thread(target=self._run, args=(store.clone(), key, alarm), daemon=True,
                          name=f"fanfold-stall-{key}").start()
 
     def post(self, record: dict) -> None:
@@ -88,11 +96,18 @@ class Publisher:
             self._closed = True
             self._cond.notify_all()
 
-    def _run(self, store: dist.Store, key: str) -> None:
+    def _run(self, store: dist.Store, key: str, alarm: tuple[str, Callable[[dict], None]] | None) -> None:
         written = -WRITE_INTERVAL_S
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._closed or self._latest is not None)
+                while not self._cond.wait_for(lambda: self._closed or self._latest is not None,
+                                              None if alarm is None else ALARM_POLL_S):
+                    self._cond.release()  # no lock held across a store round trip
+                    try:
+                        if _alarm_raised(store, *alarm):
+                            alarm = None
+                    finally:
+                        self._cond.acquire()
                 # the rest of the interval since the last write, unless a flush wants the record now
                 self._cond.wait_for(lambda: self._closed or self._urgent,
                                     timeout=written + WRITE_INTERVAL_S - time.monotonic())
@@ -107,6 +122,17 @@ class Publisher:
             with self._cond:
                 self._busy = False
                 self._cond.notify_all()
+
+
+def _alarm_raised(store: dist.Store, key: str, callback: Callable[[dict], None]) -> bool:
+    try:
+        if not store.check([key]):
+            return False
+        record = json.loads(store.get(key))
+    except Exception:  # the store is gone (the job is ending): no alarm can come any more
+        return True
+    callback(record)
+    return True
 
 
 def read_progress(store: dist.Store, rank: int) -> dict | str:

@@ -67,24 +67,25 @@ def select_transport(group: Any = None, transport: str | None = None, device: An
     return "shm" if len(layout.hosts) == 1 else "hierarchical" if layout.worthwhile else "torch"
 
 
-def resolve_transport(transport: Any = None, group: Any = None) -> Any:
+def resolve_transport(transport: Any = None, group: Any = None, timeout: float | None = None) -> Any:
     """The transport named by ``transport``: None -> the group's own where it has one (``TransportOwner``: the
     ``fanfold`` backend's group), else ``$FANFOLD_TRANSPORT``, else ``select_transport``'s choice (collective);
     "torch" -> TorchTransport; "shm" -> the shared-memory transport; "hierarchical" -> HierarchicalTransport; an
-    object implementing ``protocol.Transport`` -> used as is."""
+    object implementing ``protocol.Transport`` -> used as is. ``timeout``: the stall timeout of the transports made
+    here (``timeouts.resolve_stall_timeout``)."""
     source = "transport"
     if transport is None:
         pg = group if group is not None or not dist.is_initialized() else dist.group.WORLD
         if isinstance(pg, TransportOwner):  # the fanfold backend's group: one collective layer for torch and DDP
-            return pg.shared_transport() or TorchTransport(group)
+            return pg.shared_transport() or TorchTransport(group, timeout=timeout)
         transport, source = select_transport(group), ENV_VAR
     if isinstance(transport, str):
         if transport == "torch":
-            return TorchTransport(group)
+            return TorchTransport(group, timeout=timeout)
         if transport == "shm":
-            return ShmTransport(group)
+            return ShmTransport(group, timeout)
         if transport == "hierarchical":
-            return HierarchicalTransport(group)
+            return HierarchicalTransport(group, timeout)
         raise ValueError(f"{source} must be 'torch', 'shm', 'hierarchical' or a transport object, got {transport!r}")
     methods = ("all_reduce", "reduce_tensors", "reduce_scatter", "all_gather", "broadcast", "barrier", "allocate")
     missing = [m for m in methods if not callable(getattr(transport, m, None))]

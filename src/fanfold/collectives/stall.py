@@ -9,6 +9,7 @@ collective and the ranks that never arrived. Design notes: docs/reliability.md.
 """
 from __future__ import annotations
 
+import json
 import os
 import socket
 import threading
@@ -22,17 +23,19 @@ import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
-from .progress import Collective, Publisher, caller_line, process_gone, read_progress
+from .progress import WRITE_INTERVAL_S, Collective, Publisher, caller_line, process_gone, read_progress
 from .protocol import Transport, TransportOwner
+from .shm.engine import ShmMismatchError
 from .shm.transport import ShmTransport
 from .store import StoreGroup
-from .timeouts import DEFAULT_STALL_TIMEOUT, ENV_VAR, resolve_stall_timeout
+from .timeouts import DEFAULT_STALL_TIMEOUT, ENV_VAR, bound, group_timeout, resolve_stall_timeout
 from .transport import TorchTransport
 
 __all__ = ["StallError", "InspectedTransport", "StallInspector", "inspected", "group_transport",
            "resolve_stall_timeout", "DEFAULT_STALL_TIMEOUT"]
 
 _MAX_PENDING = 64
+_BARRIER_SLICE_S = 0.5  # the inspector's barrier looks for the group's alarm this often
 _HINT = (
     "Every rank must issue the same collectives in the same order: the same number of steps, each with one "
     "forward and one backward (DDP.join() handles uneven inputs, no_sync() accumulation). "
@@ -56,48 +59,83 @@ class _Timeout(Exception):
     pass
 
 
-def _bounded_wait(handle: Any, timeout: float) -> Any:
-    if isinstance(handle, dist.Work):
-        if handle.is_completed():
-            return handle.wait()  # the timed wait costs ~0.1 ms more per op on gloo; skip it when already done
-        try:
-            return handle.wait(timedelta(seconds=timeout))
-        except RuntimeError:
-            if not handle.is_completed():
-                raise _Timeout() from None
-            raise
+class _Alarm(Exception):
+    pass
+
+
+def _bounded_wait(handle: Any, timeout: float, waiting: set, alarmed: Callable[[], bool]) -> Any:
+    """``handle``'s result once it completes, within ``timeout`` seconds; _Timeout after that, _Alarm as soon as
+    ``alarmed()`` (the group's alarm sets the events in ``waiting``)."""
+    if isinstance(handle, dist.Work) and handle.is_completed():
+        return handle.wait()  # the event costs more than the collective's bookkeeping; skip it when already done
     future = handle if isinstance(handle, torch.futures.Future) else _future_of(handle)
-    if future is not None and not future.done():
+    if future is None:
+        if isinstance(handle, dist.Work):  # a Work without a future: its own timed wait
+            try:
+                return handle.wait(timedelta(seconds=timeout))
+            except RuntimeError:
+                if not handle.is_completed():
+                    raise _Timeout() from None
+                raise
+        return handle.wait()  # bounded by its own transport
+    if not future.done():
         done = threading.Event()
         future.add_done_callback(lambda _: done.set())
-        if not done.wait(timeout):
-            raise _Timeout()
-    return handle.wait()  # done by now, or bounded by its own transport
+        waiting.add(done)
+        try:
+            if not alarmed():
+                done.wait(timeout)
+        finally:
+            waiting.discard(done)
+        if not future.done():
+            raise _Alarm() if alarmed() else _Timeout()
+    return handle.wait()  # done by now
 
 
 def _future_of(handle: Any) -> torch.futures.Future | None:
-    """The torch future behind a handle that offers one (``ShmWork.get_future()``), else None."""
+    """The torch future behind a handle that offers one (``ShmWork.get_future()``, gloo's Work), else None."""
     get = getattr(handle, "get_future", None)
     if get is None:
         return None
-    future = get()
+    try:
+        future = get()
+    except RuntimeError:  # a torch Work of a backend without futures
+        return None
     return future if isinstance(future, torch.futures.Future) else None
 
 
 class StallInspector:
     """Numbers collectives, publishes this rank's progress under ``str(rank)`` in ``store``, bounds waits and
     turns a stall into a :class:`StallError`. One per transport instance: its numbering is that transport's.
-    ``feature`` names what issues the collectives in errors ("DistributedDataParallel", "SyncBatchNorm", ...)."""
+    ``feature`` names what issues the collectives in errors ("DistributedDataParallel", "SyncBatchNorm", ...).
+    ``limit``: the process group's timeout in seconds (no wait is longer). ``instance``: this inspector's key
+    space within ``store`` (the group's), where the first rank to diagnose a stall raises the group's alarm (key
+    ``alarm``); every rank's inspector looks for it, then ends its pending waits with a StallError and calls
+    ``on_alarm`` (the transport's abort)."""
 
     def __init__(self, store: dist.Store, rank: int, world_size: int, timeout: float | timedelta | None = None,
-                 feature: str | None = None):
-        self.store, self.rank, self.world_size, self.feature = store, rank, world_size, feature
-        self.timeout = resolve_stall_timeout(timeout)
+                 feature: str | None = None, *, limit: float | None = None, instance: str = "",
+                 on_alarm: Callable[[str], None] | None = None):
+        self.store = dist.PrefixStore(instance, store) if instance else store
+        self.rank, self.world_size, self.feature = rank, world_size, feature
+        self.base, self.limit = resolve_stall_timeout(timeout), limit
+        self._alarm_store, self._on_alarm = store, on_alarm
+        self.alarm: dict | None = None  # the group's alarm, once seen
+        self._waiting: set[threading.Event] = set()  # the events of the waits in progress (the alarm sets them)
         self._seq = 0
         self._pending: list[Collective] = []  # started, not yet waited: a reducer has several buckets in flight
         self._state = {"pid": os.getpid(), "host": socket.gethostname(), "last": None, "pending": []}
-        self._publisher = Publisher(store, str(rank))
+        # The writer's thread looks for the alarm; it holds the inspector weakly, so that the finalizer can run.
+        heard = weakref.WeakMethod(self._heard)
+        watch = ("alarm", lambda record: (m := heard()) is not None and m(record))
+        # the record's key in the group's store, as the PrefixStore above names it ("instance/rank")
+        self._publisher = Publisher(store, f"{instance}/{rank}" if instance else str(rank), watch)
         weakref.finalize(self, self._publisher.close)
+
+    @property
+    def timeout(self) -> float:
+        """The bound of a collective started now (``timeouts.bound``: a ``stall_timeout`` block, the group's)."""
+        return bound(self.base, self.limit)
 
     def start(self, kind: str, bucket: int | None = None) -> Collective:
         self._seq += 1
@@ -112,14 +150,18 @@ class StallInspector:
             self._pending.remove(op)
             self._publish()
 
-    def wait(self, op: Collective, handle: Any) -> Any:
-        """Wait for ``handle`` (the work of ``op``) at most ``timeout`` seconds; StallError otherwise."""
+    def wait(self, op: Collective, handle: Any, timeout: float | None = None) -> Any:
+        """Wait for ``handle`` (the work of ``op``) at most ``timeout`` seconds (default: :attr:`timeout`), or until
+        the group's alarm; StallError otherwise."""
+        timeout = self.timeout if timeout is None else timeout
         try:
-            result = _bounded_wait(handle, self.timeout)
+            result = _bounded_wait(handle, timeout, self._waiting, lambda: self.alarm is not None)
         except _Timeout:
-            raise self.diagnose(op, None) from None
+            raise self.diagnose(op, None, timeout) from None
+        except _Alarm:
+            raise self.diagnose(op, None, timeout) from None
         except Exception as exc:
-            raise self.diagnose(op, exc) from exc
+            raise self.diagnose(op, exc, timeout) from exc
         self.complete(op)
         return result
 
@@ -136,7 +178,7 @@ class StallInspector:
         if handle is None or not hasattr(handle, "wait"):
             self.complete(op)  # it ran synchronously
             return handle
-        return InspectedWork(self, op, handle)
+        return InspectedWork(self, op, handle, self.timeout)
 
     def _profiled(self, op: Collective, call: Callable[[], Any]) -> Any:
         with record_function(f"fanfold.{op.kind.partition('(')[0]}") as span:
@@ -150,7 +192,7 @@ class StallInspector:
             future = handle if isinstance(handle, torch.futures.Future) else _future_of(handle)
             if future is not None and not future.done():
                 span._call_end_callbacks_on_future(future)  # the span ends when the collective does
-            return InspectedWork(self, op, handle)
+            return InspectedWork(self, op, handle, self.timeout)
 
     def barrier(self) -> None:
         """Wait, at most ``timeout``, until every rank has reached its barrier of this number.
@@ -166,14 +208,25 @@ class StallInspector:
 
     def _barrier(self, op: Collective) -> None:
         self.flush()  # the peers must see this barrier in the record before they can give up on it
-        key = f"barrier/{op.seq}"
+        key, timeout = f"barrier/{op.seq}", self.timeout
+        deadline = time.monotonic() + timeout
         try:
             if self.store.add(key, 1) == self.world_size:
                 self.store.set(f"{key}/all", "1")
-            self.store.wait([f"{key}/all"], timedelta(seconds=self.timeout))
+            # in slices, so that the group's alarm ends it too (a store wait cannot be interrupted)
+            while not self.store.check([f"{key}/all"]):
+                left = deadline - time.monotonic()
+                if left <= 0.01 or self.alarm is not None:  # a store takes a wait of under 1 ms as "no timeout"
+                    raise _Timeout()
+                try:
+                    self.store.wait([f"{key}/all"], timedelta(seconds=min(left, _BARRIER_SLICE_S)))
+                except dist.DistStoreError as exc:
+                    if "timeout" not in str(exc).lower():
+                        raise
+        except _Timeout:
+            raise self.diagnose(op, None, timeout) from None
         except Exception as exc:
-            timed_out = isinstance(exc, dist.DistStoreError) and "timeout" in str(exc).lower()
-            raise self.diagnose(op, None if timed_out else exc) from None
+            raise self.diagnose(op, exc, timeout) from None
         self.complete(op)
 
     def _publish(self, **fields: Any) -> None:
@@ -187,62 +240,137 @@ class StallInspector:
     def _progress(self, rank: int) -> dict | str:
         return read_progress(self.store, rank)
 
-    def diagnose(self, op: Collective, cause: BaseException | None) -> StallError:
-        """Read every rank's progress and build the error for a wait on ``op`` that timed out or failed."""
+    def _heard(self, record: dict) -> None:
+        """The group's alarm (on the writer's thread): end this inspector's waits and the transport's."""
+        if self.alarm is not None:
+            return
+        self.alarm = record
+        for event in list(self._waiting):
+            event.set()
+        if self._on_alarm is not None:
+            try:
+                self._on_alarm(f"rank {record['rank']} diagnosed a stall: {record['headline']}")
+            except Exception:  # noqa: BLE001 - the transport may be closed already: nothing left to end
+                pass
+
+    def _raise_alarm(self, headline: str) -> None:
+        if self.alarm is not None:
+            return
+        record = {"rank": self.rank, "headline": headline}
+        try:
+            if self._alarm_store.add("alarms", 1) == 1:  # the first rank's diagnosis is the one to tell
+                self._alarm_store.set("alarm", json.dumps(record))
+        except Exception:  # noqa: BLE001 - the store is gone: the peers learn of the stall from their own waits
+            return
+        self._heard(record)
+
+    def diagnose(self, op: Collective, cause: BaseException | None, timeout: float | None = None) -> StallError:
+        """Read every rank's progress and build the error for a wait on ``op`` that timed out, failed or was ended
+        by the group's alarm, then raise the group's alarm."""
+        timeout = self.timeout if timeout is None else timeout
+        alarm = self.alarm
         self._publish(gave_up=op.seq)
         self.flush()
-        # A peer whose connection just dropped is usually still exiting: give it up to a second to finish.
+        # A peer whose connection just dropped is usually still exiting: give it up to a second to finish. And a peer's
+        # record may lag its progress by up to WRITE_INTERVAL_S: a rank that fails at once (a dead peer, a mismatch)
+        # waits that long, so that it does not report as behind a peer that arrived with it.
         grace_until = time.monotonic() + (1.0 if cause is not None else 0.0)
-        missing, lines = [], []
+        time.sleep(2 * WRITE_INTERVAL_S)
+        never, gave_up, disagreed, ahead, unknown, lines = [], [], [], [], [], []
         for r in range(self.world_size):
             if r == self.rank:
                 continue
             p = self._progress(r)
             if isinstance(p, str):
                 lines.append(f"  rank {r}: {p}")
-                if p.startswith("has not"):
-                    missing.append(r)
+                (never if p.startswith("has not") else unknown).append(r)
                 continue
             last = Collective(*p["last"])
             pending = {o[0]: Collective(*o) for o in p["pending"]}
             gone = p["host"] == self._state["host"] and process_gone(p["pid"], grace_until)
-            if op.seq in pending:
-                theirs = pending[op.seq]
-                same = (theirs.kind, theirs.bucket) == (op.kind, op.bucket)
-                what = "arrived" if same else f"in a different collective with the same number: {theirs}"
+            quit_here = p.get("gave_up") == op.seq
+            if op.seq in pending or quit_here:
+                theirs = pending.get(op.seq)
+                if theirs is None or (theirs.kind, theirs.bucket) == (op.kind, op.bucket):
+                    what = "arrived"
+                    if quit_here or gone:
+                        gave_up.append(r)
+                else:
+                    what = f"in a different collective with the same number: {theirs}"
+                    never.append(r)
             elif last.seq < op.seq:
                 state = "still waiting on it" if last.seq in pending else "completed it"
                 what = f"behind: its last collective is {last}, {state}"
+                never.append(r)
             else:
                 what = f"ahead: past #{op.seq}, its last collective is {last}"
+                ahead.append(r)
             if "gave_up" in p:
                 what += f"; it gave up waiting on #{p['gave_up']}"
-            if what != "arrived" or gone:
-                missing.append(r)
             if gone:
                 what += f"; its process {p['pid']} is gone"
             lines.append(f"  rank {r}: {what}")
-        verdict = f"did not complete within {self.timeout:g} s" if cause is None else f"failed ({type(cause).__name__})"
+        clash = _disagreement(cause)
+        if clash is not None:  # the transport saw a peer in another size, dtype or op: that, not a wait, is the fault
+            disagreed = [clash.peer]
+            never = [r for r in never if r != clash.peer]
+            gave_up = [r for r in gave_up if r != clash.peer]
+        timed_out = cause is None or _is_timeout(cause)
+        if alarm is not None:
+            by = "this rank" if alarm["rank"] == self.rank else f"rank {alarm['rank']}"
+            verdict = f"was ended: {by} had diagnosed a stall ({alarm['headline']})"
+        else:
+            verdict = f"did not complete within {timeout:g} s" if timed_out else f"failed ({type(cause).__name__})"
+        if clash is not None:
+            earlier = "" if clash.seq_text is None else f" in {clash.seq_text}"
+            verdict = f"failed: rank {clash.peer} disagreed ({clash.field}){earlier}: {clash.detail}"
         who = "" if self.feature is None else f"{self.feature}'s "
-        parts = [f"rank {self.rank} of {self.world_size}: {who}{op} {verdict}. "
-                 f"Ranks that never arrived: {missing or 'none found'}.", *lines]
-        if cause is not None:
+        found = [f"Ranks that never arrived: {never}." if never else "",
+                 f"Ranks that disagreed: {disagreed}." if disagreed else "",
+                 f"Ranks that arrived and gave up: {gave_up}." if gave_up else "",
+                 f"Ranks already past it: {ahead}." if ahead else "",
+                 f"Ranks whose progress is unknown: {unknown}." if unknown else ""]
+        found = " ".join(f for f in found if f) or "Ranks that never arrived: none found."
+        headline = f"rank {self.rank} of {self.world_size}: {who}{op} {verdict}. {found}"
+        parts = [headline, *lines]
+        if cause is not None and clash is None:
             parts.append(f"  cause: {type(cause).__name__}: {str(cause)[:300]}")
         parts.append(_HINT)
+        missing = sorted(never + disagreed + ahead)
+        if alarm is None:
+            self._raise_alarm(headline.partition(" started at ")[0] + f"; never arrived: {never}")
         return StallError("\n".join(parts), rank=self.rank, seq=op.seq, kind=op.kind, bucket=op.bucket, missing=missing,
                           feature=self.feature)
+
+
+def _is_timeout(exc: BaseException) -> bool:
+    """Whether ``exc`` says a wait ran out of time (gloo's, the store's, the shm transport's) rather than failed."""
+    text = str(exc)
+    return "Timed out" in text or "timed out" in text or "never arrived within" in text or (
+        isinstance(exc, dist.DistStoreError) and "timeout" in text.lower())
+
+
+def _disagreement(cause: BaseException | None) -> Any:
+    """The shm transport's report of a peer in another collective (size, dtype, op), from ``cause`` or the
+    failure that made its transport unusable; None otherwise."""
+    seen = 0
+    while cause is not None and seen < 8:
+        if isinstance(cause, ShmMismatchError):
+            return cause
+        cause, seen = cause.__cause__ or cause.__context__, seen + 1
+    return None
 
 
 class InspectedWork:
     """The handle of an inspected collective: ``wait()`` is bounded and diagnosed; the rest is the inner handle's."""
 
-    __slots__ = ("_inspector", "_op", "_handle")
+    __slots__ = ("_inspector", "_op", "_handle", "_timeout")
 
-    def __init__(self, inspector: StallInspector, op: Collective, handle: Any):
-        self._inspector, self._op, self._handle = inspector, op, handle
+    def __init__(self, inspector: StallInspector, op: Collective, handle: Any, timeout: float):
+        self._inspector, self._op, self._handle, self._timeout = inspector, op, handle, timeout
 
     def wait(self, *args: Any, **kwargs: Any) -> Any:  # timeout arguments are ignored: the inspector's bound applies
-        return self._inspector.wait(self._op, self._handle)
+        return self._inspector.wait(self._op, self._handle, self._timeout)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._handle, name)
@@ -275,7 +403,9 @@ class InspectedTransport:
         # Each rank counts its own transports in the store, so the n-th transport of every rank shares key space
         # n without any process-wide state, and two DDP models on one group do not mix their numbering.
         instance = store.add(f"instances/{rank}", 1)
-        self.inspector = StallInspector(dist.PrefixStore(f"{instance}/", store), rank, world_size, timeout, feature)
+        abort = getattr(inner, "abort", None)  # the shm transport's: its peers' waits end at once
+        self.inspector = StallInspector(store, rank, world_size, timeout, feature, limit=group_timeout(group),
+                                        instance=str(instance), on_alarm=abort if callable(abort) else None)
 
     def all_reduce(self, tensor: torch.Tensor, bucket: int | None = None, divisor: float | None = None) -> Any:
         return self.inspector.run("all_reduce", bucket, lambda: self.inner.all_reduce(tensor, bucket, divisor))
@@ -346,17 +476,16 @@ def group_transport(group: Any = None, feature: str | None = None) -> InspectedT
     """The inspected transport for ``feature``'s collectives over process group ``group`` (None: the default group):
     the group's own where it has one (the ``fanfold`` backend's shared memory), else torch.distributed's. Made at the
     feature's first call on the group (every rank alike) and kept, so that each call does not pay for a new
-    progress record and its writer thread. Timeout: ``$FANFOLD_STALL_TIMEOUT``, else the process group's own, as
-    torch's collectives had."""
+    progress record and its writer thread. Timeout: ``$FANFOLD_STALL_TIMEOUT`` (else 300 s), at most the process
+    group's own."""
     pg = group if group is not None else dist.group.WORLD
     with _GROUP_LOCK:
         kept = _BY_GROUP.setdefault(pg, {})
         transport = kept.get(feature)
         if transport is None:
-            timeout = None if os.environ.get(ENV_VAR) else dist.distributed_c10d._get_default_store().timeout
             inner = pg.shared_transport() if isinstance(pg, TransportOwner) else None
-            transport = kept[feature] = InspectedTransport(inner or TorchTransport(group), timeout=timeout,
-                                                           group=group, feature=feature)
+            transport = kept[feature] = InspectedTransport(inner or TorchTransport(group), group=group,
+                                                           feature=feature)
         return transport
 
 

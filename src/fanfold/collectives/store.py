@@ -13,10 +13,12 @@ __all__ = ["group_store", "StoreGroup"]
 @dataclass(frozen=True)
 class StoreGroup:
     """A group known by its store, rank and size only: a process group that torch is still constructing (the
-    ``fanfold`` backend's), not yet registered, so neither ``dist.get_rank`` nor the default store applies."""
+    ``fanfold`` backend's), not yet registered, so neither ``dist.get_rank`` nor the default store applies.
+    ``timeout``: the group's, in seconds (None: unknown)."""
     store: dist.Store
     rank: int
     world_size: int
+    timeout: float | None = None
 
 
 def group_store(group: Any, kind: str, rank: int) -> dist.Store:

@@ -1,25 +1,42 @@
 """How long a rank waits for its peers: one setting shared by every collective layer.
 
-``resolve_stall_timeout`` reads the ``stall_timeout`` argument, else ``$FANFOLD_STALL_TIMEOUT``, else 300 s. The
-shared-memory transport bounds its waits by it and the stall inspector (``stall.py``) reports a
-collective as stalled after it.
+``resolve_stall_timeout`` reads the ``stall_timeout`` argument, else ``$FANFOLD_STALL_TIMEOUT``, else 300 s;
+``stall_limit`` caps it by the process group's own timeout (the smaller wins). :func:`stall_timeout` replaces it
+for the collectives started inside a ``with`` block (a long evaluation or save on one rank): ``bound`` gives the
+bound of a collective started now. The shared-memory transport, the torch transport, the ``fanfold`` backend and
+the stall inspector (``stall.py``) all bound their waits by it.
 """
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from datetime import timedelta
+from typing import Any
 
-__all__ = ["resolve_stall_timeout", "DEFAULT_STALL_TIMEOUT", "ENV_VAR"]
+import torch
+import torch.distributed as dist
+
+from .store import StoreGroup
+
+__all__ = ["resolve_stall_timeout", "stall_limit", "stall_timeout", "bound", "group_timeout",
+           "DEFAULT_STALL_TIMEOUT", "ENV_VAR"]
 
 DEFAULT_STALL_TIMEOUT = 300.0
 ENV_VAR = "FANFOLD_STALL_TIMEOUT"
+
+# The phase's timeout (stall_timeout's block), or None. A ContextVar rather than a setting of the group or the
+# transport: it is scoped to the block and to the thread (or task) that opened it, undone on the way out whatever
+# happens, and reaches every feature (DDP, ZeRO, fanfold.save, the backend) without an argument through each.
+_PHASE: ContextVar[float | None] = ContextVar("fanfold_stall_timeout", default=None)
 
 
 def resolve_stall_timeout(timeout: float | timedelta | None = None) -> float:
     """Seconds to wait for a collective: ``timeout`` if given, else ``$FANFOLD_STALL_TIMEOUT``, else 300."""
     source = "stall_timeout"
     if timeout is None:
-        timeout, source = os.environ.get(ENV_VAR, DEFAULT_STALL_TIMEOUT), ENV_VAR
+        timeout, source = os.environ.get(ENV_VAR) or DEFAULT_STALL_TIMEOUT, ENV_VAR
     if isinstance(timeout, timedelta):
         timeout = timeout.total_seconds()
     try:
@@ -29,3 +46,46 @@ def resolve_stall_timeout(timeout: float | timedelta | None = None) -> float:
     if not seconds > 0:
         raise ValueError(f"{source} must be positive, got {timeout!r}")
     return seconds
+
+
+def group_timeout(group: Any = None) -> float | None:
+    """The timeout of process group ``group`` in seconds (None: the default group; a ``StoreGroup``: its own),
+    where known: no stall timeout is longer."""
+    if isinstance(group, StoreGroup):
+        return group.timeout
+    if not dist.is_initialized():
+        return None
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    try:
+        return pg._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+    except (AttributeError, RuntimeError):  # no CPU backend (NCCL's group), or one without options: the store's
+        timeout = getattr(dist.distributed_c10d._get_default_store(), "timeout", None)
+        return timeout.total_seconds() if isinstance(timeout, timedelta) else None
+
+
+def stall_limit(timeout: float | timedelta | None, group: float | None) -> float:
+    """The stall timeout (``resolve_stall_timeout(timeout)``), capped by ``group``, the group's timeout in seconds."""
+    seconds = resolve_stall_timeout(timeout)
+    return seconds if group is None else min(seconds, group)
+
+
+def bound(base: float, group: float | None = None) -> float:
+    """The bound of a collective started now: the open :func:`stall_timeout` block's, else ``base``; never above
+    ``group`` (the group's timeout, where known)."""
+    phase = _PHASE.get()
+    seconds = base if phase is None else phase
+    return seconds if group is None or seconds <= group else group
+
+
+@contextmanager
+def stall_timeout(seconds: float | timedelta) -> Iterator[float]:
+    """Within the block, every fanfold collective started on this thread waits ``seconds`` for its peers (at most
+    the process group's timeout) instead of ``$FANFOLD_STALL_TIMEOUT``: for a phase where one rank is busy alone
+    for long, e.g. rank 0 evaluating or saving while the others wait in the next collective. Every rank opens it
+    around the same collectives: it is the waiting ranks whose bound it lengthens. Yields the seconds."""
+    value = resolve_stall_timeout(seconds)
+    token = _PHASE.set(value)
+    try:
+        yield value
+    finally:
+        _PHASE.reset(token)

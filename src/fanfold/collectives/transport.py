@@ -17,9 +17,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import AllgatherOptions  # torch.distributed does not re-export it
 
 from .._core.group import require_initialized
 from .protocol import Transport
+from .timeouts import bound, group_timeout, resolve_stall_timeout
 from .work import completed_work
 
 __all__ = ["TorchTransport", "DividedWork", "reduce_through_copy", "all_gather_rows", "all_gather_bytes"]
@@ -58,16 +60,34 @@ def _split(flat: torch.Tensor, outs: Sequence[torch.Tensor]) -> None:
 class TorchTransport:
     """The transport interface on a torch.distributed process group (``group=None``: the default group).
     ``native_scatter``: whether ``reduce_scatter`` and ``all_gather`` call torch's own (None: unless the group is
-    gloo's, whose all-reduce was faster than its reduce-scatter; ZeRO stage 2 then broadcasts instead of gathering)."""
+    gloo's, whose all-reduce was faster than its reduce-scatter; ZeRO stage 2 then broadcasts instead of gathering).
+    ``timeout`` (seconds; default ``$FANFOLD_STALL_TIMEOUT``, else 300; at most the group's timeout; a
+    ``stall_timeout`` block replaces it) bounds each collective inside torch's backend (its options' timeout): gloo
+    ends a collective that runs out of time and closes its connections, so the peers' pending collectives fail at
+    once instead of waiting out the group's timeout, and no process is held at exit by a collective left behind."""
 
-    def __init__(self, group: Any = None, *, native_scatter: bool | None = None):
+    def __init__(self, group: Any = None, *, native_scatter: bool | None = None,
+                 timeout: float | timedelta | None = None):
         require_initialized("TorchTransport")
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.native_scatter = dist.get_backend(group) != "gloo" if native_scatter is None else bool(native_scatter)
         pg = group if group is not None else dist.distributed_c10d._get_default_group()
+        self._pg = pg
         self._device_types = {d.type for d in getattr(pg, "_device_types", [])}
+        self._base, self._limit = resolve_stall_timeout(timeout), group_timeout(group)
+
+    def _options(self, kind: type, **fields: Any) -> Any:
+        # The bound of a collective issued now, in the options torch's backend reads per collective
+        opts = kind()
+        for name, value in fields.items():
+            setattr(opts, name, value)
+        opts.timeout = timedelta(seconds=bound(self._base, self._limit))
+        return opts
+
+    def _sum(self, tensor: torch.Tensor) -> dist.Work:
+        return self._pg.allreduce([tensor], self._options(dist.AllreduceOptions, reduceOp=dist.ReduceOp.SUM))
 
     def _home(self, tensor: torch.Tensor) -> torch.device | None:
         """The device a copy of ``tensor`` must travel on, or None where the group takes it as it is: NCCL has no
@@ -81,9 +101,9 @@ class TorchTransport:
         home = self._home(tensor)
         if home is not None:
             staged = tensor.to(home)
-            work = dist.all_reduce(staged, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+            work = self._sum(staged)
             return DividedWork(work, lambda: tensor.copy_(staged if divisor is None else staged.div_(divisor)))
-        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        work = self._sum(tensor)
         return work if divisor is None else DividedWork(work, lambda: tensor.div_(divisor))
 
     def reduce_tensors(self, tensors: Sequence[torch.Tensor], bucket: int | None = None, *,
@@ -94,18 +114,15 @@ class TorchTransport:
         return reduce_through_copy(self, tensors, bucket, divisor, compress)
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
-        # src is a rank of this group; torch wants the global rank.
-        global_src = src if self.group is None else dist.get_global_rank(self.group, src)
+        # src is a rank of this group, as the group's own broadcast wants it
         home = self._home(tensor)
-        if home is not None:
-            staged = tensor.to(home)
-            dist.broadcast(staged, global_src, group=self.group)
+        staged = tensor if home is None else tensor.to(home)
+        self._pg.broadcast([staged], self._options(dist.BroadcastOptions, rootRank=src, rootTensor=0)).wait()
+        if staged is not tensor:
             tensor.copy_(staged)
-            return
-        dist.broadcast(tensor, global_src, group=self.group)
 
     def barrier(self) -> None:
-        dist.barrier(group=self.group)
+        self._pg.barrier(self._options(dist.BarrierOptions)).wait()
 
     def reduce_scatter(self, tensor: torch.Tensor, out: torch.Tensor, bucket: int | None = None, *,
                        divisor: float | None = None) -> Any:
@@ -114,16 +131,14 @@ class TorchTransport:
             # gloo: its all-reduce was faster than its reduce-scatter here; this rank keeps its part of the sum
             return self.all_reduce(tensor, bucket, divisor) if self.world_size == 1 else DividedWork(
                 self.all_reduce(tensor, bucket, divisor), lambda: out.copy_(tensor[self.rank * n:(self.rank + 1) * n]))
-        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # as all_gather
-        work = scatter(out, tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        work = self._pg._reduce_scatter_base(out, tensor, self._options(dist.ReduceScatterOptions,
+                                                                        reduceOp=dist.ReduceOp.SUM))
         return work if divisor is None else DividedWork(work, lambda: out.div_(divisor))
 
     def all_gather(self, tensor: torch.Tensor, out: torch.Tensor, bucket: int | None = None) -> Any:
         lo, hi = out.data_ptr(), out.data_ptr() + out.numel() * out.element_size()
         send = tensor.clone() if lo <= tensor.data_ptr() < hi else tensor  # in-place all-gathers are not promised
-        # torch 2.13 deprecated all_gather_into_tensor for all_gather_single (older torch has only the first)
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        return gather(out, send, group=self.group, async_op=True)
+        return self._pg._allgather_base(out, send, self._options(AllgatherOptions))
 
     def allocate(self, numel: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
         return torch.zeros(numel, dtype=dtype, device=device)

@@ -99,7 +99,7 @@ class DistributedDataParallel(nn.Module):
         self._join: JoinState | None = None
         self._had_buffers = bool(self._module_buffers())  # torch's: else no walk per forward
         # Every collective is numbered and its wait bounded by the stall inspector (stall.py).
-        self.transport = inspected(resolve_transport(transport, self.process_group), stall_timeout)
+        self.transport = inspected(resolve_transport(transport, self.process_group, stall_timeout), stall_timeout)
         if init_sync:  # first, so that a model that differs between ranks is named as such on every rank
             check_same_model(self.transport, module, self.parameters_to_ignore)
         if no_trainable_parameters(module, options.delayed):
@@ -137,7 +137,8 @@ class DistributedDataParallel(nn.Module):
     def _ensure_built(self) -> None:
         """After unpickling: the transport and the reducer, built by every rank at the copy's first forward."""
         if self.reducer is None:
-            self.transport = inspected(resolve_transport(self._transport_arg, self.process_group), self._stall_timeout)
+            self.transport = inspected(resolve_transport(self._transport_arg, self.process_group, self._stall_timeout),
+                                       self._stall_timeout)
             self._build_reducer()
             self._share_transport()
 

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..collectives.objects import all_gather_object, gather_object
+from ..collectives.stall import group_transport
 from ..distributed.reducer import Reducer
 from .layout import (
     Piece,
@@ -43,12 +44,6 @@ def _rank_world(group: Any) -> tuple[int, int]:
     if group is None and not (dist.is_available() and dist.is_initialized()):
         return 0, 1
     return dist.get_rank(group), dist.get_world_size(group)
-
-
-def _all_gather_single(out: torch.Tensor, send: torch.Tensor, group: Any) -> None:
-    # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single; older torch has only the first.
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out, send, group=group)
 
 
 class ZeroRedundancyOptimizer(torch.optim.Optimizer):
@@ -213,7 +208,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                     send.zero_()  # the last slices are padded to equal size
                 for i, a, b, at in spans(space, numels, mine, mine + w):
                     send[at:at + b - a].copy_(flat[i][a:b])
-                _all_gather_single(out[:w * n], send[:w], self.process_group)
+                # through the group's inspected transport: numbered, bounded by the stall timeout, diagnosed
+                group_transport(self.process_group, "ZeroRedundancyOptimizer").all_gather(send[:w], out[:w * n]).wait()
                 for q in range(n):
                     if q == self.rank:
                         continue  # stepped in place already

@@ -37,7 +37,7 @@ from .request import (
 )
 from .segment import Segment
 
-__all__ = ["Engine", "combine"]
+__all__ = ["Engine", "combine", "ShmMismatchError"]
 
 _DESC = 16  # in a rank's line (after counter and pid), the headers of its current collective, by seq parity
 _FOLD = {MIN: torch.minimum, MAX: torch.maximum, PRODUCT: torch.mul}
@@ -60,6 +60,25 @@ def combine(parts: list[torch.Tensor], out: torch.Tensor, op: int, scratch: torc
         fold(acc, p, out=acc)
     if acc is not out:
         out.copy_(acc)
+
+
+class ShmMismatchError(RuntimeError):
+    """Rank ``rank``, in collective ``seq_text`` (what, number, chunk), found rank ``peer`` in another one under
+    the same number: ``field`` says what differs ("collective", "op", "dtype", "size", "tensors", "root",
+    "compression"), ``detail`` both sides."""
+
+    def __init__(self, message: str, *, rank: int, peer: int, seq: int, seq_text: str, field: str, detail: str):
+        super().__init__(message)
+        self.rank, self.peer, self.seq, self.seq_text = rank, peer, seq, seq_text
+        self.field, self.detail = field, detail
+
+
+def _differs(theirs: Header, mine: Header) -> str:
+    for field, name in (("op", "collective"), ("reduce", "op"), ("dtype", "dtype"), ("numel", "size"),
+                        ("place", "tensors"), ("src", "root"), ("narrow", "compression")):
+        if getattr(theirs, field) != getattr(mine, field):
+            return name
+    return "collective"
 
 
 class Engine:
@@ -163,15 +182,19 @@ class Engine:
                     what += f" (op {theirs.reduce_name()}; rank {self.rank}'s: {mine.reduce_name()})"
                 elif same:  # REDUCE_TENSORS, SCATTER_TENSORS: as many tensors
                     what += f" as {theirs.place} tensors (rank {self.rank}: {mine.place})"
-                raise RuntimeError(
-                    f"fanfold shm transport: rank {self.rank} is in {describe()[0]} but rank {p} is in "
+                doing = describe()[0]
+                raise ShmMismatchError(
+                    f"fanfold shm transport: rank {self.rank} is in {doing} but rank {p} is in "
                     f"{what}: every rank must issue the same collectives, with the same "
-                    "shapes and dtypes, in the same order")
+                    "shapes and dtypes, in the same order", rank=self.rank, peer=p, seq=seq, seq_text=doing,
+                    field=_differs(theirs, mine), detail=f"rank {p} is in {what}")
 
     def run(self, c: Collective) -> None:
         """Run collective ``c`` (see :class:`~fanfold.collectives.shm.request.Collective` for its fields)."""
         op, flat, seq = c.op, c.flat, c.seq
         self._divisor, self._reduce = c.divisor, c.reduce
+        if c.timeout is not None:
+            self.seg.timeout = c.timeout
         # all_to_all's lengths may differ by rank: its first step checks every pair of splits instead
         peer = op in (REDUCE_TENSORS, SCATTER_TENSORS)  # c.outs: the tensors, read where they lie
         numel = (sum(t.numel() for t in c.outs) if peer else 0 if flat is None or op == ALL_TO_ALL else flat.numel())

@@ -58,7 +58,8 @@ class Collective:
     ``PeerReader.run``. ``out``: the 1-d output of all_gather, reduce_scatter (SCATTER_TENSORS too) and all_to_all.
     ``splits``: all_to_all's element counts (sent to each rank, received from each rank). ``reduce``: the
     reduction's code (SUM, MIN, MAX, PRODUCT) of an all_reduce or reduce_scatter; a divisor goes
-    with SUM only."""
+    with SUM only. ``timeout``: seconds any of its waits for a peer may take (set when it is numbered, from the
+    caller's ``stall_timeout`` block if any; None: the segment's)."""
 
     op: int
     seq: int
@@ -73,6 +74,7 @@ class Collective:
     out: torch.Tensor | None = None
     splits: tuple[tuple[int, ...], tuple[int, ...]] | None = None
     reduce: int = SUM
+    timeout: float | None = None
 
 
 @dataclass(frozen=True, eq=False)

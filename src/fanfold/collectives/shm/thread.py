@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -54,8 +55,9 @@ class Worker:
     caller's thread (``inline``) when nothing is queued or running. After a failure the transport is unusable (the
     peers were told through the abort word); later collectives get the same error."""
 
-    def __init__(self, engine: Engine, name: str):
-        self.engine = engine
+    def __init__(self, engine: Engine, name: str, timeout: Callable[[], float]):
+        """``timeout()``: the bound of a collective numbered now (read on the caller's thread)."""
+        self.engine, self._timeout = engine, timeout
         self.seq = 0  # the collectives numbered so far
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()  # numbering, queueing and the count of unfinished collectives, together
@@ -71,7 +73,7 @@ class Worker:
         fut = torch.futures.Future()
         with self._lock:  # numbering and queueing together: the FIFO order is the numbering order
             self.seq += 1
-            request = Request(fut, value, finish, replace(c, seq=self.seq))
+            request = Request(fut, value, finish, replace(c, seq=self.seq, timeout=self._timeout()))
             inline = inline and self._pending == 0
             self._pending += 1
             if inline:
@@ -99,6 +101,7 @@ class Worker:
             self._pending = 1
             self._running.acquire()  # nothing unfinished: the thread is not running (see submit)
         try:
+            self.engine.seg.timeout = self._timeout()
             self.engine.run_small(t, divisor, seq, bucket)
         except BaseException as exc:  # noqa: BLE001 - every peer must learn of the failure, as in _execute
             self._error = exc
@@ -124,8 +127,9 @@ class Worker:
 
     def _execute(self, request: Request) -> None:
         if self._error is not None:
-            request.future.set_exception(
-                RuntimeError(f"the shm transport failed earlier and cannot be used: {self._error}"))
+            error = RuntimeError(f"the shm transport failed earlier and cannot be used: {self._error}")
+            error.__cause__ = self._error  # what failed, for the stall inspector's diagnosis
+            request.future.set_exception(error)
             return
         try:
             self.engine.run(request.collective)

@@ -10,11 +10,11 @@ store.
 """
 from __future__ import annotations
 
-import os
 import warnings
 import weakref
 from collections.abc import Callable
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 import torch
@@ -22,8 +22,7 @@ import torch.distributed as dist
 
 from ..._core.group import require_initialized
 from ..store import StoreGroup, group_store
-from ..timeouts import ENV_VAR as STALL_ENV_VAR
-from ..timeouts import resolve_stall_timeout
+from ..timeouts import bound, group_timeout, resolve_stall_timeout
 from .engine import Engine
 from .exchanges import Exchanges
 from .peer import TABLE_BYTES, probe
@@ -54,8 +53,9 @@ _SMALL_DTYPES = frozenset(DTYPES)
 class ShmTransport(Exchanges):
     """The transport interface (``protocol.Transport``) through shared memory, for ranks sharing this host's /dev/shm.
     Collective: every rank of ``group`` (None: the default group) constructs it, in the same order as its other
-    transports. ``timeout`` (seconds or timedelta; default ``$FANFOLD_STALL_TIMEOUT``, else the process group's
-    timeout) bounds every wait for a peer; a peer that never arrives, dies or fails makes the waiting rank raise
+    transports. ``timeout`` (seconds or timedelta; default ``$FANFOLD_STALL_TIMEOUT``, else 300; at most the
+    process group's timeout; a ``stall_timeout`` block replaces it for the collectives started in it) bounds every
+    wait for a peer; a peer that never arrives, dies or fails makes the waiting rank raise
     :class:`ShmTimeoutError` naming both ranks and the collective. ``chunk_bytes`` is the pipelining unit;
     ``direct_bytes`` (default: no limit up to 3 ranks, else 64 KiB) the largest tensor whose ring all_reduce every
     rank sums whole instead of by shards; ``peer_read`` (None: where the probe allows) whether ranks read their
@@ -72,9 +72,8 @@ class ShmTransport(Exchanges):
         self.group = group
         self.rank, self.world_size = (group.rank, group.world_size) if own else (dist.get_rank(group),
                                                                                  dist.get_world_size(group))
-        if timeout is None and not os.environ.get(STALL_ENV_VAR):  # the process group's own timeout
-            timeout = (group.store if own else dist.distributed_c10d._get_default_store()).timeout
-        self.timeout = resolve_stall_timeout(timeout)
+        self._base, self._limit = resolve_stall_timeout(timeout), group_timeout(group)
+        self.timeout = bound(self._base, self._limit)
         self._chunk_bytes = chunk_bytes
         if direct_bytes is None:  # up to 3 ranks, summing everything on every rank moves fewer bytes
             direct_bytes = 1 << 62 if self.world_size <= 3 else 64 << 10
@@ -105,7 +104,7 @@ class ShmTransport(Exchanges):
             self._segment.check_pids = len(spaces) == 1 and b"" not in spaces
             tables = self._segment.data[ring:] if self.peer_read else None
             engine = Engine(self._segment, self.rank, self.world_size, chunk_bytes, areas, tables)
-            self._worker = Worker(engine, f"fanfold-shm-rank{self.rank}")
+            self._worker = Worker(engine, f"fanfold-shm-rank{self.rank}", partial(bound, self._base, self._limit))
             self._finalizer = weakref.finalize(self, self._worker.stop, self._segment, self._regions)
         else:
             self._finalizer = weakref.finalize(self, lambda: None)
@@ -235,9 +234,10 @@ class ShmTransport(Exchanges):
         self._submit(BARRIER, None).wait()
 
     def abort(self, message: str) -> None:
-        """Tell the peers that this rank gave up (their waits on this transport raise at once, with ``message``):
-        for a layer above that failed elsewhere (the hierarchical transport's cross-host step), so that the ranks of
-        this host learn it now rather than at their timeout."""
+        """End every rank's waits in this transport at once (its collectives and its peers' raise, naming this rank
+        and ``message``): the answer to the group's stall alarm, and to a failure in a layer above (the hierarchical
+        transport's cross-host step), so that the ranks of this host learn it now rather than at their timeout. The
+        transport is unusable after."""
         if self._segment is not None and self._finalizer.alive:
             self._segment.abort(f"rank {self.rank}: {message}")
 

@@ -1,0 +1,79 @@
+"""One rank of a stall-matrix case (``test_stall_matrix.py``), run as ``python _stall_program.py SETUP CASE DIR``
+with the torchrun environment: a few steps of training with SETUP, where rank 1 (the culprit) deviates as CASE
+says. Prints ``ENTERED <time>`` before each collective it may stall in, and ``RESULT <json>`` (the error it
+raised, if any), then ends by a normal interpreter exit (process group teardown included): the test measures when
+each process is gone."""
+import json
+import os
+import signal
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import fanfold
+
+STEPS = 3
+
+
+def entered(what):
+    print(f"ENTERED {time.time()} {what}", flush=True)
+
+
+def train(setup, case, path):
+    rank = dist.get_rank()
+    culprit = rank == 1
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    if setup == "backend":
+        model = nn.parallel.DistributedDataParallel(net)  # torch's own DDP on the fanfold backend
+    else:
+        model = fanfold.DistributedDataParallel(net, transport="torch" if setup == "ddp-torch" else "shm")
+    if setup == "zero":
+        opt = fanfold.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(STEPS):
+        last = step == STEPS - 1
+        if case == "killed" and culprit and last:
+            entered("killed")
+            os.kill(os.getpid(), signal.SIGKILL)
+        loss = model(torch.randn(8, 4)).pow(2).mean()
+        if case == "extra_all_reduce" and culprit and last:
+            entered("extra all_reduce")
+            dist.all_reduce(torch.ones(1))  # the user's own, one the other ranks never issue
+        if case in ("skip_backward", "skip_to_dist_barrier") and culprit and last:
+            continue
+        entered(f"backward {step}")
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    if case == "skip_to_dist_barrier":
+        entered("dist.barrier")
+        dist.barrier()  # torch's own, on the gloo group where rank 0 still waits in its last backward's all_reduce
+    if case == "missing_barrier" and not culprit or case == "missing_save" and culprit:
+        entered("barrier")
+        model.transport.barrier()
+    if case != "missing_save" or not culprit:
+        entered("save")
+        fanfold.save(path, {"model": net.state_dict()})
+
+
+def main(setup, case, folder):
+    torch.set_num_threads(1)
+    dist.init_process_group("fanfold" if setup == "backend" else "gloo", timeout=timedelta(seconds=60))
+    result = {}
+    try:
+        train(setup, case, os.path.join(folder, "ckpt.pt"))
+    except Exception as exc:  # noqa: BLE001 - the test reads what each rank raised
+        result = {"type": type(exc).__name__, "message": str(exc), "missing": getattr(exc, "missing", None),
+                  "feature": getattr(exc, "feature", None)}
+    print("RESULT " + json.dumps(result), flush=True)
+    return 1 if result else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(*sys.argv[1:4]))

@@ -1,0 +1,128 @@
+"""The stall matrix: a rank that skips a backward, issues an extra all_reduce, misses a barrier or a save, or is
+killed, under fanfold's DDP over shared memory and over torch.distributed, torch's DDP on the ``fanfold`` backend,
+and fanfold's ZeRO. Every rank is a real process ending by a normal exit (``_stall_program.py``); with
+``FANFOLD_STALL_TIMEOUT=2`` and a group timeout of 60 s, the test asserts the diagnosis (the rank and the
+collective named) and that every process is gone within the stall timeout + 10 s of the moment the last rank
+entered the collective it stalls in (or of the kill): no wait lasts until the group's timeout."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from fanfold.launcher.loopback import LOOPBACK, loopback_interface, loopback_store
+
+STALL = 2.0
+PROGRAM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_stall_program.py")
+DEADLINE = 120.0  # the whole case, start-up included: far below the group's timeout (60 s) plus start-up
+
+
+def _run(setup, case, nprocs, folder):
+    """Start the ranks, wait for every process to end; per rank: its ENTERED times, RESULT, exit code and the
+    time.time() at which it was seen gone."""
+    store, port = loopback_store(DEADLINE)
+    lo = loopback_interface()
+    base = {**os.environ, "MASTER_ADDR": LOOPBACK, "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True",
+            "WORLD_SIZE": str(nprocs), "LOCAL_WORLD_SIZE": str(nprocs), "GROUP_RANK": "0", "OMP_NUM_THREADS": "1",
+            "FANFOLD_STALL_TIMEOUT": str(STALL), **({"GLOO_SOCKET_IFNAME": lo} if lo else {})}
+    procs, outs = [], []
+    try:
+        for rank in range(nprocs):
+            out = open(os.path.join(folder, f"rank{rank}.log"), "w+")
+            outs.append(out)
+            procs.append(subprocess.Popen([sys.executable, PROGRAM, setup, case, folder], stdout=out,
+                                          stderr=subprocess.STDOUT,
+                                          env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank)}))
+        gone = [None] * nprocs
+        end = time.monotonic() + DEADLINE
+        while None in gone and time.monotonic() < end:
+            for r, p in enumerate(procs):
+                if gone[r] is None and p.poll() is not None:
+                    gone[r] = time.time()
+            time.sleep(0.05)
+        assert None not in gone, f"ranks {[r for r, g in enumerate(gone) if g is None]} still running"
+        ranks = []
+        for r, out in enumerate(outs):
+            out.seek(0)
+            text = out.read()
+            entered = [float(line.split()[1]) for line in text.splitlines() if line.startswith("ENTERED ")]
+            result = [json.loads(line[7:]) for line in text.splitlines() if line.startswith("RESULT ")]
+            ranks.append({"entered": entered, "result": result[0] if result else None, "code": procs[r].returncode,
+                          "gone": gone[r], "log": text[-3000:]})
+        return ranks
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(10)
+        for out in outs:
+            out.close()
+        del store
+
+
+CASES = [  # setup, case, ranks
+    ("ddp-shm", "skip_backward", 2),
+    ("ddp-shm", "killed", 3),
+    ("ddp-torch", "missing_barrier", 2),
+    ("ddp-torch", "skip_to_dist_barrier", 2),
+    ("backend", "extra_all_reduce", 2),
+    ("zero", "missing_save", 2),
+]
+
+
+@pytest.mark.parametrize("setup, case, nprocs", CASES, ids=[f"{s}-{c}" for s, c, _ in CASES])
+def test_every_rank_diagnoses_and_exits_within_the_stall_timeout(setup, case, nprocs, tmp_path):
+    ranks = _run(setup, case, nprocs, str(tmp_path))
+    logs = "\n".join(f"--- rank {r}:\n{x['log']}" for r, x in enumerate(ranks))
+    last_entry = max(x["entered"][-1] for x in ranks if x["entered"])
+    for r, x in enumerate(ranks):
+        assert x["gone"] - last_entry < STALL + 10, (r, x["gone"] - last_entry, logs)
+        assert x["code"] != 0, (r, logs)  # every rank fails: none finishes as if nothing happened
+    victims = [x["result"] for r, x in enumerate(ranks) if r != 1]
+    culprit = ranks[1]
+    if case == "killed":
+        assert culprit["code"] == -signal.SIGKILL, logs
+        for v in victims:  # the survivors name the dead rank alone, not each other
+            assert v["type"] == "StallError" and v["missing"] == [1], logs
+            assert "Ranks that never arrived: [1]." in v["message"] and "is gone" in v["message"], logs
+            assert "all_reduce #" in v["message"], logs
+        return
+    (victim,) = victims
+    c = culprit["result"]
+    # The culprit waits in the collective it went on to, bounded too: it gives up on its own (naming it) or is
+    # ended by the victim's alarm, whichever comes first (here they entered within milliseconds of each other).
+    culprit_in = {"skip_backward": "fanfold.save's all_gather #1", "missing_barrier": "fanfold.save's all_gather #1",
+                  "missing_save": "barrier #"}
+    if case in culprit_in:
+        assert c["type"] == "StallError" and c["missing"] == [0], logs
+        assert c["message"].startswith(f"rank 1 of 2: {culprit_in[case]}"), logs
+        assert "did not complete within 2 s" in c["message"] or "rank 0 had diagnosed a stall" in c["message"], logs
+    if case == "skip_backward":
+        # rank 0 waits in its last backward's all_reduce; rank 1 skipped it and waits in fanfold.save
+        assert victim["type"] == "StallError" and victim["missing"] == [1], logs
+        assert victim["message"].startswith("rank 0 of 2: all_reduce #6 (bucket 0) "), logs
+        assert f"did not complete within {STALL:g} s. Ranks that never arrived: [1]." in victim["message"], logs
+        assert "rank 1: behind: its last collective is all_reduce #5 (bucket 0)" in victim["message"], logs
+    elif case == "skip_to_dist_barrier":
+        # rank 1 waits in torch's own dist.barrier(): gloo ends rank 0's all_reduce at the stall timeout and closes
+        # its connections, so that barrier fails at once instead of at the group's timeout (60 s)
+        assert victim["type"] == "StallError" and victim["missing"] == [1], logs
+        assert victim["message"].startswith("rank 0 of 2: all_reduce #6 (bucket 0) "), logs
+        assert "Ranks that never arrived: [1]." in victim["message"], logs
+        assert c["type"] in ("RuntimeError", "DistBackendError"), logs
+    elif case == "missing_barrier":
+        assert victim["type"] == "StallError" and victim["missing"] == [1], logs
+        assert victim["message"].startswith("rank 0 of 2: barrier #7 "), logs
+        assert "Ranks that never arrived: [1]." in victim["message"], logs
+    elif case == "extra_all_reduce":
+        # both meet in the shared memory under one number: each names the other's collective and the difference
+        assert "rank 1 is in all_reduce of 1 float32" in victim["message"], logs
+        assert "rank 0 is in all_reduce of " in c["message"], logs
+    elif case == "missing_save":
+        assert victim["type"] == "StallError" and victim["feature"] == "fanfold.save", logs
+        assert victim["missing"] == [1], logs
+        assert victim["message"].startswith("rank 0 of 2: fanfold.save's all_gather #1"), logs
+        assert "Ranks that never arrived: [1]." in victim["message"], logs
