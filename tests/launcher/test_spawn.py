@@ -71,9 +71,9 @@ def test_everything_listens_on_loopback_only():
     from fanfold.launcher.spawn import loopback_store
 
     before = set(listening_addresses(os.getpid()))
-    store, _ = loopback_store(10.0)
+    store = loopback_store(b"secret")
     assert set(listening_addresses(os.getpid())) - before == {"0100007F"}  # 127.0.0.1 in /proc's byte order
-    del store
+    store.close()
     out = fanfold.launch(_listening_after_init, nprocs=2, timeout=60)
     assert [o[1] for o in out] == [2.0, 2.0]
     for addresses, _ in out:

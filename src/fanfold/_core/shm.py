@@ -1,6 +1,10 @@
 """Shared memory between the processes of one host, written once: named segments in /dev/shm (create, open, map as
 a uint8 tensor, close), fd-backed shared buffers, and futex waits on 32-bit words in that memory, every one bounded.
 
+A segment name is one plain path component (:func:`check_name`), so that no name, whoever wrote it, reaches outside
+/dev/shm; creating never follows or reuses an existing entry, opening never follows a symbolic link, and a process
+unlinks a name only while it still names the very file that process created or opened (:class:`FileId`).
+
 Layer: the bottom; used by the shared-memory transport (``collectives/shm/segment.py``) and by DataParallel's
 process engine (``parallel/process_mailbox.py``). Linux only. Ordering across processes relies on stores becoming
 visible in program order (x86-64's total store order): a peer that sees a counter also sees what was written
@@ -12,14 +16,17 @@ import ctypes
 import mmap
 import os
 import platform
+import re
+import stat
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["SHM_DIR", "Futex", "create_segment", "open_segment", "map_tensor", "unmap", "unlink", "alive",
-           "pid_namespace", "shared_bytes"]
+__all__ = ["SHM_DIR", "Futex", "FileId", "check_name", "create_segment", "open_segment", "map_tensor", "unmap",
+           "unlink", "alive", "pid_namespace", "shared_bytes"]
 
 SHM_DIR = "/dev/shm"
 SPIN_S = 100e-6  # polling a word before sleeping in the kernel: the peer is usually that close
@@ -85,35 +92,82 @@ class Futex:
             self.sleep(address, seen, SLICE_S if most is None else min(SLICE_S, most))
 
 
-def create_segment(name: str, size: int) -> mmap.mmap:
-    """Create ``/dev/shm/<name>`` (never an existing one) of ``size`` bytes, its space reserved (a full /dev/shm is
-    an error now, not a SIGBUS at the first touch of a page), and map it."""
-    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+# One path component of letters, digits, '-', '_' and '.', not starting with '.', no "..": never a way out of
+# /dev/shm, whatever the caller's own, stricter pattern (the transport's is in collectives/shm/segment.py).
+_SAFE_NAME = re.compile(r"(?!.*\.\.)[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}")
+
+
+def check_name(name: object, what: str = "segment name") -> str:
+    """``name`` if it is a safe name of a file directly in /dev/shm, else ValueError naming ``what`` and the value."""
+    if not isinstance(name, str) or not _SAFE_NAME.fullmatch(name):
+        raise ValueError(f"{what} {name!r} is not a plain /dev/shm file name (letters, digits, '-', '_', '.'; no '/', "
+                         f"no '..'): refused")
+    return name
+
+
+@dataclass(frozen=True)
+class FileId:
+    """Which file a process created or opened (device and inode): what :func:`unlink` compares the name with."""
+
+    dev: int
+    ino: int
+
+
+def _checked_fd(fd: int, name: str, size: int | None) -> FileId:
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise RuntimeError(f"/dev/shm/{name} is not a regular file: refused")
+    if st.st_uid != os.geteuid():
+        raise RuntimeError(f"/dev/shm/{name} belongs to uid {st.st_uid}, not to this process's uid {os.geteuid()}: "
+                           f"refused (a segment of this job is made by this job's user)")
+    if size is not None and st.st_size != size:
+        raise RuntimeError(f"{name} has {st.st_size} bytes, this process expects {size}")
+    return FileId(st.st_dev, st.st_ino)
+
+
+def create_segment(name: str, size: int) -> tuple[mmap.mmap, FileId]:
+    """Create ``/dev/shm/<name>`` of ``size`` bytes, mode 0600, its space reserved (a full /dev/shm is an error now,
+    not a SIGBUS at the first touch of a page), and map it; returns the mapping and the file's :class:`FileId`.
+    An existing entry of that name, a symbolic link included, is an error (O_EXCL, O_NOFOLLOW), never reused."""
+    path = os.path.join(SHM_DIR, check_name(name))
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
+        os.fchmod(fd, 0o600)  # the umask may only remove bits, but say exactly what the segment allows
+        ident = _checked_fd(fd, name, None)
         os.posix_fallocate(fd, 0, size)
-        return mmap.mmap(fd, size)
+        return mmap.mmap(fd, size), ident
     finally:
         os.close(fd)
 
 
-def open_segment(name: str, size: int) -> mmap.mmap:
-    """Map the existing ``/dev/shm/<name>``, which must have ``size`` bytes."""
-    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+def open_segment(name: str, size: int) -> tuple[mmap.mmap, FileId]:
+    """Map the existing ``/dev/shm/<name>``: a regular file (a symbolic link is refused) of ``size`` bytes owned by
+    this process's user; returns the mapping and the file's :class:`FileId`."""
+    path = os.path.join(SHM_DIR, check_name(name))
+    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
-        actual = os.fstat(fd).st_size
-        if actual != size:
-            raise RuntimeError(f"{name} has {actual} bytes, this process expects {size}")
-        return mmap.mmap(fd, size)
+        ident = _checked_fd(fd, name, size)
+        return mmap.mmap(fd, size), ident
     finally:
         os.close(fd)
 
 
-def unlink(name: str) -> None:
-    """Remove ``/dev/shm/<name>`` if it is there (the memory lives on in every mapping)."""
+def unlink(name: str, owned: FileId) -> bool:
+    """Remove ``/dev/shm/<name>`` if it is still the file ``owned`` (the memory lives on in every mapping); whether
+    it was removed. Another file now under that name is left alone. /dev/shm is sticky: once the name is seen to be
+    ours, no other user can replace it before the unlink (only its owner, or root, may remove or rename it)."""
+    path = os.path.join(SHM_DIR, check_name(name))
     try:
-        os.unlink(os.path.join(SHM_DIR, name))
+        st = os.lstat(path)
     except FileNotFoundError:
-        pass
+        return False
+    if (st.st_dev, st.st_ino) != (owned.dev, owned.ino) or not stat.S_ISREG(st.st_mode):
+        return False
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def map_tensor(mm: mmap.mmap) -> torch.Tensor:

@@ -57,6 +57,9 @@ def main(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         parser.error(_as_flags(str(exc)))
+    except PermissionError as exc:  # the user's job secret file is readable by others, or not theirs
+        print(f"fanfold run: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:  # Ctrl-C before the agent took over the signals (no worker had started)
         print("fanfold run: stopped by SIGINT", file=sys.stderr)
         return 128 + signal.SIGINT

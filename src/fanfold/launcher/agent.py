@@ -7,6 +7,9 @@ when one fails. What it adds:
 
 - single node by default, with a rendezvous whose only listening socket is bound to 127.0.0.1 (torchrun's
   ``--standalone`` store listens on every interface), and gloo/NCCL pinned to the loopback interface;
+- the rendezvous store admits only processes that prove the job's secret (``fanfold._core.job_store``): made here
+  (or the user's ``FANFOLD_JOB_SECRET``/``FANFOLD_JOB_SECRET_FILE``) and handed to the workers in their
+  environment; the worker shim points torch's ``env://`` rendezvous at it, so plain scripts need no change;
 - ``-n`` defaults to the number of GPUs, or 2 without one; OMP_NUM_THREADS = max(1, cores // N) per worker;
 - each worker runs through the ``worker_shim``, so a failure is reported as the rank that failed first and its
   full traceback, instead of a ChildFailedError raised out of the launcher; the exit code is non-zero.
@@ -28,6 +31,7 @@ from datetime import timedelta
 
 from torch.distributed.elastic.rendezvous.api import RendezvousHandler, RendezvousInfo, RendezvousStoreInfo
 
+from .._core.job_store import SECRET_ENV, SECRET_FILE_ENV, STORE_ENV, JobStore, job_secret, new_secret
 from .loopback import LOOPBACK, loopback_interface, loopback_store
 from .target import check_module, check_script
 
@@ -55,10 +59,10 @@ def threads_per_worker(nproc_per_node: int) -> int:
 class _LoopbackRendezvous(RendezvousHandler):
     """Rendezvous of a single node: this agent is node 0 of 1, the store's socket listens on 127.0.0.1 only."""
 
-    def __init__(self, run_id: str, timeout: timedelta):
-        self._run_id, self._timeout = run_id, timeout
+    def __init__(self, run_id: str, timeout: timedelta, secret: bytes):
+        self._run_id, self._timeout, self._secret = run_id, timeout, secret
         self._closed = False
-        self._store = None
+        self._store = self._server = None
 
     def get_backend(self) -> str:
         return _LOOPBACK_BACKEND
@@ -69,9 +73,16 @@ class _LoopbackRendezvous(RendezvousHandler):
 
     def next_rendezvous(self) -> RendezvousInfo:
         # A fresh store for every round: restarted workers must not read the keys of the round that failed.
-        self._store = None
-        self._store, port = loopback_store(self._timeout.total_seconds())
-        return RendezvousInfo(self._store, 0, 1, RendezvousStoreInfo(LOOPBACK, port))
+        self.shutdown_store()
+        self._server = loopback_store(self._secret)
+        self._store = JobStore(LOOPBACK, self._server.port, self._secret, self._timeout)  # the agent's own client
+        return RendezvousInfo(self._store, 0, 1, RendezvousStoreInfo(LOOPBACK, self._server.port))
+
+    def shutdown_store(self) -> None:
+        for part in (self._store, self._server):
+            if part is not None:
+                part.close()
+        self._store = self._server = None
 
     def is_closed(self) -> bool:
         return self._closed
@@ -86,12 +97,17 @@ class _LoopbackRendezvous(RendezvousHandler):
         return self._run_id
 
     def shutdown(self) -> bool:
-        self._closed, self._store = True, None
+        self._closed = True
+        self.shutdown_store()
         return True
 
 
 def _create_loopback_handler(params) -> RendezvousHandler:
-    return _LoopbackRendezvous(params.run_id, timedelta(seconds=params.get_as_int("timeout", 900)))
+    # The secret comes from the environment launch_script set up, never from params: torch logs its launch config.
+    secret = job_secret()
+    if secret is None:
+        raise RuntimeError(f"fanfold run: no job secret in the environment ({SECRET_ENV}); launch_script sets one")
+    return _LoopbackRendezvous(params.run_id, timedelta(seconds=params.get_as_int("timeout", 900)), secret)
 
 
 @contextlib.contextmanager
@@ -172,6 +188,16 @@ def launch_script(
         backend, endpoint, run_id = rdzv_backend, rdzv_endpoint, rdzv_id
         configs = {"rank": node_rank} if rdzv_backend == "static" else {}
     env.update(extra_env or {})
+    # The user's secret (multi-node: the same on every node) or one made for this run; the workers find it in their
+    # environment, which only this user can read, and never on a command line.
+    # A multi-node job without the user's secret keeps torch's rendezvous: open to whoever reaches its endpoint.
+    if single:
+        if job_secret() is None:
+            env[SECRET_ENV] = new_secret()
+        env[STORE_ENV] = "1"  # MASTER_ADDR:MASTER_PORT is the agent's authenticated store
+    elif job_secret() is None:
+        print(f"fanfold run: no {SECRET_ENV} or {SECRET_FILE_ENV} set: this multi-node job's rendezvous is open to "
+              f"anyone who can reach {rdzv_endpoint} (docs/reliability.md)", file=sys.stderr)
     if verbose:
         env["FANFOLD_VERBOSE"] = "1"
     if rank_prefix:

@@ -1,8 +1,11 @@
-"""Everything a local launch listens on stays on 127.0.0.1: a free port there, a store hosted there, gloo pinned to
-the loopback interface. Used by ``spawn`` (fanfold.launch) and ``agent`` (fanfold run)."""
+"""Everything a local launch listens on stays on 127.0.0.1: a free port there, the job's store hosted there (open
+only to processes holding the job's secret), gloo pinned to the loopback interface. Used by ``spawn``
+(fanfold.launch) and ``agent`` (fanfold run)."""
 from __future__ import annotations
 
 import socket
+
+from .._core.job_store import StoreServer
 
 __all__ = ["LOOPBACK", "free_port", "loopback_store", "loopback_interface"]
 
@@ -16,23 +19,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def loopback_store(timeout: float):
-    """A TCPStore server listening on 127.0.0.1 only, on a port of its own; returns ``(store, port)``.
-
-    Given a host name, TCPStore listens on every interface; given a socket already bound to loopback it listens on
-    that alone. Binding the socket here also removes the race of "find a free port, then bind it".
-    """
-    from datetime import timedelta
-
-    from torch.distributed import TCPStore
-
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind((LOOPBACK, 0))
-    sock.listen(128)
-    port = sock.getsockname()[1]
-    store = TCPStore(LOOPBACK, port, is_master=True, multi_tenant=True, wait_for_workers=False,
-                     timeout=timedelta(seconds=timeout), master_listen_fd=sock.detach())
-    return store, port
+def loopback_store(secret: bytes) -> StoreServer:
+    """The job's store, served on a port of its own on 127.0.0.1 only, to clients that prove ``secret``
+    (``fanfold._core.job_store``): loopback keeps out other hosts, the secret other users of this one."""
+    return StoreServer(secret, host=LOOPBACK)
 
 
 def loopback_interface() -> str | None:

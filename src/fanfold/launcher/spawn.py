@@ -2,9 +2,10 @@
 
 Sits beside the env contract (``fanfold.distributed.env``): each worker gets the same variables torchrun sets
 (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), so the function calls
-``fanfold.distributed.init_process_group()`` exactly as a script under ``fanfold run`` would. The rendezvous store
-is hosted by the launching process on a socket bound to 127.0.0.1 (workers connect to it as clients, as torchrun's
-workers connect to their agent's store), and gloo is pinned to the loopback interface: nothing listens elsewhere.
+``fanfold.distributed.init_process_group()`` (or torch's own ``dist.init_process_group()``) exactly as a script under
+``fanfold run`` would. The rendezvous store is hosted by the launching process on a socket bound to 127.0.0.1, open
+only to processes that prove a secret made for this launch (the workers get it in their environment; other users of
+the host cannot read it), and gloo is pinned to the loopback interface: nothing listens elsewhere.
 
 Works from notebooks: a function defined in a cell cannot be pickled by reference, so its workers are forked
 (``_context``; docs/notebooks.md says why fork, and its limits). Used by the test suite too, so it must never hang:
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import wait
 from typing import Any
 
+from .._core.job_store import SECRET_ENV, STORE_ENV, install_env_rendezvous, new_secret
 from .loopback import LOOPBACK, free_port, loopback_interface, loopback_store
 from .worker_shim import whole_lines
 
@@ -74,6 +76,7 @@ def _worker(fn, args, rank: int, env: Mapping[str, str], threads: int, conn, ran
     import torch
 
     torch.set_num_threads(threads)
+    install_env_rendezvous()  # a plain dist.init_process_group() joins the launch's authenticated store too
     try:
         report = _Report(True, fn(*args))
         # Pickled before the process group is torn down: pickling tensors after it was seen to hang for good now
@@ -269,18 +272,20 @@ def launch(
     if timeout <= 0:
         raise ValueError(f"timeout must be positive, got {timeout!r}")
     ctx = _context(fn, start_method)
-    store, port = loopback_store(timeout)
+    secret = new_secret()
+    store = loopback_store(secret.encode())
     lo = loopback_interface()
     base = {
         "MASTER_ADDR": LOOPBACK,
-        "MASTER_PORT": str(port),
-        "TORCHELASTIC_USE_AGENT_STORE": "True",  # every rank, rank 0 included, is a client of the store above
+        "MASTER_PORT": str(store.port),
         **({"GLOO_SOCKET_IFNAME": lo} if lo and "GLOO_SOCKET_IFNAME" not in os.environ else {}),
         "WORLD_SIZE": str(nprocs),
         "LOCAL_WORLD_SIZE": str(nprocs),
         "GROUP_RANK": "0",
         "OMP_NUM_THREADS": str(threads),
         **(dict(env) if env else {}),
+        STORE_ENV: "1",  # every rank, rank 0 included, is a client of the store above
+        SECRET_ENV: secret,  # in the environment, never on a command line: only this user can read it
     }
     procs, conns = [], {}
     try:
@@ -298,4 +303,4 @@ def launch(
         _kill(procs)
         for c in conns:
             c.close()
-        del store  # the server stops with its last reference; the workers are gone
+        store.close()  # the workers are gone

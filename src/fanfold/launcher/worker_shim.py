@@ -10,6 +10,9 @@ Runs the user's script (or module, with ``-m``) as ``__main__`` exactly as ``pyt
 - ``faulthandler`` is on, so a segfault still leaves a Python stack on stderr;
 - on Linux the worker is killed when the launcher dies, even by SIGKILL, so no worker outlives it; and when the
   worker ends, the processes it started in its process group (helpers, servers, pools) are stopped with it;
+- with a job secret in the environment (``fanfold run`` puts one there), torch's ``env://`` rendezvous, which a
+  plain ``dist.init_process_group()`` uses, is pointed at the job's authenticated store once torch imports it
+  (:class:`_RouteEnvRendezvous`);
 - ``sys.stdout`` and ``sys.stderr`` pass on whole lines only (:class:`WholeLines`), so that N workers sharing a
   terminal never interleave within a line; with ``FANFOLD_RANK_PREFIX=1`` (``fanfold run --rank-prefix``) each line
   starts with ``[rank R] ``. ``fanfold.launch`` uses the same class for its workers.
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import faulthandler
+import importlib.util
 import json
 import os
 import re
@@ -82,6 +86,44 @@ def whole_lines(prefix: str = "") -> tuple[WholeLines, WholeLines]:
     for stream in (sys.stdout, sys.stderr):
         atexit.register(stream.close_line)  # registered first, run last: after the user's own exit handlers
     return sys.stdout, sys.stderr
+
+
+class _RouteEnvRendezvous:
+    """An import hook: once ``torch.distributed.rendezvous`` has run, its ``env://`` handler is wrapped so that its
+    first use installs fanfold's (``fanfold._core.job_store.install_env_rendezvous``). fanfold is imported only
+    then: torch is still importing itself when the module runs, and the user's script may never need fanfold."""
+
+    _NAME = "torch.distributed.rendezvous"
+
+    def find_spec(self, name, path=None, target=None):
+        if name != self._NAME:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        run_module = spec.loader.exec_module
+
+        def exec_module(module):
+            run_module(module)
+            torch_env = module._rendezvous_handlers["env"]
+
+            def env_handler(url, *args, **kwargs):
+                from fanfold._core.job_store import install_env_rendezvous
+
+                module._rendezvous_handlers["env"] = torch_env
+                install_env_rendezvous()  # wraps torch_env; used from now on
+                yield from module._rendezvous_handlers["env"](url, *args, **kwargs)
+
+            module._rendezvous_handlers["env"] = env_handler
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def _route_env_rendezvous() -> None:
+    if os.environ.get("FANFOLD_JOB_SECRET") or os.environ.get("FANFOLD_JOB_SECRET_FILE"):
+        sys.meta_path.insert(0, _RouteEnvRendezvous())
 
 
 def _die_with_parent() -> None:
@@ -190,6 +232,7 @@ def main(argv: list[str]) -> int:
     streams = whole_lines(prefix)
     faulthandler.enable(file=sys.__stderr__, all_threads=True)
     _die_with_parent()
+    _route_env_rendezvous()
     try:
         if module:
             sys.path[0] = os.getcwd()

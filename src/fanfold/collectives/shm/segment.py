@@ -4,7 +4,9 @@ order it, and which processes share a host.
 Layer: the bottom of ``shm/``, on ``_core/shm.py`` (mapping, futexes); the process group's store carries the
 segment's name. Rank 0 creates ``/dev/shm/fanfold-<pid namespace>-<pid>-<random>`` and publishes the name, the
 others map it, and once every rank has reported every rank unlinks it: the kernel frees the memory when the last
-rank unmaps it, however that rank ends. Layout: a header page (abort word and message), one 128-byte line per rank
+rank unmaps it, however that rank ends. A name read from the store is used only if it matches the pattern rank 0
+makes names by (:data:`SEGMENT_NAME`), and a rank unlinks the name only while it still names the file that rank
+created or opened. Layout: a header page (abort word and message), one 128-byte line per rank
 (its step counter, pid and current collective's header), then the data area. Rank r only writes its own line:
 :meth:`Segment.arrive` bumps its counter, :meth:`Segment.wait_all` waits (bounded) for every peer's.
 """
@@ -12,7 +14,9 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import secrets
+import stat
 import time
 from datetime import timedelta
 from typing import Any
@@ -20,8 +24,10 @@ from typing import Any
 from ..._core.shm import (
     SHM_DIR,
     SPIN_S,
+    FileId,
     Futex,
     alive,
+    check_name,
     create_segment,
     map_tensor,
     open_segment,
@@ -30,9 +36,12 @@ from ..._core.shm import (
     unmap,
 )
 
-__all__ = ["Segment", "ShmTimeoutError", "SHM_DIR", "pid_namespace", "leftover_segments", "host_key"]
+__all__ = ["Segment", "ShmTimeoutError", "SHM_DIR", "SEGMENT_NAME", "segment_name", "pid_namespace",
+           "leftover_segments", "host_key"]
 
 _PREFIX = "fanfold-"
+# fanfold-<pid namespace inode, or x>-<creator's pid>-<12 hex digits>: what segment_name() makes, nothing else
+SEGMENT_NAME = re.compile(r"fanfold-(x|[0-9]{1,20})-([0-9]{1,10})-[0-9a-f]{12}")
 _MAGIC = 0x464E464C  # "FNFL"
 _LINE = 128  # one rank's line: two cache lines, so neighbours' writes never share one (adjacent-line prefetch)
 _ABORT, _MSG, _MSG_LEN = 64, 128, 768
@@ -67,16 +76,37 @@ def leftover_segments() -> list[str]:
         return []
 
 
+def segment_name(pidns: str) -> str:
+    """A fresh segment name for this process: matches :data:`SEGMENT_NAME`."""
+    return f"{_PREFIX}{pidns or 'x'}-{os.getpid()}-{secrets.token_hex(6)}"
+
+
+def _from_store(value: bytes, key: str) -> str | None:
+    # The store is the job's (authenticated under fanfold's launchers); still, a name is a path: use only names of
+    # the form rank 0 makes, so a rewritten key can never point a rank at a file outside /dev/shm.
+    name = value.decode(errors="replace")
+    if not name:
+        return None
+    if not SEGMENT_NAME.fullmatch(name):
+        raise ValueError(f"the store's key {key!r} holds {name!r}, which is not a fanfold segment name "
+                         f"(fanfold-<pid namespace>-<pid>-<12 hex digits>): refused, nothing opened")
+    return check_name(name)
+
+
 def _sweep(pidns: str) -> None:
     # A creator killed between creating and publishing a segment leaves its name behind; remove such names, but
-    # only those of our pid namespace whose creator is gone (another namespace's pids mean nothing here).
+    # only those of our pid namespace whose creator is gone (another namespace's pids mean nothing here), and only
+    # regular files of our own user (as root, the sticky /dev/shm would let us remove anyone's).
     for name in leftover_segments():
-        parts = name.split("-")
-        if len(parts) == 4 and parts[1] == pidns and parts[2].isdigit() and not alive(int(parts[2])):
-            try:
-                unlink(name)
-            except OSError:
-                pass
+        m = SEGMENT_NAME.fullmatch(name)
+        if m is None or m.group(1) != pidns or alive(int(m.group(2))):
+            continue
+        try:
+            st = os.lstat(os.path.join(SHM_DIR, name))
+            if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
+                unlink(name, FileId(st.st_dev, st.st_ino))
+        except OSError:
+            pass
 
 
 class Segment:
@@ -101,24 +131,24 @@ class Segment:
 
     def _map(self, store: Any, size: int) -> Any:
         deadline = time.monotonic() + self.timeout
-        name, error, mm = None, "", None
+        name, error, mm, ident = None, "", None, None
         try:
             if self.rank == 0:
                 try:
                     pidns = pid_namespace()
                     _sweep(pidns)
-                    name = f"{_PREFIX}{pidns or 'x'}-{os.getpid()}-{secrets.token_hex(6)}"
-                    mm = create_segment(name, size)
+                    name = segment_name(pidns)
+                    mm, ident = create_segment(name, size)
                     ctypes.c_uint32.from_buffer(mm, 0).value = _MAGIC
                     ctypes.c_uint32.from_buffer(mm, 4).value = self.world_size
                 finally:
                     store.set("name", name if mm is not None else "")  # "": the others stop waiting and report
             else:
                 store.wait(["name"], timedelta(seconds=self.timeout))
-                name = store.get("name").decode() or None
+                name = _from_store(store.get("name"), "name")
                 if name is None:
                     raise RuntimeError("rank 0 could not create it")
-                mm = open_segment(name, size)
+                mm, ident = open_segment(name, size)
                 header = tuple((ctypes.c_uint32 * 2).from_buffer(mm))
                 if header != (_MAGIC, self.world_size):
                     raise RuntimeError(f"{name} was made for another group (header {header})")
@@ -131,8 +161,8 @@ class Segment:
                 store.set(f"attached/{self.rank}", error or "ok")
                 self._wait_reports(store, deadline)
             finally:
-                if name is not None:
-                    unlink(name)
+                if ident is not None:  # only the file this rank mapped: never what a name came to point at
+                    unlink(name, ident)
         if error:
             raise RuntimeError(f"rank {self.rank} could not map the shm transport's segment: {error}")
         return mm

@@ -1,0 +1,454 @@
+"""The job's rendezvous store, closed to strangers: a key-value server that admits only processes proving the job's
+secret, and the client, a ``torch.distributed.Store`` that torch, gloo and fanfold use like a TCPStore.
+
+torch's TCPStore answers anyone who can reach its port, other users of the host included (loopback keeps out other
+hosts, not other users). Here every connection starts with a challenge and response both ways (HMAC-SHA256 over two
+fresh nonces, keyed by the secret): the secret never crosses the wire, a recorded exchange cannot be replayed, a
+stranger's connection is closed before it can read or write a key, and a client refuses a server that cannot prove
+the secret either (a stranger listening on a port the job gave up). After that, requests are plain: the check costs
+one round trip per connection, nothing per request.
+
+Where the secret comes from (:func:`job_secret`): ``FANFOLD_JOB_SECRET`` in the environment (made by ``fanfold run``
+and ``fanfold.launch`` and handed to their workers in their environment, which only the job's user can read), or
+``FANFOLD_JOB_SECRET_FILE``, a file only the job's user can read (supplied by the user on every node of a multi-node
+job). docs/reliability.md says what this guards and what it does not.
+"""
+from __future__ import annotations
+
+import hmac
+import importlib
+import os
+import secrets
+import socket
+import stat
+import struct
+import threading
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+from hashlib import sha256
+from urllib.parse import urlparse
+
+import torch.distributed as dist
+
+__all__ = ["SECRET_ENV", "SECRET_FILE_ENV", "STORE_ENV", "new_secret", "job_secret", "StoreServer", "JobStore",
+           "AuthenticationError", "store_from_env", "install_env_rendezvous"]
+
+SECRET_ENV = "FANFOLD_JOB_SECRET"
+SECRET_FILE_ENV = "FANFOLD_JOB_SECRET_FILE"
+STORE_ENV = "FANFOLD_JOB_STORE"  # "1": MASTER_ADDR:MASTER_PORT is a StoreServer (fanfold's launchers set it)
+
+_HELLO = b"fanfold-store/1\n"
+_NONCE = 32
+_DIGEST = 32
+_HANDSHAKE_S = 10.0  # a connection that has not proved the secret by then is closed
+_MAX_FIELDS, _MAX_FIELD = 1 << 16, 1 << 31
+_OK, _TIMEOUT, _ERROR = b"\x00", b"\x01", b"\x02"
+
+
+class AuthenticationError(RuntimeError):
+    """The other end of a store connection did not prove the job's secret."""
+
+
+def new_secret() -> str:
+    """A fresh job secret: 256 random bits, as hex."""
+    return secrets.token_hex(32)
+
+
+def job_secret(environ: dict | None = None) -> bytes | None:
+    """The job's secret from ``FANFOLD_JOB_SECRET`` or else the file named by ``FANFOLD_JOB_SECRET_FILE`` (its
+    content, surrounding whitespace removed); None when neither is set. The file must be a regular file of this
+    process's user that no one else may read or write (e.g. mode 0600); otherwise PermissionError naming it."""
+    env = os.environ if environ is None else environ
+    value = env.get(SECRET_ENV)
+    if value:
+        return value.encode()
+    path = env.get(SECRET_FILE_ENV)
+    if not path:
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise PermissionError(f"{SECRET_FILE_ENV}={path!r} cannot be opened: {exc.strerror} (a symbolic link is "
+                              f"refused: name the file itself)") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise PermissionError(f"{SECRET_FILE_ENV}={path!r} is not a regular file")
+        if st.st_uid != os.geteuid():
+            raise PermissionError(f"{SECRET_FILE_ENV}={path!r} belongs to uid {st.st_uid}, not to this job's user "
+                                  f"(uid {os.geteuid()})")
+        if st.st_mode & 0o077:
+            raise PermissionError(f"{SECRET_FILE_ENV}={path!r} has mode {stat.S_IMODE(st.st_mode):04o}: other users "
+                                  f"may read or write it; make it readable by its owner only: chmod 600 {path}")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            data = f.read().strip()
+    finally:
+        os.close(fd)
+    if not data:
+        raise PermissionError(f"{SECRET_FILE_ENV}={path!r} is empty")
+    return data
+
+
+def _proof(secret: bytes, side: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
+    # "side" keeps a client's proof from being replayed as the server's, and the reverse
+    return hmac.new(secret, b"fanfold-store " + side + server_nonce + client_nonce, sha256).digest()
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    data = bytearray()
+    while len(data) < n:
+        chunk = sock.recv(min(n - len(data), 1 << 20))
+        if not chunk:
+            raise ConnectionError("the store connection was closed by the other end")
+        data += chunk
+    return bytes(data)
+
+
+def _send(sock: socket.socket, *fields: bytes) -> None:
+    parts = [struct.pack("!I", len(fields))]
+    for f in fields:
+        parts += [struct.pack("!I", len(f)), f]
+    sock.sendall(b"".join(parts))
+
+
+def _recv(sock: socket.socket) -> list[bytes]:
+    (n,) = struct.unpack("!I", _recv_exact(sock, 4))
+    if n > _MAX_FIELDS:
+        raise ConnectionError(f"a store message of {n} fields: refused")
+    fields = []
+    for _ in range(n):
+        (size,) = struct.unpack("!I", _recv_exact(sock, 4))
+        if size > _MAX_FIELD:
+            raise ConnectionError(f"a store message field of {size} bytes: refused")
+        fields.append(_recv_exact(sock, size))
+    return fields
+
+
+class StoreServer:
+    """Serves one job's keys on ``(host, port)`` (port 0: a free one; ``sock``: an already bound socket instead) to
+    clients that prove ``secret``. ``refused`` counts the connections turned away. Threads: one accepting, one per
+    connection; :meth:`close` stops accepting and drops every connection."""
+
+    def __init__(self, secret: bytes, host: str = "127.0.0.1", port: int = 0, sock: socket.socket | None = None):
+        if not secret:
+            raise ValueError("the store's secret is empty")
+        self._secret = secret
+        if sock is None:
+            sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
+                                        backlog=128)
+        sock.listen(128)
+        self._sock = sock
+        self.host, self.port = sock.getsockname()[:2]
+        self.refused = 0
+        self._data: dict[str, bytes] = {}
+        self._cond = threading.Condition()
+        self._conns: set[socket.socket] = set()
+        self._closed = False
+        threading.Thread(target=self._accept, name=f"fanfold-store-{self.port}", daemon=True).start()
+
+    def close(self) -> None:
+        self._closed = True
+        for s in [self._sock, *list(self._conns)]:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+        with self._cond:
+            self._cond.notify_all()
+
+    def __enter__(self) -> StoreServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            self._conns.add(conn)
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _admit(self, conn: socket.socket) -> bool:
+        conn.settimeout(_HANDSHAKE_S)
+        server_nonce = secrets.token_bytes(_NONCE)
+        conn.sendall(_HELLO + server_nonce)
+        reply = _recv_exact(conn, _NONCE + _DIGEST)
+        client_nonce, proof = reply[:_NONCE], reply[_NONCE:]
+        if not hmac.compare_digest(proof, _proof(self._secret, b"client", server_nonce, client_nonce)):
+            return False
+        conn.sendall(_proof(self._secret, b"server", server_nonce, client_nonce))
+        conn.settimeout(None)  # an admitted client may stay idle for the whole job
+        return True
+
+    def _serve(self, conn: socket.socket) -> None:
+        admitted = False
+        try:
+            admitted = self._admit(conn)
+            while admitted and not self._closed:
+                request = _recv(conn)
+                try:
+                    answer = self._answer(request)
+                except (IndexError, ValueError, UnicodeDecodeError) as exc:  # a malformed request: say so, go on
+                    answer = [_ERROR, f"malformed store request: {type(exc).__name__}: {exc}".encode()]
+                _send(conn, *answer)
+        except (OSError, ConnectionError, struct.error):
+            pass  # the client went away (or never proved the secret in time)
+        finally:
+            if not admitted:
+                self.refused += 1
+            self._conns.discard(conn)
+            conn.close()
+
+    def _answer(self, req: list[bytes]) -> list[bytes]:
+        op, args = req[0].decode(), req[1:]
+        data = self._data
+        with self._cond:
+            if op == "set":
+                data[args[0].decode()] = args[1]
+                self._cond.notify_all()
+                return [_OK]
+            if op in ("get", "wait"):  # args: timeout in ms, then the keys
+                keys = [k.decode() for k in args[1:]]
+                if not self._cond.wait_for(lambda: self._closed or all(k in data for k in keys),
+                                           int(args[0]) / 1000):
+                    missing = [k for k in keys if k not in data]
+                    return [_TIMEOUT, f"keys {missing} not set within {int(args[0]) / 1000:g} s".encode()]
+                if self._closed:
+                    return [_ERROR, b"the store is closing"]
+                return [_OK, *([data[k] for k in keys] if op == "get" else [])]
+            if op == "add":
+                value = int(data.get(args[0].decode(), b"0")) + int(args[1])
+                data[args[0].decode()] = str(value).encode()
+                self._cond.notify_all()
+                return [_OK, str(value).encode()]
+            if op == "compare_set":  # TCPStore's semantics: a missing key is set only when expected is empty
+                key, expected, desired = args[0].decode(), args[1], args[2]
+                if key not in data:
+                    if expected:
+                        return [_OK, expected]
+                    data[key] = desired
+                elif data[key] == expected:
+                    data[key] = desired
+                self._cond.notify_all()
+                return [_OK, data[key]]
+            if op == "append":
+                key = args[0].decode()
+                data[key] = data.get(key, b"") + args[1]
+                self._cond.notify_all()
+                return [_OK]
+            if op == "multi_set":
+                half = len(args) // 2
+                for k, v in zip(args[:half], args[half:]):
+                    data[k.decode()] = v
+                self._cond.notify_all()
+                return [_OK]
+            if op == "check":
+                return [_OK, b"1" if all(k.decode() in data for k in args) else b"0"]
+            if op == "delete_key":
+                return [_OK, b"1" if data.pop(args[0].decode(), None) is not None else b"0"]
+            if op == "num_keys":
+                return [_OK, str(len(data)).encode()]
+        return [_ERROR, f"unknown store request {op!r}".encode()]
+
+
+# Every open JobStore, until closed. torch keeps a store through its C++ half only (PrefixStore, the process group);
+# once the Python object is gone, torch's calls into the methods below fail ("Not implemented"): a store made inside
+# torch's rendezvous or our init_process_group has no other Python owner. The one process-wide list in fanfold.
+_OPEN: set[JobStore] = set()
+
+
+def _as_bytes(value: bytes | str) -> bytes:
+    return value.encode() if isinstance(value, str) else bytes(value)
+
+
+class JobStore(dist.Store):
+    """A client of a :class:`StoreServer` at ``host:port``: a ``torch.distributed.Store`` (set, get, add, wait,
+    check, compare_set, delete_key, num_keys, multi_get, multi_set, append), so ``init_process_group(store=...)``,
+    gloo and ``PrefixStore`` use it as they use a TCPStore. Connecting retries until ``timeout`` while nothing
+    listens; a server that cannot prove ``secret``, or that refuses ours, is an :class:`AuthenticationError` at
+    once. Blocking requests (get, wait) last at most the store's timeout (``set_timeout``)."""
+
+    def __init__(self, host: str, port: int, secret: bytes, timeout: timedelta = timedelta(seconds=300)):
+        super().__init__()
+        self.set_timeout(timeout)
+        self._where = f"{host}:{port}"
+        self._address, self._secret = (host, port), secret
+        self._lock = threading.Lock()
+        self._sock = self._connect(host, port, secret, timeout.total_seconds())
+        _OPEN.add(self)
+
+    def _connect(self, host: str, port: int, secret: bytes, timeout: float) -> socket.socket:
+        deadline = time.monotonic() + timeout
+        delay = 0.01
+        while True:
+            try:
+                sock = socket.create_connection((host, port), timeout=_HANDSHAKE_S)
+                break
+            except OSError as exc:  # nothing listens yet (refused, unreachable, timed out)
+                if time.monotonic() + delay > deadline:
+                    raise dist.DistStoreError(f"fanfold's job store at {self._where} did not answer within "
+                                              f"{timeout:g} s: {exc}") from None
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            hello = _recv_exact(sock, len(_HELLO) + _NONCE)
+            if not hello.startswith(_HELLO):
+                raise AuthenticationError(f"{self._where} is not fanfold's job store (it greeted with {hello[:16]!r})")
+            server_nonce, client_nonce = hello[len(_HELLO):], secrets.token_bytes(_NONCE)
+            sock.sendall(client_nonce + _proof(secret, b"client", server_nonce, client_nonce))
+            try:
+                answer = _recv_exact(sock, _DIGEST)
+            except ConnectionError:
+                raise AuthenticationError(
+                    f"fanfold's job store at {self._where} refused this process: its secret is not this job's "
+                    f"(check {SECRET_ENV} / {SECRET_FILE_ENV} on every node)") from None
+            if not hmac.compare_digest(answer, _proof(secret, b"server", server_nonce, client_nonce)):
+                raise AuthenticationError(f"the store at {self._where} could not prove the job's secret: not this "
+                                          f"job's store (another process may have taken its port); nothing sent")
+        except BaseException:
+            sock.close()
+            raise
+        sock.settimeout(None)
+        return sock
+
+    def _call(self, op: str, *args: bytes, wait_s: float = 0.0) -> list[bytes]:
+        with self._lock:
+            if self._sock is None:
+                raise dist.DistStoreError(f"fanfold's job store client for {self._where} is closed")
+            # bounded even if the server froze: its own answer to a blocking request comes within wait_s
+            self._sock.settimeout(wait_s + 60.0)
+            try:
+                _send(self._sock, op.encode(), *args)
+                status, *values = _recv(self._sock)
+            except (OSError, ConnectionError) as exc:
+                raise dist.DistNetworkError(f"fanfold's job store at {self._where}: {op} failed: {exc}") from None
+        if status == _TIMEOUT:
+            raise dist.DistStoreError(f"fanfold's job store at {self._where}: {op} timed out: {values[0].decode()}")
+        if status != _OK:
+            raise dist.DistStoreError(f"fanfold's job store at {self._where}: {op}: {values[0].decode()}")
+        return values
+
+    def _blocking(self, op: str, keys: Sequence[str], timeout: timedelta | None) -> list[bytes]:
+        seconds = (self.timeout if timeout is None else timeout).total_seconds()
+        return self._call(op, str(int(seconds * 1000)).encode(), *[_as_bytes(k) for k in keys], wait_s=seconds)
+
+    def set(self, key: str, value: bytes | str) -> None:
+        self._call("set", _as_bytes(key), _as_bytes(value))
+
+    def get(self, key: str) -> bytes:
+        return self._blocking("get", [key], None)[0]
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return self._blocking("get", keys, None) if keys else []
+
+    def multi_set(self, keys: list[str], values: list[bytes | str]) -> None:
+        if len(keys) != len(values):
+            raise ValueError(f"multi_set: {len(keys)} keys but {len(values)} values")
+        self._call("multi_set", *[_as_bytes(k) for k in keys], *[_as_bytes(v) for v in values])
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        self._blocking("wait", keys, timeout)
+
+    def add(self, key: str, value: int) -> int:
+        return int(self._call("add", _as_bytes(key), str(int(value)).encode())[0])
+
+    def compare_set(self, key: str, expected_value: bytes | str, desired_value: bytes | str) -> bytes:
+        return self._call("compare_set", _as_bytes(key), _as_bytes(expected_value), _as_bytes(desired_value))[0]
+
+    def append(self, key: str, value: bytes | str) -> None:
+        self._call("append", _as_bytes(key), _as_bytes(value))
+
+    def check(self, keys: list[str]) -> bool:
+        return self._call("check", *[_as_bytes(k) for k in keys])[0] == b"1"
+
+    def delete_key(self, key: str) -> bool:
+        return self._call("delete_key", _as_bytes(key))[0] == b"1"
+
+    def num_keys(self) -> int:
+        return int(self._call("num_keys")[0])
+
+    def has_extended_api(self) -> bool:
+        return True
+
+    def clone(self) -> JobStore:
+        """Another connection to the same store (torch clones a store for a group it splits off)."""
+        return JobStore(*self._address, self._secret, self.timeout)
+
+    def close(self) -> None:
+        """Close the connection; the store is unusable afterwards (torch must no longer hold it)."""
+        with self._lock:
+            if self._sock is not None:
+                self._sock.close()
+                self._sock = None
+        _OPEN.discard(self)
+
+
+
+def _loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def _rank0_hosted(addr: str, port: int, rank: int, world_size: int, secret: bytes, timeout: timedelta) -> JobStore:
+    # Under torchrun (or a multi-node job): MASTER_ADDR:MASTER_PORT is torch's TCPStore, open to anyone. Rank 0
+    # serves the job's keys itself and puts only its address there; a stranger who rewrites that address makes
+    # the ranks refuse to start (the impostor cannot prove the secret), never join them or read their keys.
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True):
+        bootstrap = dist.TCPStore(addr, port, is_master=False, timeout=timeout)
+    else:
+        bootstrap = dist.TCPStore(addr, port, world_size, is_master=rank == 0, timeout=timeout, multi_tenant=True)
+    key = f"fanfold/job_store/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    server = None
+    if rank == 0:
+        server = StoreServer(secret, host="127.0.0.1" if _loopback(addr) else "0.0.0.0")
+        bootstrap.set(key, f"{addr if _loopback(addr) else socket.getfqdn()}:{server.port}")
+    bootstrap.wait([key], timeout)
+    host, _, served = bootstrap.get(key).decode().rpartition(":")
+    store = JobStore(host, int(served), secret, timeout)
+    store._server = server  # rank 0 serves for as long as its store is in use
+    return store
+
+
+def store_from_env(rank: int, world_size: int, timeout: timedelta) -> dist.Store | None:
+    """The job's authenticated store for this rank, or None when the environment holds no job secret (then the
+    caller uses torch's rendezvous). Under fanfold's launchers (``FANFOLD_JOB_STORE=1``) it is the launcher's
+    server at MASTER_ADDR:MASTER_PORT; otherwise (torchrun, a secret supplied by the user) rank 0 serves it."""
+    secret = job_secret()
+    if secret is None:
+        return None
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if os.environ.get(STORE_ENV) == "1":
+        return JobStore(addr, port, secret, timeout)
+    return _rank0_hosted(addr, port, rank, world_size, secret, timeout)
+
+
+def install_env_rendezvous() -> None:
+    """Make torch's default rendezvous (``env://``, what a plain ``dist.init_process_group("gloo")`` uses) join
+    the job's authenticated store when the environment holds a job secret; torch's own handler otherwise.
+
+    torch offers no way to replace a registered rendezvous scheme, so the entry in its registry is swapped; the
+    new handler delegates to the one it replaced. Idempotent."""
+    rdzv = importlib.import_module("torch.distributed.rendezvous")  # the module: the package exports a function
+    torch_env = rdzv._rendezvous_handlers["env"]
+    if getattr(torch_env, "fanfold_job_store", False):
+        return
+
+    def env_handler(url: str, timeout: timedelta = timedelta(minutes=30), **kwargs):
+        if job_secret() is None:
+            yield from torch_env(url, timeout=timeout, **kwargs)
+            return
+        query = dict(pair.split("=", 1) for pair in urlparse(url).query.split("&") if "=" in pair)
+        rank = int(query.get("rank", os.environ.get("RANK", "-1")))
+        world_size = int(query.get("world_size", os.environ.get("WORLD_SIZE", "-1")))
+        if rank < 0 or world_size < 1:
+            raise ValueError(f"env:// rendezvous: RANK={rank} and WORLD_SIZE={world_size} must be set")
+        yield store_from_env(rank, world_size, timeout), rank, world_size
+        raise RuntimeError("env:// rendezvous of fanfold's job store cannot be re-run")
+
+    env_handler.fanfold_job_store = True
+    rdzv._rendezvous_handlers["env"] = env_handler
