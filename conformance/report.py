@@ -197,6 +197,17 @@ DIFFERENTIAL = ("Beyond torch's suite, `tests/differential/` draws configuration
                 "[differential.md](differential.md) for how, and for the counts of the last `make fuzz`.")
 
 
+def fuzz_summary(differential: Path) -> list[str]:
+    """The last `make fuzz` run's headline and its table of outcomes, from the report `fuzz.py` wrote into
+    ``differential`` (between its markers); nothing where there is none."""
+    text = differential.read_text() if differential.exists() else ""
+    if "<!-- fuzz-report -->" not in text:
+        return []
+    report = text.split("<!-- fuzz-report -->", 1)[1].split("<!-- /fuzz-report -->", 1)[0].strip().split("\n\n")
+    table = next((b for b in report if b.startswith("| outcome")), None)
+    return ["", "Its last run: " + report[0].strip(), *(["", table] if table else [])]
+
+
 def write_page(page: Path, meta: dict, selected: list[str], outcomes: dict[str, dict[str, Outcome]],
                port: tuple[dict, dict[str, dict[str, Outcome]]] | None = None) -> None:
     """The page: the run on CPU as torch's suite decides; then, given ``port`` (the CPU port's metadata and
@@ -266,6 +277,7 @@ def write_page(page: Path, meta: dict, selected: list[str], outcomes: dict[str, 
     out += ["", "## How to run", "", *HOW_TO_RUN]
     out += ["", *summary_lines(root / "build" / "conformance-backend")]
     out += ["", "## The differential fuzz (`make fuzz`)", "", DIFFERENTIAL]
+    out += fuzz_summary(page.parent / "differential.md")
     failing = [n for n in tests if n in f and f[n].status in ("fail", "timeout")]
     if failing:
         out += ["", "## fanfold's errors, as the ranks raised them", ""]
