@@ -13,6 +13,7 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
+from _survivors import run_surviving
 
 import fanfold
 from _ddp_models import MODELS, batch, loss_fn, optimizer, single_process, train_ddp
@@ -20,7 +21,6 @@ from fanfold.collectives.select import select_transport
 from fanfold.collectives.shm import peer as shm_peer
 from fanfold.collectives.shm.segment import SHM_DIR, host_key, pid_namespace
 from fanfold.collectives.shm.transport import ShmTimeoutError, ShmTransport
-from fanfold.distributed import free_port
 from fanfold.distributed.bucket_paths import SMALL_TENSOR_BYTES
 
 CHUNK = 64 << 10  # small chunks: many chunk edges and both algorithms (direct below 16 KB) at cheap sizes
@@ -341,35 +341,11 @@ def _peer_gone(how, path, op="all_reduce"):
         pickle.dump((result, time.monotonic() - t0), f)
 
 
-def _run_surviving(fn, args, nprocs, timeout=90):
-    """Start ranks like fanfold.launch, but let one die: wait for all to end, then read each rank's file."""
-    ctx = mp.get_context("forkserver")
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(nprocs)}
-    procs = [ctx.Process(target=_rank_entry, args=(fn, args, r, env)) for r in range(nprocs)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        p.join(max(0.1, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    return [p.exitcode for p in procs]
-
-
-def _rank_entry(fn, args, r, env):
-    os.environ.update(env, RANK=str(r), LOCAL_RANK=str(r))
-    torch.set_num_threads(1)
-    fn(*args)
-    os._exit(0)  # no process-group teardown: it would wait on the peer this scenario lost
-
-
 @pytest.mark.parametrize("how,nprocs,op", [("kill", 3, "all_reduce"), ("hang", 2, "all_reduce"),
                                            ("kill", 2, "reduce_tensors")])
 def test_dead_or_absent_peer_is_named_within_timeout(how, nprocs, op, tmp_path):
     path = str(tmp_path / "result")
-    codes = _run_surviving(_peer_gone, (how, path, op), nprocs)
+    codes = run_surviving(_peer_gone, (how, path, op), nprocs)
     assert codes[-1] == (-signal.SIGKILL if how == "kill" else 0)
     missing = nprocs - 1
     for r in range(nprocs - 1):
