@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from . import forms
+from .errors import StallError
 from .select import ENV_VAR
 from .shm.request import DTYPES
 from .shm.segment import host_key
@@ -89,6 +90,7 @@ class FanfoldProcessGroup(dist.ProcessGroup):
         self._decided = False
         self._lock = threading.Lock()
         self._handout = Handout()
+        self._barriers = 0  # this rank's barriers through the store (the n-th of every rank meet)
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         return BACKEND
@@ -292,9 +294,27 @@ class FanfoldProcessGroup(dist.ProcessGroup):
     def _barrier(self, opts: Any) -> dist.Work:
         shm = self._fast()
         if shm is not None:
-            shm.barrier()  # every rank has finished its queued shared-memory collectives
+            shm.barrier()  # every rank has finished its queued shared-memory collectives (names a missing one)
+        else:
+            self._store_barrier()  # gloo's own would time out naming nobody
         # then gloo's, behind the delegated collectives queued before it
         return self.gloo.barrier(opts)
+
+    def _store_barrier(self) -> None:
+        """Every rank reached its barrier of this number, or a :class:`StallError` naming those that did not."""
+        self._barriers += 1
+        n, rank, size = self._barriers, self.rank(), self.size()
+        store = dist.PrefixStore(f"fanfold/barrier/{n}/", self._store)
+        store.set(str(rank), "1")
+        limit, source = self._wait_limit()
+        try:
+            store.wait([str(r) for r in range(size)], timedelta(seconds=limit))
+        except RuntimeError as exc:  # the store's "Wait timeout": say who
+            missing = [r for r in range(size) if not store.check([str(r)])]
+            raise StallError(
+                f"fanfold backend: rank {rank} of {size}: barrier #{n} Timed out after {limit:g} s ({source}) "
+                f"waiting for ranks {missing}, which never arrived", rank=rank, seq=n, kind="barrier",
+                bucket=None, missing=missing, feature="fanfold backend") from exc
 
     def shutdown(self) -> None:
         """Close the transport (its queued collectives finish first), then torch's own shutdown (gloo's)."""

@@ -195,10 +195,11 @@ class StallInspector:
             last = Collective(*p["last"])
             pending = {o[0]: Collective(*o) for o in p["pending"]}
             gone = p["host"] == self._state["host"] and process_gone(p["pid"], grace_until)
+            arrived = False
             if op.seq in pending:
                 theirs = pending[op.seq]
-                same = (theirs.kind, theirs.bucket) == (op.kind, op.bucket)
-                what = "arrived" if same else f"in a different collective with the same number: {theirs}"
+                arrived = (theirs.kind, theirs.bucket) == (op.kind, op.bucket)
+                what = "arrived" if arrived else f"in a different collective with the same number: {theirs}"
             elif last.seq < op.seq:
                 state = "still waiting on it" if last.seq in pending else "completed it"
                 what = f"behind: its last collective is {last}, {state}"
@@ -206,7 +207,7 @@ class StallInspector:
                 what = f"ahead: past #{op.seq}, its last collective is {last}"
             if "gave_up" in p:
                 what += f"; it gave up waiting on #{p['gave_up']}"
-            if what != "arrived" or gone:
+            if not arrived or gone:  # a rank that arrived and then gave up, as this one, is not missing
                 missing.append(r)
             if gone:
                 what += f"; its process {p['pid']} is gone"

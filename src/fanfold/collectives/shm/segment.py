@@ -66,12 +66,7 @@ class ShmTimeoutError(StallError):
 
 
 class SegmentSpaceError(RuntimeError):
-    """/dev/shm has no room for a segment of ``size`` bytes (reported to every rank, which all raise it): the
-    caller may try a smaller one."""
-
-    def __init__(self, message: str, size: int):
-        super().__init__(message)
-        self.size = size
+    """/dev/shm has no room for the segment (every rank of the group raises it): the caller may try a smaller one."""
 
 
 def _kind(doing: str) -> str:
@@ -155,7 +150,7 @@ class Segment:
             # Every rank reports, then every rank unlinks: after that the name is gone whatever happens next.
             try:
                 store.set(f"attached/{self.rank}", error or "ok")
-                self._wait_reports(store, deadline, size)
+                self._wait_reports(store, deadline)
             finally:
                 if name is not None:
                     unlink(name)
@@ -163,7 +158,7 @@ class Segment:
             raise RuntimeError(f"rank {self.rank} could not map the shm transport's segment: {error}")
         return mm
 
-    def _wait_reports(self, store: Any, deadline: float, size: int) -> None:
+    def _wait_reports(self, store: Any, deadline: float) -> None:
         keys = [f"attached/{r}" for r in range(self.world_size)]
         while not store.check(keys):
             if time.monotonic() > deadline:
@@ -175,8 +170,7 @@ class Segment:
         failed = {r: store.get(k).decode() for r, k in enumerate(keys)}
         failed = {r: e for r, e in failed.items() if e != "ok"}
         if any(e.startswith(_NO_SPACE) for e in failed.values()):
-            raise SegmentSpaceError(f"rank {self.rank}: no room in {SHM_DIR} for the shm transport's segment of "
-                                    f"{size / 2**20:.1f} MiB: {failed}", size)
+            raise SegmentSpaceError(f"rank {self.rank}: no room in {SHM_DIR} for a shared-memory segment: {failed}")
         if failed:
             raise RuntimeError(f"rank {self.rank}: the shm transport's segment could not be mapped on ranks "
                                f"{sorted(failed)}: {failed}. Do all ranks share /dev/shm? Use FANFOLD_TRANSPORT=torch.")
