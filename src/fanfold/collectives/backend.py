@@ -33,7 +33,7 @@ from .errors import StallError
 from .select import ENV_VAR
 from .shm.request import DTYPES
 from .shm.segment import host_key
-from .shm.transport import ShmTransport
+from .shm.transport import SegmentSpaceError, ShmTransport
 from .splits import all_to_all_counts, unflatten
 from .store import StoreGroup
 from .timeouts import ENV_VAR as STALL_ENV_VAR
@@ -144,7 +144,14 @@ class FanfoldProcessGroup(dist.ProcessGroup):
             warnings.warn(f"fanfold backend (rank {rank}): every collective goes through gloo: {reason}",
                           stacklevel=3)
             return None
-        return ShmTransport(StoreGroup(store, rank, size), limit)
+        try:
+            return ShmTransport(StoreGroup(store, rank, size), limit)
+        except SegmentSpaceError as exc:  # every rank raises it
+            if choice == "shm":
+                raise
+            if rank == 0:
+                warnings.warn(f"fanfold backend: every collective goes through gloo: {exc}", stacklevel=3)
+            return None
 
     def _wait_limit(self) -> tuple[float, str]:
         """How long any wait for a peer may take, and what set it: the group's timeout, or $FANFOLD_STALL_TIMEOUT

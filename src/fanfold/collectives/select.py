@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import warnings
 from typing import Any
 
 import torch
@@ -18,7 +19,7 @@ from .._core.devices import accelerator_type
 from .._core.group import require_initialized
 from .protocol import TransportOwner
 from .shm.segment import host_key
-from .shm.transport import ShmTransport
+from .shm.transport import SegmentSpaceError, ShmTransport
 from .store import group_store
 from .transport import TorchTransport
 
@@ -61,13 +62,22 @@ def resolve_transport(transport: Any = None, group: Any = None) -> Any:
     """The transport named by ``transport``: None -> the group's own where it has one (``TransportOwner``: the
     ``fanfold`` backend's group), else ``$FANFOLD_TRANSPORT``, else "shm" when every rank shares this host and the
     CPU (``select_transport``, collective), else "torch"; "torch" -> TorchTransport; "shm" -> the
-    shared-memory transport; an object implementing ``protocol.Transport`` -> used as is."""
+    shared-memory transport (chosen, not asked for: TorchTransport, announced, where /dev/shm has no room for it);
+    an object implementing ``protocol.Transport`` -> used as is."""
     source = "transport"
     if transport is None:
         pg = group if group is not None or not dist.is_initialized() else dist.group.WORLD
         if isinstance(pg, TransportOwner):  # the fanfold backend's group: one collective layer for torch and DDP
             return pg.shared_transport() or TorchTransport(group)
         transport, source = select_transport(group), ENV_VAR
+        if transport == "shm" and not os.environ.get(ENV_VAR):
+            try:
+                return ShmTransport(group)
+            except SegmentSpaceError as exc:  # every rank raises it: all go through torch.distributed
+                if dist.get_rank(group) == 0:
+                    warnings.warn(f"fanfold: collectives go through torch.distributed, not shared memory: {exc}",
+                                  stacklevel=3)
+                return TorchTransport(group)
     if isinstance(transport, str):
         if transport == "torch":
             return TorchTransport(group)
