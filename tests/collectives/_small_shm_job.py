@@ -109,7 +109,6 @@ def full():
         out["error"] = None
     except SegmentSpaceError as exc:
         out["error"] = str(exc)
-    out["left"] = sorted(n for n in os.listdir(SHM) if n.startswith("fanfold-"))
     dist.destroy_process_group()
     out.update(ddp(None))
     return out

@@ -63,7 +63,6 @@ def test_full_dev_shm_fails_at_creation_not_with_sigbus():
     for o in result["ranks"]:
         assert o["error"] is not None and "no room" in o["error"] and "--shm-size" in o["error"], o
         assert "FANFOLD_TRANSPORT=torch" in o["error"], o
-        assert o["left"] == [], o
         # chosen rather than asked for: torch.distributed carries DDP's collectives, said once
         assert o["transport"] == "TorchTransport" and o["close"] and o["moved"], o
     assert output.count("fanfold: collectives go through torch.distributed, not shared memory") == 1, output[-3000:]
