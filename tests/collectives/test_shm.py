@@ -7,12 +7,14 @@ import os
 import pickle
 import signal
 import time
+import warnings
 from datetime import timedelta
 from unittest import mock
 
 import pytest
 import torch
 import torch.distributed as dist
+from _survivors import run_surviving
 
 import fanfold
 from _ddp_models import MODELS, batch, loss_fn, optimizer, single_process, train_ddp
@@ -20,7 +22,6 @@ from fanfold.collectives.select import select_transport
 from fanfold.collectives.shm import peer as shm_peer
 from fanfold.collectives.shm.segment import SHM_DIR, host_key, pid_namespace
 from fanfold.collectives.shm.transport import ShmTimeoutError, ShmTransport
-from fanfold.distributed import free_port
 from fanfold.distributed.reducer import SMALL_TENSOR_BYTES
 
 CHUNK = 64 << 10  # small chunks: many chunk edges and both algorithms (direct below 16 KB) at cheap sizes
@@ -267,9 +268,15 @@ def _misuse():
     with ShmTransport(timeout=30) as t:  # /dev/shm full where rank 0 creates the region: every rank falls back
         full = OSError(28, "No space left on device")
         with mock.patch("os.posix_fallocate", side_effect=full if r == 0 else os.posix_fallocate):
-            with pytest.warns(UserWarning, match="falls back to ordinary memory"):
+            with warnings.catch_warnings(record=True) as said:
+                warnings.simplefilter("always")
                 full = t.allocate(1000, torch.float32)
-        out["full"] = (full.tolist() == [0.0] * 1000, not _in_regions(t, full))  # zeros, in ordinary memory
+                again = t.allocate(10, torch.float32)  # no second try, no second warning
+        said = [str(w.message) for w in said]
+        # zeros, in ordinary memory; said once, by rank 0, with the reason
+        out["full"] = (full.tolist() == [0.0] * 1000, not _in_regions(t, full) and not _in_regions(t, again),
+                       len(said) == (r == 0) and all("falls back to ordinary memory" in w and "full" in w
+                                                     for w in said))
     with pytest.raises(RuntimeError, match="closed"):
         t.all_reduce(torch.ones(1))
     with ShmTransport(timeout=30) as t:  # reduce_tensors: bad lists named; same length in other pieces refused
@@ -308,7 +315,7 @@ def test_misuse_is_named(api):
         assert f"rank {r} is in all_reduce of {10 + r} float32 #1 (bucket 4)" in o["mismatch"], o["mismatch"]
         assert f"rank {1 - r} is in all_reduce of {11 - r} float32" in o["mismatch"], o["mismatch"]
         assert "failed earlier" in o["after"]
-        assert o["full"] == (True, True)
+        assert o["full"] == (True, True, True)
         assert o["shared parts"]
         assert "tensors 0 and 1 overlap" in o["overlap"] and "tensor 1 must be a contiguous real tensor of " \
             "torch.float32" in o["dtype"] and "tensor 0" in o["strided"], o
@@ -341,35 +348,11 @@ def _peer_gone(how, path, op="all_reduce"):
         pickle.dump((result, time.monotonic() - t0), f)
 
 
-def _run_surviving(fn, args, nprocs, timeout=90):
-    """Start ranks like fanfold.launch, but let one die: wait for all to end, then read each rank's file."""
-    ctx = mp.get_context("forkserver")
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(nprocs)}
-    procs = [ctx.Process(target=_rank_entry, args=(fn, args, r, env)) for r in range(nprocs)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        p.join(max(0.1, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    return [p.exitcode for p in procs]
-
-
-def _rank_entry(fn, args, r, env):
-    os.environ.update(env, RANK=str(r), LOCAL_RANK=str(r))
-    torch.set_num_threads(1)
-    fn(*args)
-    os._exit(0)  # no process-group teardown: it would wait on the peer this scenario lost
-
-
 @pytest.mark.parametrize("how,nprocs,op", [("kill", 3, "all_reduce"), ("hang", 2, "all_reduce"),
                                            ("kill", 2, "reduce_tensors")])
 def test_dead_or_absent_peer_is_named_within_timeout(how, nprocs, op, tmp_path):
     path = str(tmp_path / "result")
-    codes = _run_surviving(_peer_gone, (how, path, op), nprocs)
+    codes = run_surviving(_peer_gone, (how, path, op), nprocs)
     assert codes[-1] == (-signal.SIGKILL if how == "kill" else 0)
     missing = nprocs - 1
     for r in range(nprocs - 1):

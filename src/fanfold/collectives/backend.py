@@ -32,12 +32,13 @@ import torch
 import torch.distributed as dist
 
 from . import forms
+from .errors import StallError
 from .hierarchical import HierarchicalTransport, host_layout
 from .protocol import Transport
 from .select import ENV_VAR
 from .shm.request import DTYPES
 from .shm.segment import host_key
-from .shm.transport import ShmTransport
+from .shm.transport import SegmentSpaceError, ShmTransport
 from .splits import all_to_all_counts, unflatten
 from .store import StoreGroup
 from .timeouts import DEFAULT_STALL_TIMEOUT, bound, resolve_stall_timeout
@@ -95,6 +96,7 @@ class FanfoldProcessGroup(dist.ProcessGroup):
         self._decided = False
         self._lock = threading.Lock()
         self._handout = Handout()
+        self._barriers = 0  # this rank's barriers through the store (the n-th of every rank meet)
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         return BACKEND
@@ -153,7 +155,16 @@ class FanfoldProcessGroup(dist.ProcessGroup):
                           stacklevel=3)
             return None
         group = StoreGroup(store, rank, size, self._timeout.total_seconds())
-        return HierarchicalTransport(group) if hosts or choice == "hierarchical" else ShmTransport(group)
+        if hosts or choice == "hierarchical":
+            return HierarchicalTransport(group)  # a host short of /dev/shm raises: its peers on other hosts do not
+        try:
+            return ShmTransport(group)
+        except SegmentSpaceError as exc:  # every rank raises it
+            if choice == "shm":
+                raise
+            if rank == 0:
+                warnings.warn(f"fanfold backend: every collective goes through gloo: {exc}", stacklevel=3)
+            return None
 
     def _wait_limit(self) -> tuple[float, str]:
         """How long a wait for a peer may take now, and what set it: the stall timeout (a ``stall_timeout`` block's,
@@ -322,9 +333,27 @@ class FanfoldProcessGroup(dist.ProcessGroup):
     def _barrier(self, opts: Any) -> dist.Work:
         shm = self._fast()
         if shm is not None:
-            shm.barrier()  # every rank has finished its queued shared-memory collectives
+            shm.barrier()  # every rank has finished its queued shared-memory collectives (names a missing one)
+        else:
+            self._store_barrier()  # gloo's own would time out naming nobody
         # then gloo's, behind the delegated collectives queued before it
         return self.gloo.barrier(self._bounded(opts))
+
+    def _store_barrier(self) -> None:
+        """Every rank reached its barrier of this number, or a :class:`StallError` naming those that did not."""
+        self._barriers += 1
+        n, rank, size = self._barriers, self.rank(), self.size()
+        store = dist.PrefixStore(f"fanfold/barrier/{n}/", self._store)
+        store.set(str(rank), "1")
+        limit, source = self._wait_limit()
+        try:
+            store.wait([str(r) for r in range(size)], timedelta(seconds=limit))
+        except RuntimeError as exc:  # the store's "Wait timeout": say who
+            missing = [r for r in range(size) if not store.check([str(r)])]
+            raise StallError(
+                f"fanfold backend: rank {rank} of {size}: barrier #{n} Timed out after {limit:g} s ({source}) "
+                f"waiting for ranks {missing}, which never arrived", rank=rank, seq=n, kind="barrier",
+                bucket=None, missing=missing, feature="fanfold backend") from exc
 
     def shutdown(self) -> None:
         """Close the transport (its queued collectives finish first), then torch's own shutdown (gloo's)."""

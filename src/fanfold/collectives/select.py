@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import warnings
 from typing import Any
 
 import torch
@@ -22,7 +23,7 @@ from .._core.group import require_initialized
 from .hierarchical import HierarchicalTransport, host_layout
 from .protocol import TransportOwner
 from .shm.segment import host_key
-from .shm.transport import ShmTransport
+from .shm.transport import SegmentSpaceError, ShmTransport
 from .store import group_store
 from .transport import TorchTransport
 
@@ -69,16 +70,25 @@ def select_transport(group: Any = None, transport: str | None = None, device: An
 
 def resolve_transport(transport: Any = None, group: Any = None, timeout: float | None = None) -> Any:
     """The transport named by ``transport``: None -> the group's own where it has one (``TransportOwner``: the
-    ``fanfold`` backend's group), else ``$FANFOLD_TRANSPORT``, else ``select_transport``'s choice (collective);
-    "torch" -> TorchTransport; "shm" -> the shared-memory transport; "hierarchical" -> HierarchicalTransport; an
-    object implementing ``protocol.Transport`` -> used as is. ``timeout``: the stall timeout of the transports made
-    here (``timeouts.resolve_stall_timeout``)."""
+    ``fanfold`` backend's group), else ``$FANFOLD_TRANSPORT``, else ``select_transport``'s choice (collective;
+    "shm" chosen, not asked for, becomes TorchTransport, announced, where /dev/shm has no room for it); "torch" ->
+    TorchTransport; "shm" -> the shared-memory transport; "hierarchical" -> HierarchicalTransport; an object
+    implementing ``protocol.Transport`` -> used as is. ``timeout``: the stall timeout of the transports made here
+    (``timeouts.resolve_stall_timeout``)."""
     source = "transport"
     if transport is None:
         pg = group if group is not None or not dist.is_initialized() else dist.group.WORLD
         if isinstance(pg, TransportOwner):  # the fanfold backend's group: one collective layer for torch and DDP
             return pg.shared_transport() or TorchTransport(group, timeout=timeout)
         transport, source = select_transport(group), ENV_VAR
+        if transport == "shm" and not os.environ.get(ENV_VAR):
+            try:
+                return ShmTransport(group, timeout)
+            except SegmentSpaceError as exc:  # every rank raises it: all go through torch.distributed
+                if dist.get_rank(group) == 0:
+                    warnings.warn(f"fanfold: collectives go through torch.distributed, not shared memory: {exc}",
+                                  stacklevel=3)
+                return TorchTransport(group)
     if isinstance(transport, str):
         if transport == "torch":
             return TorchTransport(group, timeout=timeout)

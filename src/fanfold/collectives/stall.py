@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
+from .errors import StallError
 from .progress import WRITE_INTERVAL_S, Collective, Publisher, caller_line, process_gone, read_progress
 from .protocol import Transport, TransportOwner
 from .shm.engine import ShmMismatchError
@@ -41,18 +42,6 @@ _HINT = (
     "forward and one backward (DDP.join() handles uneven inputs, no_sync() accumulation). "
     f"The timeout is the stall_timeout argument or {ENV_VAR} (seconds)."
 )
-
-
-class StallError(RuntimeError):
-    """A collective did not complete: ``rank`` gave up on collective ``seq`` (``kind``) of ``feature`` (the fanfold
-    feature that issued it, e.g. "clip_grad_norm_"); ``missing`` lists the ranks that never arrived (behind,
-    elsewhere, or dead)."""
-
-    def __init__(self, message: str, *, rank: int, seq: int, kind: str, bucket: int | None, missing: list[int],
-                 feature: str | None = None):
-        super().__init__(message)
-        self.rank, self.seq, self.kind, self.bucket, self.missing = rank, seq, kind, bucket, missing
-        self.feature = feature
 
 
 class _Timeout(Exception):

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from .._core.devices import accelerator_type
 from .._core.group import is_initialized, rank_world
 from .._core.job_store import store_from_env
+from ..collectives.stall import group_transport
 
 __all__ = [
     "init_process_group",
@@ -113,8 +114,12 @@ def is_main_process() -> bool:
 
 
 def barrier() -> None:
-    """Wait for every rank; a no-op in a single process."""
+    """Wait for every rank; a no-op in a single process. Bounded by ``$FANFOLD_STALL_TIMEOUT`` (else the process
+    group's timeout): a rank that does not come makes the others raise :class:`~fanfold.StallError` naming it."""
     if is_initialized() and dist.get_world_size() > 1:
+        # First through the store, numbered and diagnosed (torch's barrier would time out naming nobody), then
+        # torch's own, which every rank reaches at once and which waits for the collectives still in flight.
+        group_transport(None, feature="fanfold.distributed.barrier").barrier()
         dist.barrier()
 
 

@@ -249,8 +249,7 @@ class PeerReader:
         try:
             _copy(self._fn, self.seg.pid(p), pieces)
         except OSError as exc:
-            raise RuntimeError(f"fanfold shm transport: rank {self.rank} could not read rank {p}'s memory in "
-                               f"{describe()[0]}: {exc}") from exc
+            self.seg.peer_failed(p, describe, exc)  # raises: ShmTimeoutError naming p where p died
 
 
 def gather_from_peers(reader: Any, part: torch.Tensor, out: torch.Tensor, describe: Callable,

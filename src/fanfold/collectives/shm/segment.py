@@ -13,6 +13,7 @@ created or opened. Layout: a header page (abort word and message), one 128-byte 
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import re
 import secrets
@@ -35,9 +36,10 @@ from ..._core.shm import (
     unlink,
     unmap,
 )
+from ..errors import StallError
 
-__all__ = ["Segment", "ShmTimeoutError", "SHM_DIR", "SEGMENT_NAME", "segment_name", "pid_namespace",
-           "leftover_segments", "host_key"]
+__all__ = ["Segment", "ShmTimeoutError", "SegmentSpaceError", "SHM_DIR", "SEGMENT_NAME", "segment_name",
+           "pid_namespace", "leftover_segments", "host_key"]
 
 _PREFIX = "fanfold-"
 # fanfold-<pid namespace inode, or x>-<creator's pid>-<12 hex digits>: what segment_name() makes, nothing else
@@ -45,6 +47,8 @@ SEGMENT_NAME = re.compile(r"fanfold-(x|[0-9]{1,20})-([0-9]{1,10})-[0-9a-f]{12}")
 _MAGIC = 0x464E464C  # "FNFL"
 _LINE = 128  # one rank's line: two cache lines, so neighbours' writes never share one (adjacent-line prefetch)
 _ABORT, _MSG, _MSG_LEN = 64, 128, 768
+_ABORT_MISSING, _MISSING_RANKS = 72, 448  # the aborting rank's missing ranks, a bitmask up to _MSG
+_NO_SPACE = "no space left in /dev/shm"
 _RANKS = 1024
 
 
@@ -59,13 +63,29 @@ def host_key() -> str:
     return f"{boot}:{st.st_dev}:{st.st_ino}"
 
 
-class ShmTimeoutError(RuntimeError):
+class ShmTimeoutError(StallError):
     """A collective of the shm transport did not complete: ``rank`` waited in collective ``seq`` (``bucket``) for
-    the ranks ``missing``, which never arrived, died, or aborted the transport."""
+    the ranks ``missing``, which never arrived, died (found gone while waiting for them or reading their memory), or
+    aborted the transport. ``kind`` names the collective ("all_reduce", ...)."""
 
-    def __init__(self, message: str, *, rank: int, missing: list[int], seq: int, bucket: int | None):
-        super().__init__(message)
-        self.rank, self.missing, self.seq, self.bucket = rank, missing, seq, bucket
+    def __init__(self, message: str, *, rank: int, missing: list[int], seq: int, bucket: int | None,
+                 kind: str = "shm"):
+        super().__init__(message, rank=rank, seq=seq, kind=kind, bucket=bucket, missing=missing)
+
+
+class SegmentSpaceError(RuntimeError):
+    """/dev/shm has no room for the segment (every rank of the group raises it): the caller may try a smaller one."""
+
+
+def _kind(doing: str) -> str:
+    # "all_reduce of 10 float32 #1 (bucket 3), chunk 1 of 1" -> "all_reduce"
+    return doing.split(" of ", 1)[0] if " of " in doing else doing
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        return f"{_NO_SPACE} ({exc})"
+    return f"{type(exc).__name__}: {exc}"
 
 
 def leftover_segments() -> list[str]:
@@ -154,7 +174,7 @@ class Segment:
                     raise RuntimeError(f"{name} was made for another group (header {header})")
             ctypes.c_uint32.from_buffer(mm, _RANKS + self.rank * _LINE + 8).value = os.getpid()
         except Exception as exc:
-            error, mm = f"{type(exc).__name__}: {exc}", None
+            error, mm = _reason(exc), None
         finally:
             # Every rank reports, then every rank unlinks: after that the name is gone whatever happens next.
             try:
@@ -178,6 +198,8 @@ class Segment:
             time.sleep(0.002)
         failed = {r: store.get(k).decode() for r, k in enumerate(keys)}
         failed = {r: e for r, e in failed.items() if e != "ok"}
+        if any(e.startswith(_NO_SPACE) for e in failed.values()):
+            raise SegmentSpaceError(f"rank {self.rank}: no room in {SHM_DIR} for a shared-memory segment: {failed}")
         if failed:
             raise RuntimeError(f"rank {self.rank}: the shm transport's segment could not be mapped on ranks "
                                f"{sorted(failed)}: {failed}. Do all ranks share /dev/shm? Use FANFOLD_TRANSPORT=torch.")
@@ -226,35 +248,79 @@ class Segment:
     def _check(self, p: int, k: int, deadline: float, describe: Any) -> float:
         # between sleeps on peer p's counter: give up on an abort, the deadline or a dead peer; else sleep on
         if self._abort.value:
-            a = self._abort.value - 1
-            self._fail(describe, p, k, f"; rank {a} gave up first: {self.abort_message()}")
+            self._fail_aborted(describe, p, k)
         left = deadline - time.monotonic()
         if left <= 0:
             self._fail(describe, p, k, f" within {self.timeout:g} s, the timeout of every wait for a peer")
         if self.check_pids and not alive(self.pid(p)):
-            self._fail(describe, p, k, f" (rank {p}'s process {self.pid(p)} is gone)")
+            # only the dead are missing: a live peer behind this step is on its way
+            dead = [q for q in self._behind(k) if not alive(self.pid(q))] or [p]
+            self._fail(describe, p, k, f" ({self._gone(dead)})", dead)
         return left
 
-    def _fail(self, describe: Any, p: int, k: int, why: str) -> None:
+    def _behind(self, k: int) -> list[int]:
+        return [q for q in range(self.world_size) if (self._counters[q].value - k) & 0x80000000]
+
+    def _gone(self, ranks: list[int]) -> str:
+        return "; ".join(f"rank {q}'s process {self.pid(q)} is gone" for q in ranks)
+
+    def _fail_aborted(self, describe: Any, p: int, k: int | None) -> None:
+        # The peer that gave up first named whom it waited for: that is who is missing, here too (not the ranks
+        # that gave up after it, which are alive); without a name, every rank behind this step.
+        a = self._abort.value - 1
+        named = self._abort_missing()
+        self._fail(describe, p, k, f"; rank {a} gave up first: {self.abort_message()}", named or None)
+
+    def _fail(self, describe: Any, p: int, k: int | None, why: str, missing: list[int] | None = None) -> None:
         doing, seq, bucket = describe()
-        missing = [q for q in range(self.world_size) if (self._counters[q].value - k) & 0x80000000] or [p]
+        if missing is None:
+            missing = (self._behind(k) if k is not None else []) or [p]
         who = f"rank {missing[0]}" if len(missing) == 1 else f"ranks {missing}"
         raise ShmTimeoutError(
             f"fanfold shm transport: rank {self.rank} of {self.world_size} waited in {doing} for {who}, which never "
-            f"arrived{why}", rank=self.rank, missing=missing, seq=seq, bucket=bucket)
+            f"arrived{why}", rank=self.rank, missing=missing, seq=seq, bucket=bucket, kind=_kind(doing))
 
-    def abort(self, message: str) -> None:
-        """Tell every peer that this rank gave up (their waits raise at once), naming it and ``message``."""
+    def peer_failed(self, p: int, describe: Any, exc: OSError) -> None:
+        """Raise for a failed read of rank ``p``'s memory (``exc``): :class:`ShmTimeoutError` naming ``p`` when its
+        process is gone (a read racing its death fails with ESRCH, EFAULT or a short copy while its memory is torn
+        down), or the abort's when a peer gave up (its tensors may be gone); RuntimeError otherwise."""
+        pid = self.pid(p)
+        settle = time.monotonic() + 1.0  # a killed process is gone (a zombie at least) within milliseconds
+        while alive(pid) and not self._abort.value and time.monotonic() < settle:
+            time.sleep(0.005)
+        if not alive(pid) or exc.errno == errno.ESRCH:
+            doing, seq, bucket = describe()
+            raise ShmTimeoutError(
+                f"fanfold shm transport: rank {self.rank} of {self.world_size} could not read rank {p}'s memory in "
+                f"{doing}: rank {p} died ({exc})", rank=self.rank, missing=[p], seq=seq, bucket=bucket,
+                kind=_kind(doing)) from exc
+        if self._abort.value:
+            self._fail_aborted(describe, p, None)
+        raise RuntimeError(f"fanfold shm transport: rank {self.rank} could not read rank {p}'s memory in "
+                           f"{describe()[0]}: {exc}") from exc
+
+    def abort(self, message: str, missing: list[int] | None = None) -> None:
+        """Tell every peer that this rank gave up (their waits raise at once), naming it, ``message`` and the ranks
+        it found ``missing`` (the peers report the same ones)."""
         if self._abort.value:
             return  # the first abort's message is the useful one
         data = message.encode(errors="replace")[: _MSG_LEN - 1]
         ctypes.memmove(self.base + _MSG, data + b"\0", len(data) + 1)
-        self._abort.value = self.rank + 1
+        mask = 0
+        for q in missing or ():
+            if 0 <= q < min(self.world_size, _MISSING_RANKS):
+                mask |= 1 << q
+        ctypes.memmove(self.base + _ABORT_MISSING, mask.to_bytes(_MISSING_RANKS // 8, "little"), _MISSING_RANKS // 8)
+        self._abort.value = self.rank + 1  # last: a peer that sees it sees the message and the ranks (x86's order)
         for r in range(self.world_size):
             self._wake(r)
 
     def abort_message(self) -> str:
         return ctypes.string_at(self.base + _MSG).decode(errors="replace")
+
+    def _abort_missing(self) -> list[int]:
+        mask = int.from_bytes(ctypes.string_at(self.base + _ABORT_MISSING, _MISSING_RANKS // 8), "little")
+        return [q for q in range(min(self.world_size, _MISSING_RANKS)) if mask >> q & 1]
 
     def close(self) -> None:
         """Let go of the mapping: unmapped now if no tensor views it, else when the last one dies (the name was

@@ -105,12 +105,16 @@ class Worker:
             self.engine.run_small(t, divisor, seq, bucket)
         except BaseException as exc:  # noqa: BLE001 - every peer must learn of the failure, as in _execute
             self._error = exc
-            self.engine.seg.abort(f"rank {self.engine.rank}: {type(exc).__name__}: {exc}")
+            self._abort(exc)
             raise
         finally:
             self._running.release()
             self._done()
         return True
+
+    def _abort(self, exc: BaseException) -> None:
+        # the peers raise at once, naming the ranks this one found missing (a StallError's), if any
+        self.engine.seg.abort(f"rank {self.engine.rank}: {type(exc).__name__}: {exc}", getattr(exc, "missing", None))
 
     def _serve(self) -> None:
         while True:
@@ -137,7 +141,7 @@ class Worker:
                 request.finish()
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the waiting caller
             self._error = exc
-            self.engine.seg.abort(f"rank {self.engine.rank}: {type(exc).__name__}: {exc}")
+            self._abort(exc)
             request.future.set_exception(exc)
             return
         request.future.set_result(request.value)

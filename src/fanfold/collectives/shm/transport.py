@@ -10,6 +10,7 @@ store.
 """
 from __future__ import annotations
 
+import os
 import warnings
 import weakref
 from collections.abc import Callable
@@ -40,14 +41,23 @@ from .request import (
     reduce_code,
     split_into,
 )
-from .segment import Segment, ShmTimeoutError, pid_namespace
+from .segment import SHM_DIR, Segment, SegmentSpaceError, ShmTimeoutError, pid_namespace
 from .thread import ShmWork, Worker
 from .thread import completed as _completed
 
-__all__ = ["ShmTransport", "ShmWork", "ShmTimeoutError", "INLINE_BYTES"]
+__all__ = ["ShmTransport", "ShmWork", "ShmTimeoutError", "SegmentSpaceError", "INLINE_BYTES", "SMALLEST_CHUNK"]
 
 INLINE_BYTES = 64 << 10  # all_reduce(inline=True) up to this size runs on the caller's thread when nothing is queued
+SMALLEST_CHUNK = 64 << 10  # a full /dev/shm: chunks shrink (by 4) down to this before the transport gives up
 _SMALL_DTYPES = frozenset(DTYPES)
+
+
+def _free_mib() -> float:
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return 0.0
+    return st.f_bavail * st.f_frsize / 2**20
 
 
 class ShmTransport(Exchanges):
@@ -56,7 +66,9 @@ class ShmTransport(Exchanges):
     transports. ``timeout`` (seconds or timedelta; default ``$FANFOLD_STALL_TIMEOUT``, else 300; at most the
     process group's timeout; a ``stall_timeout`` block replaces it for the collectives started in it) bounds every
     wait for a peer; a peer that never arrives, dies or fails makes the waiting rank raise
-    :class:`ShmTimeoutError` naming both ranks and the collective. ``chunk_bytes`` is the pipelining unit;
+    :class:`ShmTimeoutError` naming both ranks and the collective. ``chunk_bytes`` is the pipelining unit (where
+    /dev/shm has no room for the segment, smaller ones, down to :data:`SMALLEST_CHUNK`, announced once; then
+    :class:`SegmentSpaceError`);
     ``direct_bytes`` (default: no limit up to 3 ranks, else 64 KiB) the largest tensor whose ring all_reduce every
     rank sums whole instead of by shards; ``peer_read`` (None: where the probe allows) whether ranks read their
     peers' memory.
@@ -74,22 +86,19 @@ class ShmTransport(Exchanges):
                                                                                  dist.get_world_size(group))
         self._base, self._limit = resolve_stall_timeout(timeout), group_timeout(group)
         self.timeout = bound(self._base, self._limit)
-        self._chunk_bytes = chunk_bytes
         if direct_bytes is None:  # up to 3 ranks, summing everything on every rank moves fewer bytes
             direct_bytes = 1 << 62 if self.world_size <= 3 else 64 << 10
         self._direct_bytes = direct_bytes
-        # the caller's-thread path: the ring's direct sum of one chunk (see _submit)
-        self._small_bytes = min(INLINE_BYTES, chunk_bytes // 4, direct_bytes) if self.world_size > 1 else -1
         self._worker = self._segment = None
         self.peer_read = False  # every rank may read its peers' memory (probed below)
         self._regions: list[Segment] = []  # allocate()'s, closed with the transport
+        self._regions_full = False  # allocate() found /dev/shm full (every rank alike): ordinary memory from then on
         if self.world_size > 1:
             store = group_store(group, "shm", self.rank)
             store.set(f"pidns/{self.rank}", pid_namespace())
             areas = 8 if self.world_size <= 3 else 4
+            self._segment, chunk_bytes = self._map_segment(store, areas, chunk_bytes)
             ring = areas * (self.world_size + 1) * chunk_bytes
-            self._segment = Segment(store, self.rank, self.world_size, ring + self.world_size * TABLE_BYTES,
-                                    self.timeout, check_pids=False)
             # Collective whatever this rank's peer_read: every rank takes the probe's steps.
             self.peer_read, why = probe(self._segment, self.rank, self.world_size, peer_read is not False)
             if peer_read is None and not self.peer_read:
@@ -108,6 +117,36 @@ class ShmTransport(Exchanges):
             self._finalizer = weakref.finalize(self, self._worker.stop, self._segment, self._regions)
         else:
             self._finalizer = weakref.finalize(self, lambda: None)
+        self._chunk_bytes = chunk_bytes
+        # the caller's-thread path: the ring's direct sum of one chunk (see _submit)
+        self._small_bytes = min(INLINE_BYTES, chunk_bytes // 4, direct_bytes) if self.world_size > 1 else -1
+
+    def _map_segment(self, store: Any, areas: int, chunk_bytes: int) -> tuple[Segment, int]:
+        """The segment, with ``chunk_bytes`` chunks or, where /dev/shm has no room for it (Docker gives a container
+        64 MB), the largest of a quarter, a sixteenth... down to SMALLEST_CHUNK that fits: announced once, by rank
+        0. Collective: every rank sees the same failures (the segment's reports), so all take the same size."""
+        asked, tried = chunk_bytes, 0
+        while True:
+            size = areas * (self.world_size + 1) * chunk_bytes + self.world_size * TABLE_BYTES
+            try:
+                # each try meets under its own keys: the failed one's are spent
+                seg = Segment(store if tried == 0 else dist.PrefixStore(f"retry{tried}/", store), self.rank,
+                              self.world_size, size, self.timeout, check_pids=False)
+                break
+            except SegmentSpaceError as exc:
+                if chunk_bytes // 4 < SMALLEST_CHUNK:
+                    raise SegmentSpaceError(
+                        f"rank {self.rank}: {SHM_DIR} has no room for the shm transport's segment even with "
+                        f"{chunk_bytes >> 10} KiB chunks ({size / 2**20:.1f} MiB): give it more (docker run "
+                        f"--shm-size=1g) or set FANFOLD_TRANSPORT=torch. {exc}") from exc
+                chunk_bytes = chunk_bytes // 4 // 4096 * 4096
+                tried += 1
+        if chunk_bytes != asked and self.rank == 0:
+            warnings.warn(f"fanfold's shm transport: {SHM_DIR} has no room for its {asked >> 10} KiB chunks "
+                          f"({_free_mib():.0f} MiB free; Docker's default is 64 MB): it runs with {chunk_bytes >> 10} "
+                          f"KiB chunks, slower on large tensors. Give /dev/shm more room (docker run --shm-size=1g).",
+                          stacklevel=3)
+        return seg, chunk_bytes
 
     def _reads_peers(self, nbytes: int, listed: bool = False) -> bool:
         """The one choice between the two algorithms, for every collective that has both (all_reduce,
@@ -156,12 +195,22 @@ class ShmTransport(Exchanges):
         nbytes = numel * torch.empty(0, dtype=dtype).element_size()
         stride = -(-nbytes // 4096) * 4096
         store = group_store(self.group, "region", self.rank)
+        if self._regions_full:
+            return torch.zeros(numel, dtype=dtype)
         try:
             region = Segment(store, self.rank, self.world_size, self.world_size * stride, self.timeout,
                              check_pids=False)
         except ShmTimeoutError:
             raise
-        except RuntimeError as exc:  # every rank gets this error (/dev/shm full): all fall back to the ring
+        except SegmentSpaceError:  # every rank gets it: all keep to ordinary memory from now on, said once
+            self._regions_full = True
+            if self.rank == 0:
+                warnings.warn(f"fanfold's shm transport: {SHM_DIR} is full ({_free_mib():.0f} MiB free; Docker's "
+                              "default is 64 MB): allocate() falls back to ordinary memory from now on (DDP's "
+                              "buckets are copied into the segment by chunks). Give /dev/shm more room (docker run "
+                              "--shm-size=1g).", stacklevel=2)
+            return torch.zeros(numel, dtype=dtype)
+        except RuntimeError as exc:  # every rank gets this error: all fall back to the ring
             warnings.warn(f"ShmTransport.allocate({numel}, {dtype}) falls back to ordinary memory: {exc}",
                           stacklevel=2)
             return torch.zeros(numel, dtype=dtype)
