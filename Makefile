@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: run test lint smoke demo bench fuzz conformance conformance-backend gpu-check clean
+.PHONY: run test lint smoke demo bench fuzz conformance conformance-backend gpu-check multihost clean
 
 $(STAMP): requirements.txt pyproject.toml
 	@echo "fanfold: one-time set-up: creating $(VENV) and installing torch (CPU build) and the pinned tools of requirements.txt; this takes about 1-2 minutes"
@@ -74,6 +74,13 @@ else
 	$(MAKE) --no-print-directory $(STAMP)
 	$(BIN)/python benchmarks/gpu.py --with-tests
 endif
+
+# tests/multihost: 2 and 3 ranks on simulated hosts (network, mount, UTS and PID namespaces linked by veth; see
+# docs/multihost.md): collectives against gloo, DDP against one process, a killed rank, a link taken down,
+# `fanfold run --nnodes 2` restarting. Needs root (skipped with the reason otherwise) and about 10 minutes on 2
+# cores; not in `test`.
+multihost: $(STAMP)
+	FANFOLD_MULTIHOST=1 $(BIN)/python -m pytest -q -rs tests/multihost
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info runs

@@ -187,6 +187,12 @@ def launch_script(
             raise ValueError(f"nnodes={nnodes!r} spans several machines: pass rdzv_endpoint as HOST:PORT")
         backend, endpoint, run_id = rdzv_backend, rdzv_endpoint, rdzv_id
         configs = {"rank": node_rank} if rdzv_backend == "static" else {}
+        # A fresh store for the workers of every rendezvous round (rank 0's worker hosts it), not the agents'
+        # shared one: its keys are prefixed by each agent's own restart count, and the agents' counts differ
+        # after a restart (the node whose worker failed counts one; a node that only saw it rejoin may not), so
+        # the restarted workers of one node would read the last round's keys (gloo: connection refused).
+        if "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in os.environ:
+            env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     env.update(extra_env or {})
     # The user's secret (multi-node: the same on every node) or one made for this run; the workers find it in their
     # environment, which only this user can read, and never on a command line.
