@@ -70,7 +70,9 @@ def _assert_diagnosed(results: dict[int, dict], rank: int) -> None:
     err = res["error"]
     assert err is not None and err["type"] == "StallError", (rank, err)
     assert f"did not complete within {STALL_TIMEOUT} s" in err["message"] or "failed" in err["message"], err
-    assert res["seconds"] < STALL_TIMEOUT + 30, (rank, res["seconds"])
+    # counted from the collective's start, a second or more before the link went down: within the stall timeout + 10 s
+    # of the fault (the issue's bound), whichever side of the link the rank is on
+    assert res["seconds"] < STALL_TIMEOUT + 11, (rank, res["seconds"])
 
 
 @pytest.mark.parametrize("rank", [0, 1])
@@ -79,10 +81,8 @@ def test_link_down_mid_collective_store_host(link_down, rank):
     _assert_diagnosed(link_down, rank)
 
 
-@pytest.mark.xfail(strict=True, reason="defect, not fixed here: StallInspector.diagnose reads each peer's progress "
-                   "from the store (progress.read_progress), and a store across a link that is down blocks those "
-                   "reads past the store's timeout: host 1's ranks hang (over 100 s) instead of raising StallError")
 @pytest.mark.parametrize("rank", [2, 3])
 def test_link_down_mid_collective_far_host(link_down, rank):
-    """Host 1 (cut off from the store): StallError too, in bounded time."""
+    """Host 1 (cut off from the store): StallError too, in bounded time (the diagnosis's store calls are bounded:
+    over a dead link they block in TCP's retransmissions, far past the store's timeout)."""
     _assert_diagnosed(link_down, rank)

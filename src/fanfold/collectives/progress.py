@@ -135,6 +135,36 @@ def _alarm_raised(store: dist.Store, key: str, callback: Callable[[dict], None])
     return True
 
 
+# How long a diagnosis waits for the store: over a link that went down a store call blocks in TCP's retransmissions,
+# far past the store's own timeout; the diagnosis must end regardless.
+STORE_ANSWER_S = 3.0
+
+
+def within(seconds: float, fn: Callable[[], object], otherwise: object) -> object:
+    """``fn()``'s result, or ``otherwise`` when it has not returned within ``seconds`` (it goes on in a daemon
+    thread: a store call cannot be cancelled) or raised."""
+    box: list = []
+
+    def run() -> None:
+        try:
+            box.append(fn())
+        except Exception:  # noqa: BLE001 - a failed call answers as one that never came
+            pass
+
+    t = threading.Thread(target=run, name="fanfold-store-call", daemon=True)
+    t.start()
+    t.join(seconds)
+    return box[0] if box else otherwise
+
+
+def read_all_progress(store: dist.Store, ranks: list[int], seconds: float = STORE_ANSWER_S) -> dict[int, dict | str]:
+    """Each of ``ranks``' records (:func:`read_progress`), all read within ``seconds``; a rank whose record did not
+    come in time reads as unknown, saying why."""
+    late = f"progress unknown: the store did not answer within {seconds:g} s (its host unreachable, or a link down)"
+    got = within(seconds, lambda: {r: read_progress(store, r) for r in ranks}, None)
+    return got if isinstance(got, dict) else {r: late for r in ranks}
+
+
 def read_progress(store: dist.Store, rank: int) -> dict | str:
     """``rank``'s record, or why there is none."""
     try:

@@ -24,7 +24,17 @@ import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
 from .errors import StallError
-from .progress import WRITE_INTERVAL_S, Collective, Publisher, caller_line, process_gone, read_progress
+from .progress import (
+    STORE_ANSWER_S,
+    WRITE_INTERVAL_S,
+    Collective,
+    Publisher,
+    caller_line,
+    process_gone,
+    read_all_progress,
+    read_progress,
+    within,
+)
 from .protocol import Transport, TransportOwner
 from .shm.engine import ShmMismatchError
 from .shm.transport import ShmTransport
@@ -222,9 +232,9 @@ class StallInspector:
         self._state.update(fields, pending=list(self._pending))
         self._publisher.post(dict(self._state))
 
-    def flush(self) -> None:
-        """Return once this rank's latest progress is in the store (or the store is gone)."""
-        self._publisher.flush()
+    def flush(self, timeout: float = 10.0) -> None:
+        """Return once this rank's latest progress is in the store (or the store is gone), or after ``timeout``."""
+        self._publisher.flush(timeout)
 
     def _progress(self, rank: int) -> dict | str:
         return read_progress(self.store, rank)
@@ -246,12 +256,14 @@ class StallInspector:
         if self.alarm is not None:
             return
         record = {"rank": self.rank, "headline": headline}
-        try:
+        def tell() -> bool:
             if self._alarm_store.add("alarms", 1) == 1:  # the first rank's diagnosis is the one to tell
                 self._alarm_store.set("alarm", json.dumps(record))
-        except Exception:  # noqa: BLE001 - the store is gone: the peers learn of the stall from their own waits
-            return
-        self._heard(record)
+            return True
+
+        # the store gone or out of reach: the peers learn of the stall from their own waits
+        if within(STORE_ANSWER_S, tell, False):
+            self._heard(record)
 
     def diagnose(self, op: Collective, cause: BaseException | None, timeout: float | None = None) -> StallError:
         """Read every rank's progress and build the error for a wait on ``op`` that timed out, failed or was ended
@@ -259,17 +271,18 @@ class StallInspector:
         timeout = self.timeout if timeout is None else timeout
         alarm = self.alarm
         self._publish(gave_up=op.seq)
-        self.flush()
+        self.flush(STORE_ANSWER_S)  # bounded three times (this, the reads, the alarm): done within the timeout + 10 s
         # A peer whose connection just dropped is usually still exiting: give it up to a second to finish. And a peer's
         # record may lag its progress by up to WRITE_INTERVAL_S: a rank that fails at once (a dead peer, a mismatch)
         # waits that long, so that it does not report as behind a peer that arrived with it.
         grace_until = time.monotonic() + (1.0 if cause is not None else 0.0)
         time.sleep(2 * WRITE_INTERVAL_S)
         never, gave_up, disagreed, ahead, unknown, lines = [], [], [], [], [], []
+        records = read_all_progress(self.store, [r for r in range(self.world_size) if r != self.rank])
         for r in range(self.world_size):
             if r == self.rank:
                 continue
-            p = self._progress(r)
+            p = records[r]
             if isinstance(p, str):
                 lines.append(f"  rank {r}: {p}")
                 (never if p.startswith("has not") else unknown).append(r)
@@ -319,7 +332,8 @@ class StallInspector:
                  f"Ranks that arrived and gave up: {gave_up}." if gave_up else "",
                  f"Ranks already past it: {ahead}." if ahead else "",
                  f"Ranks whose progress is unknown: {unknown}." if unknown else ""]
-        found = " ".join(f for f in found if f) or "Ranks that never arrived: none found."
+        found = " ".join(f for f in found if f) or ("Every rank arrived: their connections failed (the cause below)."
+                                                   if cause is not None else "Ranks that never arrived: none found.")
         headline = f"rank {self.rank} of {self.world_size}: {who}{op} {verdict}. {found}"
         parts = [headline, *lines]
         if cause is not None and clash is None:
