@@ -10,10 +10,12 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import timedelta
 
 import pytest
+import torch.distributed as dist
 
-from fanfold.launcher.loopback import LOOPBACK, loopback_interface, loopback_store
+from fanfold.launcher.loopback import LOOPBACK, loopback_interface
 
 STALL = 2.0
 PROGRAM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_stall_program.py")
@@ -23,7 +25,9 @@ DEADLINE = 120.0  # the whole case, start-up included: far below the group's tim
 def _run(setup, case, nprocs, folder):
     """Start the ranks, wait for every process to end; per rank: its ENTERED times, RESULT, exit code and the
     time.time() at which it was seen gone."""
-    store, port = loopback_store(DEADLINE)
+    # a plain TCPStore, as an agent's (TORCHELASTIC_USE_AGENT_STORE): the subject here is stalls, not the job store
+    store = dist.TCPStore(LOOPBACK, 0, nprocs, True, timedelta(seconds=DEADLINE), wait_for_workers=False)
+    port = store.port
     lo = loopback_interface()
     base = {**os.environ, "MASTER_ADDR": LOOPBACK, "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True",
             "WORLD_SIZE": str(nprocs), "LOCAL_WORLD_SIZE": str(nprocs), "GROUP_RANK": "0", "OMP_NUM_THREADS": "1",
