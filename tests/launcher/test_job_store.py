@@ -6,6 +6,7 @@ import json
 import os
 import pathlib
 import pwd
+import re
 import secrets
 import shutil
 import socket
@@ -307,7 +308,8 @@ def _reports(cmd, tmp_path, env):
     done = subprocess.run([*cmd, str(script), SRC, how], env=env,
                           capture_output=True, text=True, timeout=240, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-4000:]
-    lines = [json.loads(line[line.index("{"):]) for line in done.stdout.splitlines() if '"rank"' in line]
+    # torchrun passes the workers' output through unbuffered: two reports may share a line
+    lines = [json.loads(m) for m in re.findall(r'\{[^{}]*"rank"[^{}]*\}', done.stdout)]
     return sorted(lines, key=lambda r: r["rank"])
 
 
