@@ -134,8 +134,12 @@ def create_segment(name: str, size: int) -> tuple[mmap.mmap, FileId]:
     try:
         os.fchmod(fd, 0o600)  # the umask may only remove bits, but say exactly what the segment allows
         ident = _checked_fd(fd, name, None)
-        os.posix_fallocate(fd, 0, size)
-        return mmap.mmap(fd, size), ident
+        try:
+            os.posix_fallocate(fd, 0, size)
+            return mmap.mmap(fd, size), ident
+        except BaseException:
+            unlink(name, ident)  # the file this call created (no room for it): a failed creation leaves nothing
+            raise
     finally:
         os.close(fd)
 
