@@ -5,7 +5,9 @@ a training function (fanfold's DDP, 2 gloo ranks, each on half of a fixed batch)
 and prints the result; cell 3 trains the same model in the kernel's own process on the whole batch (the oracle) and
 prints whether both ranks match it; cell 4 launches a cell-defined function whose rank 1 raises, and prints the
 WorkerError; cell 5 has both workers print a line in pieces, rank 0 pausing mid-line while rank 1 prints its own
-(whole lines must arrive, not "workerworker 1  done0"), then the same with ``rank_prefix=True``. Cells cannot be
+(whole lines must arrive, not "workerworker 1  done0"), then the same with ``rank_prefix=True``; cell 6 launches a
+function whose ranks stall (rank 1 skips a backward's all-reduce): a WorkerError with the StallError, and cell 7 shows
+the kernel lives on. Cells cannot be
 pickled by reference, so this is the path a notebook user takes.
 """
 from __future__ import annotations
@@ -101,14 +103,33 @@ for prefix in (False, True):
     finally:
         shutil.rmtree(folder)
 ''',
+    '''
+def stalls():
+    init_process_group(timeout=60.0)
+    model = fanfold.DistributedDataParallel(make_model())
+    x, y = batch()
+    if os.environ["RANK"] == "0":
+        nn.functional.mse_loss(model(x), y).backward()  # rank 1 never joins this backward's all-reduce
+    else:
+        fanfold.distributed.barrier()  # ended by rank 0's diagnosis, not left waiting
+    return 0
+
+try:
+    fanfold.launch(stalls, nprocs=2, timeout=60, env={"FANFOLD_STALL_TIMEOUT": "2"})
+except fanfold.WorkerError as e:
+    print("stalled:", "StallError" in str(e), "| ranks stopped:", "also failed" in str(e) or "stopped" in str(e))
+''',
+    '''
+print("the kernel lives on:", sum(p.numel() for p in make_model().parameters()))
+''',
 ]
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(180)
 def test_function_defined_in_a_notebook_runs_on_two_workers():
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell(src.strip()) for src in CELLS]
-    client = nbclient.NotebookClient(nb, timeout=100, kernel_name="python3")  # the kernel inherits our environment
+    client = nbclient.NotebookClient(nb, timeout=150, kernel_name="python3")  # the kernel inherits our environment
     client.execute()
     outputs = ["".join(o.get("text", "") for o in cell.outputs if o.get("output_type") == "stream")
                for cell in nb.cells]
@@ -118,3 +139,6 @@ def test_function_defined_in_a_notebook_runs_on_two_workers():
     assert outputs[3] == "WorkerError rank 1 | rank 1 of 2 failed: ValueError: bad cell on rank 1\n", outputs
     assert outputs[4] == ("worker 1 done\nworker 0 done\n"
                           "[rank 1] worker 1 done\n[rank 0] worker 0 done\n"), outputs
+    # a stall in a notebook: the workers end with the diagnosis, the kernel does not
+    assert outputs[5] == "stalled: True | ranks stopped: True\n", outputs
+    assert outputs[6] == "the kernel lives on: 49\n", outputs
