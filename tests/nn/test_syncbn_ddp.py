@@ -4,6 +4,7 @@ after 10 SGD steps. Even, uneven (5 + 3) and empty per-rank batches; join() with
 early and with one that never has a batch; both transports; 2 DataParallel replicas in each rank; one collective
 per layer in forward and in backward; the clear errors of join() on a shared process group, of no_sync() inside
 join() and of replicas inside join()."""
+import functools
 from contextlib import nullcontext
 
 import pytest
@@ -13,6 +14,7 @@ import torch.distributed as dist
 import fanfold
 from _syncbn_models import STEPS, assert_matches, cnn, oracle, part, part_loss, step_batch, train
 from fanfold import SyncBatchNorm
+from fanfold.collectives.transport import TorchTransport
 from fanfold.distributed import init_process_group, rank, world_size
 
 # schedule[step][r]: rank r's batch size at that step; None: rank r has run out (inside join() only)
@@ -54,16 +56,20 @@ def _train(schedule, transport=None, join=False, count=False, replicas=None):
                 depth[0] -= 1
         return call
 
-    all_reduce = dist.all_reduce
+    all_reduce, torch_all_reduce = dist.all_reduce, TorchTransport.all_reduce
     channel = getattr(ddp.transport, "inner", ddp.transport)  # SyncBatchNorm uses the one under the inspector
     if count:
-        dist.all_reduce = counted("torch.distributed", all_reduce)
+        # DDP's own transport first (its instance attribute wins over the class's), then any other: a layer's
+        # own TorchTransport (inside join) calls its process group directly, so the class is where to count it
         channel.all_reduce = counted("DDP's transport", channel.all_reduce)
+        dist.all_reduce = counted("torch.distributed", all_reduce)
+        TorchTransport.all_reduce = lambda self, t, *args, **kwargs: counted(
+            "torch.distributed", functools.partial(torch_all_reduce, self))(t, *args, **kwargs)
     try:
         with ddp.join() if join else nullcontext():
             rec = train(model, ddp, batches())
     finally:
-        dist.all_reduce = all_reduce
+        dist.all_reduce, TorchTransport.all_reduce = all_reduce, torch_all_reduce
         vars(channel).pop("all_reduce", None)
     # leaving join() gave every rank the last active rank's model
     rec["state"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
