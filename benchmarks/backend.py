@@ -84,6 +84,7 @@ def ddp(backend: str, warmup: int, steps: int) -> dict:
     for _ in range(warmup):
         step()
     seconds = statistics.median(_timed(step, steps))
+    wrapped = step = None  # torch's DDP goes before its group: destroying the group under it can hang
     dist.destroy_process_group()
     return {"torch DDP, MLP 16.7M, step (ms)": seconds * 1e3}
 

@@ -89,6 +89,7 @@ def one_row(row: str, name: str, batch: int, warmup: int, steps: int) -> tuple[l
         times.append(time.perf_counter() - start)
     if isinstance(net, fanfold.DataParallel):
         net.close()
+    del net  # torch's DDP goes before its group: destroying the group under it can hang (docs/ddp-compat.md)
     if dist.is_initialized():
         dist.destroy_process_group()
     return times[warmup:], [p.detach().clone() for p in model.parameters()]

@@ -187,6 +187,7 @@ def ddp_worker(setup: Setup, kind: str, warmup: int, steps: int) -> dict:
             torch.cuda.synchronize(device)
 
     seconds = timed(train_step, sync, warmup, steps)
+    wrapped = train_step = None  # torch's DDP goes before its group: destroying the group under it can hang
     dist.destroy_process_group()
     return {"seconds": seconds, "params": params if rank == 0 else None}
 

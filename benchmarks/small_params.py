@@ -92,6 +92,8 @@ def one_run(backend: str, warmup: int, steps: int, transport: str | None, profil
             out = io.StringIO()
             pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(25)
             report = out.getvalue()
+    models.clear()  # torch's DDP goes before its group: destroying the group under it can hang (docs/ddp-compat.md)
+    del theirs, ours
     dist.destroy_process_group()
     return {"times": times, "diff": diff, "close": close, "profile": report}
 
