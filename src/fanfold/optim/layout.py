@@ -108,8 +108,7 @@ def split_pieces(pieces: list[Piece], params: list[torch.Tensor], limit: int = P
 
 
 def cache_batches(pieces: list[Piece], params: list[torch.Tensor], limit: int = PIECE_BYTES) -> list[list[int]]:
-    """Positions in ``pieces`` batched into runs of consecutive pieces of at most ``limit`` bytes together (a larger
-    piece alone)."""
+    """Positions in ``pieces`` in runs of consecutive pieces of at most ``limit`` bytes (a larger piece alone)."""
     out: list[list[int]] = []
     used = 0
     for k, pc in enumerate(pieces):

@@ -136,14 +136,12 @@ class GradientShards:
         return self.parts[b][offset:offset + numel] if self.present[i] else None
 
     def lay_flat(self) -> None:
-        """The parameters become views of one flat tensor per bucket, so that their gathers write straight into them.
-        Call before taking views of them."""
+        """The parameters become views of one flat tensor per bucket (their gathers write straight into them)."""
         if self.gather is None:
             self.gather = ParamGather(self.layout, self.params, self.reducer.transport, self.module)
 
     def gather_params(self) -> None:
-        """Every rank's part of every parameter to every rank (collective), issued per bucket; returns with the
-        gathers in flight."""
+        """Every rank's part of every parameter to every rank (collective); returns with the gathers in flight."""
         self.lay_flat()
         self.gather.issue()
 
@@ -154,8 +152,7 @@ class GradientShards:
 
 
 class _HookPart:
-    """A user's comm hook on bucket ``b`` (staged in ``flat``); ``wait()`` leaves this rank's part ``lo:hi`` in
-    ``out``."""
+    """A user's comm hook on bucket ``b`` (staged in ``flat``); ``wait()`` leaves this rank's ``part`` in ``out``."""
 
     def __init__(self, reducer: Reducer, b: int, s: Space, part: tuple[int, int], flat: torch.Tensor,
                  out: torch.Tensor):
