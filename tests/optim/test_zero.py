@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import fanfold
-from fanfold.optim.layout import pieces_of, plan_spaces, spans
+from fanfold.optim.layout import pieces_of, plan_spaces
 
 
 def _model():
@@ -30,7 +30,7 @@ def test_layout_equal_contiguous_slices_cover_every_element_once(world):
     seen = {i: [] for i in range(len(params))}
     for r in range(world):
         by_space = {}
-        for pc in pieces_of(spaces, params, [0] * len(params), r):
+        for pc in pieces_of(spaces, [0] * len(params), r):
             seen[pc.index].append((pc.start, pc.stop))
             by_space.setdefault(pc.space, []).append(pc)
         for s, pcs in by_space.items():
@@ -44,12 +44,11 @@ def test_layout_equal_contiguous_slices_cover_every_element_once(world):
 def test_spans_map_flat_ranges_to_parameter_elements():
     params = [torch.zeros(3, 4), torch.zeros(0), torch.zeros(5), torch.zeros(7)]
     space = plan_spaces(params, 2)[0]
-    numels = [p.numel() for p in params]
-    assert spans(space, numels, 10, 19) == [(0, 10, 12, 0), (2, 0, 5, 2), (3, 0, 2, 7)]
-    assert spans(space, numels, 24, 30) == []
+    assert space.spans(10, 19) == [(0, 10, 12, 0), (2, 0, 5, 2), (3, 0, 2, 7)]
+    assert space.spans(24, 30) == []
     for lo in range(24):
         for hi in range(lo, 25):
-            assert sum(b - a for _, a, b, _ in spans(space, numels, lo, hi)) == hi - lo
+            assert sum(b - a for _, a, b, _ in space.spans(lo, hi)) == hi - lo
 
 
 @pytest.mark.parametrize("cls,kw", [(torch.optim.SGD, dict(lr=0.1, momentum=0.9, nesterov=True)),

@@ -24,7 +24,7 @@ def test_split_pieces_cover_each_piece_in_aligned_bounded_parts(world, limit):
               torch.zeros(()), torch.zeros(70, dtype=torch.float64), torch.zeros(0), torch.zeros(F32 + 7)]
     spaces = plan_spaces(params, world)
     for r in range(world):
-        pieces = pieces_of(spaces, params, [i % 2 for i in range(len(params))], r)
+        pieces = pieces_of(spaces, [i % 2 for i in range(len(params))], r)
         cut = split_pieces(pieces, params, limit)
         at = 0
         for pc in pieces:
@@ -45,13 +45,13 @@ def test_split_pieces_cover_each_piece_in_aligned_bounded_parts(world, limit):
         assert at == len(cut)
     # The elements of a parameter: 8 bytes each, so 12 per piece of 100 bytes, cut at 12, 24, ...
     double = [torch.zeros(30, dtype=torch.float64)]
-    one = split_pieces(pieces_of(plan_spaces(double, 1), double, [0], 0), double, 100)
+    one = split_pieces(pieces_of(plan_spaces(double, 1), [0], 0), double, 100)
     assert [(q.start, q.stop, q.offset) for q in one] == [(0, 12, 0), (12, 24, 12), (24, 30, 24)]
 
 
 def test_cache_batches_group_consecutive_pieces_up_to_the_limit():
     params = [torch.zeros(10), torch.zeros(30), torch.zeros(4, dtype=torch.float64), torch.zeros(25)]
-    pieces = split_pieces(pieces_of(plan_spaces(params, 1), params, [0] * 4, 0), params, 64)
+    pieces = split_pieces(pieces_of(plan_spaces(params, 1), [0] * 4, 0), params, 64)
     sizes = [q.numel * params[q.index].element_size() for q in pieces]
     assert sizes == [40, 64, 56, 64, 36, 32]  # the float32 space (parameters 0, 1, 3), then the float64 one
     assert cache_batches(pieces, params, 64) == [[0], [1], [2], [3], [4], [5]]

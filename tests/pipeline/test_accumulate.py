@@ -1,4 +1,4 @@
-"""A pipeline step's weight gradients, computed over blocks of micro-batches (``fanfold.pipeline.accumulate``).
+"""A pipeline step's weight gradients, computed over blocks of micro-batches (``stage.WeightGradAccumulator``).
 
 Oracle: autograd's own accumulation (the same micro-batches, each ``backward()`` adding into ``.grad``) and the
 sequential model on the whole batch. float64, so that only summation order differs.
@@ -11,7 +11,7 @@ from torch import nn
 from torch.testing import assert_close
 
 import fanfold
-from fanfold.pipeline.accumulate import WeightGradAccumulator
+from fanfold.pipeline.stage import WeightGradAccumulator
 
 
 def _model() -> nn.Sequential:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fanfold.pipeline import Step, gpipe, one_f_one_b
-from fanfold.pipeline.p2p import decode, encode
+from fanfold.pipeline.channel import decode, encode
 from fanfold.pipeline.schedule import clocked, stage_orders
 
 SIZES = [(s, m) for s in (1, 2, 3, 4) for m in (1, 2, 3, 5, 8)]

@@ -1,7 +1,5 @@
-"""fanfold.optim: sharded optimizers. ``ZeroRedundancyOptimizer`` (``zero``: state sharded in equal flat slices laid
-out by ``layout``; stage 2, the reducer's gradient strategy: ``sharded_grads`` and ``param_gather``) and
-``clip_grad_norm_`` over sharded gradients (``clip``).
-"""
+"""fanfold.optim: ``ZeroRedundancyOptimizer`` (ZeRO stages 1 and 2) and ``clip_grad_norm_`` over sharded
+gradients."""
 from .clip import clip_grad_norm_
 from .zero import ZeroRedundancyOptimizer
 

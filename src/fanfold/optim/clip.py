@@ -1,9 +1,6 @@
-"""``clip_grad_norm_`` over gradients sharded across ranks: torch's function when nothing is sharded.
-
-With shards, each rank holds a disjoint part of the gradients; every p-norm combines from per-rank partial sums
-(``sum |g|^p``; max for inf, min for -inf), one collective of a scalar on the group's inspected transport
-(``collectives.stall.group_transport``: a rank that skips it makes the others raise StallError). torch's 0-"norm"
-counts the *tensors* with a non-zero gradient, which slices of tensors cannot tell: refused when sharded.
+"""``clip_grad_norm_`` over gradients sharded across ranks (torch's function when nothing is sharded): every p-norm
+combines from per-rank partial sums (max for inf, min for -inf), one collective of a scalar on the group's inspected
+transport. torch's 0-"norm" counts whole tensors, which slices cannot: refused when sharded.
 """
 from __future__ import annotations
 
@@ -36,11 +33,11 @@ def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0, er
     (averaged) gradients, and only this rank's slice is scaled, which is all its step reads. With ``process_group``
     the given tensors' gradients are this rank's disjoint shard of the model's. Sharded calls are collectives.
     """
-    if isinstance(parameters, ZeroRedundancyOptimizer):
-        grads, group, world = parameters._shard_grads(), parameters.process_group, parameters.world_size
+    if isinstance(parameters, ZeroRedundancyOptimizer):  # its 1-D views, each holding its slice's gradient
+        held, group, world = parameters._shard_grads(), parameters.process_group, parameters.world_size
     elif process_group is not None:
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        grads, group = [p.grad for p in params if p.grad is not None], process_group
+        held, group = [p for p in params if p.grad is not None], process_group
         world = dist.get_world_size(group)
     else:
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
@@ -49,6 +46,7 @@ def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0, er
         raise ValueError("clip_grad_norm_: norm_type=0 is not supported over sharded gradients (torch's 0-norm counts "
                          "whole tensors with a non-zero gradient, which a rank holding slices cannot count)")
     # Per-rank partial sums travel in float64 so that every rank sends the same dtype whatever its shard holds.
+    grads = [t.grad for t in held]
     norms = [torch.linalg.vector_norm(g, p).to(torch.float64).cpu() for g in grads]
     total = _partial(norms, p)
     if world > 1:
@@ -66,14 +64,5 @@ def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0, er
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"clip_grad_norm_: the total norm of order {norm_type} of the gradients is {total.item()} "
                            f"(non-finite); pass error_if_nonfinite=False to clip anyway")
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    if foreach:  # torch's meaning: one fused multiply per (dtype, device) instead of one per tensor
-        same: dict = {}
-        for g in grads:
-            same.setdefault((g.dtype, g.device), []).append(g)
-        for (dtype, device), gs in same.items():
-            torch._foreach_mul_(gs, coef.to(dtype=dtype, device=device))
-    else:
-        for g in grads:
-            g.mul_(coef.to(dtype=g.dtype, device=g.device))
+    torch.nn.utils.clip_grads_with_norm_(held, max_norm, total, foreach)
     return total.to(grads[0].dtype) if grads else total

@@ -1,11 +1,6 @@
-"""Where each rank's shard lies (equal slices of the flat parameters, cut in cache-sized pieces), and the optimizer
-state per piece: cut from torch's per-parameter form and glued back.
-
-The parameters, in optimizer order, are laid end to end, one flat space per (dtype, device). A space of ``T``
-elements is cut into ``N`` slices of ``ceil(T / N)`` (the last ones shorter or empty); rank ``r`` owns slice ``r``.
-The part of one parameter inside one slice is a :class:`Piece`. Torch's elementwise optimizers (``PIECEWISE``) step
-pieces of at most ``PIECE_BYTES``, batched into parameter groups of about that size, so that each pass of the update
-runs over data still in cache (docs/zero.md). Pure arithmetic, no collective.
+"""Where each rank's shard lies: members laid end to end in flat spaces cut into equal slices, the pieces of a rank's
+slices (cut cache-sized for torch's elementwise optimizers), and the optimizer state per piece, cut and glued back.
+Pure arithmetic, no collective; design and figures: docs/zero.md.
 """
 from __future__ import annotations
 
@@ -16,14 +11,12 @@ from typing import Any
 
 import torch
 
-__all__ = ["PIECE_BYTES", "NOT_ELEMENTWISE", "PIECEWISE", "Piece", "PieceState", "Space", "plan_spaces", "pieces_of",
-           "spans", "split_pieces", "cache_batches", "inner_groups", "check_elementwise", "steps_in_pieces",
-           "assemble", "cut"]
+__all__ = ["PIECE_BYTES", "PIECEWISE", "Piece", "PieceState", "Space", "plan_spaces", "pieces_of", "split_pieces",
+           "cache_batches", "inner_groups", "check_elementwise", "steps_in_pieces", "assemble", "cut"]
 
-# The most bytes of parameter one piece of the step covers. Adam's passes over a piece touch about four times this
-# (parameter, gradient, two state tensors), which stays in the cache of the 2-core VM measured (1 MiB L2 per core,
-# 32 MiB L3). Measured alike from 512 KiB to 4 MiB; below 256 KiB the Python overhead of one parameter group per
-# piece costs more than the cache saves (benchmarks/zero_step.py, docs/zero.md).
+# The most bytes of parameter one piece of the step covers: Adam's passes over a piece (parameter, gradient, two
+# state tensors) stay in cache. Alike from 512 KiB to 4 MiB; below 256 KiB the Python overhead of one parameter group
+# per piece costs more than the cache saves (benchmarks/zero_step.py).
 PIECE_BYTES = 512 * 1024
 
 
@@ -45,12 +38,15 @@ class Piece:
 
 @dataclass(frozen=True)
 class Space:
-    """Parameters of one dtype and device, laid end to end: ``indices[i]`` starts at ``starts[i]``."""
+    """Members ``indices`` of one dtype and device laid end to end (``indices[k]``: ``numels[k]`` elements from
+    ``starts[k]``), cut into ``world`` slices of ``shard`` elements (the last ones short or empty): ZeRO's flat
+    parameters, or at stage 2 one DDP bucket. Rank ``r`` owns slice ``r``."""
 
     dtype: torch.dtype
     device: torch.device
     indices: tuple[int, ...]
     starts: tuple[int, ...]
+    numels: tuple[int, ...]
     total: int
     world: int
 
@@ -59,60 +55,47 @@ class Space:
         """Elements per slice (the padded size every rank sends in the all-gather)."""
         return -(-self.total // self.world)
 
+    def slice(self, rank: int) -> tuple[int, int]:
+        lo = min(rank * self.shard, self.total)
+        return lo, min(lo + self.shard, self.total)
+
+    def spans(self, lo: int, hi: int) -> list[tuple[int, int, int, int]]:
+        """The members under flat positions ``lo:hi``: ``(index, a, b, at)`` for member ``index``'s flat elements
+        ``a:b``, found at ``at`` from ``lo``."""
+        out, k = [], max(0, bisect_right(self.starts, lo) - 1)
+        while k < len(self.indices) and self.starts[k] < hi:
+            start = self.starts[k]
+            a, b = max(lo, start), min(hi, start + self.numels[k])
+            if a < b:
+                out.append((self.indices[k], a - start, b - start, a - lo))
+            k += 1
+        return out
+
+
+def laid_end_to_end(dtype: torch.dtype, device: torch.device, indices: list[int], numels: list[int],
+                    world: int) -> Space:
+    starts = [sum(numels[:k]) for k in range(len(numels))]
+    return Space(dtype, device, tuple(indices), tuple(starts), tuple(numels), sum(numels), world)
+
 
 def plan_spaces(params: list[torch.Tensor], world: int) -> list[Space]:
     """One :class:`Space` per (dtype, device), in order of first appearance; parameters keep their order."""
-    keys: list[tuple[torch.dtype, torch.device]] = []
-    members: dict[tuple, list[int]] = {}
+    members: dict[tuple, list[int]] = {}  # dicts keep insertion order: the order of first appearance
     for i, p in enumerate(params):
-        key = (p.dtype, p.device)
-        if key not in members:
-            keys.append(key)
-            members[key] = []
-        members[key].append(i)
-    spaces = []
-    for key in keys:
-        idx = members[key]
-        starts, at = [], 0
-        for i in idx:
-            starts.append(at)
-            at += params[i].numel()
-        spaces.append(Space(key[0], key[1], tuple(idx), tuple(starts), at, world))
-    return spaces
+        members.setdefault((p.dtype, p.device), []).append(i)
+    return [laid_end_to_end(dtype, device, idx, [params[i].numel() for i in idx], world)
+            for (dtype, device), idx in members.items()]
 
 
-def pieces_of(spaces: list[Space], params: list[torch.Tensor], groups: list[int], rank: int) -> list[Piece]:
-    """The pieces of rank ``rank``'s slices, in parameter order within each space; ``groups[i]`` is parameter i's
-    group."""
-    out = []
-    for s, space in enumerate(spaces):
-        lo = min(rank * space.shard, space.total)
-        hi = min(lo + space.shard, space.total)
-        for i, start in zip(space.indices, space.starts):
-            a, b = max(lo, start), min(hi, start + params[i].numel())
-            if a < b:
-                out.append(Piece(i, groups[i], s, a - start, b - start, a - lo))
-    return out
-
-
-def spans(space: Space, numels: list[int], lo: int, hi: int) -> list[tuple[int, int, int, int]]:
-    """The parameters under flat positions ``lo:hi`` of ``space``: ``(index, a, b, at)`` for parameter ``index``'s
-    flat elements ``a:b``, found at ``at`` from ``lo``."""
-    out = []
-    k = max(0, bisect_right(space.starts, lo) - 1)
-    while k < len(space.indices) and space.starts[k] < hi:
-        start, i = space.starts[k], space.indices[k]
-        a, b = max(lo, start), min(hi, start + numels[i])
-        if a < b:
-            out.append((i, a - start, b - start, a - lo))
-        k += 1
-    return out
+def pieces_of(spaces: list[Space], groups: list[int], rank: int) -> list[Piece]:
+    """The pieces of rank ``rank``'s slices, in member order within each space; ``groups[i]``: parameter i's group."""
+    return [Piece(i, groups[i], s, a, b, at) for s, space in enumerate(spaces) for i, a, b, at in
+            space.spans(*space.slice(rank))]
 
 
 def split_pieces(pieces: list[Piece], params: list[torch.Tensor], limit: int = PIECE_BYTES) -> list[Piece]:
     """Each piece cut into pieces of at most ``limit`` bytes (at least one element), in order. The cuts lie at the
-    parameter's flat elements that are multiples of ``limit // element size``, so the same elements of a parameter
-    form a piece at any world size, wherever the ranks' slices begin."""
+    parameter's flat elements that are multiples of ``limit // element size``: the same at any world size."""
     out = []
     for pc in pieces:
         width = max(1, limit // params[pc.index].element_size())
@@ -125,8 +108,7 @@ def split_pieces(pieces: list[Piece], params: list[torch.Tensor], limit: int = P
 
 
 def cache_batches(pieces: list[Piece], params: list[torch.Tensor], limit: int = PIECE_BYTES) -> list[list[int]]:
-    """Positions in ``pieces`` batched into runs of consecutive pieces of at most ``limit`` bytes together (a larger
-    piece alone)."""
+    """Positions in ``pieces`` in runs of consecutive pieces of at most ``limit`` bytes (a larger piece alone)."""
     out: list[list[int]] = []
     used = 0
     for k, pc in enumerate(pieces):
@@ -141,10 +123,9 @@ def cache_batches(pieces: list[Piece], params: list[torch.Tensor], limit: int = 
 
 def inner_groups(pieces: list[Piece], params: list[torch.Tensor],
                  cut: list[bool]) -> tuple[list[Piece], list[tuple[int, list[int]]]]:
-    """The inner optimizer's parameters and groups: ``pieces`` in group order, those of group ``g`` cut by
-    ``split_pieces`` where ``cut[g]``; and per inner group, its group and its positions in that list: one per cache
-    batch of a cut group, one for each other group. A group with no piece on this rank gets one empty inner group,
-    which takes the optimizer class's defaults into it as on the other ranks."""
+    """The inner optimizer's parameters (``pieces`` in group order, group ``g``'s cut by ``split_pieces`` where
+    ``cut[g]``) and its groups as (outer group, positions): one per cache batch of a cut group, one per other group.
+    A group with no piece here gets one empty inner group, which takes the class's defaults as on the other ranks."""
     out: list[Piece] = []
     batches: list[tuple[int, list[int]]] = []
     for g, pieced in enumerate(cut):
@@ -159,17 +140,16 @@ def inner_groups(pieces: list[Piece], params: list[torch.Tensor],
 
 
 # torch optimizers whose update of one element depends on other elements of the same parameter (matrix
-# factorisations, line searches, sparse rows): a slice of a parameter would not step as the whole parameter does.
-# Every other class is taken at its word, as torch's ZeroRedundancyOptimizer does.
+# factorisations, line searches, sparse rows): a slice would not step as the whole parameter does. Every other class
+# is taken at its word, as torch's ZeroRedundancyOptimizer does.
 NOT_ELEMENTWISE = ("LBFGS", "SparseAdam", "Adafactor", "Muon")
-# torch optimizers that also step pieces, each batch of them in a group of its own: elementwise, and every
-# per-parameter scalar (``step``, ASGD's ``eta`` and ``mu``, NAdam's ``mu_product``) advances alike for every piece
-# (read in each class's update). Matched by exact type: a subclass may override ``step``, so it steps whole.
+# torch optimizers that also step cache-sized pieces: elementwise, and every per-parameter scalar (``step``, ASGD's
+# ``eta`` and ``mu``, NAdam's ``mu_product``) advances alike for every piece. Matched by exact type: a subclass may
+# override ``step``, so it steps whole.
 PIECEWISE = ("SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adamax", "NAdam", "RAdam", "Adadelta", "Rprop", "ASGD")
 
 
 def check_elementwise(optimizer_class: type) -> None:
-    """ValueError for the torch optimizers that cannot step slices of parameters."""
     bad = [n for n in NOT_ELEMENTWISE if getattr(torch.optim, n, None) is optimizer_class]
     if bad:
         raise ValueError(f"ZeroRedundancyOptimizer: {bad[0]} does not update each element independently, so "
@@ -177,8 +157,8 @@ def check_elementwise(optimizer_class: type) -> None:
 
 
 def steps_in_pieces(optimizer_class: type, options: Mapping[str, Any]) -> bool:
-    """Whether ``optimizer_class`` steps a parameter group with these ``options`` (the user's defaults and the
-    group's own) in cache-sized pieces: one of torch's own ``PIECEWISE`` classes exactly, not fused."""
+    """Whether ``optimizer_class`` steps a group with these ``options`` in cache-sized pieces: one of ``PIECEWISE``
+    exactly, not fused."""
     known = any(getattr(torch.optim, n, None) is optimizer_class for n in PIECEWISE)
     return known and not options.get("fused")
 
@@ -210,16 +190,10 @@ def assemble(records: list[PieceState], params: list[torch.Tensor]) -> dict[int,
         if any(set(r.state) != set(parts[0].state) for r in parts):
             raise RuntimeError(f"ZeroRedundancyOptimizer: the shards of parameter {index} disagree on their state "
                                f"({[sorted(r.state) for r in parts]}); some rank stepped it and another did not")
-        p = params[index]
-        entry = {}
-        for key in parts[0].state:
-            piece_shape = torch.Size([parts[0].stop - parts[0].start])
-            if _elementwise(key, parts[0].state[key], piece_shape):
-                entry[key] = torch.cat([r.state[key].reshape(-1) for r in parts]).reshape(p.shape)
-            else:
-                entry[key] = parts[0].state[key]
-        if entry:
-            full[index] = entry
+        piece_shape = torch.Size([parts[0].stop - parts[0].start])
+        full[index] = {key: torch.cat([r.state[key].reshape(-1) for r in parts]).reshape(params[index].shape)
+                       if _elementwise(key, value, piece_shape) else value
+                       for key, value in parts[0].state.items()}
     return full
 
 

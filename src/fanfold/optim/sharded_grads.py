@@ -1,62 +1,29 @@
-"""ZeRO stage 2's gradients: the reducer's strategy that reduce-scatters each bucket as soon as it is full and keeps
-only this rank's part of the average, and the optimizer's pieces laid out after those parts.
-
-``GradientShards`` implements the reducer's ``GradientStrategy`` (``distributed/reducer.py``). Bucket ``b`` of ``L``
-elements is cut into ``N`` equal parts of ``ceil(L / N)``: rank ``r`` owns elements ``r * chunk`` to ``(r + 1) *
-chunk`` of the bucket's flat layout, so the transport's ``reduce_scatter`` hands each rank exactly its part. Memory
-after a synchronised backward: this rank's parts (about ``P / N``) and one staging buffer of the largest bucket; no
-``.grad`` and no full bucket. Through the staging buffer one bucket is in flight at a time (the next one's copy waits
-for it, while the backward computes in between).
+"""ZeRO stage 2: the reducer's gradient strategy that reduce-scatters each full bucket and keeps only this rank's
+part of the average, and the parameters laid flat per bucket, all-gathered after the step while the next forward
+waits only where it reads a bucket still in flight. Design and memory: docs/zero.md.
 """
 from __future__ import annotations
 
-from bisect import bisect_right
+import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
+from ..collectives.protocol import Transport
 from ..distributed.comm_hooks import GradBucket
 from ..distributed.reducer import BUILT_IN, Reducer
-from .layout import Piece
-from .param_gather import ParamGather
+from .layout import Space, laid_end_to_end
 
-__all__ = ["BucketShard", "GradientShards", "bucket_pieces", "check_shards"]
-
-
-@dataclass(frozen=True)
-class BucketShard:
-    """Bucket ``index``: reducer parameters ``members`` at ``offsets`` (``numels`` long) of ``numel`` flat elements,
-    of which each rank owns ``chunk`` and this one ``lo:hi`` (the last ranks' parts are short or empty)."""
-
-    index: int
-    members: tuple[int, ...]
-    offsets: tuple[int, ...]
-    numels: tuple[int, ...]
-    numel: int
-    chunk: int
-    lo: int
-    hi: int
-    dtype: torch.dtype
-    device: torch.device
-
-    def spans(self, lo: int, hi: int) -> list[tuple[int, int, int, int]]:
-        """The members under flat positions ``lo:hi``: ``(k, a, b, at)`` for member ``k``'s elements ``a:b``, found
-        at ``at`` from ``lo``."""
-        out, k = [], max(0, bisect_right(self.offsets, lo) - 1)
-        while k < len(self.members) and self.offsets[k] < hi:
-            start = self.offsets[k]
-            a, b = max(lo, start), min(hi, start + self.numels[k])
-            if a < b:
-                out.append((k, a - start, b - start, a - lo))
-            k += 1
-        return out
+__all__ = ["GradientShards", "check_shards"]
 
 
 @dataclass
 class _Flight:
-    """The bucket whose reduction is under way: its handle and where its result lands (this rank's part, or a
-    temporary added to what the part holds: ``accumulate``)."""
+    """The bucket whose reduction is under way: its handle (None: done) and where its result lands (this rank's part,
+    or a temporary added to what the part holds: ``accumulate``)."""
 
     bucket: int
     handle: Any
@@ -64,29 +31,19 @@ class _Flight:
     accumulate: bool
 
 
-class _Done:
-    def wait(self) -> None:
-        return None
-
-
 class GradientShards:
-    """This rank's parts of every bucket's averaged gradient: filled by ``reducer`` (as its gradient strategy), read
-    by the optimizer; ``module``: where reads of the parameters wait for their gather (``param_gather.py``)."""
+    """This rank's parts of every bucket's averaged gradient: filled by ``reducer`` (its ``GradientStrategy``), read
+    by the optimizer. Bucket b is a :class:`Space` over the reducer's parameters; ``module``: where reads of the
+    parameters wait for their gather."""
 
     def __init__(self, reducer: Reducer, module: torch.nn.Module | None = None):
         self.reducer, self.params, self.module = reducer, reducer.params, module
         t = reducer.transport
         self.rank, self.world_size = t.rank, t.world_size
-        n, self.layout = self.world_size, []
-        for b, members in enumerate(reducer.buckets):
-            numels = tuple(self.params[i].numel() for i in members)
-            offsets = tuple(sum(numels[:k]) for k in range(len(numels)))
-            total, p = sum(numels), self.params[members[0]]
-            chunk = -(-total // n)
-            lo = min(self.rank * chunk, total)
-            self.layout.append(BucketShard(b, tuple(members), offsets, numels, total, chunk, lo,
-                                           min(lo + chunk, total), p.dtype, p.device))
-        self.parts = [torch.zeros(s.chunk, dtype=s.dtype, device=s.device) for s in self.layout]
+        self.layout = [laid_end_to_end(self.params[m[0]].dtype, self.params[m[0]].device, list(m),
+                                       [self.params[i].numel() for i in m], self.world_size)
+                       for m in reducer.buckets]
+        self.parts = [torch.zeros(s.shard, dtype=s.dtype, device=s.device) for s in self.layout]
         self.filled = [False] * len(self.layout)  # parts[b] holds gradients not yet zeroed: they accumulate
         self.present = [False] * len(self.params)  # parameter i has a gradient: some rank used it
         self._staging: dict[tuple, torch.Tensor] = {}  # one buffer per (dtype, device): the largest bucket
@@ -95,12 +52,12 @@ class GradientShards:
         self.gather: ParamGather | None = None  # the parameters laid flat (lay_flat) and their gather
 
     # ---- the reducer's side (GradientStrategy): launch, finish, write-back --------------------------------------
-    def _stage(self, s: BucketShard, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def _stage(self, s: Space, dtype: torch.dtype | None = None) -> torch.Tensor:
         key = (dtype or s.dtype, s.device)
         if key not in self._staging:
-            size = max(x.chunk for x in self.layout if (x.dtype, x.device) == (s.dtype, s.device)) * self.world_size
+            size = max(x.shard for x in self.layout if (x.dtype, x.device) == (s.dtype, s.device)) * self.world_size
             self._staging[key] = torch.empty(size, dtype=key[0], device=s.device)
-        return self._staging[key][:s.chunk * self.world_size]
+        return self._staging[key][:s.shard * self.world_size]
 
     def launch(self, b: int) -> None:
         """Bucket ``b`` is full: its gradients into the staging buffer (their ``.grad`` freed), its reduction
@@ -109,14 +66,14 @@ class GradientShards:
         self._launched.append(b)
         self.finish()  # the bucket in flight gives the staging buffer back
         flat = self._stage(s)
-        for k, i in enumerate(s.members):
-            p, view = self.params[i], flat[s.offsets[k]:s.offsets[k] + s.numels[k]]
+        for i, start, numel in zip(s.indices, s.starts, s.numels):
+            p, view = self.params[i], flat[start:start + numel]
             if p.grad is None:
                 view.zero_()  # unused here (find_unused_parameters): contributes zeros
             else:
                 view.copy_(p.grad.reshape(-1))
                 p.grad = None
-        flat[s.numel:].zero_()
+        flat[s.total:].zero_()
         accumulate = self.filled[b]
         if r.hook in BUILT_IN:
             narrow, divisor = BUILT_IN[r.hook], r.hook_divisor
@@ -127,15 +84,15 @@ class GradientShards:
                     divisor = None
                 send = self._stage(s, narrow).copy_(flat)
             out = self.parts[b] if narrow is None and not accumulate else \
-                torch.empty(s.chunk, dtype=send.dtype, device=s.device)
+                torch.empty(s.shard, dtype=send.dtype, device=s.device)
             if self.world_size == 1:  # no collective: the part is the whole bucket
                 out.copy_(send if divisor is None else send / divisor)
-                handle: Any = _Done()
+                handle: Any = None
             else:
                 handle = r.transport.reduce_scatter(send, out, b, divisor=divisor)
         else:  # any other hook reduces the whole bucket; this rank keeps its part
-            out = torch.empty(s.chunk, dtype=s.dtype, device=s.device)
-            handle = _HookPart(r, b, s, flat, out)
+            out = torch.empty(s.shard, dtype=s.dtype, device=s.device)
+            handle = _HookPart(r, b, s, s.slice(self.rank), flat, out)
         self._flight = _Flight(b, handle, out, accumulate)
 
     def finish(self) -> None:
@@ -143,7 +100,8 @@ class GradientShards:
         f, self._flight = self._flight, None
         if f is None:
             return
-        f.handle.wait()
+        if f.handle is not None:
+            f.handle.wait()
         part = self.parts[f.bucket]
         if f.accumulate:
             part.add_(f.result.to(part.dtype))
@@ -152,11 +110,11 @@ class GradientShards:
         self.filled[f.bucket] = True
 
     def write_back(self, used: list[float] | None) -> None:
-        """End of a synchronised backward: every launched bucket's result is in; ``used[i]``: how many ranks used
-        parameter i (None: all did). A parameter no rank used keeps no gradient, as in a single process."""
+        """End of a synchronised backward; ``used[i]``: how many ranks used parameter i (None: all did). A parameter
+        no rank used keeps no gradient, as in a single process."""
         self.finish()
         for b in self._launched:
-            for i in self.layout[b].members:
+            for i in self.layout[b].indices:
                 if used is None or used[i] > 0:
                     self.present[i] = True
         self._launched = []
@@ -178,14 +136,12 @@ class GradientShards:
         return self.parts[b][offset:offset + numel] if self.present[i] else None
 
     def lay_flat(self) -> None:
-        """The parameters become views of one flat tensor per bucket, so that their gathers write straight into them
-        (``param_gather.py``). Call before taking views of them."""
+        """The parameters become views of one flat tensor per bucket (their gathers write straight into them)."""
         if self.gather is None:
             self.gather = ParamGather(self.layout, self.params, self.reducer.transport, self.module)
 
     def gather_params(self) -> None:
-        """Every rank's part of every parameter to every rank (collective), issued per bucket; returns with the
-        gathers in flight where every read of a parameter waits for its bucket (``param_gather.py``)."""
+        """Every rank's part of every parameter to every rank (collective); returns with the gathers in flight."""
         self.lay_flat()
         self.gather.issue()
 
@@ -196,22 +152,23 @@ class GradientShards:
 
 
 class _HookPart:
-    """A user's comm hook on bucket ``b`` (staged in ``flat``); ``wait()`` leaves this rank's part in ``out``."""
+    """A user's comm hook on bucket ``b`` (staged in ``flat``); ``wait()`` leaves this rank's ``part`` in ``out``."""
 
-    def __init__(self, reducer: Reducer, b: int, s: BucketShard, flat: torch.Tensor, out: torch.Tensor):
-        whole = flat[:s.numel]
-        views = [whole[o:o + m].view(reducer.params[i].shape) for i, o, m in zip(s.members, s.offsets, s.numels)]
-        bucket = GradBucket(b, whole, [reducer.params[i] for i in s.members], views, b == len(reducer.buckets) - 1,
+    def __init__(self, reducer: Reducer, b: int, s: Space, part: tuple[int, int], flat: torch.Tensor,
+                 out: torch.Tensor):
+        whole = flat[:s.total]
+        views = [whole[o:o + m].view(reducer.params[i].shape) for i, o, m in zip(s.indices, s.starts, s.numels)]
+        bucket = GradBucket(b, whole, [reducer.params[i] for i in s.indices], views, b == len(reducer.buckets) - 1,
                             reducer.hook_divisor, reducer.all_reduce)
-        self._future, self._whole, self._out, self._s = reducer.hook(reducer.hook_state, bucket), whole, out, s
+        self._future, self._whole, self._out, self._part = reducer.hook(reducer.hook_state, bucket), whole, out, part
 
     def wait(self) -> None:
         result = self._future.wait()
         if isinstance(result, (list, tuple)):  # a torch future of a c10d work yields [tensor]
             result = result[0]
         result = result.reshape(-1) if isinstance(result, torch.Tensor) else self._whole
-        s = self._s
-        self._out[:s.hi - s.lo].copy_(result[s.lo:s.hi])
+        lo, hi = self._part
+        self._out[:hi - lo].copy_(result[lo:hi])
 
 
 def check_shards(shards: GradientShards, params: list[torch.Tensor], rank: int, world_size: int) -> list[int]:
@@ -233,12 +190,115 @@ def check_shards(shards: GradientShards, params: list[torch.Tensor], rank: int, 
     return mine
 
 
-def bucket_pieces(shards: GradientShards, opt_index: list[int], groups: list[int]) -> list[Piece]:
-    """This rank's pieces, bucket by bucket: ``Piece.space`` is the bucket, ``Piece.offset`` the place in this rank's
-    part of it (what :meth:`GradientShards.grad` takes)."""
-    out = []
-    for s in shards.layout:
-        for k, a, b, at in s.spans(s.lo, s.hi):
-            i = opt_index[s.members[k]]
-            out.append(Piece(i, groups[i], s.index, a, b, at))
-    return out
+# ---- the parameters' gather after the step ------------------------------------------------------------------------
+# Tensor attributes and methods that read metadata only: no wait (zero_grad reads p.grad of every parameter).
+_META = frozenset(
+    [getattr(torch.Tensor, a).__get__ for a in ("grad", "shape", "dtype", "device", "requires_grad", "is_leaf",
+                                                "grad_fn", "layout", "is_sparse", "ndim", "_version", "is_cuda")]
+    + [torch.Tensor.grad.__set__, torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel,
+       torch.Tensor.is_contiguous, torch.Tensor.stride, torch.Tensor.element_size, torch.Tensor.requires_grad_,
+       torch.Tensor.register_hook, torch.Tensor.register_post_accumulate_grad_hook])
+
+
+class _PendingReads(TorchFunctionMode):
+    """Waits for the bucket of any tensor argument whose gather is in flight. It holds the gathers' handles, not the
+    :class:`ParamGather`: reads still wait once the optimizer and the wrapper are collected with gathers in flight."""
+
+    def __init__(self, gather: ParamGather):
+        super().__init__()
+        self.pending, self.storage = gather.pending, gather.storage
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if self.pending and func not in _META:
+            for a in (*args, *(kwargs or {}).values()):
+                for t in (a if isinstance(a, (list, tuple)) else (a,)):
+                    if isinstance(t, torch.Tensor):
+                        _wait_for(self.pending, self.storage, t)
+        return func(*args, **(kwargs or {}))
+
+
+def _pop_idle_modes() -> None:
+    """Pop every :class:`_PendingReads` on top of this thread's stack whose gathers are all done (or gone): a mode
+    cannot pop itself while it runs, and a mode under another one must stay until that one is popped."""
+    while (n := torch._C._len_torch_function_stack()) > 0:
+        top = torch._C._get_function_stack_at(n - 1)
+        if not isinstance(top, _PendingReads) or top.pending:
+            return
+        torch._C._pop_torch_function_stack()
+
+
+def _wait_for(pending: dict, storage: dict, t: torch.Tensor) -> None:
+    """Wait for the gather of the bucket ``t`` lies in (``storage``: bucket by storage address), if in flight."""
+    try:
+        b = storage.get(t.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):  # sparse and other storage-less tensors: not a bucket
+        return
+    if b is not None and b in pending:
+        for done in list(pending):  # earlier ones first: the transports complete them in order
+            pending.pop(done).wait()
+            if done == b:
+                break
+
+
+def _wait_all(ref: weakref.ref, *_: Any) -> None:
+    gather = ref()
+    if gather is not None:
+        gather.wait_all()
+
+
+class ParamGather:
+    """The parameters of ``layout``'s buckets laid flat, and their gather (issue, per-bucket waits)."""
+
+    def __init__(self, layout: list[Space], params: list[torch.Tensor], transport: Transport,
+                 module: torch.nn.Module | None):
+        self.layout, self.transport = layout, transport
+        self.rank, self.world_size = transport.rank, transport.world_size
+        self.flats: list[torch.Tensor] = []
+        with torch.no_grad():
+            for s in layout:
+                flat = torch.zeros(s.shard * self.world_size, dtype=s.dtype, device=s.device)
+                for i, start, numel in zip(s.indices, s.starts, s.numels):
+                    view = flat[start:start + numel]
+                    view.copy_(params[i].detach().reshape(-1))
+                    params[i].data = view.view(params[i].shape)  # the Parameter object, its hooks and .grad stay
+                self.flats.append(flat)
+        self.storage = {f.untyped_storage().data_ptr(): b for b, f in enumerate(self.flats)}
+        # The forward reads the parameters roughly in registration order; DDP's buckets hold them in reverse.
+        self.order = sorted(range(len(layout)), key=lambda b: min(layout[b].indices))
+        self.pending: dict[int, Any] = {}  # bucket -> handle of its gather, in issue order
+        self._announced: set[str] = set()
+        scripted = module is not None and any(isinstance(m, torch.jit.ScriptModule) for m in module.modules())
+        self.why_not = "the model holds TorchScript modules, whose reads of the parameters cannot be seen" \
+            if scripted else None
+        self._hooks = []
+        if module is not None:
+            ref = weakref.ref(self)
+            self._hooks.append(module.register_forward_hook(lambda *a: _wait_all(ref)))
+            self._hooks += [m.register_state_dict_pre_hook(lambda *a: _wait_all(ref)) for m in module.modules()]
+            weakref.finalize(self, lambda hooks: [h.remove() for h in hooks], self._hooks)
+
+    @torch.no_grad()
+    def issue(self) -> None:
+        """Start gathering every bucket (collective); with the mode pushed, return with the gathers in flight."""
+        self.wait_all()  # also pops the modes left by earlier gathers (this one's or another model's)
+        if self.world_size == 1:
+            return
+        for b in self.order:
+            s, flat = self.layout[b], self.flats[b]
+            self.pending[b] = self.transport.all_gather(flat[self.rank * s.shard:][:s.shard], flat, b)
+        why = self.why_not or (None if torch._C._len_torch_function_stack() == 0 else
+                               "another TorchFunctionMode is active when step() returns")
+        if why is not None:
+            if why not in self._announced:
+                self._announced.add(why)
+                warnings.warn(f"fanfold ZeRO stage 2 (rank {self.rank}): the parameter gather after step() is not "
+                              f"overlapped with the next forward, step() waits for it: {why}", stacklevel=3)
+            self.wait_all()
+            return
+        torch._C._push_on_torch_function_stack(_PendingReads(self))
+
+    def wait_all(self) -> None:
+        """Wait for every gather in flight; pop the modes that have nothing left to wait for."""
+        while self.pending:
+            self.pending.pop(next(iter(self.pending))).wait()
+        _pop_idle_modes()

@@ -1,27 +1,20 @@
-"""``ZeroRedundancyOptimizer``: any torch optimizer, its state sharded over the ranks of a process group (ZeRO-1).
-
-Shards are contiguous equal slices of a flat view of all parameters (``layout``), not whole parameters, so every
-rank holds ``1/N`` of the state whatever the parameter sizes. Each rank's inner optimizer (``.optim``, an instance
-of ``optimizer_class``) steps 1-D views of its slice of the parameters, in place; the updated slices are then
-all-gathered so that every rank holds the whole model again. For torch's elementwise optimizers the views are cut
-in cache-sized pieces, each batch of them an inner parameter group (``layout``). As with torch's
-``ZeroRedundancyOptimizer`` the gradients must already be averaged over the ranks (DistributedDataParallel does
-that). Stage 2: after ``DistributedDataParallel.shard_gradients(opt)`` the slices are the parts of DDP's buckets whose
-averaged gradients the reducer leaves this rank (``sharded_grads``), and the gather goes bucket by bucket.
+"""``ZeroRedundancyOptimizer``: any torch optimizer, its state sharded over the ranks of a process group (ZeRO-1;
+stage 2 with ``DistributedDataParallel.shard_gradients``). Each rank steps 1-D views of its equal slice of the flat
+parameters (``layout``), then the slices are all-gathered. Design: docs/zero.md.
 """
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from .._core.group import rank_world
 from ..collectives.objects import all_gather_object, gather_object
 from ..collectives.stall import group_transport
 from ..distributed.reducer import Reducer
 from .layout import (
-    Piece,
     PieceState,
     assemble,
     check_elementwise,
@@ -29,10 +22,9 @@ from .layout import (
     inner_groups,
     pieces_of,
     plan_spaces,
-    spans,
     steps_in_pieces,
 )
-from .sharded_grads import GradientShards, bucket_pieces, check_shards
+from .sharded_grads import GradientShards, check_shards
 
 __all__ = ["ZeroRedundancyOptimizer"]
 
@@ -40,10 +32,14 @@ __all__ = ["ZeroRedundancyOptimizer"]
 GATHER_ELEMENTS = 1 << 22
 
 
-def _rank_world(group: Any) -> tuple[int, int]:
-    if group is None and not (dist.is_available() and dist.is_initialized()):
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
+def _numbered(param_groups: list[dict]) -> list[dict]:
+    """torch's ``state_dict`` form of parameter groups: the options, and the parameters as running indices."""
+    out, at = [], 0
+    for g in param_groups:
+        n = len(g["params"])
+        out.append({**{k: v for k, v in g.items() if k != "params"}, "params": list(range(at, at + n))})
+        at += n
+    return out
 
 
 class ZeroRedundancyOptimizer(torch.optim.Optimizer):
@@ -71,7 +67,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             raise ValueError("ZeroRedundancyOptimizer: overlap_with_ddp=True is not supported by fanfold")
         self._ready = False
         self.process_group = process_group
-        self.rank, self.world_size = _rank_world(process_group)
+        self.rank, self.world_size = rank_world(process_group, from_env=False)
         self.optimizer_class = optimizer_class
         self._user_defaults = dict(defaults)
         self._consolidated, self._consolidated_to = None, None  # the state gathered by consolidate_state_dict
@@ -99,8 +95,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                                  f"same parameters")
 
     def _build(self) -> None:
-        """(Re)compute this rank's pieces and a fresh inner optimizer over 1-D views of them: one inner parameter
-        group per cache-sized batch of pieces where the class allows it (``elementwise``), else one per group."""
+        """(Re)compute this rank's pieces and a fresh inner optimizer over 1-D views of them (``inner_groups``)."""
         self._params = [p for g in self.param_groups for p in g["params"]]
         groups = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
         for i, p in enumerate(self._params):
@@ -108,9 +103,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"ZeroRedundancyOptimizer: parameter {i} (shape {tuple(p.shape)}) is not contiguous; "
                                  f"its slices cannot be viewed in place")
         self._spaces = plan_spaces(self._params, self.world_size)
-        pieces: list[Piece] = pieces_of(self._spaces, self._params, groups, self.rank) if self._stage2 is None \
-            else bucket_pieces(self._stage2, check_shards(self._stage2, self._params, self.rank, self.world_size),
-                               groups)
+        # stage 2: the slices are this rank's parts of the buckets, each bucket a space of optimizer indices
+        spaces = self._spaces if self._stage2 is None else \
+            [replace(s, indices=tuple(self._opt_index[i] for i in s.indices)) for s in self._stage2.layout]
+        pieces = pieces_of(spaces, groups, self.rank)
         cut = [steps_in_pieces(self.optimizer_class, {**self._user_defaults, **g}) for g in self.param_groups]
         self._pieces, batches = inner_groups(pieces, self._params, cut)  # inner parameter k: self._pieces[k]
         self._views = [self._params[pc.index].detach().view(-1)[pc.start:pc.stop] for pc in self._pieces]
@@ -127,29 +123,26 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             ig.update({k: v for k, v in self.param_groups[gi].items() if k != "params"})
 
     def _shard_grads(self) -> list[torch.Tensor]:
-        """Point each piece's ``.grad`` at its slice of the parameter's gradient; return those slices."""
-        grads = []
-        if self._stage2 is not None:  # the reducer's parts of the averaged gradients
-            for pc, v in zip(self._pieces, self._views):
-                v.grad = self._stage2.grad(self._ddp_index[pc.index], pc.space, pc.offset, pc.numel)
-            return [v.grad for v in self._views if v.grad is not None]
+        """Point each piece's view's ``.grad`` at its slice of the parameter's gradient; return the views that got
+        one."""
         for pc, v in zip(self._pieces, self._views):
             p = self._params[pc.index]
-            if p.grad is None:
+            if self._stage2 is not None:  # the reducer's parts of the averaged gradients
+                v.grad = self._stage2.grad(self._ddp_index[pc.index], pc.space, pc.offset, pc.numel)
+            elif p.grad is None:
                 v.grad = None
-                continue
-            if p.grad.is_sparse:
+            elif p.grad.is_sparse:
                 raise RuntimeError(f"ZeroRedundancyOptimizer: parameter {pc.index} has a sparse gradient")
-            if not p.grad.is_contiguous():
-                p.grad = p.grad.contiguous()
-            v.grad = p.grad.view(-1)[pc.start:pc.stop]
-            grads.append(v.grad)
-        return grads
+            else:
+                if not p.grad.is_contiguous():
+                    p.grad = p.grad.contiguous()
+                v.grad = p.grad.view(-1)[pc.start:pc.stop]
+        return [v for v in self._views if v.grad is not None]
 
     # ---- the step -----------------------------------------------------------------------------------------------
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """Step this rank's slice with the inner optimizer, then all-gather the parameters (collective; stage 2:
-        returns with the gathers in flight, every read of a parameter waits for its own: docs/zero.md)."""
+        returns with the gathers in flight, every read of a parameter waits for its own)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -176,14 +169,14 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
 
     def gradient_strategy(self, reducer: Reducer, module: torch.nn.Module | None = None) -> GradientShards:
         """Stage 2, for ``DistributedDataParallel.shard_gradients(self)`` on every rank (collective): the slices become
-        this rank's parts of ``reducer``'s buckets and the state moves to match; returns the strategy that the reducer
-        hands its buckets to (``sharded_grads.py``). ``module``: where reads of the parameters wait for their gather."""
+        this rank's parts of ``reducer``'s buckets, the state moves to match; returns the reducer's strategy.
+        ``module``: where reads of the parameters wait for their gather."""
         shards = GradientShards(reducer, module)
-        index = check_shards(shards, self._params, self.rank, self.world_size)
+        self._opt_index = check_shards(shards, self._params, self.rank, self.world_size)
         full = self._full_state_everywhere()
         shards.lay_flat()  # the parameters become views of DDP's buckets: the views below must be taken after
         self._stage2 = shards
-        self._ddp_index = {k: i for i, k in enumerate(index)}
+        self._ddp_index = {k: i for i, k in enumerate(self._opt_index)}
         self._build()
         self._load_full(full)
         self._consolidated = None
@@ -191,11 +184,11 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def _gather_params(self) -> None:
-        """Every rank's updated slice to every rank, in rounds of at most ``GATHER_ELEMENTS`` received elements, so
-        that a step needs one bucket of extra memory rather than a copy of the model."""
+        """Every rank's updated slice to every rank, in rounds of at most ``GATHER_ELEMENTS`` received elements (one
+        bucket of extra memory, not a copy of the model)."""
         if self.world_size == 1:
             return
-        n, numels = self.world_size, [p.numel() for p in self._params]
+        n = self.world_size
         flat = [p.detach().view(-1) for p in self._params]
         for space in self._spaces:
             width = max(1, min(space.shard, -(-GATHER_ELEMENTS // n)))
@@ -206,7 +199,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 mine = self.rank * space.shard + lo
                 if mine + w > space.total:
                     send.zero_()  # the last slices are padded to equal size
-                for i, a, b, at in spans(space, numels, mine, mine + w):
+                for i, a, b, at in space.spans(mine, mine + w):
                     send[at:at + b - a].copy_(flat[i][a:b])
                 # through the group's inspected transport: numbered, bounded by the stall timeout, diagnosed
                 group_transport(self.process_group, "ZeroRedundancyOptimizer").all_gather(send[:w], out[:w * n]).wait()
@@ -214,7 +207,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                     if q == self.rank:
                         continue  # stepped in place already
                     base = q * space.shard + lo
-                    for i, a, b, at in spans(space, numels, base, base + w):
+                    for i, a, b, at in space.spans(base, base + w):
                         flat[i][a:b].copy_(out[q * w + at:q * w + at + b - a])
 
     # ---- state ------------------------------------------------------------------------------------------------
@@ -247,12 +240,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             raise RuntimeError(f"ZeroRedundancyOptimizer.state_dict() on rank {self.rank}: the state is sharded; call "
                                f"consolidate_state_dict(to={self.rank}) on every rank first, after the last step()"
                                f"{where}")
-        groups, at = [], 0
-        for g in self.param_groups:
-            n = len(g["params"])
-            groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": list(range(at, at + n))})
-            at += n
-        return {"state": {i: dict(s) for i, s in self._consolidated.items()}, "param_groups": groups}
+        return {"state": {i: dict(s) for i, s in self._consolidated.items()},
+                "param_groups": _numbered(self.param_groups)}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a whole state in torch's format (from ``state_dict()`` at any world size or a plain torch optimizer
@@ -279,12 +268,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._sync_hyper()
         state = {k: cut(full[pc.index], pc, self._params[pc.index]) for k, pc in enumerate(self._pieces)
                  if pc.index in full}
-        groups, at = [], 0
-        for ig in self.optim.param_groups:
-            n = len(ig["params"])
-            groups.append({**{k: v for k, v in ig.items() if k != "params"}, "params": list(range(at, at + n))})
-            at += n
-        self.optim.load_state_dict({"state": state, "param_groups": groups})
+        self.optim.load_state_dict({"state": state, "param_groups": _numbered(self.optim.param_groups)})
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group; the flat layout changes, so the state is re-sharded (collective: call it on every rank)."""

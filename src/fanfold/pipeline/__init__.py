@@ -1,7 +1,5 @@
-"""fanfold.pipeline: model parallelism. A sequential model cut into stages, run on micro-batches so stages overlap.
-
-``Pipeline`` (stages on threads of one process) and ``DistributedPipeline`` (one stage per process, and data
-parallelism over pipelines), over shared schedules, stages and channels. Modules and design notes: docs/pipeline.md.
+"""fanfold.pipeline: a sequential model cut into stages, run on micro-batches so that the stages overlap: ``Pipeline``
+(stages on threads of one process) and ``DistributedPipeline`` (one stage per process). Design: docs/pipeline.md.
 """
 from .distributed import DistributedPipeline
 from .partition import balance_by_parameters, balance_by_time
@@ -9,13 +7,5 @@ from .pipe import Pipeline
 from .schedule import Step, gpipe, one_f_one_b
 from .stage import StepTime
 
-__all__ = [
-    "Pipeline",
-    "DistributedPipeline",
-    "Step",
-    "StepTime",
-    "gpipe",
-    "one_f_one_b",
-    "balance_by_parameters",
-    "balance_by_time",
-]
+__all__ = ["Pipeline", "DistributedPipeline", "Step", "StepTime", "gpipe", "one_f_one_b", "balance_by_parameters",
+           "balance_by_time"]

@@ -1,8 +1,5 @@
-"""``DistributedPipeline``: one pipeline stage per process, and data parallelism over such pipelines.
-
-With ``stages=S`` and N processes, N/S pipelines of S consecutive ranks; the replicas of a stage average their
-gradients after each training step (``grads.py``). Drives the same ``StageRun`` and schedules as ``pipe.py``, over
-``p2p.py``'s channel. Run after ``fanfold.distributed.init_process_group()``; layout and use: docs/pipeline.md.
+"""``DistributedPipeline``: one pipeline stage per process (``StageRun`` over a ``ProcessChannel``); with N processes
+and ``stages=S``, N/S pipelines of S consecutive ranks whose stage replicas average their gradients after each step.
 """
 from __future__ import annotations
 
@@ -15,34 +12,27 @@ import torch.distributed as dist
 from torch import nn
 
 from .._core.devices import DeviceLike, normalize_device
-from .grads import average_gradients, broadcast_state
-from .microbatch import batch_size, join, loss_weights, microbatch_sizes, split
-from .p2p import ProcessChannel
-from .partition import resolve_balance, sequential_layers, stage_modules
-from .pipe import check_checkpoint, check_chunks
+from .._core.group import require_initialized
+from .channel import ProcessChannel
+from .partition import batch_size, chunk_sizes, join, layers_of, loss_weights, resolve_balance, split, stage_modules
+from .pipe import average_gradients, broadcast_state, capture, check_checkpoint, check_chunks
 from .rng import StageRandom, draws_random_numbers, pass_seed, stage_randoms
 from .schedule import ScheduleFn, Step, resolve, stage_orders
-from .stage import StageRun, StageSpec, StepTime
-from .threadstate import capture
+from .stage import StageRun, StepTime
 
 __all__ = ["DistributedPipeline"]
 
 
-def _groups(world: int, stages: int, rank: int) -> tuple[Any, Any]:
+def _groups(world: int, stages: int) -> tuple[Any, Any]:
     """(this rank's pipeline group, its stage's data-parallel group); every rank creates every group, in order."""
     pipelines = world // stages
     if pipelines == 1:
         return dist.group.WORLD, None
     if stages == 1:
         return None, dist.group.WORLD
-    mine_pipe = mine_dp = None
-    for p in range(pipelines):
-        g = dist.new_group([p * stages + s for s in range(stages)])
-        mine_pipe = g if p == rank // stages else mine_pipe
-    for s in range(stages):
-        g = dist.new_group([p * stages + s for p in range(pipelines)])
-        mine_dp = g if s == rank % stages else mine_dp
-    return mine_pipe, mine_dp
+    pipe, _ = dist.new_subgroups_by_enumeration([[p * stages + s for s in range(stages)] for p in range(pipelines)])
+    dp, _ = dist.new_subgroups_by_enumeration([[p * stages + s for p in range(pipelines)] for s in range(stages)])
+    return pipe, dp
 
 
 class DistributedPipeline(nn.Module):
@@ -57,16 +47,14 @@ class DistributedPipeline(nn.Module):
                  chunks: int = 1, checkpoint: str = "never", *, stages: int | None = None,
                  device: DeviceLike | None = None, sample_input: Any = None) -> None:
         super().__init__()
-        if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError("DistributedPipeline needs a process group: start the script with `fanfold run -n N` "
-                               "(or torchrun, or fanfold.launch) and call fanfold.distributed.init_process_group()")
+        require_initialized("DistributedPipeline")
         world, rank = dist.get_world_size(), dist.get_rank()
         stages = world if stages is None else stages
         if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1 or world % stages:
             raise ValueError(f"stages must be an int >= 1 that divides the {world} processes, got {stages!r}")
         self.chunks = check_chunks(chunks)
         self.checkpoint = check_checkpoint(checkpoint)
-        layers = sequential_layers(module)
+        layers = layers_of(module)
         self.balance = self._agree(resolve_balance(balance, layers, stages, sample_input))
         self.stage = rank % stages
         self.num_stages = stages
@@ -80,12 +68,11 @@ class DistributedPipeline(nn.Module):
             device = next((t.device for t in itertools.chain(self.parameters(), self.buffers())), "cpu")
         self.device = normalize_device(device)
         self._local[0].to(self.device)
-        self.pipeline_group, self.data_parallel_group = _groups(world, stages, rank)
+        self.pipeline_group, self.data_parallel_group = _groups(world, stages)
         first = rank - self.stage
         self.ranks = list(range(first, first + stages))
-        wire = torch.device("cpu") if dist.get_backend() == "gloo" else self.device
-        self._wire = wire
-        self._channel = ProcessChannel(self.ranks, wire)
+        self._wire = torch.device("cpu") if dist.get_backend() == "gloo" else self.device
+        self._channel = ProcessChannel(self.ranks, self._wire)
         if self.data_parallel_group is not None:
             broadcast_state(itertools.chain(self.parameters(), self.buffers()), self.data_parallel_group)
         self.last_timeline: list[StepTime] = []
@@ -106,19 +93,10 @@ class DistributedPipeline(nn.Module):
     def is_last(self) -> bool:
         return self.stage == self.num_stages - 1
 
-    def _broadcast(self, value: float, src_stage: int, dtype: torch.dtype) -> torch.Tensor:
-        t = torch.tensor([value], dtype=dtype, device=self._wire)
-        if self.num_stages > 1:
-            dist.broadcast(t, self.ranks[src_stage], group=self.pipeline_group)
-        return t[0]
-
     def _start_pass(self, input: Any, checkpointing: bool) -> tuple[list[int], StageRandom | None]:
-        """The micro-batch sizes and this stage's random numbers for a pass (``rng.py``).
-
-        The first stage alone holds the batch, and every stage needs its number of micro-batches and the pass's
-        seed (the first stage's, so the masks are those of a one-process Pipeline seeded alike); the pass is
-        controlled if any stage holds a known random layer. One all-reduce (max) over the pipeline carries all three.
-        """
+        """The micro-batch sizes and this stage's random numbers for a pass: the first stage's batch size and seed
+        (the masks of a one-process Pipeline seeded alike), and whether any stage holds a known random layer, in one
+        all-reduce (max) over the pipeline."""
         head = [-1, -1, int(draws_random_numbers(self._local[0]))]
         if self.is_first:
             if input is None:
@@ -129,8 +107,8 @@ class DistributedPipeline(nn.Module):
         if self.num_stages > 1:
             dist.all_reduce(t, dist.ReduceOp.MAX, group=self.pipeline_group)
         rows, seed, random = t.tolist()
-        return microbatch_sizes(rows, self.chunks), stage_randoms(seed, [self.device], self.stage,
-                                                                 checkpointing or random > 0)[0]
+        randoms = stage_randoms(seed, [self.device], self.stage, checkpointing or random > 0)
+        return chunk_sizes(rows, self.chunks), randoms[0]
 
     def _run(self, run: StageRun, order: list[Step], grad: bool) -> None:
         state = capture([self.device], grad=grad)
@@ -146,8 +124,8 @@ class DistributedPipeline(nn.Module):
         """Evaluation: the pipeline's output on the last stage (None on the others), without autograd."""
         sizes, random = self._start_pass(input, checkpointing=False)
         microbatches = split(input, sizes, self.device) if self.is_first else None
-        run = StageRun(StageSpec(self.stage, self.num_stages, self._local[0], self.device), self._channel,
-                       len(sizes), train=False, inputs=microbatches, random=random)
+        run = StageRun(self.stage, self.num_stages, self._local[0], self.device, "never", self._channel, len(sizes),
+                       train=False, inputs=microbatches, random=random)
         with torch.no_grad():
             self._run(run, [Step(self.stage, m, "F") for m in range(len(sizes))], grad=False)
         return join([run.outputs[m] for m in range(len(sizes))], self.device) if self.is_last else None
@@ -168,17 +146,17 @@ class DistributedPipeline(nn.Module):
                 raise ValueError(f"target has {batch_size(target, 'target')} rows along dim 0 (rank "
                                  f"{dist.get_rank()}) but the first stage's input has {sum(sizes)}")
             targets = split(target, sizes, self.device)
-        run = StageRun(StageSpec(self.stage, self.num_stages, self._local[0], self.device, self.checkpoint),
-                       self._channel, len(sizes), train=True,
-                       inputs=split(input, sizes, self.device) if self.is_first else None,
-                       targets=targets, loss_fn=loss_fn, weights=loss_weights(sizes, reduction),
-                       random=random)
+        run = StageRun(self.stage, self.num_stages, self._local[0], self.device, self.checkpoint, self._channel,
+                       len(sizes), True, split(input, sizes, self.device) if self.is_first else None, targets,
+                       loss_fn, loss_weights(sizes, reduction), random)
         orders = stage_orders(resolve(schedule)(self.num_stages, len(sizes)), self.num_stages, len(sizes))
         self._run(run, orders[self.stage], grad=True)
-        loss = self._broadcast(run.loss.item() if self.is_last else 0.0, self.num_stages - 1, torch.float64)
+        loss = torch.tensor([run.loss.item() if self.is_last else 0.0], dtype=torch.float64, device=self._wire)
+        if self.num_stages > 1:  # the last stage's loss to the whole pipeline
+            dist.broadcast(loss, self.ranks[-1], group=self.pipeline_group)
         if self.data_parallel_group is not None:
             average_gradients(self.parameters(), self.data_parallel_group)
-        return loss
+        return loss[0]
 
     def extra_repr(self) -> str:
         return f"stage={self.stage} of {self.num_stages}, balance={self.balance}, device={self.device}, " \

@@ -1,11 +1,10 @@
-"""Cut a sequential model into stages: the layers, the checks on ``balance``, and the automatic balances.
-
-A model is a sequence of layers (``nn.Sequential``, or a list/tuple/``nn.ModuleList``); stage s takes ``balance[s]``
-consecutive layers under their own names, so ``state_dict`` keeps the sequential model's keys. ``"auto"`` balances
-parameter counts, ``"profile"`` a timing of each layer, both by an exact dynamic programme over contiguous splits.
+"""How a pipeline cuts its work: a sequential model into stages (a checked ``balance``, or one evening out parameter
+counts or measured time), and a batch into micro-batches along dim 0 (``torch.chunk``'s sizes, fanfold's ``scatter``
+and ``gather``), with each micro-batch's loss weight.
 """
 from __future__ import annotations
 
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -14,12 +13,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from .activations import map_tensors, tensor_leaves
+from .._core.tree import flatten
+from ..parallel.scatter_gather import gather, scatter
+from .stage import map_tensors, tensor_leaves
 
-__all__ = ["sequential_layers", "resolve_balance", "balance_by_parameters", "balance_by_time", "stage_modules"]
+__all__ = ["layers_of", "resolve_balance", "balance_by_parameters", "balance_by_time", "stage_modules",
+           "chunk_sizes", "batch_size", "split", "join", "loss_weights"]
 
 
-def sequential_layers(module: Any) -> list[tuple[str, nn.Module]]:
+def layers_of(module: Any) -> list[tuple[str, nn.Module]]:
     """The (name, layer) pairs of a sequential model; TypeError for anything that is not a sequence of modules."""
     if isinstance(module, nn.Sequential):
         layers = list(module.named_children())
@@ -68,7 +70,8 @@ def resolve_balance(balance: Any, layers: list[tuple[str, nn.Module]], stages: i
 
 
 def _partition(costs: Sequence[float], parts: int) -> list[int]:
-    """Contiguous split of ``costs`` into ``parts`` non-empty runs minimising (largest run cost, largest run length)."""
+    """Contiguous split of ``costs`` into ``parts`` non-empty runs minimising (largest run cost, largest run length):
+    an exact dynamic programme."""
     n = len(costs)
     prefix = [0.0]
     for c in costs:
@@ -114,11 +117,8 @@ def _detached(obj: Any) -> Any:
 
 
 def balance_by_time(layers: Sequence[nn.Module], sample_input: Any, stages: int, repeat: int = 3) -> list[int]:
-    """Layer counts per stage that even out the measured forward + backward time of one sample batch.
-
-    Each layer runs on the device it is on now, ``repeat`` times after one warm-up; the median time counts.
-    The timing leaves no trace: ``.grad`` and the buffers (BatchNorm's running statistics) are restored.
-    """
+    """Layer counts per stage that even out the measured forward + backward time of one sample batch: each layer on
+    its device now, the median of ``repeat`` runs after a warm-up. ``.grad`` and the buffers are restored after."""
     saved = [(p, p.grad) for m in layers for p in m.parameters()]
     buffers = [(b, b.detach().clone()) for m in layers for b in m.buffers()]
     costs: list[float] = []
@@ -153,3 +153,56 @@ def stage_modules(layers: list[tuple[str, nn.Module]], balance: list[int]) -> li
         out.append(nn.Sequential(OrderedDict(layers[start:start + count])))
         start += count
     return out
+
+
+# ---- micro-batches -----------------------------------------------------------------------------------------------
+def chunk_sizes(batch: int, chunks: int) -> list[int]:
+    """Rows per micro-batch with ``torch.chunk`` semantics; ``[0]`` for an empty batch."""
+    if batch == 0:
+        return [0]
+    size = math.ceil(batch / chunks)
+    return [size] * (batch // size) + ([batch % size] if batch % size else [])
+
+
+def _tensor_leaves(obj: Any, path: str) -> list[tuple[Any, torch.Tensor]]:
+    return [(p, x) for p, x in flatten(obj, path)[0] if isinstance(x, torch.Tensor)]
+
+
+def batch_size(obj: Any, name: str) -> int:
+    """The common size along dim 0 of the tensors in ``obj``; ValueError naming ``name`` if they disagree."""
+    leaves = _tensor_leaves(obj, name)
+    if not leaves:
+        raise ValueError(f"{name} holds no tensor: a pipeline splits its batch along dim 0 into micro-batches")
+    first_path, first = leaves[0]
+    for path, t in leaves:
+        if t.dim() == 0:
+            raise ValueError(f"{path} is a 0-dim tensor: it has no batch dimension to split into micro-batches")
+        if t.size(0) != first.size(0):
+            raise ValueError(f"{path} has {t.size(0)} rows along dim 0 but {first_path} has {first.size(0)}: every "
+                             "tensor of a batch must have the same batch size")
+    return first.size(0)
+
+
+def split(obj: Any, sizes: list[int], device: torch.device) -> list[Any]:
+    """``obj`` cut along dim 0 into ``sizes`` rows, every micro-batch on ``device`` (differentiable)."""
+    return scatter(obj, [device] * len(sizes), 0, sizes)
+
+
+def join(outputs: list[Any], device: torch.device) -> Any:
+    """The micro-batches' outputs concatenated along dim 0 on ``device`` (differentiable)."""
+    for path, t in _tensor_leaves(outputs[0], "output"):
+        if t.dim() == 0:
+            raise ValueError(f"the last stage returned a 0-dim tensor at {path}: a pipeline's output must keep the "
+                             "batch dimension so the micro-batches can be re-joined (reduce it after the pipeline)")
+    return gather(outputs, device, 0)
+
+
+def loss_weights(sizes: list[int], reduction: str) -> list[float]:
+    """The factor of each micro-batch's loss so that their sum is the whole batch's loss: ``rows_m / batch`` for a
+    ``"mean"`` loss, 1 for a ``"sum"``."""
+    if reduction == "sum":
+        return [1.0] * len(sizes)
+    if reduction == "mean":
+        total = sum(sizes)
+        return [s / total if total else 1.0 for s in sizes]
+    raise ValueError(f'reduction must be "mean" or "sum" (how loss_fn reduces over the batch), got {reduction!r}')

@@ -1,14 +1,14 @@
-"""``Pipeline``: a sequential model cut into stages on devices of one process, run on micro-batches.
-
-``forward`` keeps one autograd graph over all stages (a plain ``loss.backward()`` works); ``train_step`` runs forward
-and backward as a schedule (GPipe or 1F1B), each stage on its own persistent worker thread, so the stages overlap in
-both directions. ``distributed.py`` is the one-stage-per-process sibling.
+"""``Pipeline``: a sequential model cut into stages on devices of one process, each stage on a persistent worker
+thread that carries the caller's thread-local torch state; and the data parallelism over pipelines that
+``DistributedPipeline`` shares (``broadcast_state``, ``average_gradients``: through the group's Transport).
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -16,18 +16,146 @@ import torch.distributed as dist
 from torch import nn
 
 from .._core.devices import DeviceLike, normalize_device
-from ..parallel.parallel_apply import WorkerPool
-from .channel import ThreadChannel
-from .execute import run_serial, run_threads
-from .grads import average_gradients, broadcast_state
-from .microbatch import batch_size, join, loss_weights, microbatch_sizes, split
-from .partition import resolve_balance, sequential_layers, stage_modules
+from ..collectives.stall import group_transport
+from ..parallel.parallel_apply import WorkerPool, _autocast_state
+from .channel import Channel, StageAborted, ThreadChannel
+from .partition import batch_size, chunk_sizes, join, layers_of, loss_weights, resolve_balance, split, stage_modules
 from .rng import draws_random_numbers, pass_seed, stage_randoms
-from .schedule import ScheduleFn, Step, resolve, stage_orders
-from .stage import CHECKPOINT_MODES, StageRun, StageSpec, StepTime
-from .threadstate import ThreadState, capture
+from .schedule import ScheduleFn, Step, clocked, resolve, stage_orders
+from .stage import CHECKPOINT_MODES, StageRun, StepTime
 
-__all__ = ["Pipeline", "check_chunks", "check_checkpoint"]
+__all__ = ["Pipeline", "ThreadState", "capture", "check_chunks", "check_checkpoint", "broadcast_state",
+           "average_gradients"]
+
+
+@dataclass(frozen=True)
+class ThreadState:
+    """The caller's thread-local torch state, carried into the threads that run the stages: a fresh thread would
+    otherwise build a graph under the caller's ``torch.no_grad()`` or run in float32 under its ``autocast``."""
+
+    grad: bool
+    inference: bool
+    # per device type: (dtype, cache enabled) when autocast is on for it
+    autocast: dict[str, tuple[torch.dtype, bool]] = field(default_factory=dict)
+
+    @contextlib.contextmanager
+    def applied(self, device: torch.device) -> Iterator[None]:
+        """This state in the current thread, with ``device`` current if it is an accelerator."""
+        with contextlib.ExitStack() as stack:
+            if self.inference:
+                stack.enter_context(torch.inference_mode())
+            stack.enter_context(torch.set_grad_enabled(self.grad))
+            cast = self.autocast.get(device.type)
+            if cast is not None:
+                stack.enter_context(torch.autocast(device.type, dtype=cast[0], cache_enabled=cast[1]))
+            if device.type != "cpu" and device.index is not None:
+                stack.enter_context(torch.accelerator.device_index(device.index))
+            yield
+
+
+def capture(devices: Sequence[torch.device], grad: bool | None = None) -> ThreadState:
+    """The calling thread's state for stages on ``devices``; ``grad`` overrides its grad mode."""
+    casts = {d.type: _autocast_state(d.type) for d in devices}
+    return ThreadState(
+        grad=torch.is_grad_enabled() if grad is None else grad,
+        inference=torch.is_inference_mode_enabled() and grad is None,
+        autocast={k: v for k, v in casts.items() if v is not None},
+    )
+
+
+# ---- driving the stages: serially on the caller's thread, or each stage on its own worker -------------------------
+def _reraise(stage: int, run: StageRun, exc: BaseException) -> None:
+    """Raise ``exc`` again, its message naming the stage and device; KeyboardInterrupt and the like as they are."""
+    if not isinstance(exc, Exception):
+        raise exc
+    message = f"in pipeline stage {stage} on {run.device}: {type(exc).__name__}: {exc}"
+    try:
+        err = type(exc)(message)
+    except Exception:
+        err = RuntimeError(message)
+    raise err from exc
+
+
+def _run_serial(runs: Sequence[StageRun], orders: list[list[Step]], state: ThreadState) -> None:
+    for cycle in clocked(orders):
+        for step in cycle:
+            run = runs[step.stage]
+            try:
+                with state.applied(run.device):
+                    run.run(step)
+            except BaseException as exc:
+                _reraise(step.stage, run, exc)
+
+
+def _work(run: StageRun, order: list[Step], channel: Channel, state: ThreadState) -> None:
+    try:
+        with state.applied(run.device):
+            for step in order:
+                run.run(step)
+    except BaseException:
+        channel.abort(run.index)
+        raise
+
+
+def _run_threads(runs: Sequence[StageRun], orders: list[list[Step]], channel: Channel, state: ThreadState,
+                 pool: WorkerPool) -> None:
+    """Stage s's steps on worker s, all at once. Each follows only its own order (checked by ``stage_orders``: it
+    cannot deadlock); an error aborts the channel and is raised here once every worker has returned."""
+    results = pool.run([
+        # default arguments bind this stage's values (a closure would see the loop's last ones)
+        lambda run=run, order=order: _work(run, order, channel, state)
+        for run, order in zip(runs, orders)
+    ])
+    failed = [(s, value) for s, (ok, value) in enumerate(results) if not ok]
+    if failed:
+        # the stage that failed first is the one whose error is not "stopped because another stage failed"
+        s, exc = next(((s, e) for s, e in failed if not isinstance(e, StageAborted)), failed[0])
+        _reraise(s, runs[s], exc)
+
+
+# ---- data parallelism over pipelines ------------------------------------------------------------------------------
+_BUCKET_BYTES = 32 * 1024 * 1024
+
+
+def _buckets(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Consecutive tensors of one (dtype, device), at most ~32 MiB per bucket, so a big model is not copied whole."""
+    groups: dict[tuple, list[list[torch.Tensor]]] = {}
+    for t in tensors:
+        chunks = groups.setdefault((t.dtype, t.device), [[]])
+        if chunks[-1] and sum(x.numel() * x.element_size() for x in chunks[-1]) >= _BUCKET_BYTES:
+            chunks.append([])
+        chunks[-1].append(t)
+    return [c for chunks in groups.values() for c in chunks]
+
+
+@torch.no_grad()
+def _bucketed(tensors: list[torch.Tensor], group: Any, collective: Callable[[torch.Tensor], None]) -> None:
+    """``collective`` on each bucket of ``tensors`` laid flat, its result copied back into them."""
+    for bucket in _buckets(tensors):
+        flat = torch.cat([t.detach().reshape(-1) for t in bucket])
+        if flat.device.type != "cpu" and dist.get_backend(group) == "gloo":
+            flat = flat.cpu()  # gloo reduces CPU tensors only: an accelerator tensor makes the trip through host memory
+        collective(flat)
+        for t, part in zip(bucket, flat.split([t.numel() for t in bucket])):
+            t.copy_(part.view_as(t))
+
+
+def broadcast_state(tensors: Iterable[torch.Tensor], group: Any) -> None:
+    """Copy ``tensors`` (parameters, buffers) from the group's rank 0 to every rank of ``group``, in place."""
+    transport = group_transport(group, "Pipeline data parallelism")
+    _bucketed(list(tensors), group, lambda flat: transport.broadcast(flat, 0))
+
+
+def average_gradients(parameters: Iterable[nn.Parameter], group: Any) -> None:
+    """Replace each parameter's ``.grad`` by its mean over ``group``. A missing ``.grad`` counts as zeros, so every
+    rank issues the same all-reduces whatever its batch touched."""
+    params = [p for p in parameters if p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    transport = group_transport(group, "Pipeline data parallelism")
+    _bucketed([p.grad for p in params], group,
+              lambda flat: transport.all_reduce(flat, divisor=transport.world_size).wait())
 
 
 def check_chunks(chunks: Any) -> int:
@@ -40,13 +168,6 @@ def check_checkpoint(mode: Any) -> str:
     if mode not in CHECKPOINT_MODES:
         raise ValueError(f"checkpoint must be one of {list(CHECKPOINT_MODES)}, got {mode!r}")
     return mode
-
-
-def _default_device(layers: list[tuple[str, nn.Module]]) -> torch.device:
-    for _, layer in layers:
-        for t in itertools.chain(layer.parameters(), layer.buffers()):
-            return normalize_device(t.device)
-    return torch.device("cpu")
 
 
 class Pipeline(nn.Module):
@@ -66,12 +187,13 @@ class Pipeline(nn.Module):
                  devices: Sequence[DeviceLike] | None = None, chunks: int = 1, checkpoint: str = "never", *,
                  sample_input: Any = None, threads_per_stage: int = 1, data_parallel_group: Any = None) -> None:
         super().__init__()
-        layers = sequential_layers(module)
+        layers = layers_of(module)
         if devices is None:
             if isinstance(balance, str):
                 raise ValueError(f'balance={balance!r} needs devices (one per stage) to know the number of stages; '
                                  'or give balance as a list of layer counts')
-            devices = [_default_device(layers)] * len(balance)
+            where = (t.device for _, layer in layers for t in itertools.chain(layer.parameters(), layer.buffers()))
+            devices = [next(where, "cpu")] * len(balance)
         if isinstance(devices, (str, int, torch.device)) or len(devices) == 0:
             raise ValueError(f"devices must be a non-empty list with one device per stage, got {devices!r}")
         self.devices = [normalize_device(d) for d in devices]
@@ -110,7 +232,7 @@ class Pipeline(nn.Module):
     # ---- the four verbs -------------------------------------------------------------------------------------
     def split(self, input: Any) -> list[Any]:
         """``input`` as micro-batches on the first stage's device (fewer than ``chunks`` for a small batch)."""
-        return split(input, microbatch_sizes(batch_size(input, "input"), self.chunks), self.devices[0])
+        return split(input, chunk_sizes(batch_size(input, "input"), self.chunks), self.devices[0])
 
     def _runs(self, channel: ThreadChannel, microbatches: list, train: bool, seed: int, grad: bool,
               **last: Any) -> list[StageRun]:
@@ -121,7 +243,7 @@ class Pipeline(nn.Module):
         # overlaps the others (known random layers always draw)
         may_draw = [keys[s] not in self._quiet or draws_random_numbers(stage) for s, stage in enumerate(self._stages)]
         randoms = stage_randoms(seed, self.devices, 0, controlled, may_draw)
-        return [StageRun(StageSpec(s, n, stage, dev, self.checkpoint), channel, len(microbatches), train,
+        return [StageRun(s, n, stage, dev, self.checkpoint, channel, len(microbatches), train,
                          inputs=microbatches if s == 0 else None, random=random, **(last if s == n - 1 else {}))
                 for s, (stage, dev, random) in enumerate(zip(self._stages, self.devices, randoms))]
 
@@ -138,9 +260,9 @@ class Pipeline(nn.Module):
         if len(runs) > 1 and runs[0].microbatches > 1:
             if self._pool is None:
                 self._pool = WorkerPool(threads_per_worker=self.threads_per_stage)
-            run_threads(runs, orders, channel, state, self._pool)
+            _run_threads(runs, orders, channel, state, self._pool)
         else:  # nothing could overlap: no thread hand-offs
-            run_serial(runs, orders, state)
+            _run_serial(runs, orders, state)
         self._observe(runs)
         self.last_timeline = sorted(itertools.chain.from_iterable(r.timeline for r in runs), key=lambda t: t.start)
 
@@ -176,7 +298,7 @@ class Pipeline(nn.Module):
         rows = batch_size(input, "input")
         if target is not None and batch_size(target, "target") != rows:
             raise ValueError(f"target has {batch_size(target, 'target')} rows along dim 0 but input has {rows}")
-        sizes = microbatch_sizes(rows, self.chunks)
+        sizes = chunk_sizes(rows, self.chunks)
         microbatches = split(input, sizes, self.devices[0])
         targets = split(target, sizes, self.devices[-1]) if target is not None else None
         channel = ThreadChannel(len(self._stages))

@@ -1,7 +1,6 @@
-"""Random numbers in a pipeline: each (micro-batch, stage) cell draws from a generator state of its own, seeded from
-(the pass's seed, stage, micro-batch), so a checkpoint's recomputation draws its forward's masks and the masks do not
-depend on schedule, checkpoint mode, thread timing or processes. Cells on a shared generator take a lock per pass.
-Semantics and cost: docs/pipeline.md, "Randomness".
+"""Random numbers in a pipeline: each (micro-batch, stage) cell draws from a generator state seeded from (the pass's
+seed, stage, micro-batch), so a recomputation draws its forward's masks, whatever the schedule, checkpoint mode,
+threads or processes. Cells on a shared generator take a lock per pass. Semantics: docs/pipeline.md, "Randomness".
 """
 from __future__ import annotations
 
@@ -83,14 +82,10 @@ class StageRandom:
 
 def stage_randoms(seed: int, devices: Sequence[torch.device], first: int, controlled: bool,
                   may_draw: Sequence[bool] | None = None) -> list[StageRandom | None]:
-    """Each stage's ``StageRandom`` for a pass, or None where the pass leaves the stage alone.
-
-    ``devices``: those of the stages this process runs, the first of them stage ``first``. A pass is ``controlled``
-    when a stage recomputes (it must replay its forward's draws, whatever layer makes them) or any stage holds a
-    known random layer (``draws_random_numbers``: its masks are then the same in every checkpoint mode and run).
-    ``may_draw`` (default: all) names the stages that need a state: a stage that draws nothing needs none, and
-    takes no lock. Stages that may draw and share a device share a lock.
-    """
+    """Each stage's ``StageRandom`` for a pass (None: the pass leaves the stage alone). ``devices``: those of the
+    stages this process runs, the first of them stage ``first``. ``controlled``: a stage recomputes or holds a known
+    random layer. ``may_draw`` (default: all): the stages that need a state. Stages that may draw and share a device
+    share a lock."""
     may_draw = [controlled] * len(devices) if may_draw is None else [controlled and d for d in may_draw]
     drawing = [d for d, m in zip(devices, may_draw) if m]
     locks = {d: threading.RLock() for d in set(drawing) if drawing.count(d) > 1}

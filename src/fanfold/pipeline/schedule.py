@@ -1,8 +1,5 @@
-"""Pipeline schedules: which stage runs which micro-batch's forward (F) or backward (B), clock cycle by clock cycle.
-
-No torch here. A schedule is ``(stages, microbatches) -> iterable of cycles``, each a list of :class:`Step`:
-``gpipe`` and ``one_f_one_b`` (PipeDream-flush). ``clocked`` turns per-stage orders into cycles and is the check
-every executor relies on: an order that it can complete cannot deadlock.
+"""Pipeline schedules, ``(stages, microbatches) -> clock cycles`` of :class:`Step` (``gpipe``, ``one_f_one_b``), and
+``clocked``: per-stage orders into cycles, the check every executor relies on (an order it completes cannot deadlock).
 """
 from __future__ import annotations
 
@@ -60,11 +57,9 @@ def one_f_one_b(stages: int, microbatches: int) -> Iterator[list[Step]]:
 
 
 def clocked(orders: list[list[Step]]) -> Iterator[list[Step]]:
-    """Clock cycles from per-stage orders: each cycle, every stage takes its next step if its inputs are ready.
-
-    F(s, m) needs F(s - 1, m) from an earlier cycle; B(s, m) needs F(s, m) and B(s + 1, m). Raises ValueError when
-    the orders cannot complete (a deadlock), naming the stuck steps.
-    """
+    """Clock cycles from per-stage orders: each cycle, every stage takes its next step if its inputs are ready
+    (F(s, m) needs F(s - 1, m); B(s, m) needs F(s, m) and B(s + 1, m)). ValueError naming the stuck steps if the
+    orders cannot complete."""
     stages = len(orders)
     done: set[tuple[int, int, str]] = set()
     position = [0] * stages

@@ -1,9 +1,6 @@
-"""One stage's share of a pass: its forward and backward steps (:class:`StageRun`), whichever thread or process runs
-them; ``pipe`` and ``distributed`` both drive a StageRun per stage through its order of steps.
-
-Connected mode (``Pipeline.forward``): one autograd graph spans the stages. Detached mode (training steps): each stage
-owns its graph, receives activations as fresh leaves and sends their gradients back. Activation checkpointing and
-its buffer and random-number replay are here too; design notes: docs/pipeline.md.
+"""One stage's share of a pass (:class:`StageRun`), whichever thread or process runs it: its forward and backward
+steps, activation checkpointing with its buffer and random-number replay, and in training the deferred weight
+gradients of its ``nn.Linear`` layers (:class:`WeightGradAccumulator`). Design: docs/pipeline.md.
 """
 from __future__ import annotations
 
@@ -14,29 +11,133 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .accumulate import WeightGradAccumulator
-from .activations import map_tensors, tensor_leaves
+from .._core.tree import flatten, unflatten
 from .channel import Channel
 from .rng import StageRandom
 from .schedule import Step
 
-__all__ = ["StageSpec", "StageRun", "StepTime", "CHECKPOINT_MODES"]
+__all__ = ["StageRun", "StepTime", "CHECKPOINT_MODES", "WeightGradAccumulator", "tensor_leaves",
+           "map_tensors"]
 
 CHECKPOINT_MODES = ("never", "except_last", "always")
 
 
-@dataclass(frozen=True)
-class StageSpec:
-    """Stage ``index`` of ``stages``: its layers, their device and its checkpointing mode."""
+def tensor_leaves(obj: Any) -> list[torch.Tensor]:
+    """The tensors of an activation (nested containers of tensors), in ``_core.tree``'s order: the one contract
+    between a sender's outputs and the gradients it receives back for them."""
+    return [x for _, x in flatten(obj)[0] if isinstance(x, torch.Tensor)]
 
-    index: int
-    stages: int
-    module: nn.Module
-    device: torch.device
-    checkpoint: str = "never"
+
+def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """``obj`` with every tensor replaced by ``fn(tensor)``, in the order of :func:`tensor_leaves`."""
+    leaves, spec = flatten(obj)
+    return unflatten(spec, [fn(x) if isinstance(x, torch.Tensor) else x for _, x in leaves])
+
+
+# ---- weight gradients of nn.Linear layers after the input gradients -------------------------------------------------
+def _hooked(p: torch.Tensor | None) -> bool:
+    return p is not None and bool(getattr(p, "_backward_hooks", None) or
+                                  getattr(p, "_post_accumulate_grad_hooks", None))
+
+
+def _eligible(m: nn.Module) -> bool:
+    if type(m) is not nn.Linear:
+        return False
+    w, b = m.weight, m.bias
+    return (w.is_floating_point() and w.is_contiguous()
+            and (b is None or b.dtype == w.dtype) and not _hooked(w) and not _hooked(b))
+
+
+@dataclass
+class _Rows:
+    """A layer's output-gradient and input rows waiting for their product."""
+
+    weight: nn.Parameter
+    bias: nn.Parameter | None
+    grads: list[torch.Tensor] = field(default_factory=list)
+    inputs: list[torch.Tensor] = field(default_factory=list)
+
+
+class _DeferredLinear(torch.autograd.Function):
+    """``F.linear(x, weight, bias)`` whose backward hands the parameter gradients' rows to ``sink`` and autograd
+    none for them (so ``AccumulateGrad`` has nothing to add)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: nn.Parameter, bias: nn.Parameter | None,
+                sink: WeightGradAccumulator) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.params, ctx.sink = (weight, bias), sink  # the parameters themselves: their .grad is what gets written
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
+        x, weight = ctx.saved_tensors
+        grad_x = grad_out.matmul(weight) if ctx.needs_input_grad[0] else None
+        ctx.sink.add(*ctx.params, grad_out.reshape(-1, grad_out.shape[-1]), x.reshape(-1, x.shape[-1]))
+        return grad_x, None, None, None
+
+
+class WeightGradAccumulator:
+    """One stage's pending weight-gradient rows: an eligible layer's backward computes only its input gradient and
+    keeps the rows; ``step()``, once the stage has sent its input gradients upstream, adds them into ``.grad``."""
+
+    def __init__(self) -> None:
+        self._pending: dict[int, _Rows] = {}
+
+    @contextlib.contextmanager
+    def linears(self, module: nn.Module) -> Iterator[None]:
+        """While inside, the eligible ``nn.Linear`` layers of ``module`` send their parameter gradients here; their
+        ``forward`` is restored on the way out, whatever happens."""
+        patched = [m for m in module.modules() if _eligible(m) and "forward" not in vars(m)]
+        for m in patched:
+            m.forward = self._forward(m, m.forward)
+        try:
+            yield
+        finally:
+            for m in patched:
+                del m.forward
+
+    def _forward(self, m: nn.Linear, original: Any) -> Any:
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            if not (torch.is_grad_enabled() and x.dtype == m.weight.dtype and x.dim() >= 1
+                    and not torch.is_autocast_enabled(x.device.type)):
+                return original(x)
+            return _DeferredLinear.apply(x, m.weight, m.bias, self)
+        return forward
+
+    def add(self, weight: nn.Parameter, bias: nn.Parameter | None, grad: torch.Tensor, x: torch.Tensor) -> None:
+        pending = self._pending.setdefault(id(weight), _Rows(weight, bias))
+        pending.grads.append(grad)
+        pending.inputs.append(x)
+
+    def step(self) -> None:
+        """Every pending product into ``.grad``: called after a backward step has sent its input gradients on, so
+        that these products do not delay the previous stage."""
+        while self._pending:
+            self._apply(self._pending.popitem()[1])
+
+    @staticmethod
+    @torch.no_grad()
+    def _apply(rows: _Rows) -> None:
+        g = rows.grads[0] if len(rows.grads) == 1 else torch.cat(rows.grads)
+        x = rows.inputs[0] if len(rows.inputs) == 1 else torch.cat(rows.inputs)
+        w, b = rows.weight, rows.bias
+        if w.requires_grad:
+            if w.grad is None:
+                w.grad = g.t().mm(x)
+            elif w.grad.is_contiguous() and w.grad.dtype == g.dtype:
+                w.grad.addmm_(g.t(), x)  # the product accumulates where it is written: no temporary
+            else:
+                w.grad.add_(g.t().mm(x))
+        if b is not None and b.requires_grad:
+            if b.grad is None:
+                b.grad = g.sum(0)
+            else:
+                b.grad.add_(g.sum(0))
 
 
 @dataclass(frozen=True)
@@ -72,14 +173,18 @@ def _buffers_kept(module: nn.Module) -> Iterator[None]:
 
 @dataclass
 class StageRun:
-    """Stage ``spec``'s state during one pass of ``microbatches`` micro-batches.
+    """Stage ``index`` of ``stages`` (``module`` on ``device``) during one pass of ``microbatches`` micro-batches.
 
     ``inputs`` (first stage) are its micro-batches; ``targets``, ``loss_fn`` and ``weights`` (last stage, training)
     make the loss. ``train=False`` is the connected mode: the last stage keeps its outputs in ``outputs``.
     ``random``: the stage's generator state per micro-batch in this pass (None: the pass leaves randomness alone).
     """
 
-    spec: StageSpec
+    index: int
+    stages: int
+    module: nn.Module
+    device: torch.device
+    checkpoint: str
     channel: Channel
     microbatches: int
     train: bool
@@ -97,17 +202,17 @@ class StageRun:
 
     @property
     def first(self) -> bool:
-        return self.spec.index == 0
+        return self.index == 0
 
     @property
     def last(self) -> bool:
-        return self.spec.index == self.spec.stages - 1
+        return self.index == self.stages - 1
 
     def run(self, step: Step) -> None:
         self._started = None
         # detached training: each stage owns its graph and its .grad, so its linear layers may accumulate their
-        # weight gradients in place (accumulate.py); the connected mode leaves backward to the user's autograd call
-        with self._weights.linears(self.spec.module) if self.train else contextlib.nullcontext():
+        # weight gradients in place (WeightGradAccumulator); the connected mode leaves backward to autograd
+        with self._weights.linears(self.module) if self.train else contextlib.nullcontext():
             if step.phase == "F":
                 self.forward(step.microbatch)
             else:
@@ -124,8 +229,8 @@ class StageRun:
 
     def _call(self, x: Any, m: int, own: bool) -> Any:
         """The stage on ``x``; ``own``: ``x`` holds this stage's own leaves, which it must not modify in place."""
-        mode = self.spec.checkpoint
-        module = self.spec.module
+        mode = self.checkpoint
+        module = self.module
         random = self.random
         cell = (lambda: random.cell(m)) if random is not None else contextlib.nullcontext
         if torch.is_grad_enabled() and (mode == "always" or (mode == "except_last" and m < self.microbatches - 1)):
@@ -147,7 +252,7 @@ class StageRun:
             return module(_fresh(x) if own else x)
 
     def _receive_leaves(self, x: Any, m: int) -> Any:
-        device, leaves = self.spec.device, []
+        device, leaves = self.device, []
 
         def leaf(t: torch.Tensor) -> torch.Tensor:
             t = t.to(device)
@@ -163,7 +268,7 @@ class StageRun:
         return x
 
     def forward(self, m: int) -> None:
-        s, device = self.spec.index, self.spec.device
+        s, device = self.index, self.device
         x = self.inputs[m] if self.first else self.channel.recv(s, s - 1, "activation", m)
         self._received()
         if not self.train:
@@ -187,7 +292,7 @@ class StageRun:
             self.channel.send(s, s + 1, "activation", m, map_tensors(out, torch.Tensor.detach))
 
     def backward(self, m: int) -> None:
-        s = self.spec.index
+        s = self.index
         out = self.outputs.pop(m)
         if self.last:
             self._received()
