@@ -12,8 +12,7 @@ from torch import nn
 import fanfold
 from fanfold import SyncBatchNorm, revert_sync_batchnorm
 from fanfold.collectives.stall import InspectedTransport
-from fanfold.distributed.join import FORWARD
-from fanfold.distributed.participants import DDPParticipant
+from fanfold.distributed.join import FORWARD, DDPParticipant
 from fanfold.nn.group_sum import GroupSum
 from fanfold.parallel.replicate import LinkedReplicas
 

@@ -1,9 +1,6 @@
-"""Communication hooks: how one gradient bucket is reduced across ranks.
-
-torch's hook shape, ``hook(state, bucket) -> future`` whose ``wait()`` gives the averaged bucket: :class:`GradBucket`
-(torch's methods plus ``all_reduce`` through the DDP's transport and ``divisor``), a lazily completed
-:class:`Future`, and the built-in ``allreduce_hook``, ``fp16_compress_hook`` and ``bf16_compress_hook``. Registered
-with ``DistributedDataParallel.register_comm_hook``; semantics: docs/ddp.md, "Comm hooks".
+"""Communication hooks, torch's shape ``hook(state, bucket) -> future`` (whose ``wait()`` gives the averaged bucket):
+:class:`GradBucket`, a lazily completed :class:`Future`, and the built-in ``allreduce_hook``, ``fp16_compress_hook``
+and ``bf16_compress_hook``. Semantics: docs/ddp.md, "Comm hooks".
 """
 from __future__ import annotations
 

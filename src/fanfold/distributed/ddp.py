@@ -1,24 +1,16 @@
-"""DistributedDataParallel: one process per replica, gradients averaged by fanfold's bucketed reducer.
+"""DistributedDataParallel: one process per replica, gradients averaged by fanfold's reducer (``reducer.py``).
 
-Top of ``env <- buckets <- reducer <- ddp``; torch's keywords are checked in ``ddp_options.py``, mixed precision
-lives in ``mixed_precision.py``. Construction checks that every rank holds the same model (``model_check.py``),
-broadcasts parameters and buffers from rank 0 and hooks the reducer onto the parameters. As in torch, each training
-forward first re-syncs the buffers from rank 0 (the first forward included; not after a forward under ``no_sync()``
-or without grad; never for a module that had none when wrapped), in place without bumping autograd's version
-counters, so a second forward before the backward (GANs, pytorch#22095) is safe; it then tells the reducer whether
-the coming backward synchronises and hooks the outputs, where the backward starts. ``join()`` lets ranks with fewer
-batches shadow the others (``join.py``). The first forward also takes over the optimizers that torch's
-``_apply_optimizer_in_backward`` gave the parameters: they step on the average (``optim_in_backward.py``). Every
-collective goes through one ``collectives.Transport``: shared memory when every rank shares this host, else torch's.
-
-A DDP model can be pickled, deep-copied and saved whole (``torch.save``) as torch's can: the transport and the
-reducer are left out and built again, by every rank, at the copy's first forward. Discarding the wrapper removes
-its hooks from the parameters.
+Also the collectives of its construction (every rank holds the same model; parameters and buffers from rank 0) and
+the take-over of torch's optimizers in backward. Design and behaviour: docs/ddp.md; torch's keywords:
+docs/ddp-compat.md.
 """
 from __future__ import annotations
 
+import hashlib
+import json
+import sys
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -26,14 +18,13 @@ import torch
 from torch import nn
 
 from .._core.tree import flatten, unflatten
+from ..collectives.protocol import Transport
 from ..collectives.select import resolve_transport
 from ..collectives.stall import inspected
+from ..collectives.transport import all_gather_bytes, all_gather_rows
 from .ddp_options import check_devices, check_join, no_trainable_parameters, resolve_options, sparse_flags
-from .join import BACKWARD, FORWARD, JoinState
+from .join import BACKWARD, FORWARD, DDPParticipant, JoinState
 from .mixed_precision import MixedPrecision
-from .model_check import broadcast_tensors, check_same_model
-from .optim_in_backward import refusal, take_over
-from .participants import DDPParticipant
 from .reducer import Reducer, ShardsGradients
 
 __all__ = ["DistributedDataParallel", "DDP"]
@@ -48,6 +39,60 @@ _HOOK = ("a comm hook (register_comm_hook) is set: torch's DDP refuses this too,
 _MIXED = "mixed_precision is set: torch's DDP refuses this too, as its mixed precision is a comm hook of its own"
 _STAGE2 = "shard_gradients() (ZeRO stage 2) keeps only this rank's part of each averaged gradient"
 _JOIN = "join() (uneven inputs): a rank that has joined has no backward to step the optimizers in"
+_IN_BACKWARD_MODULE = "torch.distributed.optim.apply_optimizer_in_backward"
+BROADCAST_BYTES = 64 * 1024 * 1024
+
+
+def check_same_model(t: Transport, module: nn.Module, ignored: frozenset = frozenset()) -> None:
+    """Fail on every rank, naming the first differing parameter and the ranks, when the models differ (the
+    ``ignored`` names aside). A fixed-size digest first, the details only on a mismatch: it cannot hang."""
+    entries = [f"parameter {n!r} shape {tuple(p.shape)} {p.dtype} requires_grad={p.requires_grad}"
+               for n, p in module.named_parameters() if n not in ignored]
+    entries += [f"buffer {n!r} shape {tuple(b.shape)} {b.dtype}" for n, b in module.named_buffers() if n not in ignored]
+    digest = hashlib.sha256("\n".join(entries).encode()).digest()[:16]
+    rows = all_gather_rows(t, torch.tensor(list(digest), dtype=torch.float32))
+    differ = [r for r in range(t.world_size) if not torch.equal(rows[r], rows[0])]
+    if not differ:
+        return
+    lists = [json.loads(b) for b in all_gather_bytes(t, json.dumps(entries).encode())]
+    r = differ[0]
+    k = next((k for k, (a, b) in enumerate(zip(lists[0], lists[r])) if a != b), min(len(lists[0]), len(lists[r])))
+    mine = lists[0][k] if k < len(lists[0]) else "nothing (its model ends there)"
+    theirs = lists[r][k] if k < len(lists[r]) else "nothing (its model ends there)"
+    raise RuntimeError(
+        f"DistributedDataParallel (rank {t.rank}): the model differs between ranks {[0] + differ}: at entry {k} "
+        f"rank 0 has {mine} but rank {r} has {theirs}. Every rank must build the same model (same code, "
+        "arguments and checkpoint) before wrapping it."
+    )
+
+
+def broadcast_tensors(t: Transport, tensors: list[torch.Tensor], src: int) -> None:
+    """Broadcast ``tensors`` in place from ``src``: their bytes end to end, one flat uint8 tensor per device and at most
+    64 MiB, so that tensors of several dtypes (a BatchNorm's statistics and counter) cost one collective."""
+    groups: dict[torch.device, list[list[torch.Tensor]]] = {}
+    # widest elements first: every tensor's bytes then start at a multiple of its element size (view(dtype) needs it)
+    for tensor in sorted(tensors, key=lambda x: -x.element_size()):
+        chunks = groups.setdefault(tensor.device, [[]])
+        if chunks[-1] and sum(x.numel() * x.element_size() for x in chunks[-1]) >= BROADCAST_BYTES:
+            chunks.append([])
+        chunks[-1].append(tensor)
+    with torch.no_grad():
+        for chunk in (c for chunks in groups.values() for c in chunks):
+            flat = torch.cat([x.reshape(-1).view(torch.uint8) for x in chunk])
+            t.broadcast(flat, src)
+            offset = 0
+            for x in chunk:
+                n = x.numel() * x.element_size()
+                x.copy_(flat[offset: offset + n].view(x.dtype).view_as(x))
+                offset += n
+
+
+def _in_backward_refusal(rank: int, names: Sequence[str], what: str) -> RuntimeError:
+    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    return RuntimeError(
+        f"DistributedDataParallel (rank {rank}): {what}; it cannot be combined with optimizers applied in backward "
+        f"(torch.distributed.optim._apply_optimizer_in_backward), which DDP steps on the averaged gradient. "
+        f"Parameters with such optimizers: {shown}.")
 
 
 class DistributedDataParallel(nn.Module):
@@ -127,7 +172,7 @@ class DistributedDataParallel(nn.Module):
         self.reducer = Reducer(
             [params[n] for n in names], names, self.transport, o.caps, o.find_unused, o.as_view and self._mp is None,
             static_graph=o.static_graph, sparse=sparse_flags(self.module, names),
-            reduce_dtype=self._mp.reduce_dtype if self._mp is not None else None, batched_copy=o.batched_copy,
+            reduce_dtype=self._mp.reduce_dtype if self._mp is not None else None,
             skip_unused=o.skip_unused, delayed=[params[n] for n in o.delayed])
         if self._comm_hook is not None:
             self.reducer.set_comm_hook(*self._comm_hook)
@@ -214,15 +259,25 @@ class DistributedDataParallel(nn.Module):
 
     def _take_over_in_backward_optimizers(self) -> None:
         """torch's DDP at its first forward: optimizers that ``_apply_optimizer_in_backward`` gave its parameters
-        step on the averaged gradient, not on this rank's (``optim_in_backward.py``)."""
+        (``param._in_backward_optimizers``) step on the averaged gradient, not on this rank's: their hooks go."""
         r = self.reducer
         conflict = (_HOOK if self._comm_hook is not None else _MIXED if self._mp is not None else
                     _STAGE2 if r.strategy is not None else _JOIN if self._join is not None else None)
-        r.in_backward = take_over(r.params, r.names, self.transport.rank, conflict)
+        found = [i for i, p in enumerate(r.params) if hasattr(p, "_in_backward_optimizers")]
+        if found and conflict is not None:
+            raise _in_backward_refusal(self.transport.rank, [r.names[i] for i in found], conflict)
+        # The handles live in torch's module, which the user imported to call _apply_optimizer_in_backward; a
+        # parameter given the attribute some other way has no handle to remove.
+        handles = getattr(sys.modules.get(_IN_BACKWARD_MODULE), "param_to_optim_hook_handle_map", {}) if found else {}
+        for i in found:
+            for handle in handles.get(r.params[i], ()):
+                handle.remove()
+        r.in_backward = found
 
     def _refuse_with_in_backward(self, what: str) -> None:
         if self.reducer.in_backward:
-            raise refusal(self.transport.rank, [self.reducer.names[i] for i in self.reducer.in_backward], what)
+            names = [self.reducer.names[i] for i in self.reducer.in_backward]
+            raise _in_backward_refusal(self.transport.rank, names, what)
 
     def _hook_outputs(self, out: Any) -> None:
         """The backward starts where it reaches an output: the end-of-backward callbacks are queued there, in the

@@ -1,9 +1,5 @@
-"""torch's ``DistributedDataParallel`` keywords, checked and turned into fanfold's settings (one dataclass).
-
-Used by ``ddp.py`` only. Every keyword of torch 2.13's signature has torch's meaning here or is refused with an
-error naming it; none is accepted and ignored. torch's deprecation warnings (``broadcast_buffers``,
-``check_reduction``) are kept, so code written against torch sees the same ones. The keyword-by-keyword table is
-``docs/ddp-compat.md``.
+"""torch's ``DistributedDataParallel`` keywords, checked (an error naming a bad one; torch's deprecation warnings)
+and turned into fanfold's settings, one dataclass. The keyword-by-keyword table: docs/ddp-compat.md.
 """
 from __future__ import annotations
 
@@ -15,9 +11,9 @@ from typing import Any
 from torch import nn
 
 from .._core.devices import normalize_device
-from .buckets import bucket_cap_list, bucket_caps
 
-__all__ = ["DDPOptions", "resolve_options", "check_devices", "sparse_flags", "no_trainable_parameters", "check_join"]
+__all__ = ["DDPOptions", "resolve_options", "bucket_caps", "MiB", "check_devices", "sparse_flags",
+           "no_trainable_parameters", "check_join"]
 
 
 @dataclass
@@ -32,8 +28,34 @@ class DDPOptions:
     as_view: bool  # torch's gradient_as_bucket_view (with mixed_precision .grad is a full-precision copy, as in torch)
     static_graph: bool
     skip_unused: bool
-    batched_copy: bool
     delayed: list[str] = field(default_factory=list)  # names of delay_all_reduce_named_params
+
+
+MiB = 1024 * 1024
+
+
+def _mib(name: str, value: Any, shown: Any) -> int:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+        raise ValueError(f"{name} must be a positive number of MiB, got {shown!r}")
+    return max(1, int(value * MiB))
+
+
+def bucket_caps(bucket_cap_mb: float | None = None, first_bucket_cap_mb: float | None = None,
+                bucket_cap_mb_list: Sequence[float] | None = None) -> list[int]:
+    """Bucket caps in bytes: the k-th bucket of a dtype takes ``caps[k]``, the last one after. torch's
+    ``bucket_cap_mb_list`` gives them all; else a small first bucket (1 MiB, never above the rest), then 25 MiB."""
+    if bucket_cap_mb_list is not None:
+        if first_bucket_cap_mb is not None:
+            raise ValueError("DistributedDataParallel: first_bucket_cap_mb and bucket_cap_mb_list both set the first "
+                             "bucket's cap; give one")
+        if isinstance(bucket_cap_mb_list, (str, bytes)) or not isinstance(bucket_cap_mb_list, Sequence) or \
+                not bucket_cap_mb_list:
+            raise ValueError(f"bucket_cap_mb_list must be a non-empty list of MiB figures, got {bucket_cap_mb_list!r}")
+        return [_mib("each of bucket_cap_mb_list", mb, bucket_cap_mb_list) for mb in bucket_cap_mb_list]
+    cap = _mib("bucket_cap_mb", 25.0 if bucket_cap_mb is None else bucket_cap_mb, bucket_cap_mb)
+    first = _mib("first_bucket_cap_mb", 1.0 if first_bucket_cap_mb is None else first_bucket_cap_mb,
+                 first_bucket_cap_mb)
+    return [min(first, cap), cap]
 
 
 def _flag(name: str, value: Any) -> bool:
@@ -104,14 +126,7 @@ def resolve_options(
         warnings.warn("The `check_reduction` argument in `DistributedDataParallel` module is deprecated. Please "
                       "avoid using it. (It has no effect in torch either: the reducer always completes the "
                       "reduction.)", FutureWarning, stacklevel=3)
-    if bucket_cap_mb_list is not None:
-        if first_bucket_cap_mb is not None:
-            raise ValueError("DistributedDataParallel: first_bucket_cap_mb and bucket_cap_mb_list both set the first "
-                             "bucket's cap; give one")
-        caps = bucket_cap_list(bucket_cap_mb_list)  # torch: the list wins over bucket_cap_mb
-    else:
-        first, cap = bucket_caps(bucket_cap_mb, first_bucket_cap_mb)
-        caps = [first, cap]
+    caps = bucket_caps(bucket_cap_mb, first_bucket_cap_mb, bucket_cap_mb_list)
     static = _flag("static_graph", static_graph)
     find_unused = _flag("find_unused_parameters", find_unused_parameters)
     if static and find_unused:
@@ -119,11 +134,11 @@ def resolve_options(
                       "which finds the unused parameters in the first iteration (they must stay unused).",
                       stacklevel=3)
     as_view = _flag("gradient_as_bucket_view", gradient_as_bucket_view)
+    _flag("batched_grad_copy", batched_grad_copy)  # what fanfold always does: a bucket's copies together
     return DDPOptions(
         process_group=group, forward_sync_buffers=forward, init_sync_buffers=init, caps=caps,
         find_unused=find_unused, as_view=as_view, static_graph=static,
         skip_unused=_flag("skip_all_reduce_unused_params", skip_all_reduce_unused_params),
-        batched_copy=_flag("batched_grad_copy", batched_grad_copy),
         delayed=_delayed(module, delay_all_reduce_named_params, param_to_hook_all_reduce),
     )
 

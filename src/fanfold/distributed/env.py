@@ -1,10 +1,5 @@
-"""The torchrun environment contract: initialise and tear down the process group, and ask where this process sits.
-
-Bottom of the distributed layers (``env <- buckets <- reducer <- ddp``). A worker started by ``fanfold run``,
-``torchrun`` or ``fanfold.launch`` finds RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT in its
-environment; :func:`init_process_group` reads them, picks NCCL when CUDA is available (gloo otherwise) and pins the
-process to its local device. The rank helpers answer for a single process too (rank 0 of 1), so the same script runs
-with or without a launcher once it guards ``init_process_group`` itself.
+"""The torchrun environment contract (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT): initialise and tear
+down the process group, and ask where this process sits (rank 0 of 1 in a plain single process).
 """
 from __future__ import annotations
 
@@ -19,17 +14,8 @@ from .._core.group import is_initialized, rank_world
 from .._core.job_store import store_from_env
 from ..collectives.stall import group_transport
 
-__all__ = [
-    "init_process_group",
-    "destroy_process_group",
-    "is_initialized",
-    "rank",
-    "world_size",
-    "local_rank",
-    "is_main_process",
-    "barrier",
-    "device",
-]
+__all__ = ["init_process_group", "destroy_process_group", "is_initialized", "rank", "world_size", "local_rank",
+           "is_main_process", "barrier", "device"]
 
 _REQUIRED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 

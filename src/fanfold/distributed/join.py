@@ -1,18 +1,15 @@
-"""Uneven inputs for ``DistributedDataParallel.join()``: the join-state exchange and the shadow loop of ranks that ran
-out of data.
-
-Inside the context every forward and synchronised backward of an active rank starts with a small all-reduce
-announcing who is active and what follows; a rank that has left answers with zeros and issues the announced
-collectives with zero gradients (its *shadow*, participants' replays included), so nobody waits. See docs/ddp.md.
+"""Uneven inputs for ``DistributedDataParallel.join()``: the join-state exchange, the shadow loop of ranks that ran out
+of data, and the protocol of submodules with collectives of their own (``DDPParticipant``: ``fanfold.SyncBatchNorm``).
+Every announced collective is issued by a rank that has left with zeros, so nobody waits. See docs/ddp.md.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["JoinState", "FORWARD", "BACKWARD"]
+__all__ = ["JoinState", "DDPParticipant", "FORWARD", "BACKWARD"]
 
 FORWARD, BACKWARD = 1, 2
 _ALIVE, _FWD, _BWD, _BUFS = 0, 1, 2, 3  # slots of the announcement; rank r's activity is slot 4 + r
@@ -96,3 +93,15 @@ class JoinState:
         forwards are appended and backwards put first (backward runs the other way)."""
         self._replays[FORWARD].append(forward)
         self._replays[BACKWARD].insert(0, backward)
+
+
+@runtime_checkable
+class DDPParticipant(Protocol):
+    """A submodule whose forward or backward issues collectives of its own (implemented in ``fanfold.nn``)."""
+
+    def use_transport(self, transport: Any, process_group: Any) -> None:
+        """At ``DistributedDataParallel`` construction: DDP's transport and the process group it spans (None: the
+        default group), where the participant may issue its collectives in step with DDP's own."""
+
+    def set_join_state(self, state: JoinState | None) -> None:
+        """``DistributedDataParallel.join()`` on entry (the state; may raise to refuse) and on exit (None)."""

@@ -1,8 +1,6 @@
-"""torch's ``mixed_precision=_MixedPrecision(param_dtype, reduce_dtype, buffer_dtype)`` for DistributedDataParallel.
-
-Forward and backward on low-precision copies of the parameters, gradients reduced in ``reduce_dtype``, floating
-buffers in ``buffer_dtype``; full-precision master weights and ``.grad`` outside forward and backward. Runs on any
-device (torch's needs CUDA streams); the differences from torch: docs/ddp-compat.md.
+"""torch's ``mixed_precision=_MixedPrecision(param_dtype, reduce_dtype, buffer_dtype)`` for DistributedDataParallel:
+forward and backward on low-precision copies of the parameters, full-precision masters and ``.grad`` outside them.
+On any device (torch's needs CUDA streams); the differences from torch: docs/ddp-compat.md.
 """
 from __future__ import annotations
 

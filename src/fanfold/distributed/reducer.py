@@ -1,42 +1,35 @@
-"""The gradient reducer, one object: per-parameter hooks fill flat buckets, each bucket's reduction starts as soon
-as it is full (in bucket order on every rank: collectives match by issue order), and the end of backward waits,
-averages and writes the gradients back into ``.grad``. Every collective goes through one ``collectives.Transport``;
-ZeRO stage 2 takes over the buckets as a :class:`GradientStrategy`. Design notes: docs/ddp.md, "The reducer".
+"""The gradient reducer, one object: per-parameter hooks mark gradients ready, each full bucket's reduction starts in
+bucket order on every rank (collectives match by issue order), and the end of backward waits and writes the averages
+into ``.grad``. Readiness, sparse and delayed gradients live here too. Design notes: docs/ddp.md, "The reducer".
 """
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from ..collectives.protocol import Transport
-from .buckets import assign_buckets, rebuild_order
 from .comm_hooks import Future, GradBucket, allreduce_hook, bf16_compress_hook, fp16_compress_hook
-from .delayed import reduce_delayed
-from .readiness import Readiness, unfinished_message
-from .sparse import all_reduce_sparse, empty_sparse_like
 
-__all__ = ["GradientStrategy", "Reducer", "ShardsGradients", "BUILT_IN", "SMALL_TENSOR_BYTES"]
+__all__ = ["GradientStrategy", "Reducer", "ShardsGradients", "BUILT_IN", "SMALL_TENSOR_BYTES", "assign_buckets",
+           "rebuild_order"]
 
-# The hooks whose result the reducer can have a transport compute straight into .grad: hook -> compression dtype
+# The hooks the transport runs itself, on .grad or on the flat bucket: hook -> compression dtype
 BUILT_IN = {allreduce_hook: None, bf16_compress_hook: torch.bfloat16, fp16_compress_hook: torch.float16}
-# Below this mean gradient size a bucket's gradients are copied into its flat tensor and back (one foreach copy
-# each way) rather than handed to reduce_tensors one by one: the transport's work per tensor costs more than the
-# copies (a bucket of LayerNorm weights and biases)
+# Below this mean gradient size a bucket goes through its flat tensor (one foreach copy each way) rather than to
+# reduce_tensors one tensor at a time: the transport's work per tensor costs more than the copies (LayerNorm weights)
 SMALL_TENSOR_BYTES = 16 << 10
 
 
 class GradientStrategy(Protocol):
-    """Where the averaged gradients go instead of ``.grad`` (ZeRO stage 2: this rank's part of each bucket). Handed
-    to :meth:`Reducer.use_strategy`; it reduces each bucket itself, from its parameters' ``.grad``, with the
-    reducer's ``transport`` and comm hook (``hook``, ``hook_state``, ``hook_divisor``). The reducer still decides when,
-    on every rank in the same order: each bucket once it is ready, then the wait and the write-back."""
+    """Where the averaged gradients go instead of ``.grad`` (ZeRO stage 2). It reduces each bucket itself, from its
+    parameters' ``.grad``, with the reducer's ``transport`` and hook (``hook``, ``hook_state``, ``hook_divisor``); the
+    reducer decides when, in the same order on every rank."""
 
     def launch(self, bucket: int) -> None:
-        """The ``.grad`` of ``reducer.buckets[bucket]``'s parameters are final for this backward (None: the
-        parameter contributes zeros): start the bucket's reduction. In bucket order."""
+        """The ``.grad`` of ``reducer.buckets[bucket]``'s parameters are final (None: zeros): start its reduction."""
         ...
 
     def finish(self) -> None:
@@ -58,15 +51,181 @@ class ShardsGradients(Protocol):
         ...
 
 
-class Deferred:
-    """The state the reducer shares with its hooks (which must not hold the reducer itself): whether this backward
-    defers (``on``), and the parameter indices whose hooks fired, in order.
+# ---- buckets: which parameters share a flat tensor, in launch order ----------------------------------------------
+def assign_buckets(nbytes: Sequence[int], keys: Sequence[Hashable], caps: Sequence[int],
+                   order: Sequence[int] | None = None) -> list[list[int]]:
+    """Group parameter indices ``0..n-1`` (``nbytes[i]`` bytes of gradient) into buckets that never mix ``keys``
+    ((dtype, device)), filled in ``order`` (the expected ready order; default: reverse parameter order): a key's
+    k-th bucket closes once it reaches ``caps[k]`` (the last cap after the list). In launch order: by the position
+    of each bucket's first member in ``order``."""
+    order = list(range(len(nbytes) - 1, -1, -1)) if order is None else list(order)
+    open_: dict[Hashable, tuple[list[int], int]] = {}  # key -> (indices, bytes) of the bucket being filled
+    closed: dict[Hashable, int] = {}  # key -> number of its buckets closed so far
+    done: list[list[int]] = []
+    for i in order:
+        members, size = open_.pop(keys[i], ([], 0))
+        members.append(i)
+        size += nbytes[i]
+        k = closed.get(keys[i], 0)
+        if size >= caps[min(k, len(caps) - 1)]:
+            done.append(members)
+            closed[keys[i]] = k + 1
+        else:
+            open_[keys[i]] = (members, size)
+    done.extend(members for members, _ in open_.values())
+    position = {i: p for p, i in enumerate(order)}
+    done.sort(key=lambda members: position[members[0]])
+    return done
 
-    With a single bucket nothing can be reduced before the last gradient is in, so following readiness parameter by
-    parameter buys no overlap, only a Python call per parameter. When a synchronised backward has one bucket and none
-    of the features that act in the middle of backward (a static graph, join's announcement, sparse or delayed
-    parameters, a gradient strategy, the backward of a create_graph backward), each hook appends its index and
-    returns; the end of backward settles readiness at once (:meth:`Reducer._settle_deferred`)."""
+
+def rebuild_order(ready: Sequence[int], n: int) -> list[int]:
+    """A full gradient-ready order from the indices seen ready in one backward; the others last, in reverse."""
+    seen = set(ready)
+    return [*ready, *(i for i in range(n - 1, -1, -1) if i not in seen)]
+
+
+# ---- readiness: which parameters are ready in one synchronised backward ---------------------------------------------
+# torch's words for a reduction a backward left unfinished (raised at the next forward), which torch's tests match
+_UNFINISHED = "Expected to have finished reduction in the prior iteration before starting a new one. "
+_UNUSED = ("This error indicates that your module has parameters that were not used in producing loss. You can enable "
+           "unused parameter detection by passing the keyword argument `find_unused_parameters=True` to "
+           "`torch.nn.parallel.DistributedDataParallel`, and by making sure all `forward` function outputs participate "
+           "in calculating loss (or set requires_grad=False on parameters you never train).")
+_STATIC = ("This error indicates that your training graph has changed in this iteration, e.g., one parameter is used "
+           "in first iteration, but then got unused in the second iteration. this is not compatible with static_graph "
+           "set to True.")
+
+
+def unfinished_message(rank: int, indices: list[int], names: list[str], static: bool = False,
+                       detail: str = "") -> str:
+    """The error of the forward after a backward whose reduction could not finish, in torch's words, naming the
+    parameters (which fanfold does whatever TORCH_DISTRIBUTED_DEBUG says)."""
+    return (f"DistributedDataParallel (rank {rank}): {_UNFINISHED}{_STATIC if static else _UNUSED}\n"
+            f"Parameter indices which did not receive grad for rank {rank}: {' '.join(map(str, indices))}\n"
+            f"Parameters which did not receive grad for rank {rank}: {', '.join(names)}{detail}\n"
+            "(fanfold names them whatever the environment says; torch's DDP asks you to set the environment "
+            "variable TORCH_DISTRIBUTED_DEBUG to either INFO or DETAIL to see them.) That backward left every "
+            ".grad as this rank computed it, un-averaged, as torch's DDP does; no forward with grad runs until this "
+            "DistributedDataParallel is built again.")
+
+
+class Readiness:
+    """Readiness of ``len(names)`` parameters across one synchronised backward: each parameter once, or
+    (``static_graph``) as many times as in the first synchronised backward, which only counts."""
+
+    def __init__(self, names: Sequence[str], rank: int, static_graph: bool = False):
+        self.names, self.rank, self.static = list(names), rank, bool(static_graph)
+        self.expected: list[int] | None = None  # static_graph: hooks per parameter in the first iteration
+        self.reset()
+
+    def reset(self) -> None:
+        n = len(self.names)
+        self.ready = [False] * n
+        self.counts = [0] * n
+        self.order: list[int] = []
+
+    @property
+    def counting(self) -> bool:
+        """The first synchronised backward of a static graph: count, reduce nothing until its end."""
+        return self.static and self.expected is None
+
+    @property
+    def static_unused(self) -> list[int]:
+        return [] if self.expected is None else [i for i, c in enumerate(self.expected) if c == 0]
+
+    def hook(self, i: int, loose: bool = False) -> bool:
+        """Parameter ``i``'s gradient hook fired: whether it became ready now; RuntimeError when it is one too many.
+        ``loose``: once, whatever the static graph says (the backward of a create_graph backward)."""
+        self.counts[i] += 1
+        if self.static and not loose:
+            if self.expected is None:  # counting
+                if self.counts[i] == 1:
+                    self.order.append(i)  # the first-seen order: what the buckets are rebuilt from
+                return False
+            if self.counts[i] > self.expected[i]:
+                raise RuntimeError(self._changed(i))
+            if self.counts[i] < self.expected[i]:
+                return False
+        if self.ready[i]:
+            raise RuntimeError(
+                f"DistributedDataParallel (rank {self.rank}): Expected to mark a variable ready only once: parameter "
+                f"{self.names[i]!r} has been marked as ready twice (it got a second gradient in this backward, after "
+                "its bucket could already be reduced). Typical causes: a block checkpointed with use_reentrant=True "
+                "whose parameters are also used outside it, or a block checkpointed twice; a parameter used outside "
+                "forward. Pass static_graph=True to DistributedDataParallel if the model uses the same parameters the "
+                "same number of times in every iteration, or checkpoint with use_reentrant=False.")
+        self.mark(i)
+        return True
+
+    def mark(self, i: int) -> None:
+        self.ready[i] = True
+        self.order.append(i)
+
+    def learn(self) -> None:
+        """End of the first synchronised backward of a static graph: its counts become the expected ones."""
+        self.expected = list(self.counts)
+
+    def short(self) -> list[int]:
+        """Parameters that reached fewer hooks than the static graph expects (after its first iteration)."""
+        if self.expected is None or self.counting:
+            return []
+        return [i for i, (c, e) in enumerate(zip(self.counts, self.expected)) if 0 < e and c < e]
+
+    def changed_message(self, indices: list[int]) -> str:
+        detail = "; ".join(f"{self.names[i]!r} got {self.counts[i]} gradient(s) where the first iteration gave it "
+                           f"{self.expected[i]}" for i in indices)
+        return unfinished_message(self.rank, indices, [self.names[i] for i in indices], static=True,
+                                  detail=f" ({detail}). Pass static_graph=False (with find_unused_parameters=True "
+                                         "if some parameters go unused).")
+
+    def _changed(self, i: int) -> str:
+        # more gradients than the first iteration gave: torch raises in the backward, with these words
+        was = "unused" if self.expected[i] == 0 else "used fewer times"
+        return (f"DistributedDataParallel (rank {self.rank}): Your training graph has changed in this iteration, "
+                f"e.g., one parameter is {was} in first iteration, but then got used in the second iteration. this "
+                f"is not compatible with static_graph set to True. (static_graph=True: parameter {self.names[i]!r} "
+                f"got {self.counts[i]} gradient(s) where the first iteration gave it {self.expected[i]}. A parameter "
+                "unused in the first iteration must stay unused, and a used one must be used the same number of "
+                "times; pass static_graph=False, with find_unused_parameters=True if some parameters go unused.)")
+
+
+# ---- sparse gradients: no flat bucket; every rank's rows gathered, summed, the same tensor on every rank ------------
+def _all_gather_varlen(transport: Transport, tensor: torch.Tensor) -> list[torch.Tensor]:
+    """Every rank's ``tensor`` by rank (any length along dim 0): zero-padded tables only their owner fills, summed."""
+    counts = torch.zeros(transport.world_size, dtype=torch.int64, device=tensor.device)
+    counts[transport.rank] = tensor.shape[0]
+    transport.all_reduce(counts).wait()
+    lengths = counts.tolist()
+    table = torch.zeros((transport.world_size, max(lengths), *tensor.shape[1:]), dtype=tensor.dtype,
+                        device=tensor.device)
+    table[transport.rank, : tensor.shape[0]] = tensor
+    transport.all_reduce(table).wait()
+    return [table[r, :n] for r, n in enumerate(lengths)]
+
+
+def _empty_sparse_like(param: torch.Tensor) -> torch.Tensor:
+    return torch.sparse_coo_tensor(torch.zeros(1, 0, dtype=torch.int64, device=param.device),
+                                   torch.zeros(0, *param.shape[1:], dtype=param.dtype, device=param.device),
+                                   param.shape, check_invariants=False)
+
+
+def all_reduce_sparse(transport: Transport, grad: torch.Tensor, divisor: float) -> torch.Tensor:
+    """The sum over ranks of the sparse ``grad`` (one sparse dimension), divided by ``divisor``, coalesced: rows
+    concatenated in rank order, so the result is bitwise the same on every rank."""
+    grad = grad.coalesce()
+    indices = _all_gather_varlen(transport, grad.indices().t().contiguous())
+    values = _all_gather_varlen(transport, grad.values().contiguous())
+    total = torch.sparse_coo_tensor(torch.cat(indices).t(), torch.cat(values), grad.shape,
+                                    check_invariants=False).coalesce()
+    return torch.sparse_coo_tensor(total.indices(), total.values().div_(divisor), grad.shape,
+                                   is_coalesced=True, check_invariants=False)
+
+
+# ---- the reducer ----------------------------------------------------------------------------------------------------
+class Deferred:
+    """What the reducer shares with its hooks (which must not hold the reducer): whether this backward defers
+    (``on``), and the parameter indices whose hooks fired, in order. One bucket cannot be reduced before the last
+    gradient is in, so following readiness per parameter buys no overlap: the end of backward settles it at once."""
 
     __slots__ = ("on", "order")
 
@@ -76,8 +235,8 @@ class Deferred:
 
 
 def gradient_hook(ref: weakref.ref, deferred: Deferred, i: int | None) -> Callable[[torch.Tensor], None]:
-    """Parameter ``i``'s post-accumulate-grad hook (None: a delayed parameter's). A weak reference to the reducer:
-    the parameters must not keep a discarded reducer (and its hooks) alive."""
+    """Parameter ``i``'s post-accumulate-grad hook (None: a delayed parameter's). A weak reference: the parameters
+    must not keep a discarded reducer alive."""
 
     def hook(param: torch.Tensor) -> None:
         if deferred.on:
@@ -109,8 +268,8 @@ class Reducer:
     def __init__(
         self, params: Sequence[torch.nn.Parameter], names: Sequence[str], transport: Transport, caps: Sequence[int],
         find_unused_parameters: bool = False, gradient_as_bucket_view: bool = False, *, static_graph: bool = False,
-        sparse: Sequence[bool] | None = None, reduce_dtype: torch.dtype | None = None, batched_copy: bool = False,
-        skip_unused: bool = False, delayed: Sequence[torch.nn.Parameter] = (),
+        sparse: Sequence[bool] | None = None, reduce_dtype: torch.dtype | None = None, skip_unused: bool = False,
+        delayed: Sequence[torch.nn.Parameter] = (),
     ):
         keep = [k for k, p in enumerate(params) if p.requires_grad]
         self.params = [params[k] for k in keep]
@@ -119,9 +278,9 @@ class Reducer:
         self.delayed = [p for p in delayed if p.requires_grad]
         self.transport = transport
         self.find_unused, self.as_view = bool(find_unused_parameters), bool(gradient_as_bucket_view)
-        self.batched, self.skip_unused = bool(batched_copy), bool(skip_unused)
+        self.skip_unused = bool(skip_unused)
         self.divisor = transport.world_size
-        self.hook, self.hook_state = allreduce_hook, None  # torch's comm hook (comm_hooks.py) and its state
+        self.hook, self.hook_state = allreduce_hook, None  # the comm hook (comm_hooks.py) and its state
         self.hook_registered = False  # by DDP.register_comm_hook: the hook divides by the world size (hook_divisor)
         self.expect_sync = False  # set by DDP.forward when the backward of this forward must synchronise
         self.on_first_ready: Callable[[], None] | None = None  # DDP's join announcement, before any bucket launch
@@ -133,16 +292,14 @@ class Reducer:
         self._used = [False] * len(self.params)  # got a gradient since the last synchronisation (no_sync included)
         self._device = (self.params or self.delayed or [torch.zeros(0)])[0].device
         self._strategy: GradientStrategy | None = None  # where the averages go instead of .grad (use_strategy)
-        # optimizers in backward (optim_in_backward.py): the parameters whose optimizers step on the average at the
-        # end of each synchronised backward; None until DDP's first forward looks for them, as torch's does
+        # optimizers in backward: the parameters whose optimizers step on the average at the end of each synchronised
+        # backward; None until DDP's first forward looks for them, as torch's does
         self.in_backward: list[int] | None = None
         # torch's error for the next forward with grad, once a backward could not finish its reduction (sticky)
         self.unfinished: str | None = None
-        self._deferred = Deferred()  # one bucket: the hooks only record, the end of backward settles
+        self._deferred = Deferred()
         self.caps, self.reduce_dtype = list(caps), reduce_dtype
         self.rebuilt = False  # buckets rebuilt, once, in rank 0's gradient-ready order (_rebuild)
-        self._known_grads: list | None = None  # every .grad, read once by _settle_deferred for the launch
-        self._choose_path()
         self._build(None)
         self._reset()
         self._handles = [p.register_post_accumulate_grad_hook(gradient_hook(weakref.ref(self), self._deferred, i))
@@ -152,8 +309,7 @@ class Reducer:
     def _reset(self) -> None:
         self._temps: dict[int, torch.Tensor] = {}  # reduce_tensors' tensors for parameters without a usable .grad
         self._graph_grads: dict[int, torch.Tensor] = {}  # create_graph: this rank's differentiable gradients
-        self._pending: set[int] = set()  # batched_grad_copy: ready, not yet copied into its bucket
-        self._in_place: set[int] = set()  # buckets the transport reduces in .grad itself (reduce_tensors)
+        self._copied: list[tuple[list, list]] = []  # (.grad tensors, their views) copied into the flat buckets
         self.readiness.reset()
         self._left = [len(m) for m in self.buckets]
         self._next = 0
@@ -164,10 +320,6 @@ class Reducer:
         self._error: BaseException | None = None
         self._deferred.order.clear()
 
-    @property
-    def _order(self) -> list[int]:
-        return self.readiness.order
-
     def prepare_for_forward(self, sync: bool) -> None:
         """Called by DDP.forward: whether the coming backward synchronises. A backward that raised midway never
         ran its end-of-backward callback; its half-filled state is dropped here so the next one starts clean."""
@@ -176,6 +328,7 @@ class Reducer:
         self._double = False
         self.expect_sync = sync and bool(self.params or self.delayed)
         self._deferred.order.clear()
+        # deferred: nothing acts in the middle of this backward (static graph, join, sparse, delayed, a strategy)
         self._deferred.on = self.expect_sync and len(self.buckets) == 1 and not self.readiness.static and \
             self.on_first_ready is None and self._strategy is None and not self.delayed and not any(self.sparse)
 
@@ -185,10 +338,9 @@ class Reducer:
         return self._strategy
 
     def use_strategy(self, make: Callable[[Reducer], GradientStrategy], who: str) -> None:
-        """From now on the buckets go to the strategy that ``make(self)`` returns (collective: ``make`` may move an
-        optimizer's state; it may refuse by raising, and the reducer stays as it was). ``who`` names the caller in
-        the errors. The buckets are frozen (the strategy lays its memory out after them) and the reducer's own
-        full-size buckets are dropped: they are never written again."""
+        """From now on the buckets go to the strategy that ``make(self)`` returns (collective; ``make`` may refuse by
+        raising, and the reducer stays as it was); ``who`` names the caller in the errors. The buckets are frozen and
+        the reducer's own full-size ones dropped."""
         rank = self.transport.rank
         why = ("mixed_precision (the reduction dtype differs from the parameters')" if self.reduce_dtype else
                "gradient_as_bucket_view=True (there are no full buckets to view)" if self.as_view else
@@ -204,11 +356,10 @@ class Reducer:
         self._workspaces = {}
         self._strategy = strategy
 
-    # ---- during backward -----------------------------------------------------------------------------------
+    # ---- during backward -------------------------------------------------------------------------------------------
     def backward_started(self) -> None:
-        """The backward reached DDP's outputs (or, failing that, a parameter): the end-of-backward callback is
-        queued in this autograd pass -- the outermost one, where the outputs are, not a reentrant one nested in it.
-        A pass that reaches no parameter (``torch.autograd.grad`` to the inputs) ends without any collective."""
+        """The backward reached DDP's outputs (or, failing that, a parameter): queue the end-of-backward callback in
+        this autograd pass, the outermost one. A pass that reaches no parameter ends without any collective."""
         if self._queued or not (self.expect_sync or self.params_back is not None):
             return
         self._queued = True
@@ -227,10 +378,9 @@ class Reducer:
     def _on_ready(self, i: int | None, p: torch.Tensor) -> None:
         """Parameter ``i``'s gradient hook (None: a delayed parameter's, which only says the backward reached it)."""
         if i is not None and p.grad is not None:
-            # torch's rule: the hook also fires for an undefined gradient (a backward that returns None for the
-            # parameter); that is no use, so a parameter no rank has a gradient for keeps grad=None
+            # the hook also fires for an undefined gradient: a parameter no rank has a gradient for keeps grad=None
             self._used[i] = True
-        if not self._queued:  # (the checks that begin with both calls, made here: this runs once per parameter)
+        if not self._queued:
             self.backward_started()
         first, self._touched = not self._touched, True
         if not self.expect_sync or self._error is not None:
@@ -263,17 +413,15 @@ class Reducer:
                 self.params_back()
 
     def _settle_deferred(self) -> None:
-        """The end of a deferred backward that reached some parameter: readiness as the hooks would have left it.
-        Every parameter got exactly one gradient, dense and not itself differentiable (the ordinary step): all are
-        ready at once and the bucket launches. Anything else (a parameter without gradient or ready twice,
-        create_graph, a sparse gradient of a dense parameter): the recorded hooks are replayed in their order through
-        the per-parameter path; nothing was launched in between, so errors and messages are the hooks' own."""
+        """The end of a deferred backward: if every parameter got exactly one dense, non-differentiable gradient, all
+        are ready and the bucket launches; otherwise the recorded hooks are replayed in order through the
+        per-parameter path (nothing was launched in between: the errors are the hooks' own)."""
         d = self._deferred
         order, d.on = list(d.order), False
         d.order.clear()
         params, n = self.params, len(self.params)
-        grads = [p.grad for p in params] if len(order) == n else []
-        if not grads or len(set(order)) != n or any(g is None or g.requires_grad or g.is_sparse for g in grads):
+        if len(order) != n or len(set(order)) != n or \
+                any(p.grad is None or p.grad.requires_grad or p.grad.is_sparse for p in params):
             for i in order:
                 self._on_ready(i, params[i])
             return
@@ -282,27 +430,14 @@ class Reducer:
         self._used = [True] * n
         r = self.readiness
         r.ready, r.counts, r.order = [True] * n, [1] * n, order
-        if self._direct:
-            self._left[0] = 0  # the bucket's tensors are the gradients themselves: nothing to copy here
-            self._known_grads = grads  # read once: the launch takes them from here
-            try:
-                self._launch_ready()
-            finally:
-                self._known_grads = None
-        else:
-            for i in order:
-                self._take(i, params[i])
+        self._left[0] = 0
+        self._launch_ready()
 
     def _take(self, i: int, p: torch.Tensor) -> None:
         """Parameter ``i``'s gradient is final for this backward: its share of the bucket."""
         self._own_grad(i, p)
         if self.sparse[i]:
             return  # reduced at the end of backward
-        if not self._direct and self._strategy is None:  # a strategy takes a bucket's gradients at its launch
-            if self.batched:
-                self._pending.add(i)
-            else:
-                self._copy_in(i, p)
         b = self._loc[i][0]
         self._left[b] -= 1
         if self._left[b] == 0:
@@ -341,7 +476,7 @@ class Reducer:
             {i for i, u in enumerate(self._used) if not u} if self.find_unused else set()
         return all(i in unused for i in self.buckets[b])
 
-    # ---- end of backward ------------------------------------------------------------------------------------
+    # ---- end of backward -------------------------------------------------------------------------------------------
     def _finalize(self) -> None:
         r, double, arm = self.readiness, self._double, bool(self._graph_grads)
         counting = r.counting and not double
@@ -361,15 +496,10 @@ class Reducer:
             for i in missing:  # contribute what the parameter holds (no_sync accumulation) or zeros
                 self._own_grad(i, self.params[i])
                 if not self.sparse[i]:
-                    if not self._direct and self._strategy is None:  # a strategy takes them at the launch
-                        self._copy_in(i, self.params[i])
                     self._left[self._loc[i][0]] = 0
             self._launch_ready()
             used = self._used_everywhere(counting)
-            # torch's: the delayed parameters are divided by the world size, inside join() too, whatever
-            # divide_by_initial_world_size says (that applies to the buckets)
-            delayed = reduce_delayed(self.all_reduce, self.delayed, self.transport.world_size, self._shadowing,
-                                     self.reduce_dtype)
+            delayed = self._reduce_delayed()
             sparse = {i: self._reduce_sparse(k, i) for k, i in enumerate(self._sparse_ids())}
             (self._wait_all if self._strategy is None else self._strategy.finish)()
             delayed()
@@ -396,13 +526,12 @@ class Reducer:
             raise error
 
     def _keep_local(self) -> dict[int, torch.Tensor]:
-        """This rank's own gradients, where torch's unfinished reduction leaves them (its buckets are copies): every
-        one but those of buckets already reduced in place -- the bucket itself under gradient_as_bucket_view, where
-        torch has them averaged too, or the transport's in-place path (``_in_place``), averaged where torch's are not.
-        Taken before the buckets left are launched."""
+        """This rank's own gradients, where torch's unfinished reduction leaves them: every one but those of buckets
+        already reduced where ``.grad`` is (under gradient_as_bucket_view torch's are averaged too; the transport's
+        in-place path averages them where torch's are not). Taken before the buckets left are launched."""
         keep = {}
         for b, members in enumerate(self.buckets):
-            if b < self._next and (self.as_view or b in self._in_place):
+            if b < self._next and (self.as_view or self._in_grad[b]):
                 continue
             for i in members:
                 g = self.params[i].grad
@@ -412,8 +541,7 @@ class Reducer:
 
     def _restore_local(self, keep: dict[int, torch.Tensor]) -> None:
         """``.grad`` as torch's unfinished reduction leaves it: this rank's own; under gradient_as_bucket_view a
-        parameter that was ready has been copied into its bucket, divided by the world size on the way (unless a comm
-        hook is registered, which divides itself), and ``.grad`` is that view."""
+        parameter that was ready is its bucket view, divided by the world size (unless a comm hook is registered)."""
         for i, g in keep.items():
             p = self.params[i]
             if self.as_view and self.readiness.ready[i]:
@@ -425,10 +553,8 @@ class Reducer:
 
     def _step_in_backward(self) -> None:
         """torch's DDP with optimizers in backward: each such parameter's optimizers step on its averaged gradient,
-        then its ``.grad`` is None, as torch leaves it. One no rank used steps on zeros, which torch's hook hands
-        it from the bucket -- except under gradient_as_bucket_view, where torch leaves its .grad None and the
-        optimizer skips it; nothing steps for a skipped bucket (skip_all_reduce_unused_params), which torch's
-        hook never sees."""
+        then its ``.grad`` is None. One no rank used steps on zeros, as torch's hook has them from the bucket -- but
+        under gradient_as_bucket_view, where torch leaves .grad None; nothing steps for a skipped bucket."""
         for i in self.in_backward:
             p = self.params[i]
             if self.sparse[i] or self._futures[self._loc[i][0]] is not None:
@@ -451,16 +577,38 @@ class Reducer:
             self._static_used = used
         return used
 
+    def _reduce_delayed(self) -> Callable[[], None]:
+        """torch's ``delay_all_reduce_named_params``: one flat all-reduce of the delayed gradients (zeros where
+        missing or shadowing), issued here, at a point every rank reaches in the same order; returns the wait and
+        write-back. Divided by the world size, inside join() too, as torch's."""
+        params, shadow = self.delayed, self._shadowing
+        if not params:
+            return lambda: None
+        dtype = self.reduce_dtype or params[0].dtype
+        flat = torch.cat([torch.zeros(p.numel(), dtype=dtype, device=p.device) if p.grad is None or shadow
+                          else p.grad.detach().reshape(-1).to(dtype) for p in params])
+        handle = self.all_reduce(flat, None, self.transport.world_size)
+
+        def write_back() -> None:
+            handle.wait()
+            offset = 0
+            for p in params:
+                avg = flat[offset: offset + p.numel()].view_as(p)
+                offset += p.numel()
+                if not shadow:
+                    p.grad = avg.to(p.dtype, copy=True) if p.grad is None else p.grad.detach().copy_(avg)
+
+        return write_back
+
     def _sparse_ids(self) -> list[int]:
         return [i for i, s in enumerate(self.sparse) if s]
 
     def _reduce_sparse(self, k: int, i: int) -> torch.Tensor | None:
-        """The average of sparse parameter ``i`` (the ``k``-th), or None where a registered hook raised (the error
-        is raised once the step's collectives are all issued). As torch's DDP does, a sparse gradient is a bucket of
-        its own, handed to the registered hook with the gradient itself as ``buffer()``; its index comes after the
-        dense buckets'. Parameter order, at the end of backward, on every rank: the collectives match."""
+        """The average of sparse parameter ``i`` (the ``k``-th), or None where a registered hook raised (raised once
+        the step's collectives are all issued). As torch's, a sparse gradient is a bucket of its own, after the dense
+        ones, handed to a registered hook with the gradient itself as ``buffer()``."""
         p = self.params[i]
-        grad = p.grad if p.grad is not None and not self._shadowing else empty_sparse_like(p)
+        grad = p.grad if p.grad is not None and not self._shadowing else _empty_sparse_like(p)
         grad = grad.to(self.reduce_dtype or grad.dtype)
         if not self.hook_registered:
             return all_reduce_sparse(self.transport, grad, self.hook_divisor)
@@ -473,8 +621,8 @@ class Reducer:
         return result[0] if isinstance(result, (list, tuple)) else result  # a torch future yields [tensor]
 
     def _issue_sparse(self, tensor: torch.Tensor, bucket: int, divisor: float | None) -> Future:
-        """``GradBucket.all_reduce`` of a sparse bucket: the sum (``sparse.py``) written into ``tensor`` in place, as
-        torch's all-reduce of a sparse tensor does; a dense tensor the hook made goes the usual way."""
+        """``GradBucket.all_reduce`` of a sparse bucket: the sum written into ``tensor`` in place, as torch's
+        all-reduce of a sparse tensor does; a dense tensor the hook made goes the usual way."""
         if not tensor.is_sparse:
             return self.all_reduce(tensor, bucket, divisor)
         tensor.copy_(all_reduce_sparse(self.transport, tensor, 1 if divisor is None else divisor))
@@ -486,7 +634,7 @@ class Reducer:
         self._reset()
         self.expect_sync = False
 
-    # ---- join: mirror a step this rank does not take ---------------------------------------------------------
+    # ---- join: mirror a step this rank does not take ---------------------------------------------------------------
     def shadow_backward(self) -> None:
         """Issue the collectives of one synchronised backward with zero gradients (a rank that has joined)."""
         for flat in self.flats:
@@ -500,8 +648,7 @@ class Reducer:
                 self._launch(b)
             self._used = [False] * len(self.params)
             self._used_everywhere(counting)
-            delayed = reduce_delayed(self.all_reduce, self.delayed, self.transport.world_size, self._shadowing,
-                                     self.reduce_dtype)
+            delayed = self._reduce_delayed()
             [self._reduce_sparse(k, i) for k, i in enumerate(self._sparse_ids())]
             self._wait_all()
             delayed()
@@ -510,53 +657,50 @@ class Reducer:
         self._rebuild(self.readiness.order)
         self._reset()
 
-    # ---- bucket memory: flat tensors, one view per parameter ----------------------------------------------
-    def _bucket_dtype(self, p: torch.Tensor) -> torch.dtype:
-        return self.reduce_dtype or p.dtype
-
+    # ---- bucket memory: flat tensors, one view per parameter -------------------------------------------------------
     def _build(self, order: list[int] | None) -> None:
-        ps = self.params
+        ps, dtype = self.params, lambda p: self.reduce_dtype or p.dtype
         dense = [i for i in range(len(ps)) if not self.sparse[i]]
         position = {i: k for k, i in enumerate(dense)}
-        sizes = [ps[i].numel() * torch.empty(0, dtype=self._bucket_dtype(ps[i])).element_size() for i in dense]
-        keys = [(self._bucket_dtype(ps[i]), ps[i].device) for i in dense]
+        sizes = [ps[i].numel() * torch.empty(0, dtype=dtype(ps[i])).element_size() for i in dense]
+        keys = [(dtype(ps[i]), ps[i].device) for i in dense]
         groups = assign_buckets(sizes, keys, order=None if order is None else
                                 [position[i] for i in order if i in position], caps=self.caps)
         groups = [[dense[k] for k in members] for members in groups]
         old_views = getattr(self, "_views", None)
-        self.buckets, self.flats, self._views, self._loc = groups, [], [None] * len(ps), [None] * len(ps)
+        self.buckets, self._views, self._loc = groups, [None] * len(ps), [None] * len(ps)
+        self.flats = [torch.empty(sum(ps[i].numel() for i in m), dtype=dtype(ps[m[0]]), device="meta") for m in groups]
+        self._choose_path()
         self._workspaces: dict[tuple, torch.Tensor] = {}
         for b, members in enumerate(groups):
-            first = ps[members[0]]
-            flat = self._bucket_memory(sum(ps[i].numel() for i in members), self._bucket_dtype(first), first.device)
+            flat = self.flats[b] = self._bucket_memory(self.flats[b].numel(), self.flats[b].dtype,
+                                                       ps[members[0]].device, not self._direct)
             offset = 0
             for i in members:
                 n = ps[i].numel()
                 self._views[i] = flat[offset: offset + n].view(ps[i].shape)
                 self._loc[i] = (b, offset, n)
                 offset += n
-            self.flats.append(flat)
         if self.as_view and old_views is not None:
             for i, p in enumerate(ps):  # keep .grad a view into the (new) bucket
                 if p.grad is not None and p.grad is old_views[i]:
                     self._views[i].copy_(p.grad)
                     p.grad = self._views[i]
 
-    def _bucket_memory(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        # The transport's memory (ShmTransport's: all-reduced in place, no copy into its ring) for the buckets
-        # rebuilt after the first backward: every rank rebuilds the same buckets at the same point (allocate is
-        # collective). Not on the direct path, whose buckets never hold data.
-        if self.rebuilt and not self._direct:
+    def _bucket_memory(self, numel: int, dtype: torch.dtype, device: torch.device, shared: bool) -> torch.Tensor:
+        # The transport's memory (ShmTransport's: reduced in place, no copy into its ring) for the rebuilt buckets
+        # off the direct path: every rank rebuilds the same ones at the same point (allocate is collective)
+        if self.rebuilt and shared:
             return self.transport.allocate(numel, dtype, device)
         return torch.zeros(numel, dtype=dtype, device=device)
 
     def _workspace(self, b: int, dtype: torch.dtype) -> torch.Tensor:
-        """Bucket ``b``'s scratch tensor of ``dtype`` (a compression hook's narrow copy), kept across steps. Every
-        rank's hooks ask for the same ones in bucket order, so taking it from the transport stays collective."""
+        """Bucket ``b``'s scratch tensor of ``dtype`` for a comm hook, kept across steps. Every rank's hooks ask for
+        the same ones in bucket order, so taking it from the transport stays collective."""
         key = (b, dtype)
         if key not in self._workspaces:
             flat = self.flats[b]
-            self._workspaces[key] = self._bucket_memory(flat.numel(), dtype, flat.device)
+            self._workspaces[key] = self._bucket_memory(flat.numel(), dtype, flat.device, True)
         return self._workspaces[key]
 
     def _rebuild(self, ready_order: list[int]) -> None:
@@ -571,14 +715,19 @@ class Reducer:
         if [i for i in new if not self.sparse[i]] != current or not self._direct:
             self._build(new)  # a hook's buckets move into the transport's memory
 
-    # ---- each bucket's path: the launch, the wait, the write-back into .grad --------------------------------
+    # ---- each bucket's path: the launch, the wait, the write-back into .grad ---------------------------------------
     def _choose_path(self) -> None:
-        # _direct: the built-in hooks, handed to the transport as the .grad tensors themselves (reduce_tensors), no
-        # bucket of ours in between. Not under gradient_as_bucket_view (.grad is the bucket) nor mixed precision
-        # (gradients change dtype on their way); compression as the Protocol takes it, for float32 gradients.
-        fp32 = all(p.dtype == torch.float32 for p in self.params)
-        self._direct = not self.as_view and self.reduce_dtype is None and self.hook in BUILT_IN and \
-            (BUILT_IN[self.hook] is None or fp32)
+        # Chosen from settings and sizes only, so the same on every rank. A built-in hook (compression: on float32) is
+        # the transport's own reduction; any other gets a GradBucket. _direct: the buckets are reduced where .grad is
+        # (reduce_tensors), not under gradient_as_bucket_view (.grad is the bucket) nor mixed precision (gradients
+        # change dtype on their way); but a bucket of small gradients goes through its flat tensor (uncompressed).
+        compress = BUILT_IN.get(self.hook)
+        self._builtin = self.hook in BUILT_IN and (compress is None or
+                                                   all(f.dtype == torch.float32 for f in self.flats))
+        self._direct = self._builtin and not self.as_view and self.reduce_dtype is None
+        self._in_grad = [self._direct and (compress is not None or
+                                           f.numel() * f.element_size() >= SMALL_TENSOR_BYTES * len(m))
+                         for f, m in zip(self.flats, self.buckets)]
 
     def all_reduce(self, tensor: torch.Tensor, bucket: int | None = None, divisor: float | None = None) -> Any:
         """Every all-reduce of the reducer but the gradients' (hooks, delayed parameters, the used-bitmap)."""
@@ -592,20 +741,9 @@ class Reducer:
 
     @property
     def hook_divisor(self) -> int:
-        """What a bucket's reduction divides by. torch's hooks divide by ``process_group.size()``, whoever has joined;
-        only DDP's own reduction (no hook registered) divides by the ranks still active inside
-        ``join(divide_by_initial_world_size=False)`` (``divisor``), as torch's reducer does."""
+        """What a bucket's reduction divides by: torch's hooks by ``process_group.size()``, whoever has joined; DDP's
+        own reduction (no hook registered) by the ranks still active in ``join(divide_by_initial_world_size=False)``."""
         return self.transport.world_size if self.hook_registered else self.divisor
-
-    def _copy_in(self, i: int, p: torch.Tensor) -> None:
-        self._pending.discard(i)
-        view = self._views[i]
-        if p.grad is None:
-            view.zero_()
-        elif p.grad is not view:
-            view.copy_(p.grad)
-            if self.as_view:
-                p.grad = view  # from now on autograd accumulates straight into the bucket
 
     def _grads(self, b: int) -> list[torch.Tensor]:
         """Bucket ``b``'s .grad tensors where the transport can work on them in place (contiguous, the bucket's
@@ -619,56 +757,47 @@ class Reducer:
         return out
 
     def _launch(self, b: int) -> None:
-        last = b == len(self.buckets) - 1
-        if self._direct and BUILT_IN[self.hook] is None and \
-                self.flats[b].numel() * self.flats[b].element_size() < SMALL_TENSOR_BYTES * len(self.buckets[b]):
-            self._futures[b] = self._launch_flat(b)
-            return
-        if self._direct:
-            self._in_place.add(b)
+        """Start bucket ``b``'s reduction: the built-in hooks by the transport (on .grad, or on the flat bucket), any
+        other hook on a :class:`GradBucket` of the flat bucket."""
+        last, flat, members = b == len(self.buckets) - 1, self.flats[b], self.buckets[b]
+        compress = BUILT_IN.get(self.hook)
+        if self._in_grad[b]:
             # Only the last bucket waits for the peers to be done with this rank's gradients (settle): every earlier
             # bucket's are by then, and nothing changes a gradient before the end of backward.
             self._futures[b] = self.transport.reduce_tensors(self._grads(b), bucket=b, divisor=self.hook_divisor,
-                                                             settle=last, compress=BUILT_IN[self.hook])
+                                                             settle=last, compress=compress)
             return
-        for i in [i for i in self.buckets[b] if i in self._pending]:
-            self._copy_in(i, self.params[i])  # batched_grad_copy: the bucket's copies, together
-        members = self.buckets[b]
-        bucket = GradBucket(b, self.flats[b], [self.params[i] for i in members], [self._views[i] for i in members],
-                            last, self.hook_divisor, self.all_reduce, self._workspace)
-        self._futures[b] = self.hook(self.hook_state, bucket)
-
-    def _launch_flat(self, b: int) -> Future:
-        """The direct path for a bucket of small gradients: into the flat bucket, all-reduced, back where they were
-        (a missing one into a temporary of zeros that the write-back hands back). The same sum and division."""
-        flat, members = self.flats[b], self.buckets[b]
-        views = [self._views[i] for i in members]
-        known = self._known_grads  # the .grad of every parameter, just read (Reducer._settle_deferred), else None
-        grads = [] if self._shadowing else [self.params[i].grad for i in members] if known is None else \
-            [known[i] for i in members]  # joined: its .grad stays
-        if self._shadowing:
-            flat.zero_()
+        if not self._shadowing:  # joined: the bucket holds zeros, its .grad stays
+            views, grads = [], []
+            for i in members:
+                p, view = self.params[i], self._views[i]
+                if p.grad is None:
+                    view.zero_()
+                elif p.grad is not view:
+                    views.append(view)
+                    grads.append(p.grad)
+                    if self.as_view:
+                        p.grad = view  # from now on autograd accumulates straight into the bucket
+            if views:
+                torch._foreach_copy_(views, grads)
+                if not self.as_view and self.reduce_dtype is None:
+                    self._copied.append((grads, views))  # the averages go back into these .grad tensors
+        if not self._builtin:
+            bucket = GradBucket(b, flat, [self.params[i] for i in members], [self._views[i] for i in members],
+                                last, self.hook_divisor, self.all_reduce, self._workspace)
+            self._futures[b] = self.hook(self.hook_state, bucket)
+        elif compress is None:
+            self._futures[b] = self.transport.all_reduce(flat, b, self.hook_divisor)
         else:
-            for k, g in enumerate(grads):
-                if g is None:
-                    grads[k] = self._temps[members[k]] = torch.zeros_like(views[k])
-            torch._foreach_copy_(views, grads)
-        work = self.transport.all_reduce(flat, b, self.hook_divisor)
-
-        def finish() -> None:
-            work.wait()
-            if grads:
-                torch._foreach_copy_(grads, views)
-
-        return Future(finish)
+            self._futures[b] = self.transport.reduce_tensors([flat], b, divisor=self.hook_divisor, compress=compress)
 
     def _wait_all(self) -> None:
         for b, fut in enumerate(self._futures):
             if fut is None:
                 continue  # skipped (skip_all_reduce_unused_params)
             result = fut.wait()
-            if self._direct:
-                continue  # the results are in .grad (or the temporaries) already
+            if self._builtin:
+                continue  # the results are where they were reduced
             if isinstance(result, (list, tuple)):  # a torch future of a c10d work yields [tensor]
                 result = result[0]
             if isinstance(result, torch.Tensor) and result is not self.flats[b]:
@@ -677,23 +806,25 @@ class Reducer:
     def _write_back(self, used: list[float] | None, sparse: dict[int, torch.Tensor]) -> None:
         """The averages into ``.grad``: ``used[i]`` ranks used parameter i (None: all); ``sparse``: the averaged
         sparse gradients by parameter."""
-        if self._direct and used is None and not sparse and not self._temps and not self._graph_grads:
+        for grads, views in self._copied:
+            torch._foreach_copy_(grads, views)
+        if used is None and not sparse and not self._temps and not self._graph_grads and not self.as_view and \
+                self.reduce_dtype is None and all(p.grad is not None for p in self.params):
             return  # every .grad holds its average already
         for i, p in enumerate(self.params):
             if used is not None and used[i] == 0:
                 continue  # no rank used it: leave .grad as a single process would (None)
-            view, temp = self._views[i], self._temps.get(i)
+            temp = self._temps.get(i)
             if self.sparse[i]:
                 p.grad = sparse[i].to(p.dtype)
-            elif self._direct:  # .grad holds the average already, unless it had none usable: then a fresh tensor does
-                if temp is not None:
-                    p.grad = temp if p.grad is None else p.grad.copy_(temp)
+            elif temp is not None:  # reduced where .grad is, which had no usable tensor
+                p.grad = temp if p.grad is None else p.grad.copy_(temp)
             elif self.as_view:
-                p.grad = view
-            elif p.grad is None or p.grad.dtype != p.dtype:  # mixed precision: back to the parameter's dtype
-                p.grad = view.to(p.dtype, copy=True)
-            else:
-                p.grad.copy_(view)
+                p.grad = self._views[i]
+            elif p.grad is None or p.grad.dtype != p.dtype:
+                p.grad = self._views[i].to(p.dtype, copy=True)
+            elif self.reduce_dtype is not None:  # mixed precision: the masters' .grad, full precision again
+                p.grad.copy_(self._views[i])
         with torch.enable_grad():
             for i, g in self._graph_grads.items():  # differentiable in this rank's own gradient, value unchanged
                 p = self.params[i]
