@@ -90,10 +90,9 @@ def host_layout(keys: Sequence[str]) -> HostLayout:
 
 @dataclass(eq=False)
 class _Step:
-    """One piece of a collective in the pipeline thread's queue. ``first``: its in-host stage, issued by the caller
-    (None: none); ``cross()`` issues the cross-host gloo collectives once ``first`` is done and returns their works;
-    ``then()`` runs once they are done and returns the in-host work that follows (or None); ``finish()`` runs after
-    that, then ``future`` completes."""
+    """One step in the pipeline thread's queue: ``first``, its in-host stage's work (issued by the caller; None:
+    none); then ``cross()`` issues the gloo works, ``then()`` the in-host work that follows them (or None), then
+    ``finish()``, then ``future`` completes."""
     first: Any
     cross: Callable[[], list[Any]]
     then: Callable[[], Any]
@@ -157,8 +156,7 @@ class HierarchicalTransport:
         if not self._finalizer.alive:
             raise RuntimeError(f"rank {self.rank}: a collective on a closed HierarchicalTransport")
         with self._lock:
-            step = _Step(first() if first is not None else None, cross, then, finish)
-            self._steps.put(step)
+            self._steps.put(step := _Step(first() if first is not None else None, cross, then, finish))
         return step.future
 
     def _serve(self) -> None:
@@ -205,9 +203,8 @@ class HierarchicalTransport:
             self._fail(step, phase, exc)
             return
         if last is None:
-            self._complete(step, None)
-        else:
-            last.get_future().add_done_callback(lambda fut, step=step: self._complete(step, fut))
+            return self._complete(step, None)
+        last.get_future().add_done_callback(lambda fut, step=step: self._complete(step, fut))
 
     def _complete(self, step: _Step, fut: torch.futures.Future | None) -> None:
         try:
@@ -221,8 +218,7 @@ class HierarchicalTransport:
         step.future.set_result(None)
 
     def _refuse(self, step: _Step) -> None:
-        step.future.set_exception(RuntimeError(f"the hierarchical transport failed earlier and cannot be used: "
-                                               f"{self._error}"))
+        step.future.set_exception(RuntimeError(f"the hierarchical transport failed earlier: {self._error}"))
 
     def _fail(self, step: _Step, phase: str, exc: BaseException) -> None:
         """Fail ``step`` and every later collective, with an error naming this rank, its host and the phase; tell
@@ -244,6 +240,14 @@ class HierarchicalTransport:
         size = len(self.layout.hosts[self.host])
         m = -(-self.layout.shards // size)
         return m, [k if k < self.layout.shards else -1 for k in range(self.local_rank, m * size, size)]
+
+    def _host_stage(self, pieces: list[torch.Tensor], part: torch.Tensor, bucket: int | None,
+                    op: str) -> Callable[[], Any]:
+        """The in-host reduce-scatter of ``pieces`` end to end into each rank's ``part`` (a sum: read where the
+        tensors lie, by peer reads where the host allows them)."""
+        if op == "sum":
+            return lambda: self._scatter.reduce_scatter_tensors(pieces, part, bucket)
+        return lambda: self._scatter.reduce_scatter(torch.cat(pieces), part, bucket, op=op)
 
     # -- the Transport protocol
 
@@ -283,11 +287,9 @@ class HierarchicalTransport:
         def done(fut: torch.futures.Future) -> Any:
             for f in fut.value():
                 f.value()  # the first piece's error, if any
-            if back is not None:
-                back()
-            return value
+            return back() if back is not None else None
 
-        return ShmWork(torch.futures.collect_all(futures).then(done))
+        return _yielding(torch.futures.collect_all(futures).then(done), value)
 
     def _piece(self, views: list[torch.Tensor], bucket: int | None, divisor: float | None,
                op: str) -> torch.futures.Future:
@@ -309,11 +311,6 @@ class HierarchicalTransport:
         whole = views[0] if len(views) == 1 and size == shards and m == shards * c else \
             torch.empty(len(order) * c, dtype=dtype)
 
-        def first() -> Any:
-            if op == "sum":
-                return self._scatter.reduce_scatter_tensors(pieces, part, bucket)
-            return self._scatter.reduce_scatter(torch.cat(pieces), part, bucket, op=op)
-
         def cross() -> list[Any]:
             opts = dist.AllreduceOptions()
             opts.reduceOp = _GLOO_OPS[op]
@@ -328,7 +325,7 @@ class HierarchicalTransport:
             for s, got in places if whole is not views[0] else ():
                 split_into(whole[s * c:(s + 1) * c], got)
 
-        return self._submit(first, cross, then, finish)
+        return self._submit(self._host_stage(pieces, part, bucket, op), cross, then, finish)
 
     def reduce_scatter(self, tensor: torch.Tensor, out: torch.Tensor, bucket: int | None = None, *,
                        divisor: float | None = None, op: str = "sum") -> ShmWork:
@@ -355,11 +352,6 @@ class HierarchicalTransport:
         part = torch.empty(slots_per_rank * H * n, dtype=flat.dtype)
         got = torch.empty_like(part)
 
-        def first() -> Any:
-            if op == "sum":
-                return self._scatter.reduce_scatter_tensors(pieces, part, bucket)
-            return self._scatter.reduce_scatter(torch.cat(pieces), part, bucket, op=op)
-
         def cross() -> list[Any]:
             w = H * n
             return [self._cross[k].alltoall_base(got[j * w:(j + 1) * w], part[j * w:(j + 1) * w], [], [])
@@ -374,8 +366,7 @@ class HierarchicalTransport:
             if divisor is not None:
                 out_flat.div_(divisor)
 
-        future = self._submit(first, cross, then, back)
-        return ShmWork(future.then(lambda fut: (fut.value(), out)[1]))
+        return _yielding(self._submit(self._host_stage(pieces, part, bucket, op), cross, then, back), out)
 
     def all_gather(self, tensor: torch.Tensor, out: torch.Tensor, bucket: int | None = None) -> ShmWork:
         """Every rank's ``tensor`` into ``out`` by rank, asynchronously: across hosts first (gloo group k gathers
@@ -411,8 +402,7 @@ class HierarchicalTransport:
             if back is not None:
                 back()
 
-        future = self._submit(None, cross, lambda: self._gather.all_gather(part, whole, bucket), finish)
-        return ShmWork(future.then(lambda fut: (fut.value(), out)[1]))
+        return _yielding(self._submit(None, cross, lambda: self._gather.all_gather(part, whole, bucket), finish), out)
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         """Rank ``src``'s ``tensor`` into every rank's, in place, synchronously: across hosts on the gloo group of
@@ -444,6 +434,7 @@ class HierarchicalTransport:
         self._submit(self._scatter.barrier, cross, self._gather.barrier, None).wait()
 
     def allocate(self, numel: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+        # ordinary memory: a bucket is read by the host's peers where it lies (peer reads), not shared
         return torch.zeros(numel, dtype=dtype, device=device)
 
     def close(self) -> None:
@@ -453,6 +444,10 @@ class HierarchicalTransport:
     def __repr__(self) -> str:
         return (f"HierarchicalTransport(rank={self.rank}, world_size={self.world_size}, "
                 f"hosts={[len(m) for m in self.layout.hosts]}, host={self.host}, local_rank={self.local_rank})")
+
+
+def _yielding(future: torch.futures.Future, value: Any) -> ShmWork:
+    return ShmWork(future.then(lambda fut: (fut.value(), value)[1]))  # value() raises the step's error
 
 
 def _check(what: str, op: str, divisor: float | None) -> None:
