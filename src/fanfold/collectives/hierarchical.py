@@ -128,14 +128,12 @@ class HierarchicalTransport:
         self.host, self.local_rank = h, local
         members = self.layout.hosts[h]
         inside = StoreGroup(dist.PrefixStore(f"host{h}/", store), local, len(members), self._limit)
-        # Two in-host transports, each matched by its own issue order: the reduce-scatters are issued by callers,
-        # the all-gathers by this transport's thread once the cross-host step is done; one transport for both
-        # would see them in an order that depends on timing, different on each rank.
+        # Two in-host transports, each matched by its own issue order (reduce-scatters issued by callers, all-gathers
+        # by this transport's thread): one for both would see them in an order that differs from rank to rank.
         self._scatter = ShmTransport(inside, self._base)
         self._gather = ShmTransport(inside, self._base)
-        # Cross-host groups built from the store by their members alone (no new_group over the whole world, which
-        # a backend still under construction cannot call), ascending: every rank creates its groups in the same
-        # order, so no two ranks wait for each other's rendezvous in opposite orders.
+        # Cross-host groups built from the store by their members alone (a backend still under construction cannot
+        # call new_group), ascending on every rank: no two ranks wait for each other's rendezvous in opposite orders.
         wait = timedelta(seconds=self.timeout)
         self._cross = {k: dist.ProcessGroupGloo(dist.PrefixStore(f"cross{k}/", store), h, len(self.layout.hosts),
                                                 wait)
@@ -203,8 +201,9 @@ class HierarchicalTransport:
             self._fail(step, phase, exc)
             return
         if last is None:
-            return self._complete(step, None)
-        last.get_future().add_done_callback(lambda fut, step=step: self._complete(step, fut))
+            self._complete(step, None)
+        else:
+            last.get_future().add_done_callback(lambda fut, step=step: self._complete(step, fut))
 
     def _complete(self, step: _Step, fut: torch.futures.Future | None) -> None:
         try:
@@ -386,13 +385,10 @@ class HierarchicalTransport:
         whole = torch.empty(size * m * hosts * n, dtype=flat.dtype)
 
         def cross() -> list[Any]:
-            works = []
-            for j, k in enumerate(slots):
-                if k >= 0:
-                    send = flat if k == self.local_rank else torch.zeros_like(flat)
-                    recv = list(part[j * hosts * n:(j + 1) * hosts * n].view(hosts, n).unbind())
-                    works.append(self._cross[k].allgather([recv], [send]))
-            return works
+            w = hosts * n
+            return [self._cross[k].allgather([list(part[j * w:(j + 1) * w].view(hosts, n).unbind())],
+                                             [flat if k == self.local_rank else torch.zeros_like(flat)])
+                    for j, k in enumerate(slots) if k >= 0]
 
         def finish() -> None:
             for h, members in enumerate(self.layout.hosts):
