@@ -7,8 +7,8 @@ The hosts are those of the multi-host tests (``tests/multihost/hosts.py``: netwo
 per host, one veth pair shaped by ``tc tbf``; docs/multihost.md). One launch of 4 ranks runs every row, interleaved
 repeat by repeat so that other load falls on all rows alike:
 
-- all_reduce of 4, 16 and 64 MB of float32: through the ``fanfold`` backend's group against a gloo group over the
-  same ranks (every result checked);
+- all_reduce of 4, 16 and 64 MB of float32, and reduce_scatter of the largest: through the ``fanfold`` backend's
+  group against a gloo group over the same ranks (every result checked);
 - a training step (forward, backward, SGD) of the 16.7M-parameter MLP of ``benchmarks/ddp.py`` at batch 32 per rank:
   no gradient sync (each rank alone: the compute floor), torch's DDP over gloo, torch's DDP over the ``fanfold``
   backend, fanfold's DDP on the gloo group and on the ``fanfold`` group (replicas checked equal afterwards).
@@ -17,7 +17,7 @@ Each timed operation sits between two barriers; its time is the slowest rank's, 
 link meanwhile (the veth's tx counter, /sys/class/net/<dev>/statistics), less the median of the same two barriers
 around nothing (the idle baseline). Figures are medians over the repeats (x the timed steps for DDP). Next to them,
 the arithmetic for S bytes all-reduced, H hosts of L ranks: a flat ring sends 2S(HL-1)/(HL) through each host's
-link, the hierarchical path 2S(H-1)/H.
+link, the hierarchical path 2S(H-1)/H (a reduce_scatter: half of each).
 """
 from __future__ import annotations
 
@@ -99,6 +99,15 @@ def rank_main(out_dir: str, repeats: int, sizes: list[int], steps: int) -> None:
                     raise RuntimeError(f"rank {rank}: all_reduce of {mb} MB through {name}: wrong sum")
                 if rep:
                     res.setdefault(f"all_reduce {mb} MB|{name}", []).append(got)
+        mb = max(sizes)
+        part = torch.empty(mb * 2**18 // world)
+        for name, group in (("fanfold backend", dist.group.WORLD), ("gloo", gloo)):
+            t = torch.full((mb * 2**18,), float(rank + 1))
+            got = _measured(lambda: dist.reduce_scatter_tensor(part, t, group=group), gloo)
+            if not bool((part == world * (world + 1) // 2).all()):
+                raise RuntimeError(f"rank {rank}: reduce_scatter of {mb} MB through {name}: wrong sum")
+            if rep:
+                res.setdefault(f"reduce_scatter {mb} MB|{name}", []).append(got)
         for row in DDP_ROWS:
             model, (x, y) = build("mlp")
             x, y = x[:BATCH], y[:BATCH]
@@ -128,9 +137,9 @@ def rank_main(out_dir: str, repeats: int, sizes: list[int], steps: int) -> None:
     os._exit(0)  # before teardown: freeing torch's DDP after the groups can hang (tests/multihost/worker.py)
 
 
-def _arith(size: int) -> tuple[float, float]:
-    h, n = HOSTS, HOSTS * LOCAL
-    return 2 * size * (n - 1) / n, 2 * size * (h - 1) / h
+def _arith(size: int, op: str) -> tuple[float, float]:
+    h, n, times = HOSTS, HOSTS * LOCAL, 1 if op.startswith("reduce_scatter") else 2
+    return times * size * (n - 1) / n, times * size * (h - 1) / h
 
 
 def table(results: list[dict]) -> str:
@@ -147,9 +156,10 @@ def table(results: list[dict]) -> str:
     grad_bytes = 4 * results[0]["params"]
     for key in keys:
         op, path = key.split("|")
-        base = medians[f"{op}|gloo"] if op.startswith("all_reduce") else medians[f"{op}|torch DDP (gloo)"]
-        size = int(op.split()[1]) * 2**20 if op.startswith("all_reduce") else grad_bytes
-        flat, hier = _arith(size) if path != "no gradient sync" else (0.0, 0.0)
+        collective = not op.startswith("DDP")
+        base = medians[f"{op}|gloo"] if collective else medians[f"{op}|torch DDP (gloo)"]
+        size = int(op.split()[1]) * 2**20 if collective else grad_bytes
+        flat, hier = _arith(size, op) if path != "no gradient sync" else (0.0, 0.0)
         ms, tx = medians[key]
         lines.append(f"| {op} | {path} | {1e3 * ms:.0f} | {base[0] / ms:.2f}x | {tx / 1e6:.1f} | {flat / 1e6:.1f} | "
                      f"{hier / 1e6:.1f} |")

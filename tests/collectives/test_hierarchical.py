@@ -15,7 +15,7 @@ from _simhosts import cannot_simulate, host_directories, on_host
 from torch import nn
 
 import fanfold
-from fanfold.collectives.hierarchical import HierarchicalTransport, host_layout
+from fanfold.collectives.hierarchical import PIECE_BYTES, HierarchicalTransport, host_layout
 from fanfold.collectives.select import select_transport
 
 LAYOUTS = {"2x2": [0, 0, 1, 1], "2x1": [0, 1], "1+2": [0, 1, 1], "one host, forced": [0, 0]}
@@ -110,12 +110,31 @@ def _transport_checks():
     dist.all_reduce(whole)
     t.reduce_tensors(pieces, compress=torch.bfloat16).wait()
     checks["reduce_tensors bf16"] = torch.equal(torch.cat(pieces), whole)
-    # reduce_scatter: this rank's part of gloo's sum; the input is left as it was
-    x = _ints(n * 11, r, torch.float32, 100)
-    kept, want, part = x.clone(), x.clone(), torch.empty(11)
+    # several pieces (PIECE_BYTES), their boundaries inside tensors: gloo's sum; random floats the same bits on
+    # every rank, and the divisor after the sum
+    step = PIECE_BYTES // 4
+    x = _ints(2 * step + step // 2 + 3, r, torch.float32, 140)
+    want = x.clone()
     dist.all_reduce(want)
-    t.reduce_scatter(x, part, divisor=2).wait()
-    checks["reduce_scatter"] = torch.equal(part, want[r * 11:(r + 1) * 11] / 2) and torch.equal(x, kept)
+    t.all_reduce(x).wait()
+    checks["all_reduce in pieces"] = torch.equal(x, want)
+    pieces = [_ints(k, r, torch.float32, 150 + k) for k in (step - 5, 7, step + 11, 0, step // 3)]
+    whole = torch.cat(pieces)
+    dist.all_reduce(whole)
+    t.reduce_tensors(pieces, divisor=n).wait()
+    checks["reduce_tensors in pieces"] = torch.equal(torch.cat(pieces), whole / n)
+    x = torch.randn(3 * step + 1, generator=torch.Generator().manual_seed(r))
+    t.all_reduce(x).wait()
+    checks["pieces: every rank"] = _same_on_every_rank(x)
+    # reduce_scatter: this rank's part of gloo's reduction; the input is left as it was
+    for numel, op, gloo_op, divisor in ((11, "sum", dist.ReduceOp.SUM, 2), (1, "sum", dist.ReduceOp.SUM, None),
+                                        (300, "max", dist.ReduceOp.MAX, None)):
+        x = _ints(n * numel, r, torch.float32, 100 + numel)
+        kept, want, part = x.clone(), x.clone(), torch.empty(numel)
+        dist.all_reduce(want, op=gloo_op)
+        t.reduce_scatter(x, part, divisor=divisor, op=op).wait()
+        want = want[r * numel:(r + 1) * numel] / (divisor or 1)
+        checks[f"reduce_scatter {numel} {op}"] = torch.equal(part, want) and torch.equal(x, kept)
     # all_gather: gloo's; also in place (this rank's tensor is its place in out, as ZeRO's)
     for dtype in (torch.float32, torch.int64):
         x = _ints(13, r, dtype, 110)

@@ -6,14 +6,12 @@ batch. The results are asserted, not the path taken (flat gloo or hierarchical),
 from __future__ import annotations
 
 import os
-import pkgutil
 import sys
 
 import pytest
 import torch
 from hosts import Hosts, wait_ranks
 
-import fanfold.collectives
 from _ddp_models import batch, loss_fn, mlp, optimizer
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
@@ -84,31 +82,23 @@ def test_ddp_against_one_process(tmp_path, layout, which):
         assert all(torch.equal(a, b) for a, b in zip(res["params"], results[0]["params"])), res["rank"]
 
 
-def _hierarchical_module() -> str | None:
-    return next((m.name for m in pkgutil.iter_modules(fanfold.collectives.__path__) if "hier" in m.name), None)
-
-
-def _link_bytes(tmp_path, backend: str, mib: int) -> tuple[int, int]:
+def _link_bytes(tmp_path, backend: str, mib: int) -> tuple[int, int, int]:
     results = run_job(tmp_path, LAYOUTS["2x2"], "tx_bytes", backend, str(mib))
     assert all(r["correct"] for r in results)
-    return results[0]["tx"], results[0]["bytes"]
+    return results[0]["tx"], results[0]["tx_reduce_scatter"], results[0]["bytes"]
 
 
 def test_flat_ring_bytes_on_the_link(tmp_path):
     """The harness's counters see the cross-host traffic: gloo's ring all_reduce over 2 x 2 ranks sends
     2S(HL-1)/(HL) = 1.5 S out of host 0 (within 10%); the hops inside a host do not cross the link."""
-    tx, size = _link_bytes(tmp_path, "gloo", 16)
+    tx, _, size = _link_bytes(tmp_path, "gloo", 16)
     assert abs(tx - 1.5 * size) < 0.1 * 1.5 * size, (tx, size)
 
 
-def _hierarchical_module() -> str | None:
-    return next((m.name for m in pkgutil.iter_modules(fanfold.collectives.__path__) if "hier" in m.name), None)
-
-
 def test_hierarchical_bytes(tmp_path):
-    """The one test of the path taken: a 2 x 2 all_reduce through the ``fanfold`` backend sends 2S(H-1)/H = S bytes
-    out of host 0 (within 10%), not the flat ring's 1.5 S."""
-    if _hierarchical_module() is None:
-        pytest.skip("hierarchical transport not merged")
-    tx, size = _link_bytes(tmp_path, "fanfold", 16)
+    """The one test of the path taken: through the ``fanfold`` backend over 2 x 2 ranks, an all_reduce sends
+    2S(H-1)/H = S bytes out of host 0 and a reduce_scatter S(H-1)/H = S / 2 (within 10%), not the flat ring's
+    1.5 S."""
+    tx, tx_rs, size = _link_bytes(tmp_path, "fanfold", 16)
     assert abs(tx - size) < 0.1 * size, (tx, size)
+    assert abs(tx_rs - size / 2) < 0.1 * size / 2, (tx_rs, size)

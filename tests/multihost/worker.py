@@ -6,7 +6,7 @@ Scenarios: ``collectives`` (every collective through the ``fanfold`` backend, fa
 group over the same ranks), ``ddp`` (fanfold's DDP over gloo, or torch's DDP over the ``fanfold`` backend: final
 parameters), ``kill`` (a rank on the last host kills itself before a step; the others' StallError), ``link`` (an
 all_reduce that the test cuts by taking the link down; every rank's StallError), ``tx_bytes`` (the bytes of one
-all_reduce on the link).
+all_reduce and of one reduce_scatter on the link).
 """
 from __future__ import annotations
 
@@ -171,8 +171,9 @@ def link_tx_bytes() -> int:
 
 
 def tx_bytes(out: dict, backend: str, mib: str) -> None:
-    """One all_reduce of ``mib`` MiB of float32 on the ``backend`` group; ``out["tx"]``: the bytes this host sent
-    on its link meanwhile (between two barriers; the same two barriers around nothing are subtracted)."""
+    """One all_reduce of ``mib`` MiB of float32 on the ``backend`` group, then one reduce_scatter of as many;
+    ``out["tx"]``, ``out["tx_reduce_scatter"]``: the bytes this host sent on its link meanwhile (each between two
+    barriers; the same two barriers around nothing are subtracted)."""
     dist.init_process_group(backend, timeout=timedelta(seconds=60))
     world = dist.get_world_size()
     t = torch.ones(int(float(mib) * 2**18))
@@ -187,6 +188,12 @@ def tx_bytes(out: dict, backend: str, mib: str) -> None:
     dist.barrier()
     out["tx"] = link_tx_bytes() - before - idle
     out["bytes"], out["correct"] = t.numel() * 4, bool((t == world).all())
+    part = torch.empty(t.numel() // world)
+    before = link_tx_bytes()
+    dist.reduce_scatter_tensor(part, torch.ones_like(t))
+    dist.barrier()
+    out["tx_reduce_scatter"] = link_tx_bytes() - before - idle
+    out["correct"] &= bool((part == world).all())
     finish(out)
 
 

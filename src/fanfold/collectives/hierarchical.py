@@ -1,17 +1,17 @@
 """``HierarchicalTransport``: the collective interface for a group whose ranks span hosts -- shared memory inside
 each host (two ``ShmTransport``s over the host's ranks), gloo across hosts (one gloo group per shard index).
 
-An all-reduce of n elements cuts the tensor into ``S`` shards of ``ceil(n / S)`` elements, ``S`` the most ranks any
-host has (``HostLayout``). Inside each host the shards are reduce-scattered through shared memory, in local-rank
-order; the rank that owns shard k on each host all-reduces it with its counterparts on the other hosts over gloo
-group k (the owners of shard k, one per host, by host), the groups running concurrently; the results are
+An all-reduce runs piece by piece (``PIECE_BYTES``); each piece is cut into ``S`` shards, ``S`` the most ranks any
+host has (``HostLayout``): reduce-scattered inside each host through shared memory (local-rank order), each shard
+all-reduced across hosts by its owners over gloo group k (one owner per host, the groups concurrent), then
 all-gathered inside the host. Ranks are matched by issue order on three channels: the in-host reduce-scatters (on
 the caller's thread), the cross-host gloo collectives and the in-host all-gathers (both on this transport's thread,
-in call order), so that bucket i + 1's in-host reduction overlaps bucket i's trip across hosts. Design, shard layout
-for uneven hosts and sum order: docs/hierarchical.md.
+in call order), so that piece i + 1's in-host stages run while piece i crosses hosts. Design, shard layout for
+uneven hosts and sum order: docs/hierarchical.md.
 """
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 import weakref
@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from .._core.group import require_initialized
-from .shm.request import flat_view
+from .shm.request import check_reduce_tensors, flat_view, split_into
 from .shm.segment import host_key
 from .shm.thread import ShmWork
 from .shm.thread import completed as _completed
@@ -37,6 +37,11 @@ __all__ = ["HierarchicalTransport", "HostLayout", "host_layout"]
 
 _GLOO_OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX,
              "product": dist.ReduceOp.PRODUCT}
+_COMBINE = {"sum": torch.add, "min": torch.minimum, "max": torch.maximum, "product": torch.mul}
+# The pipelining unit of all_reduce: small enough that the in-host stages of the first and last pieces (all that is
+# not hidden behind the link) are short, large enough that each gloo all-reduce keeps the link busy
+PIECE_BYTES = 4 << 20
+WINDOW = 2  # pieces crossing hosts at once: the next one is queued in gloo before the current one ends
 
 
 @dataclass(frozen=True)
@@ -85,15 +90,13 @@ def host_layout(keys: Sequence[str]) -> HostLayout:
 
 @dataclass(eq=False)
 class _Step:
-    """One collective in the pipeline thread's queue. ``first``: its in-host stage, issued by the caller (None:
-    none); ``cross()`` issues the cross-host gloo collectives once ``first`` is done and returns their works;
-    ``then()`` runs once they are done and returns the in-host work that follows (or None); ``finish()`` runs after
-    that, then ``future`` yields ``value``."""
+    """One step in the pipeline thread's queue: ``first``, its in-host stage's work (issued by the caller; None:
+    none); then ``cross()`` issues the gloo works, ``then()`` the in-host work that follows them (or None), then
+    ``finish()``, then ``future`` completes."""
     first: Any
     cross: Callable[[], list[Any]]
     then: Callable[[], Any]
     finish: Callable[[], None] | None
-    value: Any
     future: torch.futures.Future = field(default_factory=torch.futures.Future)
 
 
@@ -125,14 +128,12 @@ class HierarchicalTransport:
         self.host, self.local_rank = h, local
         members = self.layout.hosts[h]
         inside = StoreGroup(dist.PrefixStore(f"host{h}/", store), local, len(members), self._limit)
-        # Two in-host transports, each matched by its own issue order: the reduce-scatters are issued by callers,
-        # the all-gathers by this transport's thread once the cross-host step is done; one transport for both
-        # would see them in an order that depends on timing, different on each rank.
+        # Two in-host transports, each matched by its own issue order (reduce-scatters issued by callers, all-gathers
+        # by this transport's thread): one for both would see them in an order that differs from rank to rank.
         self._scatter = ShmTransport(inside, self._base)
         self._gather = ShmTransport(inside, self._base)
-        # Cross-host groups built from the store by their members alone (no new_group over the whole world, which
-        # a backend still under construction cannot call), ascending: every rank creates its groups in the same
-        # order, so no two ranks wait for each other's rendezvous in opposite orders.
+        # Cross-host groups built from the store by their members alone (a backend still under construction cannot
+        # call new_group), ascending on every rank: no two ranks wait for each other's rendezvous in opposite orders.
         wait = timedelta(seconds=self.timeout)
         self._cross = {k: dist.ProcessGroupGloo(dist.PrefixStore(f"cross{k}/", store), h, len(self.layout.hosts),
                                                 wait)
@@ -149,39 +150,60 @@ class HierarchicalTransport:
     # -- the pipeline
 
     def _submit(self, first: Callable[[], Any] | None, cross: Callable[[], list[Any]], then: Callable[[], Any],
-                finish: Callable[[], None] | None, value: Any) -> ShmWork:
+                finish: Callable[[], None] | None) -> torch.futures.Future:
         if not self._finalizer.alive:
             raise RuntimeError(f"rank {self.rank}: a collective on a closed HierarchicalTransport")
         with self._lock:
-            step = _Step(first() if first is not None else None, cross, then, finish, value)
-            self._steps.put(step)
-        return ShmWork(step.future)
+            self._steps.put(step := _Step(first() if first is not None else None, cross, then, finish))
+        return step.future
 
     def _serve(self) -> None:
+        """Issue each step's cross-host collectives as soon as its in-host stage is done, up to ``WINDOW`` steps
+        crossing at once (the link stays busy between pieces); land the oldest (its in-host all-gather) when the
+        window is full or nothing else is queued. Both in step order, so every rank issues the same sequence."""
+        flight: collections.deque = collections.deque()
         while True:
-            step = self._steps.get()
+            try:
+                step = self._steps.get(block=not flight)
+            except queue.Empty:
+                self._land(*flight.popleft())
+                continue
             if step is None:
+                while flight:
+                    self._land(*flight.popleft())
                 return
             if self._error is not None:
-                step.future.set_exception(RuntimeError(f"the hierarchical transport failed earlier and cannot be used: "
-                                                       f"{self._error}"))
+                self._refuse(step)
                 continue
             phase = "in host"
             try:
                 if step.first is not None:
                     step.first.wait()
                 phase = self._across
-                for work in step.cross():
-                    work.wait()
-                phase = "in host"
-                last = step.then()
+                flight.append((step, step.cross()))
             except BaseException as exc:  # noqa: BLE001 - every failure must reach the waiting caller
                 self._fail(step, phase, exc)
                 continue
-            if last is None:
-                self._complete(step, None)
-            else:
-                last.get_future().add_done_callback(lambda fut, step=step: self._complete(step, fut))
+            if len(flight) > WINDOW:
+                self._land(*flight.popleft())
+
+    def _land(self, step: _Step, works: list[Any]) -> None:
+        if self._error is not None:
+            self._refuse(step)
+            return
+        phase = self._across
+        try:
+            for work in works:
+                work.wait()
+            phase = "in host"
+            last = step.then()
+        except BaseException as exc:  # noqa: BLE001
+            self._fail(step, phase, exc)
+            return
+        if last is None:
+            self._complete(step, None)
+        else:
+            last.get_future().add_done_callback(lambda fut, step=step: self._complete(step, fut))
 
     def _complete(self, step: _Step, fut: torch.futures.Future | None) -> None:
         try:
@@ -192,7 +214,10 @@ class HierarchicalTransport:
         except BaseException as exc:  # noqa: BLE001
             self._fail(step, "in host", exc)
             return
-        step.future.set_result(step.value)
+        step.future.set_result(None)
+
+    def _refuse(self, step: _Step) -> None:
+        step.future.set_exception(RuntimeError(f"the hierarchical transport failed earlier: {self._error}"))
 
     def _fail(self, step: _Step, phase: str, exc: BaseException) -> None:
         """Fail ``step`` and every later collective, with an error naming this rank, its host and the phase; tell
@@ -202,7 +227,7 @@ class HierarchicalTransport:
                  f"{list(members)}) failed {phase}")
         error = RuntimeError(f"fanfold hierarchical transport: {where}: {type(exc).__name__}: {exc}")
         error.__cause__ = exc
-        self._error = error
+        self._error = self._error or error
         for inside in (self._scatter, self._gather):
             inside.abort(f"{where}: {type(exc).__name__}: {exc}")
         step.future.set_exception(error)
@@ -215,85 +240,132 @@ class HierarchicalTransport:
         m = -(-self.layout.shards // size)
         return m, [k if k < self.layout.shards else -1 for k in range(self.local_rank, m * size, size)]
 
+    def _host_stage(self, pieces: list[torch.Tensor], part: torch.Tensor, bucket: int | None,
+                    op: str) -> Callable[[], Any]:
+        """The in-host reduce-scatter of ``pieces`` end to end into each rank's ``part`` (a sum: read where the
+        tensors lie, by peer reads where the host allows them)."""
+        if op == "sum":
+            return lambda: self._scatter.reduce_scatter_tensors(pieces, part, bucket)
+        return lambda: self._scatter.reduce_scatter(torch.cat(pieces), part, bucket, op=op)
+
     # -- the Transport protocol
 
     def all_reduce(self, tensor: torch.Tensor, bucket: int | None = None, divisor: float | None = None, *,
                    op: str = "sum") -> ShmWork:
-        """Reduce ``tensor`` over the group in place, asynchronously: in-host reduce-scatter (local-rank order),
-        cross-host all-reduce of each shard (gloo), in-host all-gather; then divided by ``divisor``. ``op``: "sum",
-        "min", "max" or "product" (no divisor). Every rank gets the same bits."""
-        if divisor is not None and not (isinstance(divisor, (int, float)) and divisor > 0):
-            raise ValueError(f"all_reduce: divisor must be a positive number, got {divisor!r}")
-        if op not in _GLOO_OPS or (divisor is not None and op != "sum"):
-            raise ValueError(f"all_reduce: op must be one of {sorted(_GLOO_OPS)} (a divisor with 'sum' only), "
-                             f"got op={op!r}, divisor={divisor!r}")
+        """Reduce ``tensor`` over the group in place, asynchronously, piece by piece (``PIECE_BYTES``): in-host
+        reduce-scatter (local-rank order), cross-host all-reduce of each shard (gloo), in-host all-gather; then
+        divided by ``divisor``. ``op``: "sum", "min", "max" or "product" (no divisor). Every rank gets the same
+        bits."""
+        _check("all_reduce", op, divisor)
         flat, back = flat_view(tensor, "all_reduce")
-        n = flat.numel()
-        if n == 0:
-            return _completed(tensor)
-        shards, size = self.layout.shards, len(self.layout.hosts[self.host])
-        c = -(-n // shards)
-        m, slots = self._slots()
-        if size == shards and n == shards * c:
-            stage, scatter_in = flat, flat  # the tensor is the layout: no copy in or out
-        else:
-            stage = torch.zeros(size * m * c, dtype=flat.dtype)
-            for r in range(size):
-                for j, k in enumerate(range(r, m * size, size)):
-                    if k < shards and k * c < n:
-                        piece = flat[k * c:(k + 1) * c]
-                        stage[(r * m + j) * c:][:piece.numel()].copy_(piece)
-            scatter_in = stage
-        part = torch.empty(m * c, dtype=flat.dtype)
-        gloo_op = _GLOO_OPS[op]
-
-        def cross() -> list[Any]:
-            works = []
-            for j, k in enumerate(slots):
-                if k >= 0:
-                    opts = dist.AllreduceOptions()
-                    opts.reduceOp = gloo_op
-                    works.append(self._cross[k].allreduce([part[j * c:(j + 1) * c]], opts))
-            return works
-
-        def then() -> Any:
-            if divisor is not None:
-                part.div_(divisor)
-            return self._gather.all_gather(part, stage, bucket)
-
-        def finish() -> None:
-            if stage is not flat:
-                for k in range(shards):
-                    if k * c < n:
-                        r, j = k % size, k // size
-                        piece = flat[k * c:(k + 1) * c]
-                        piece.copy_(stage[(r * m + j) * c:][:piece.numel()])
-            if back is not None:
-                back()
-
-        return self._submit(lambda: self._scatter.reduce_scatter(scatter_in, part, bucket, op=op), cross, then,
-                            finish, tensor)
+        return self._reduce([flat], bucket, divisor, op, tensor, back)
 
     def reduce_tensors(self, tensors: Sequence[torch.Tensor], bucket: int | None = None, *,
                        divisor: float | None = None, settle: bool = True,
                        compress: torch.dtype | None = None) -> Any:
-        """``tensors`` all-reduced in place through one flat copy, as ``TorchTransport`` does (``settle``: nothing to
-        settle, the copy is private; ``compress``: torch's compression hooks' steps)."""
-        return reduce_through_copy(self, tensors, bucket, divisor, compress)
+        """``tensors`` (laid end to end) all-reduced in place where they lie, as :meth:`all_reduce` (the in-host
+        stage reads the host's tensors through shared memory's peer reads where it may; ``settle``: always
+        settled). ``compress``: through one flat copy, as ``TorchTransport`` does (torch's compression hooks)."""
+        _check("reduce_tensors", "sum", divisor)
+        if compress is not None:
+            return reduce_through_copy(self, tensors, bucket, divisor, compress)
+        tensors = check_reduce_tensors(list(tensors), None)
+        return self._reduce([t.view(-1) for t in tensors], bucket, divisor, "sum", tensors, None)
+
+    def _reduce(self, flats: list[torch.Tensor], bucket: int | None, divisor: float | None, op: str, value: Any,
+                back: Callable[[], None] | None) -> ShmWork:
+        """The all-reduce of ``flats`` laid end to end, one step per piece of ``PIECE_BYTES``, so that the in-host
+        stages of piece i + 1 run while piece i crosses hosts."""
+        total = sum(f.numel() for f in flats)
+        if total == 0:
+            return _completed(value)
+        step = max(1, PIECE_BYTES // flats[0].element_size())
+        futures = [self._piece(_span(flats, a, min(a + step, total)), bucket, divisor, op)
+                   for a in range(0, total, step)]
+
+        def done(fut: torch.futures.Future) -> Any:
+            for f in fut.value():
+                f.value()  # the first piece's error, if any
+            return back() if back is not None else None
+
+        return _yielding(torch.futures.collect_all(futures).then(done), value)
+
+    def _piece(self, views: list[torch.Tensor], bucket: int | None, divisor: float | None,
+               op: str) -> torch.futures.Future:
+        """One step of the all-reduce: ``views`` (m elements end to end) cut into the layout's shards of
+        ``ceil(m / shards)`` elements, laid out slot by owner (``_slots``; zeros pad short and absent shards)."""
+        m, dtype = sum(v.numel() for v in views), views[0].dtype
+        shards, size = self.layout.shards, len(self.layout.hosts[self.host])
+        c = -(-m // shards)
+        slots_per_rank, slots = self._slots()
+        order = [r + j * size for r in range(size) for j in range(slots_per_rank)]  # the shard of each slot
+        pieces, places = [], []  # the reduce-scatter's input; (slot, the views of its shard) for the copy back
+        for s, k in enumerate(order):
+            got = _span(views, k * c, min((k + 1) * c, m)) if k < shards else []
+            short = c - sum(g.numel() for g in got)
+            pieces += got + ([torch.zeros(short, dtype=dtype)] if short else [])
+            places.append((s, got))
+        part = torch.empty(slots_per_rank * c, dtype=dtype)
+        # the one tensor in shard order already (equal hosts, n a multiple of the shards): gathered into it directly
+        whole = views[0] if len(views) == 1 and size == shards and m == shards * c else \
+            torch.empty(len(order) * c, dtype=dtype)
+
+        def cross() -> list[Any]:
+            opts = dist.AllreduceOptions()
+            opts.reduceOp = _GLOO_OPS[op]
+            return [self._cross[k].allreduce([part[j * c:(j + 1) * c]], opts) for j, k in enumerate(slots) if k >= 0]
+
+        def then() -> Any:
+            if divisor is not None:
+                part.div_(divisor)
+            return self._gather.all_gather(part, whole, bucket)
+
+        def finish() -> None:
+            for s, got in places if whole is not views[0] else ():
+                split_into(whole[s * c:(s + 1) * c], got)
+
+        return self._submit(self._host_stage(pieces, part, bucket, op), cross, then, finish)
 
     def reduce_scatter(self, tensor: torch.Tensor, out: torch.Tensor, bucket: int | None = None, *,
                        divisor: float | None = None, op: str = "sum") -> ShmWork:
         """This rank's part (rank r: elements r * n .. (r + 1) * n, n = ``out``'s elements) of the reduction of
-        ``tensor`` over the group, into ``out``: the hierarchical all-reduce of a copy, then the part (the bytes
-        across hosts of an all-reduce; ``tensor`` is left as it was)."""
-        n = out.numel()
+        ``tensor`` over the group, into ``out``: in-host reduce-scatter of shards that hold, host by host, the parts
+        of the ranks with that local rank; an all_to_all on each cross group sends each host its ranks' parts; each
+        rank combines what it received in host order. Half an all-reduce's bytes across hosts."""
+        n, hosts = out.numel(), self.layout.hosts
         if tensor.numel() != n * self.world_size:
             raise ValueError(f"reduce_scatter: tensor must have world_size ({self.world_size}) x out's {n} elements, "
                              f"got {tensor.numel()}")
-        whole = tensor.reshape(-1).clone()
-        work = self.all_reduce(whole, bucket, divisor, op=op)
-        mine = whole[self.rank * n:(self.rank + 1) * n]
-        return ShmWork(work.get_future().then(lambda _: out.copy_(mine.view_as(out))))
+        _check("reduce_scatter", op, divisor)
+        flat, _ = flat_view(tensor, "reduce_scatter")
+        out_flat, back = flat_view(out, "reduce_scatter (out)")
+        if n == 0:
+            return _completed(out)
+        size, H = len(hosts[self.host]), len(hosts)
+        slots_per_rank, slots = self._slots()
+        pieces = []
+        for k in (r + j * size for r in range(size) for j in range(slots_per_rank)):
+            for members in hosts:  # shard k, host by host: the part of that host's local rank k (zeros: none)
+                g = members[k] if k < len(members) else None
+                pieces.append(torch.zeros(n, dtype=flat.dtype) if g is None else flat[g * n:(g + 1) * n])
+        part = torch.empty(slots_per_rank * H * n, dtype=flat.dtype)
+        got = torch.empty_like(part)
+
+        def cross() -> list[Any]:
+            w = H * n
+            return [self._cross[k].alltoall_base(got[j * w:(j + 1) * w], part[j * w:(j + 1) * w], [], [])
+                    for j, k in enumerate(slots) if k >= 0]
+
+        def then() -> None:
+            # slot 0 holds shard local_rank: this rank's part, one host's sum per row, combined in host order
+            rows = got[:H * n].view(H, n)
+            out_flat.copy_(rows[0])
+            for h in range(1, H):
+                _COMBINE[op](out_flat, rows[h], out=out_flat)
+            if divisor is not None:
+                out_flat.div_(divisor)
+
+        return _yielding(self._submit(self._host_stage(pieces, part, bucket, op), cross, then, back), out)
 
     def all_gather(self, tensor: torch.Tensor, out: torch.Tensor, bucket: int | None = None) -> ShmWork:
         """Every rank's ``tensor`` into ``out`` by rank, asynchronously: across hosts first (gloo group k gathers
@@ -313,13 +385,10 @@ class HierarchicalTransport:
         whole = torch.empty(size * m * hosts * n, dtype=flat.dtype)
 
         def cross() -> list[Any]:
-            works = []
-            for j, k in enumerate(slots):
-                if k >= 0:
-                    send = flat if k == self.local_rank else torch.zeros_like(flat)
-                    recv = list(part[j * hosts * n:(j + 1) * hosts * n].view(hosts, n).unbind())
-                    works.append(self._cross[k].allgather([recv], [send]))
-            return works
+            w = hosts * n
+            return [self._cross[k].allgather([list(part[j * w:(j + 1) * w].view(hosts, n).unbind())],
+                                             [flat if k == self.local_rank else torch.zeros_like(flat)])
+                    for j, k in enumerate(slots) if k >= 0]
 
         def finish() -> None:
             for h, members in enumerate(self.layout.hosts):
@@ -329,7 +398,7 @@ class HierarchicalTransport:
             if back is not None:
                 back()
 
-        return self._submit(None, cross, lambda: self._gather.all_gather(part, whole, bucket), finish, out)
+        return _yielding(self._submit(None, cross, lambda: self._gather.all_gather(part, whole, bucket), finish), out)
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         """Rank ``src``'s ``tensor`` into every rank's, in place, synchronously: across hosts on the gloo group of
@@ -350,7 +419,7 @@ class HierarchicalTransport:
         def then() -> None:
             self._gather.broadcast(flat, k % size)
 
-        self._submit(None, cross, then, back, tensor).wait()
+        self._submit(None, cross, then, back).wait()
 
     def barrier(self) -> None:
         """Return once every rank has reached it: in-host barrier, a gloo barrier of the hosts' first ranks, in-host
@@ -358,9 +427,10 @@ class HierarchicalTransport:
         def cross() -> list[Any]:
             return [self._cross[0].barrier(dist.BarrierOptions())] if self.local_rank == 0 else []
 
-        self._submit(self._scatter.barrier, cross, self._gather.barrier, None, None).wait()
+        self._submit(self._scatter.barrier, cross, self._gather.barrier, None).wait()
 
     def allocate(self, numel: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+        # ordinary memory: a bucket is read by the host's peers where it lies (peer reads), not shared
         return torch.zeros(numel, dtype=dtype, device=device)
 
     def close(self) -> None:
@@ -370,6 +440,29 @@ class HierarchicalTransport:
     def __repr__(self) -> str:
         return (f"HierarchicalTransport(rank={self.rank}, world_size={self.world_size}, "
                 f"hosts={[len(m) for m in self.layout.hosts]}, host={self.host}, local_rank={self.local_rank})")
+
+
+def _yielding(future: torch.futures.Future, value: Any) -> ShmWork:
+    return ShmWork(future.then(lambda fut: (fut.value(), value)[1]))  # value() raises the step's error
+
+
+def _check(what: str, op: str, divisor: float | None) -> None:
+    if divisor is not None and not (isinstance(divisor, (int, float)) and divisor > 0):
+        raise ValueError(f"{what}: divisor must be a positive number, got {divisor!r}")
+    if op not in _GLOO_OPS or (divisor is not None and op != "sum"):
+        raise ValueError(f"{what}: op must be one of {sorted(_GLOO_OPS)} (a divisor with 'sum' only), got op={op!r}, "
+                         f"divisor={divisor!r}")
+
+
+def _span(flats: list[torch.Tensor], lo: int, hi: int) -> list[torch.Tensor]:
+    """Views of elements ``lo .. hi`` of ``flats`` laid end to end (1-d tensors), in order."""
+    out, start = [], 0
+    for f in flats:
+        end = start + f.numel()
+        if end > lo and start < hi:
+            out.append(f[max(lo - start, 0):min(hi, end) - start])
+        start = end
+    return out
 
 
 def _stop(steps: queue.SimpleQueue, thread: threading.Thread, scatter: ShmTransport, gather: ShmTransport) -> None:
