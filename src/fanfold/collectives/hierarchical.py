@@ -24,14 +24,12 @@ import torch
 import torch.distributed as dist
 
 from .._core.group import require_initialized
-from .shm.request import flat_view
 from .shm.segment import host_key
-from .shm.thread import ShmWork
-from .shm.thread import completed as _completed
-from .shm.transport import ShmTransport
+from .shm.transport import ShmTransport, flat_view
 from .store import StoreGroup, group_store
 from .timeouts import bound, group_timeout, resolve_stall_timeout
 from .transport import reduce_through_copy
+from .work import FanfoldWork, completed_work
 
 __all__ = ["HierarchicalTransport", "HostLayout", "host_layout"]
 
@@ -149,13 +147,13 @@ class HierarchicalTransport:
     # -- the pipeline
 
     def _submit(self, first: Callable[[], Any] | None, cross: Callable[[], list[Any]], then: Callable[[], Any],
-                finish: Callable[[], None] | None, value: Any) -> ShmWork:
+                finish: Callable[[], None] | None, value: Any) -> FanfoldWork:
         if not self._finalizer.alive:
             raise RuntimeError(f"rank {self.rank}: a collective on a closed HierarchicalTransport")
         with self._lock:
             step = _Step(first() if first is not None else None, cross, then, finish, value)
             self._steps.put(step)
-        return ShmWork(step.future)
+        return FanfoldWork(step.future, value)
 
     def _serve(self) -> None:
         while True:
@@ -218,7 +216,7 @@ class HierarchicalTransport:
     # -- the Transport protocol
 
     def all_reduce(self, tensor: torch.Tensor, bucket: int | None = None, divisor: float | None = None, *,
-                   op: str = "sum") -> ShmWork:
+                   op: str = "sum") -> FanfoldWork:
         """Reduce ``tensor`` over the group in place, asynchronously: in-host reduce-scatter (local-rank order),
         cross-host all-reduce of each shard (gloo), in-host all-gather; then divided by ``divisor``. ``op``: "sum",
         "min", "max" or "product" (no divisor). Every rank gets the same bits."""
@@ -230,7 +228,7 @@ class HierarchicalTransport:
         flat, back = flat_view(tensor, "all_reduce")
         n = flat.numel()
         if n == 0:
-            return _completed(tensor)
+            return completed_work(tensor)
         shards, size = self.layout.shards, len(self.layout.hosts[self.host])
         c = -(-n // shards)
         m, slots = self._slots()
@@ -282,7 +280,7 @@ class HierarchicalTransport:
         return reduce_through_copy(self, tensors, bucket, divisor, compress)
 
     def reduce_scatter(self, tensor: torch.Tensor, out: torch.Tensor, bucket: int | None = None, *,
-                       divisor: float | None = None, op: str = "sum") -> ShmWork:
+                       divisor: float | None = None, op: str = "sum") -> FanfoldWork:
         """This rank's part (rank r: elements r * n .. (r + 1) * n, n = ``out``'s elements) of the reduction of
         ``tensor`` over the group, into ``out``: the hierarchical all-reduce of a copy, then the part (the bytes
         across hosts of an all-reduce; ``tensor`` is left as it was)."""
@@ -293,9 +291,9 @@ class HierarchicalTransport:
         whole = tensor.reshape(-1).clone()
         work = self.all_reduce(whole, bucket, divisor, op=op)
         mine = whole[self.rank * n:(self.rank + 1) * n]
-        return ShmWork(work.get_future().then(lambda _: out.copy_(mine.view_as(out))))
+        return FanfoldWork(work.get_future(), out, lambda: out.copy_(mine.view_as(out)))
 
-    def all_gather(self, tensor: torch.Tensor, out: torch.Tensor, bucket: int | None = None) -> ShmWork:
+    def all_gather(self, tensor: torch.Tensor, out: torch.Tensor, bucket: int | None = None) -> FanfoldWork:
         """Every rank's ``tensor`` into ``out`` by rank, asynchronously: across hosts first (gloo group k gathers
         local rank k's tensor of every host; a host with fewer ranks sends zeros there), then inside the host."""
         # read by the cross-host step only, before finish() writes out: out may overlap it (an in-place gather)
@@ -306,7 +304,7 @@ class HierarchicalTransport:
             raise ValueError(f"all_gather: out must hold world_size ({self.world_size}) x {n} elements of "
                              f"{flat.dtype}, got {out.numel()} of {out.dtype}")
         if n == 0:
-            return _completed(out)
+            return completed_work(out)
         size = len(self.layout.hosts[self.host])
         m, slots = self._slots()
         part = torch.zeros(m * hosts * n, dtype=flat.dtype)

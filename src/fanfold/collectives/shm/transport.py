@@ -1,19 +1,17 @@
-"""``ShmTransport``: collectives through one shared-memory segment for ranks that share a host, and the one rule
-that chooses between its two algorithms (``_reads_peers``): the ring through the segment's slots (``engine.py``),
-and direct reads of the peers' tensors where the kernel allows them (``peer.py``).
-
-Layer: the top of ``shm/``; used by the ``fanfold`` backend (``backend.py``), the transport choice (``select.py``)
-and fanfold's DDP. Below it ``exchanges.py`` (all_gather, reduce_scatter, all_to_all), ``thread.py`` (the thread
-that runs requests in FIFO order, so several buckets are in flight while backward runs) and ``segment.py`` (the
-memory and the bounded waits). Only the segment's name and each rank's host identity travel through the group's
-store.
+"""``ShmTransport``: collectives through one shared-memory segment for ranks that share a host, the one rule that
+chooses between its two algorithms (``_reads_peers``: the ring through the segment's slots, ``engine.py``; direct
+reads of the peers' tensors, ``peer.py``), the argument checks, and the worker thread that runs the collectives in
+the order they were numbered (a small all_reduce runs on the caller's thread when nothing is queued).
 """
 from __future__ import annotations
 
 import os
+import queue
+import threading
 import warnings
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from functools import partial
 from typing import Any
@@ -24,32 +22,230 @@ import torch.distributed as dist
 from ..._core.group import require_initialized
 from ..store import StoreGroup, group_store
 from ..timeouts import bound, group_timeout, resolve_stall_timeout
-from .engine import Engine
-from .exchanges import Exchanges
-from .peer import TABLE_BYTES, probe
-from .request import (
+from ..work import FanfoldWork, completed_work
+from .engine import (
+    ALL_GATHER,
     ALL_REDUCE,
+    ALL_TO_ALL,
     BARRIER,
     BROADCAST,
     DTYPES,
+    GATHER_PEERS,
     OPS,
+    REDUCE_SCATTER,
     REDUCE_TENSORS,
+    SCATTER_TENSORS,
     SUM,
     Collective,
-    check_reduce_tensors,
-    flat_view,
+    Engine,
     reduce_code,
-    split_into,
 )
+from .peer import TABLE_BYTES, probe
 from .segment import SHM_DIR, Segment, SegmentSpaceError, ShmTimeoutError, pid_namespace
-from .thread import ShmWork, Worker
-from .thread import completed as _completed
 
-__all__ = ["ShmTransport", "ShmWork", "ShmTimeoutError", "SegmentSpaceError", "INLINE_BYTES", "SMALLEST_CHUNK"]
+__all__ = ["ShmTransport", "ShmTimeoutError", "SegmentSpaceError", "INLINE_BYTES", "SMALLEST_CHUNK", "flat_view"]
 
 INLINE_BYTES = 64 << 10  # all_reduce(inline=True) up to this size runs on the caller's thread when nothing is queued
 SMALLEST_CHUNK = 64 << 10  # a full /dev/shm: chunks shrink (by 4) down to this before the transport gives up
 _SMALL_DTYPES = frozenset(DTYPES)
+
+
+def flat_view(tensor: torch.Tensor, what: str) -> tuple[torch.Tensor, Callable[[], None] | None]:
+    """A contiguous 1-d view of ``tensor`` in a supported dtype, and the copy back when it had to be a copy."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{what} needs a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.device.type != "cpu":
+        raise ValueError(f"the shm transport works on CPU tensors; {what} got one on {tensor.device}")
+    t = torch.view_as_real(tensor) if tensor.is_complex() else tensor
+    if t.dtype not in DTYPES:
+        raise TypeError(f"{what}: dtype {tensor.dtype} is not supported by the shm transport ({DTYPES})")
+    if t.is_contiguous():
+        return t.view(-1), None
+    flat = t.contiguous().view(-1)
+    return flat, lambda: t.copy_(flat.view_as(t))
+
+
+def split_into(flat: torch.Tensor, outs: list[torch.Tensor]) -> None:
+    """Copy consecutive pieces of ``flat`` into ``outs``, in order."""
+    offset = 0
+    for out in outs:
+        out.copy_(flat[offset: offset + out.numel()])
+        offset += out.numel()
+
+
+def exchange_tensors(what: str, tensor: torch.Tensor, out: torch.Tensor, times: int = 1, per: int = 1
+                     ) -> tuple[torch.Tensor, torch.Tensor, Callable[[], None] | None]:
+    """The flat input and output of all_gather, reduce_scatter or all_to_all, and what to run once the engine has
+    written the output (the copy back into a non-contiguous ``out``); ``out`` must hold ``times`` / ``per`` times
+    the input's elements."""
+    flat, _ = flat_view(tensor, f"{what} (input)")  # the engine only reads the input: a copy is all it needs
+    out_flat, back = flat_view(out, f"{what} (output)")
+    if out.dtype != tensor.dtype:
+        raise TypeError(f"{what}: the output's dtype {out.dtype} differs from the input's {tensor.dtype}")
+    if tensor.numel() % per or out.numel() * per != tensor.numel() * times:
+        raise ValueError(f"{what}: an input of {tensor.numel()} elements needs an output of {times}/{per} as many, "
+                         f"got {out.numel()}")
+    return flat, out_flat, back
+
+
+def exchange_counts(tensor: torch.Tensor, out: torch.Tensor, send: list[int], recv: list[int], n: int) -> tuple:
+    """all_to_all's flat input and output, the copy back (or None) and the element counts (sent to each rank,
+    received from each rank) in the flat views' elements."""
+    for name, counts in (("send", send), ("recv", recv)):
+        if len(counts) != n or any(not isinstance(k, int) or k < 0 for k in counts):
+            raise ValueError(f"all_to_all: {name} must be {n} non-negative element counts, got {counts!r}")
+    flat, _ = flat_view(tensor, "all_to_all (input)")
+    out_flat, back = flat_view(out, "all_to_all (output)")
+    if out.dtype != tensor.dtype:
+        raise TypeError(f"all_to_all: the output's dtype {out.dtype} differs from the input's {tensor.dtype}")
+    for name, counts, t in (("send", send, tensor), ("recv", recv, out)):
+        if sum(counts) != t.numel():
+            raise ValueError(f"all_to_all: {name} counts {counts} add up to {sum(counts)}, not the {t.numel()} "
+                             f"elements of the {'input' if t is tensor else 'output'}")
+    scale = flat.numel() // tensor.numel() if tensor.numel() else 1  # complex: pairs of reals
+    return flat, out_flat, back, (tuple(k * scale for k in send), tuple(k * scale for k in recv))
+
+
+def check_reduce_tensors(tensors: list[torch.Tensor], compress: torch.dtype | None, what: str = "reduce_tensors"
+                         ) -> list[torch.Tensor]:
+    """``ShmTransport.reduce_tensors``' (or ``what``'s) tensors, checked: contiguous real CPU tensors of one dtype,
+    not overlapping; ``compress`` only to bfloat16 or float16, of float32 tensors."""
+    tensors = list(tensors)
+    for k, t in enumerate(tensors):
+        flat_view(t, f"{what} (tensor {k})")
+        if not t.is_contiguous() or t.dtype != tensors[0].dtype or t.is_complex():
+            raise ValueError(f"{what}: tensor {k} must be a contiguous real tensor of "
+                             f"{tensors[0].dtype}, like tensor 0; got {t.dtype}, contiguous={t.is_contiguous()}")
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), k)
+                   for k, t in enumerate(tensors) if t.numel())
+    for (_, end, j), (start, _, k) in zip(spans, spans[1:]):
+        if start < end:  # summed in place shard by shard: two names for one memory would corrupt both
+            raise ValueError(f"{what}: tensors {min(j, k)} and {max(j, k)} overlap in memory")
+    if compress is not None and (compress not in (torch.bfloat16, torch.float16) or
+                                 any(t.dtype != torch.float32 for t in tensors)):
+        raise ValueError(f"{what}: compress must be torch.bfloat16 or torch.float16, for float32 tensors; "
+                         f"got {compress} for {tensors[0].dtype if tensors else 'no'} tensors")
+    return tensors
+
+
+@dataclass(frozen=True, eq=False)
+class Request:
+    """A collective queued for the transport's thread: once it (and ``finish``, if any) has run, ``future``
+    completes, or gets the error."""
+
+    future: torch.futures.Future
+    finish: Callable[[], None] | None
+    collective: Collective
+
+
+class Worker:
+    """Numbers the collectives of one transport and runs them on ``engine``: queued for its thread, or on the
+    caller's thread (``inline``) when nothing is queued or running. After a failure the transport is unusable (the
+    peers were told through the abort word); later collectives get the same error."""
+
+    def __init__(self, engine: Engine, name: str, timeout: Callable[[], float]):
+        """``timeout()``: the bound of a collective numbered now (read on the caller's thread)."""
+        self.engine, self._timeout = engine, timeout
+        self.seq = 0  # the collectives numbered so far
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()  # numbering, queueing and the count of unfinished collectives, together
+        self._running = threading.Lock()  # held while the engine runs: one collective at a time, in number order
+        self._pending = 0
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._serve, daemon=True, name=name)
+        self._thread.start()
+
+    def submit(self, c: Collective, finish: Any = None, inline: bool = False) -> torch.futures.Future:
+        """Number ``c`` and run it; the future completes once it (and ``finish``) ran. ``inline``: run it on
+        this thread, before returning, if nothing is queued or running (otherwise it is queued like the rest)."""
+        fut = torch.futures.Future()
+        with self._lock:  # numbering and queueing together: the FIFO order is the numbering order
+            self.seq += 1
+            request = Request(fut, finish, replace(c, seq=self.seq, timeout=self._timeout()))
+            inline = inline and self._pending == 0
+            self._pending += 1
+            if inline:
+                # Nothing unfinished: the thread is not running (it releases the engine before it counts down)
+                self._running.acquire()
+            else:
+                self._requests.put(request)
+        if inline:
+            try:
+                self._execute(request)
+            finally:
+                self._running.release()
+                self._done()
+        return fut
+
+    def run_small(self, t: torch.Tensor, divisor: float | None, bucket: int | None) -> bool:
+        """An all_reduce of contiguous ``t`` (at most a quarter chunk) on this thread, if nothing is queued or
+        running: True once done (raising the transport's error, as its handle would). False, with nothing done, when
+        it must queue."""
+        with self._lock:
+            if self._pending or self._error is not None:
+                return False
+            self.seq += 1
+            seq = self.seq
+            self._pending = 1
+            self._running.acquire()  # nothing unfinished: the thread is not running (see submit)
+        try:
+            self.engine.seg.timeout = self._timeout()
+            self.engine.run_small(t, divisor, seq, bucket)
+        except BaseException as exc:  # noqa: BLE001 - every peer must learn of the failure, as in _execute
+            self._error = exc
+            self._abort(exc)
+            raise
+        finally:
+            self._running.release()
+            self._done()
+        return True
+
+    def _abort(self, exc: BaseException) -> None:
+        # the peers raise at once, naming the ranks this one found missing (a StallError's), if any
+        self.engine.seg.abort(f"rank {self.engine.rank}: {type(exc).__name__}: {exc}", getattr(exc, "missing", None))
+
+    def _serve(self) -> None:
+        while True:
+            request = self._requests.get()
+            if request is None:
+                return
+            with self._running:  # behind a collective running on a caller's thread, numbered before this one
+                self._execute(request)
+            self._done()
+
+    def _done(self) -> None:
+        with self._lock:
+            self._pending -= 1
+
+    def _execute(self, request: Request) -> None:
+        if self._error is not None:
+            error = RuntimeError(f"the shm transport failed earlier and cannot be used: {self._error}")
+            error.__cause__ = self._error  # what failed, for the stall inspector's diagnosis
+            request.future.set_exception(error)
+            return
+        try:
+            self.engine.run(request.collective)
+            if request.finish is not None:
+                request.finish()
+        except BaseException as exc:  # noqa: BLE001 - every failure must reach the waiting caller
+            self._error = exc
+            self._abort(exc)
+            request.future.set_exception(exc)
+            return
+        request.future.set_result(None)
+
+    def stop(self, segment: Segment, regions: list[Segment]) -> None:
+        """Finish the queued collectives, stop the thread, let go of the segment and the regions: each is unmapped
+        now, or when the last tensor viewing it dies (``Segment.close``)."""
+        if self._thread.is_alive():
+            self._requests.put(None)
+            self._thread.join(5.0)
+        if not self._thread.is_alive():
+            self.engine.close()
+            segment.close()
+            for region in regions:
+                region.close()
+            regions.clear()
 
 
 def _free_mib() -> float:
@@ -60,7 +256,7 @@ def _free_mib() -> float:
     return st.f_bavail * st.f_frsize / 2**20
 
 
-class ShmTransport(Exchanges):
+class ShmTransport:
     """The transport interface (``protocol.Transport``) through shared memory, for ranks sharing this host's /dev/shm.
     Collective: every rank of ``group`` (None: the default group) constructs it, in the same order as its other
     transports. ``timeout`` (seconds or timedelta; default ``$FANFOLD_STALL_TIMEOUT``, else 300; at most the
@@ -159,14 +355,14 @@ class ShmTransport(Exchanges):
 
     def _submit(self, op: int, tensor: torch.Tensor | None, bucket: int | None = None, src: int = 0,
                 divisor: float | None = None, inline: bool = False, reduce: int = SUM,
-                finish: Callable[[], None] | None = None) -> ShmWork:
+                finish: Callable[[], None] | None = None) -> FanfoldWork:
         flat, back = flat_view(tensor, OPS[op]) if tensor is not None else (None, None)
         if self.world_size == 1:
             if divisor is not None:
                 tensor.div_(divisor)
             if finish is not None:
                 finish()
-            return _completed(tensor)
+            return completed_work(tensor)
         nbytes = 0 if flat is None else flat.numel() * flat.element_size()
         if op == ALL_REDUCE and back is None and self._reads_peers(nbytes):
             c = Collective(REDUCE_TENSORS, 0, flat, bucket, divisor=divisor, outs=[flat], reduce=reduce)
@@ -177,11 +373,11 @@ class ShmTransport(Exchanges):
         return self._enqueue(c, tensor, finish, inline and nbytes <= INLINE_BYTES)
 
     def _enqueue(self, c: Collective, value: Any, finish: Callable[[], None] | None, inline: bool = False
-                 ) -> ShmWork:
+                 ) -> FanfoldWork:
         """Number ``c`` and run it (``Worker.submit``); the handle's future yields ``value``."""
         if not self._finalizer.alive:
             raise RuntimeError(f"rank {self.rank}: {OPS[c.op]} on a closed ShmTransport")
-        return ShmWork(self._worker.submit(c, value, finish, inline))
+        return FanfoldWork(self._worker.submit(c, finish, inline), value)
 
     def allocate(self, numel: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
         """A zeroed 1-d tensor of ``numel`` ``dtype`` in a shared-memory region of its own (ordinary memory for one
@@ -218,7 +414,7 @@ class ShmTransport(Exchanges):
         return region.data[self.rank * stride:][:nbytes].view(dtype)
 
     def all_reduce(self, tensor: torch.Tensor, bucket: int | None = None, divisor: float | None = None, *,
-                   inline: bool = False, op: str = "sum") -> ShmWork:
+                   inline: bool = False, op: str = "sum") -> FanfoldWork:
         """Sum ``tensor`` over the group, in place, asynchronously; ``bucket`` labels errors. With ``divisor`` the
         result is the sum divided by it (bitwise what dividing afterwards gives), at no extra pass over memory.
         ``op``: "sum", or "min", "max", "product" (in rank order as the sum; no divisor). ``inline``: a sum of at
@@ -228,7 +424,7 @@ class ShmTransport(Exchanges):
             raise ValueError(f"all_reduce: divisor must be a positive number, got {divisor!r}")
         reduce = reduce_code(op, divisor)
         if inline and reduce == SUM and self.run_small(tensor, divisor, bucket):
-            return _completed(tensor)
+            return completed_work(tensor)
         return self._submit(ALL_REDUCE, tensor, bucket, divisor=divisor, reduce=reduce)
 
     def run_small(self, tensor: torch.Tensor, divisor: float | None = None, bucket: int | None = None) -> bool:
@@ -244,7 +440,7 @@ class ShmTransport(Exchanges):
 
     def reduce_tensors(self, tensors: list[torch.Tensor], bucket: int | None = None, *,
                        divisor: float | None = None, settle: bool = True,
-                       compress: torch.dtype | None = None) -> ShmWork:
+                       compress: torch.dtype | None = None) -> FanfoldWork:
         """The Protocol's ``reduce_tensors`` (CPU tensors). Where the peers' memory is read (``_reads_peers``)
         nothing is copied into shared memory: each rank sums its shard from the peers' own tensors and copies the
         other shards from theirs (DDP's gradients, straight from autograd); ``settle=False``: the handle completes
@@ -256,7 +452,7 @@ class ShmTransport(Exchanges):
             raise ValueError(f"reduce_tensors: divisor must be a positive number, got {divisor!r}")
         tensors = check_reduce_tensors(tensors, compress)
         if not tensors:
-            return _completed(tensors)
+            return completed_work(tensors)
         # float16 overflows on the sum of a few large gradients: it divides first (as fp16_compress_hook does)
         pre = divisor if compress == torch.float16 else None
         if pre is not None:
@@ -307,3 +503,111 @@ class ShmTransport(Exchanges):
 
     def __repr__(self) -> str:
         return f"ShmTransport(rank={self.rank}, world_size={self.world_size}, timeout={self.timeout:g})"
+
+    def all_gather(self, tensor: torch.Tensor, out: torch.Tensor, bucket: int | None = None) -> FanfoldWork:
+        """Every rank's ``tensor`` (same numel and dtype on every rank) into ``out`` (world_size times as many
+        elements: rank r's at r * numel), asynchronously; ``bucket`` labels errors. Where the peers' memory is read
+        (``_reads_peers``), every rank copies the peers' parts straight from their outputs."""
+        if tensor.numel() and out.numel() and _overlaps(tensor, out) and not _own_part(tensor, out, self.rank):
+            tensor = tensor.clone()  # overlapping other ranks' places in out: the engine would overwrite it
+        flat, out_flat, finish = exchange_tensors("all_gather", tensor, out, times=self.world_size)
+        peers = self.world_size > 1 and self._reads_peers(out_flat.nbytes)
+        return self._exchange(Collective(GATHER_PEERS if peers else ALL_GATHER, 0, flat, bucket, out=out_flat), out,
+                              finish)
+
+    def reduce_scatter(self, tensor: torch.Tensor, out: torch.Tensor, bucket: int | None = None, *,
+                       divisor: float | None = None, op: str = "sum") -> FanfoldWork:
+        """Sum ``tensor`` (world_size x ``out``'s elements) over the group and keep this rank's shard in ``out``
+        (rank r: elements r * numel .. (r + 1) * numel), asynchronously; with ``divisor``, divided by it. Summed in
+        rank order: bitwise what :meth:`all_reduce` gives that shard. ``op``: "sum", "min", "max" or "product"."""
+        if divisor is not None and not (isinstance(divisor, (int, float)) and divisor > 0):
+            raise ValueError(f"reduce_scatter: divisor must be a positive number, got {divisor!r}")
+        reduce = reduce_code(op, divisor)
+        flat, out_flat, finish = exchange_tensors("reduce_scatter", tensor, out, per=self.world_size)
+        if reduce == SUM and self.world_size > 1 and self._reads_peers(flat.nbytes) and flat.is_cpu and \
+                not flat.is_complex() and flat.numel() and not (_overlaps(flat, out_flat) or _overlaps(out_flat, flat)):
+            # Where ranks read each other's memory, each reads only its part of the peers' tensors (peer.py): no
+            # copy through the ring, the same bits (ZeRO stage 2's gradients)
+            return self._enqueue(Collective(SCATTER_TENSORS, 0, flat, bucket, divisor=divisor, outs=[flat],
+                                            out=out_flat), out, finish)
+        return self._exchange(Collective(REDUCE_SCATTER, 0, flat, bucket, divisor=divisor, out=out_flat,
+                                         reduce=reduce), out, finish)
+
+    def reduce_scatter_tensors(self, tensors: list[torch.Tensor], out: torch.Tensor, bucket: int | None = None, *,
+                               divisor: float | None = None, settle: bool = True,
+                               compress: torch.dtype | None = None) -> FanfoldWork:
+        """Sum ``tensors`` (contiguous CPU tensors of one dtype, not overlapping; laid end to end, ``total`` elements
+        on every rank) over the group and keep this rank's part in ``out`` (``ceil(total / world_size)`` elements:
+        rank r's part is elements r * len(out) .. (r + 1) * len(out) of the concatenation; where it runs past
+        ``total``, ``out`` is zeroed), asynchronously; divided by ``divisor``. Bitwise what :meth:`reduce_scatter`
+        of the zero-padded concatenation gives. Where the peers' memory is read (``_reads_peers``) each
+        rank reads only its part from the peers' own tensors (``peer.scatter_tensors``); ``settle=False``: the handle
+        completes once ``out`` holds the result, and the tensors must stay unchanged until a later collective of
+        this transport has returned. Otherwise they are copied into one buffer and reduce-scattered through the
+        ring. ``compress``: as :meth:`reduce_tensors` (the compression hooks' bits); ``out`` stays float32."""
+        if divisor is not None and not (isinstance(divisor, (int, float)) and divisor > 0):
+            raise ValueError(f"reduce_scatter_tensors: divisor must be a positive number, got {divisor!r}")
+        tensors = check_reduce_tensors(tensors, compress, "reduce_scatter_tensors")
+        total = sum(t.numel() for t in tensors)
+        chunk = -(-total // self.world_size)
+        flat_out, back = flat_view(out, "reduce_scatter_tensors (out)")
+        dtype = tensors[0].dtype if tensors else out.dtype
+        if back is not None or out.dtype != dtype or out.numel() != chunk:
+            raise ValueError(f"reduce_scatter_tensors: out must be a contiguous {dtype} tensor of ceil({total} / "
+                             f"{self.world_size}) = {chunk} elements, got {out.dtype} {tuple(out.shape)} "
+                             f"contiguous={out.is_contiguous()}")
+        if any(_overlaps(t, out) or _overlaps(out, t) for t in tensors if t.numel() and out.numel()):
+            raise ValueError("reduce_scatter_tensors: out overlaps one of the tensors in memory")
+        if not tensors:
+            return completed_work(out)
+        pre = divisor if compress == torch.float16 else None  # float16 divides first, as fp16_compress_hook does
+        if pre is not None:
+            divisor = None
+        if self.world_size > 1 and self._reads_peers(total * tensors[0].element_size(), listed=True):
+            return self._enqueue(Collective(SCATTER_TENSORS, 0, tensors[0].view(-1), bucket, divisor=divisor,
+                                            outs=tensors, out=flat_out, settle=bool(settle),
+                                            compress=None if compress is None else (compress, pre)), out, None)
+        # No peer reads: one zero-padded copy of the concatenation, reduce-scattered through the ring
+        stage = torch.empty(chunk * self.world_size, dtype=compress or dtype)
+        stage[total:].zero_()
+        if compress is None:
+            torch.cat([t.view(-1) for t in tensors], out=stage[:total])
+            return self.reduce_scatter(stage, flat_out, bucket, divisor=divisor)
+        wide = torch.cat([t.view(-1) for t in tensors])
+        stage[:total].copy_(wide if pre is None else wide.div_(pre))
+        narrow = torch.empty(chunk, dtype=compress)
+        work = self.reduce_scatter(stage, narrow, bucket, divisor=divisor)
+        return FanfoldWork(work.get_future(), out, lambda: flat_out.copy_(narrow))
+
+    def all_to_all(self, tensor: torch.Tensor, out: torch.Tensor, send: list[int], recv: list[int]) -> FanfoldWork:
+        """Send ``send[q]`` consecutive elements of ``tensor`` to rank q and receive ``recv[p]`` from rank p into
+        ``out`` (in rank order), asynchronously. Every rank's ``recv[p]`` must equal rank p's ``send`` to it:
+        checked on every rank before anything moves."""
+        flat, out_flat, finish, splits = exchange_counts(tensor, out, send, recv, self.world_size)
+        return self._exchange(Collective(ALL_TO_ALL, 0, flat, out=out_flat, splits=splits), out, finish)
+
+    def _exchange(self, c: Collective, out: torch.Tensor, finish: Callable[[], None] | None) -> FanfoldWork:
+        if 16 * self.world_size > self._chunk_bytes:  # all_to_all's table of counts, a piece per rank in a chunk
+            raise ValueError(f"{OPS[c.op]}: {self.world_size} ranks need chunk_bytes >= {16 * self.world_size}")
+        if self.world_size == 1:
+            if c.op == REDUCE_SCATTER and c.divisor is not None:
+                torch.div(c.flat, c.divisor, out=c.out)
+            else:
+                c.out.copy_(c.flat)
+            if finish is not None:
+                finish()
+            return completed_work(out)
+        return self._enqueue(c, out, finish)
+
+
+def _own_part(tensor: torch.Tensor, out: torch.Tensor, rank: int) -> bool:
+    """Whether ``tensor`` is exactly this rank's place in ``out`` (an in-place all_gather, as ZeRO's): the engine
+    then leaves that place as it is."""
+    size = tensor.numel() * tensor.element_size()
+    return (tensor.is_contiguous() and out.is_contiguous() and tensor.dtype == out.dtype
+            and tensor.data_ptr() == out.data_ptr() + rank * size)
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    lo, hi = b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()
+    return lo <= a.data_ptr() < hi
