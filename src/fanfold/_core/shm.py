@@ -1,14 +1,7 @@
-"""Shared memory between the processes of one host, written once: named segments in /dev/shm (create, open, map as
-a uint8 tensor, close), fd-backed shared buffers, and futex waits on 32-bit words in that memory, every one bounded.
-
-A segment name is one plain path component (:func:`check_name`), so that no name, whoever wrote it, reaches outside
-/dev/shm; creating never follows or reuses an existing entry, opening never follows a symbolic link, and a process
-unlinks a name only while it still names the very file that process created or opened (:class:`FileId`).
-
-Layer: the bottom; used by the shared-memory transport (``collectives/shm/segment.py``) and by DataParallel's
-process engine (``parallel/process_mailbox.py``). Linux only. Ordering across processes relies on stores becoming
-visible in program order (x86-64's total store order): a peer that sees a counter also sees what was written
-before it.
+"""Shared memory between the processes of one host, written once for the collectives and the process engine: named
+segments in /dev/shm (safe names only, never following or reusing an entry, unlinked only while the name is still
+the file this process made or opened), fd-backed buffers, and bounded futex waits on 32-bit words in that memory.
+Linux only; the ordering across processes relies on x86-64's total store order (docs/shm.md).
 """
 from __future__ import annotations
 

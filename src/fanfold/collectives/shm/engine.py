@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .peer import PeerReader, gather_from_peers, scatter_tensors
+from .peer import PeerReader
 from .segment import Segment
 
 __all__ = ["Engine", "combine", "ShmMismatchError", "Collective", "Header", "DTYPES", "OPS", "reduce_code"]
@@ -279,7 +279,7 @@ class Engine:
             return lambda: (f"{header.describe()} {where}, chunk {i + 1} of {count}", seq, c.bucket)
 
         if op == GATHER_PEERS:
-            gather_from_peers(self._peer, flat, c.out, describe, lambda: self.check(seq, header, describe(0)))
+            self._peer.all_gather(flat, c.out, describe, lambda: self.check(seq, header, describe(0)))
             return
         if op == BARRIER:
             self.seg.wait_all(self.seg.arrive(), describe(0))
@@ -288,9 +288,9 @@ class Engine:
         if peer:
             check = lambda: self.check(seq, header, describe(0))  # noqa: E731
             if op == REDUCE_TENSORS:
-                self._peer.run(c.outs, describe, check, c.settle, *(c.compress or ()))
+                self._peer.all_reduce(c.outs, describe, check, c.settle, *(c.compress or ()))
             else:
-                scatter_tensors(self._peer, c.outs, c.out, describe, check, c.settle, *(c.compress or ()))
+                self._peer.reduce_scatter(c.outs, c.out, describe, check, c.settle, *(c.compress or ()))
             return
         chunks = [flat[i * cap:][:cap] for i in range(count)]
         if op == ALL_REDUCE and c.shards:

@@ -524,8 +524,8 @@ class ShmTransport:
             raise ValueError(f"reduce_scatter: divisor must be a positive number, got {divisor!r}")
         reduce = reduce_code(op, divisor)
         flat, out_flat, finish = exchange_tensors("reduce_scatter", tensor, out, per=self.world_size)
-        if reduce == SUM and self.world_size > 1 and self._reads_peers(flat.nbytes) and flat.is_cpu and \
-                not flat.is_complex() and flat.numel() and not (_overlaps(flat, out_flat) or _overlaps(out_flat, flat)):
+        if reduce == SUM and self.world_size > 1 and self._reads_peers(flat.nbytes) and flat.numel() and \
+                not (_overlaps(flat, out_flat) or _overlaps(out_flat, flat)):
             # Where ranks read each other's memory, each reads only its part of the peers' tensors (peer.py): no
             # copy through the ring, the same bits (ZeRO stage 2's gradients)
             return self._enqueue(Collective(SCATTER_TENSORS, 0, flat, bucket, divisor=divisor, outs=[flat],
@@ -540,8 +540,8 @@ class ShmTransport:
         on every rank) over the group and keep this rank's part in ``out`` (``ceil(total / world_size)`` elements:
         rank r's part is elements r * len(out) .. (r + 1) * len(out) of the concatenation; where it runs past
         ``total``, ``out`` is zeroed), asynchronously; divided by ``divisor``. Bitwise what :meth:`reduce_scatter`
-        of the zero-padded concatenation gives. Where the peers' memory is read (``_reads_peers``) each
-        rank reads only its part from the peers' own tensors (``peer.scatter_tensors``); ``settle=False``: the handle
+        of the zero-padded concatenation gives. Where the peers' memory is read (``_reads_peers``) each rank reads
+        only its part from the peers' own tensors (``PeerReader.reduce_scatter``); ``settle=False``: the handle
         completes once ``out`` holds the result, and the tensors must stay unchanged until a later collective of
         this transport has returned. Otherwise they are copied into one buffer and reduce-scattered through the
         ring. ``compress``: as :meth:`reduce_tensors` (the compression hooks' bits); ``out`` stays float32."""
