@@ -36,10 +36,13 @@ _FOLD = {SUM: torch.add, MIN: torch.minimum, MAX: torch.maximum, PRODUCT: torch.
 _HALVES = (torch.bfloat16, torch.float16)
 
 
-def reduce_code(op: str, divisor: float | None = None) -> int:
-    """The code of reduction ``op`` ("sum", "min", "max" or "product"); a ``divisor`` goes with "sum" only."""
+def reduce_code(op: str, divisor: float | None = None, what: str = "all_reduce") -> int:
+    """The code of ``what``'s reduction ``op`` ("sum", "min", "max" or "product"), checked with its ``divisor`` (a
+    positive number, with "sum" only)."""
     if op not in _CODES:
         raise ValueError(f"op must be one of {sorted(_CODES)}, got {op!r}")
+    if divisor is not None and not (isinstance(divisor, (int, float)) and divisor > 0):
+        raise ValueError(f"{what}: divisor must be a positive number, got {divisor!r}")
     if divisor is not None and op != "sum":
         raise ValueError(f"a divisor (an average) goes with op='sum' only, got op={op!r} and divisor={divisor!r}")
     return _CODES[op]

@@ -139,8 +139,8 @@ class Request:
 
 
 class Worker:
-    """Numbers the collectives of one transport and runs them on ``engine``: queued for its thread, or on the
-    caller's thread (``inline``) when nothing is queued or running. After a failure the transport is unusable (the
+    """Numbers the collectives of one transport and runs them on ``engine``: queued for its thread, or a small
+    all_reduce on the caller's thread when nothing is queued or running. After a failure the transport is unusable (the
     peers were told through the abort word); later collectives get the same error."""
 
     def __init__(self, engine: Engine, name: str, timeout: Callable[[], float]):
@@ -155,26 +155,13 @@ class Worker:
         self._thread = threading.Thread(target=self._serve, daemon=True, name=name)
         self._thread.start()
 
-    def submit(self, c: Collective, finish: Any = None, inline: bool = False) -> torch.futures.Future:
-        """Number ``c`` and run it; the future completes once it (and ``finish``) ran. ``inline``: run it on
-        this thread, before returning, if nothing is queued or running (otherwise it is queued like the rest)."""
+    def submit(self, c: Collective, finish: Callable[[], None] | None = None) -> torch.futures.Future:
+        """Number ``c`` and queue it; the future completes once it (and ``finish``) ran."""
         fut = torch.futures.Future()
         with self._lock:  # numbering and queueing together: the FIFO order is the numbering order
             self.seq += 1
-            request = Request(fut, finish, replace(c, seq=self.seq, timeout=self._timeout()))
-            inline = inline and self._pending == 0
             self._pending += 1
-            if inline:
-                # Nothing unfinished: the thread is not running (it releases the engine before it counts down)
-                self._running.acquire()
-            else:
-                self._requests.put(request)
-        if inline:
-            try:
-                self._execute(request)
-            finally:
-                self._running.release()
-                self._done()
+            self._requests.put(Request(fut, finish, replace(c, seq=self.seq, timeout=self._timeout())))
         return fut
 
     def run_small(self, t: torch.Tensor, divisor: float | None, bucket: int | None) -> bool:
@@ -187,7 +174,7 @@ class Worker:
             self.seq += 1
             seq = self.seq
             self._pending = 1
-            self._running.acquire()  # nothing unfinished: the thread is not running (see submit)
+            self._running.acquire()  # nothing unfinished: the thread is idle (it releases the engine, then counts down)
         try:
             self.engine.seg.timeout = self._timeout()
             self.engine.run_small(t, divisor, seq, bucket)
@@ -261,14 +248,11 @@ class ShmTransport:
     Collective: every rank of ``group`` (None: the default group) constructs it, in the same order as its other
     transports. ``timeout`` (seconds or timedelta; default ``$FANFOLD_STALL_TIMEOUT``, else 300; at most the
     process group's timeout; a ``stall_timeout`` block replaces it for the collectives started in it) bounds every
-    wait for a peer; a peer that never arrives, dies or fails makes the waiting rank raise
-    :class:`ShmTimeoutError` naming both ranks and the collective. ``chunk_bytes`` is the pipelining unit (where
-    /dev/shm has no room for the segment, smaller ones, down to :data:`SMALLEST_CHUNK`, announced once; then
-    :class:`SegmentSpaceError`);
-    ``direct_bytes`` (default: no limit up to 3 ranks, else 64 KiB) the largest tensor whose ring all_reduce every
-    rank sums whole instead of by shards; ``peer_read`` (None: where the probe allows) whether ranks read their
-    peers' memory.
-    Call :meth:`close` when done (also run when the object is collected)."""
+    wait for a peer: a peer that never arrives, dies or fails makes the waiting rank raise :class:`ShmTimeoutError`
+    naming both ranks and the collective. ``chunk_bytes``: the pipelining unit (smaller ones, down to
+    :data:`SMALLEST_CHUNK`, where /dev/shm has no room; then :class:`SegmentSpaceError`). ``direct_bytes`` (default:
+    no limit up to 3 ranks, else 64 KiB): the largest ring all_reduce every rank sums whole instead of by shards.
+    ``peer_read`` (None: where the probe allows): whether ranks read their peers' memory. :meth:`close` when done."""
 
     def __init__(self, group: Any = None, timeout: float | timedelta | None = None, *, chunk_bytes: int = 1 << 20,
                  direct_bytes: int | None = None, peer_read: bool | None = None):
@@ -318,9 +302,8 @@ class ShmTransport:
         self._small_bytes = min(INLINE_BYTES, chunk_bytes // 4, direct_bytes) if self.world_size > 1 else -1
 
     def _map_segment(self, store: Any, areas: int, chunk_bytes: int) -> tuple[Segment, int]:
-        """The segment, with ``chunk_bytes`` chunks or, where /dev/shm has no room for it (Docker gives a container
-        64 MB), the largest of a quarter, a sixteenth... down to SMALLEST_CHUNK that fits: announced once, by rank
-        0. Collective: every rank sees the same failures (the segment's reports), so all take the same size."""
+        """The segment, with ``chunk_bytes`` chunks or, where /dev/shm has no room (Docker's 64 MB), the largest of a
+        quarter, a sixteenth... down to SMALLEST_CHUNK that fits. Every rank sees the same failures: all agree."""
         asked, tried = chunk_bytes, 0
         while True:
             size = areas * (self.world_size + 1) * chunk_bytes + self.world_size * TABLE_BYTES
@@ -345,16 +328,14 @@ class ShmTransport:
         return seg, chunk_bytes
 
     def _reads_peers(self, nbytes: int, listed: bool = False) -> bool:
-        """The one choice between the two algorithms, for every collective that has both (all_reduce,
-        reduce_tensors, reduce_scatter_tensors, all_gather): read the peers' tensors where they lie when every rank
-        may (``peer_read``) and the data is a list of tensors (``listed``: gathering it into one buffer for the ring
-        would cost a copy each way) or one tensor above a quarter chunk; the ring through the segment otherwise
-        (below a quarter chunk its one synchronisation beats a system call per peer). It depends on sizes only, so
-        every rank makes the same choice."""
+        """The one choice between the two algorithms: read the peers' tensors where they lie when every rank may and
+        the data is a list of tensors (``listed``: the ring would copy it into one buffer and back) or one tensor above
+        a quarter chunk (below, the ring's one synchronisation beats a system call per peer); else the ring. From
+        sizes only, so every rank chooses alike."""
         return self.peer_read and (listed or nbytes > self._chunk_bytes // 4)
 
     def _submit(self, op: int, tensor: torch.Tensor | None, bucket: int | None = None, src: int = 0,
-                divisor: float | None = None, inline: bool = False, reduce: int = SUM,
+                divisor: float | None = None, reduce: int = SUM,
                 finish: Callable[[], None] | None = None) -> FanfoldWork:
         flat, back = flat_view(tensor, OPS[op]) if tensor is not None else (None, None)
         if self.world_size == 1:
@@ -370,20 +351,18 @@ class ShmTransport:
             c = Collective(op, 0, flat, bucket, src, nbytes > self._direct_bytes, divisor, reduce=reduce)
         if back is not None:
             finish = back if finish is None else (lambda first=back, then=finish: (first(), then()))
-        return self._enqueue(c, tensor, finish, inline and nbytes <= INLINE_BYTES)
+        return self._enqueue(c, tensor, finish)
 
-    def _enqueue(self, c: Collective, value: Any, finish: Callable[[], None] | None, inline: bool = False
-                 ) -> FanfoldWork:
+    def _enqueue(self, c: Collective, value: Any, finish: Callable[[], None] | None) -> FanfoldWork:
         """Number ``c`` and run it (``Worker.submit``); the handle's future yields ``value``."""
         if not self._finalizer.alive:
             raise RuntimeError(f"rank {self.rank}: {OPS[c.op]} on a closed ShmTransport")
-        return FanfoldWork(self._worker.submit(c, finish, inline), value)
+        return FanfoldWork(self._worker.submit(c, finish), value)
 
     def allocate(self, numel: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
         """A zeroed 1-d tensor of ``numel`` ``dtype`` in a shared-memory region of its own (ordinary memory for one
-        rank, an unsupported dtype, not CPU), reduced like any other tensor. Collective: every rank allocates the
-        same sizes in the same order. The region lives until close() and the last tensor viewing it (DDP's buckets,
-        ``.grad`` views of them), whichever comes last (``_core.shm.map_tensor``)."""
+        rank, an unsupported dtype, not CPU). Collective: every rank allocates the same sizes in the same order. The
+        region lives until close() and the last tensor viewing it, whichever comes last."""
         if self.world_size == 1 or dtype not in DTYPES or numel <= 0 or torch.device(device).type != "cpu":
             return torch.zeros(numel, dtype=dtype, device=device)
         if not self._finalizer.alive:
@@ -415,23 +394,18 @@ class ShmTransport:
 
     def all_reduce(self, tensor: torch.Tensor, bucket: int | None = None, divisor: float | None = None, *,
                    inline: bool = False, op: str = "sum") -> FanfoldWork:
-        """Sum ``tensor`` over the group, in place, asynchronously; ``bucket`` labels errors. With ``divisor`` the
-        result is the sum divided by it (bitwise what dividing afterwards gives), at no extra pass over memory.
-        ``op``: "sum", or "min", "max", "product" (in rank order as the sum; no divisor). ``inline``: a sum of at
-        most :data:`INLINE_BYTES` is done on this thread before the call returns when no collective is queued or
-        running (the latency path, :meth:`run_small`); otherwise it is queued as usual."""
-        if divisor is not None and not (isinstance(divisor, (int, float)) and divisor > 0):
-            raise ValueError(f"all_reduce: divisor must be a positive number, got {divisor!r}")
-        reduce = reduce_code(op, divisor)
+        """Sum ``tensor`` over the group, in place, asynchronously; ``bucket`` labels errors; ``divisor``: the sum
+        divided by it (bitwise what dividing afterwards gives); ``op``: "sum", "min", "max" or "product" (no divisor).
+        ``inline``: a sum of at most :data:`INLINE_BYTES` runs on this thread when nothing is queued or running."""
+        reduce = reduce_code(op, divisor, "all_reduce")
         if inline and reduce == SUM and self.run_small(tensor, divisor, bucket):
             return completed_work(tensor)
         return self._submit(ALL_REDUCE, tensor, bucket, divisor=divisor, reduce=reduce)
 
     def run_small(self, tensor: torch.Tensor, divisor: float | None = None, bucket: int | None = None) -> bool:
-        """The latency path: sum a contiguous CPU ``tensor`` of at most :data:`INLINE_BYTES` (the ring's direct sum
-        of one chunk) in place, on this thread, now, if nothing is queued or running -- True once done. False
-        (nothing done) for anything else; the caller then queues it as usual. ``divisor`` is checked by the
-        caller."""
+        """The latency path: sum a contiguous CPU ``tensor`` of at most :data:`INLINE_BYTES` in place on this thread,
+        now, if nothing is queued or running: True once done; False, nothing done, for anything else (the caller
+        queues it). ``divisor`` is checked by the caller."""
         if not (tensor.is_cpu and tensor.layout is torch.strided and tensor.dtype in _SMALL_DTYPES
                 and tensor.nbytes <= self._small_bytes and tensor.is_contiguous() and self._finalizer.alive):
             return False
@@ -441,15 +415,11 @@ class ShmTransport:
     def reduce_tensors(self, tensors: list[torch.Tensor], bucket: int | None = None, *,
                        divisor: float | None = None, settle: bool = True,
                        compress: torch.dtype | None = None) -> FanfoldWork:
-        """The Protocol's ``reduce_tensors`` (CPU tensors). Where the peers' memory is read (``_reads_peers``)
-        nothing is copied into shared memory: each rank sums its shard from the peers' own tensors and copies the
-        other shards from theirs (DDP's gradients, straight from autograd); ``settle=False``: the handle completes
-        once this rank has its result, while peers may still read its tensors (one synchronisation less).
-        Otherwise the tensors are laid end to end in one buffer, all-reduced through the ring and copied back.
-        ``compress``: bitwise fanfold's compression hooks (cast -- float16 after dividing by ``divisor`` --,
-        all-reduce, cast back); with peer reads every rank rounds the values as it reads them."""
-        if divisor is not None and not (isinstance(divisor, (int, float)) and divisor > 0):
-            raise ValueError(f"reduce_tensors: divisor must be a positive number, got {divisor!r}")
+        """The Protocol's ``reduce_tensors`` (CPU tensors): by peer reads where ``_reads_peers`` allows (then
+        ``settle=False`` completes the handle while peers may still read the tensors), else laid end to end in one
+        buffer through the ring. ``compress``: bitwise fanfold's compression hooks (cast, float16 after dividing by
+        ``divisor``; all-reduce; cast back)."""
+        reduce_code("sum", divisor, "reduce_tensors")
         tensors = check_reduce_tensors(tensors, compress)
         if not tensors:
             return completed_work(tensors)
@@ -472,17 +442,15 @@ class ShmTransport:
         """Copy rank ``src``'s ``tensor`` into every rank's, in place (after the collectives queued before it)."""
         if not isinstance(src, int) or not 0 <= src < self.world_size:
             raise ValueError(f"broadcast: src must be a rank of the group (0..{self.world_size - 1}), got {src!r}")
-        self._submit(BROADCAST, tensor, src=src, inline=True).wait()  # waited for at once: small ones on this thread
+        self._submit(BROADCAST, tensor, src=src).wait()
 
     def barrier(self) -> None:
         """Return once every rank has reached this barrier (and finished the collectives queued before it)."""
         self._submit(BARRIER, None).wait()
 
     def abort(self, message: str) -> None:
-        """End every rank's waits in this transport at once (its collectives and its peers' raise, naming this rank
-        and ``message``): the answer to the group's stall alarm, and to a failure in a layer above (the hierarchical
-        transport's cross-host step), so that the ranks of this host learn it now rather than at their timeout. The
-        transport is unusable after."""
+        """End every rank's waits in this transport at once (they raise, naming this rank and ``message``): the
+        answer to a stall alarm or a failure in a layer above. The transport is unusable after."""
         if self._segment is not None and self._finalizer.alive:
             self._segment.abort(f"rank {self.rank}: {message}")
 
@@ -520,9 +488,7 @@ class ShmTransport:
         """Sum ``tensor`` (world_size x ``out``'s elements) over the group and keep this rank's shard in ``out``
         (rank r: elements r * numel .. (r + 1) * numel), asynchronously; with ``divisor``, divided by it. Summed in
         rank order: bitwise what :meth:`all_reduce` gives that shard. ``op``: "sum", "min", "max" or "product"."""
-        if divisor is not None and not (isinstance(divisor, (int, float)) and divisor > 0):
-            raise ValueError(f"reduce_scatter: divisor must be a positive number, got {divisor!r}")
-        reduce = reduce_code(op, divisor)
+        reduce = reduce_code(op, divisor, "reduce_scatter")
         flat, out_flat, finish = exchange_tensors("reduce_scatter", tensor, out, per=self.world_size)
         if reduce == SUM and self.world_size > 1 and self._reads_peers(flat.nbytes) and flat.numel() and \
                 not (_overlaps(flat, out_flat) or _overlaps(out_flat, flat)):
@@ -539,14 +505,11 @@ class ShmTransport:
         """Sum ``tensors`` (contiguous CPU tensors of one dtype, not overlapping; laid end to end, ``total`` elements
         on every rank) over the group and keep this rank's part in ``out`` (``ceil(total / world_size)`` elements:
         rank r's part is elements r * len(out) .. (r + 1) * len(out) of the concatenation; where it runs past
-        ``total``, ``out`` is zeroed), asynchronously; divided by ``divisor``. Bitwise what :meth:`reduce_scatter`
-        of the zero-padded concatenation gives. Where the peers' memory is read (``_reads_peers``) each rank reads
-        only its part from the peers' own tensors (``PeerReader.reduce_scatter``); ``settle=False``: the handle
-        completes once ``out`` holds the result, and the tensors must stay unchanged until a later collective of
-        this transport has returned. Otherwise they are copied into one buffer and reduce-scattered through the
-        ring. ``compress``: as :meth:`reduce_tensors` (the compression hooks' bits); ``out`` stays float32."""
-        if divisor is not None and not (isinstance(divisor, (int, float)) and divisor > 0):
-            raise ValueError(f"reduce_scatter_tensors: divisor must be a positive number, got {divisor!r}")
+        ``total``, ``out`` is zeroed), asynchronously; divided by ``divisor``: bitwise :meth:`reduce_scatter` of the
+        zero-padded concatenation. By peer reads where ``_reads_peers`` allows (``settle=False``: the tensors must
+        stay unchanged until a later collective has returned), else through the ring. ``compress``: as
+        :meth:`reduce_tensors`; ``out`` stays float32."""
+        reduce_code("sum", divisor, "reduce_scatter_tensors")
         tensors = check_reduce_tensors(tensors, compress, "reduce_scatter_tensors")
         total = sum(t.numel() for t in tensors)
         chunk = -(-total // self.world_size)
