@@ -203,7 +203,7 @@ class Engine:
         self._seen = 0  # every peer's count had reached this at the last small all_reduce
         self._scratch = torch.empty(chunk_bytes // 2, dtype=torch.float32)  # a chunk of half values, widened
         self._divisor = None  # of the collective being run: its sums are divided while the chunk is in cache
-        self._reduce = SUM  # of the collective being run: what sum_into computes (request.py)
+        self._reduce = SUM  # of the collective being run: what sum_into computes
         self._peer = None if tables is None else PeerReader(segment, rank, world_size, tables, chunk_bytes,
                                                             self.sum_into)
         # Parity: a rank rewrites descriptor seq % 2 only after the first step of seq + 1 completed, which its peers
@@ -259,7 +259,7 @@ class Engine:
                     field=_differs(theirs, mine), detail=f"rank {p} is in {what}")
 
     def run(self, c: Collective) -> None:
-        """Run collective ``c`` (see :class:`~fanfold.collectives.shm.request.Collective` for its fields)."""
+        """Run collective ``c`` (:class:`Collective`)."""
         op, flat, seq = c.op, c.flat, c.seq
         self._divisor, self._reduce = c.divisor, c.reduce
         if c.timeout is not None:
@@ -277,10 +277,7 @@ class Engine:
         if op in (ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL):
             _EXCHANGES[op](self, c, header, where)
             return
-
-        def describe(i: int) -> Callable:
-            return lambda: (f"{header.describe()} {where}, chunk {i + 1} of {count}", seq, c.bucket)
-
+        describe = _describe(header, where, count, c.bucket, seq)
         if op == GATHER_PEERS:
             self._peer.all_gather(flat, c.out, describe, lambda: self.check(seq, header, describe(0)))
             return
