@@ -77,12 +77,12 @@ def exchange_tensors(what: str, tensor: torch.Tensor, out: torch.Tensor, times: 
                      ) -> tuple[torch.Tensor, torch.Tensor, Callable[[], None] | None]:
     """The flat input and output of all_gather, reduce_scatter or all_to_all, and what to run once the engine has
     written the output (the copy back into a non-contiguous ``out``); ``out`` must hold ``times`` / ``per`` times
-    the input's elements."""
+    the input's elements (``times=0``: any number, all_to_all's counts say)."""
     flat, _ = flat_view(tensor, f"{what} (input)")  # the engine only reads the input: a copy is all it needs
     out_flat, back = flat_view(out, f"{what} (output)")
     if out.dtype != tensor.dtype:
         raise TypeError(f"{what}: the output's dtype {out.dtype} differs from the input's {tensor.dtype}")
-    if tensor.numel() % per or out.numel() * per != tensor.numel() * times:
+    if times and (tensor.numel() % per or out.numel() * per != tensor.numel() * times):
         raise ValueError(f"{what}: an input of {tensor.numel()} elements needs an output of {times}/{per} as many, "
                          f"got {out.numel()}")
     return flat, out_flat, back
@@ -94,10 +94,7 @@ def exchange_counts(tensor: torch.Tensor, out: torch.Tensor, send: list[int], re
     for name, counts in (("send", send), ("recv", recv)):
         if len(counts) != n or any(not isinstance(k, int) or k < 0 for k in counts):
             raise ValueError(f"all_to_all: {name} must be {n} non-negative element counts, got {counts!r}")
-    flat, _ = flat_view(tensor, "all_to_all (input)")
-    out_flat, back = flat_view(out, "all_to_all (output)")
-    if out.dtype != tensor.dtype:
-        raise TypeError(f"all_to_all: the output's dtype {out.dtype} differs from the input's {tensor.dtype}")
+    flat, out_flat, back = exchange_tensors("all_to_all", tensor, out, times=0)
     for name, counts, t in (("send", send, tensor), ("recv", recv, out)):
         if sum(counts) != t.numel():
             raise ValueError(f"all_to_all: {name} counts {counts} add up to {sum(counts)}, not the {t.numel()} "
