@@ -31,8 +31,8 @@ from ..._core.shm import (
 )
 from ..errors import StallError
 
-__all__ = ["Segment", "ShmTimeoutError", "SegmentSpaceError", "SHM_DIR", "SEGMENT_NAME", "segment_name",
-           "pid_namespace", "leftover_segments", "host_key"]
+__all__ = ["Segment", "ShmTimeoutError", "SegmentSpaceError", "SEGMENT_NAME", "segment_name", "leftover_segments",
+           "host_key"]
 
 _PREFIX = "fanfold-"
 # fanfold-<pid namespace inode, or x>-<creator's pid>-<12 hex digits>: what segment_name() makes, nothing else

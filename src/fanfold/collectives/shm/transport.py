@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..._core.group import require_initialized
+from ..._core.shm import SHM_DIR, pid_namespace
 from ..store import StoreGroup, group_store
 from ..timeouts import bound, group_timeout, resolve_stall_timeout
 from ..work import FanfoldWork, completed_work
@@ -41,7 +42,7 @@ from .engine import (
     reduce_code,
 )
 from .peer import TABLE_BYTES, probe
-from .segment import SHM_DIR, Segment, SegmentSpaceError, ShmTimeoutError, pid_namespace
+from .segment import Segment, SegmentSpaceError, ShmTimeoutError
 
 __all__ = ["ShmTransport", "ShmTimeoutError", "SegmentSpaceError", "INLINE_BYTES", "SMALLEST_CHUNK", "flat_view"]
 
