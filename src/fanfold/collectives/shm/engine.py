@@ -183,18 +183,13 @@ def _differs(theirs: Header, mine: Header) -> str:
 
 
 class Engine:
-    """The algorithms over one segment; runs on the transport's thread only.
-
-    Every rank publishes numbered steps (``Segment.arrive``); step g writes area g % ``areas`` of the ring. A rank
-    finishes reading step x before it publishes step x + 2 (one chunk of look-ahead: chunk i + 1 is written before
-    chunk i is summed), so step g may rewrite its area once every peer's count reached g - areas + 3. With 8 areas a
-    rank runs up to 5 steps ahead of a descheduled peer: the two take turns in bursts, not at every chunk.
-    """
+    """The algorithms over one segment, run on one thread at a time. Step g (``Segment.arrive``) writes area
+    g % ``areas``; a rank finishes reading step x before it publishes x + 2 (one chunk of look-ahead), so step g may
+    rewrite its area once every peer's count reached g - areas + 3."""
 
     def __init__(self, segment: Segment, rank: int, world_size: int, chunk_bytes: int, areas: int,
                  tables: torch.Tensor | None = None):
-        """``tables``: the peer-read tables' memory in the segment, when every rank may read its peers' memory
-        (``peer.py``); None otherwise."""
+        """``tables``: the peer reads' tables in the segment where every rank may read its peers (else None)."""
         self.seg, self.rank, self.n = segment, rank, world_size
         self.chunk_bytes, self.areas = chunk_bytes, areas
         self._views: dict[torch.dtype, list] = {}
