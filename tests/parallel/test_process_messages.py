@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from fanfold._core.tree import flatten
-from fanfold.parallel.process_worker import WORKER, Backward, Failure, Forward, Gradients, Mailbox, Outputs
-from fanfold.parallel.process_worker import Arena
+from fanfold.parallel.process_worker import WORKER, Arena, Backward, Failure, Forward, Gradients, Mailbox, Outputs
 
 
 def no_check():
