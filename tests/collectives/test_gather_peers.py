@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import fanfold
-from fanfold.collectives.shm import engine
+from fanfold.collectives.shm.peer import PeerReader
 from fanfold.collectives.shm.transport import ShmTransport
 
 CHUNK = 64 << 10  # outputs above 16 KB take the peer reads
@@ -22,13 +22,13 @@ def _ranks():
     r, n = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
     out, calls = [], []
-    gather = engine.gather_from_peers
+    gather = PeerReader.all_gather
 
     def counted(reader, part, *args):
         calls.append(part.numel())
         return gather(reader, part, *args)
 
-    with ShmTransport(timeout=60, chunk_bytes=CHUNK) as t, mock.patch.object(engine, "gather_from_peers", counted):
+    with ShmTransport(timeout=60, chunk_bytes=CHUNK) as t, mock.patch.object(PeerReader, "all_gather", counted):
         for dtype in (torch.float32, torch.float64):
             for m in SIZES:
                 g = torch.Generator().manual_seed(31 * r + m)

@@ -18,9 +18,10 @@ from _survivors import run_surviving
 
 import fanfold
 from _ddp_models import MODELS, batch, loss_fn, optimizer, single_process, train_ddp
+from fanfold._core.shm import SHM_DIR, pid_namespace
 from fanfold.collectives.select import select_transport
 from fanfold.collectives.shm import peer as shm_peer
-from fanfold.collectives.shm.segment import SHM_DIR, host_key, pid_namespace
+from fanfold.collectives.shm.segment import host_key
 from fanfold.collectives.shm.transport import ShmTimeoutError, ShmTransport
 from fanfold.distributed.reducer import SMALL_TENSOR_BYTES
 

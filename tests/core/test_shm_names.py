@@ -7,8 +7,8 @@ import stat
 
 import pytest
 
-from fanfold._core.shm import SHM_DIR, FileId, check_name, create_segment, open_segment, unlink, unmap
-from fanfold.collectives.shm.segment import SEGMENT_NAME, Segment, _from_store, pid_namespace, segment_name
+from fanfold._core.shm import SHM_DIR, FileId, check_name, create_segment, open_segment, pid_namespace, unlink, unmap
+from fanfold.collectives.shm.segment import SEGMENT_NAME, Segment, _from_store, segment_name
 
 pytestmark = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="no /dev/shm on this machine")
 

@@ -1,4 +1,4 @@
-"""The process engine's compact step messages (process_mailbox.py) through a real mailbox pair: every message must
+"""The process engine's compact step messages (process_worker.py) through a real mailbox pair: every message must
 arrive equal to what was sent (the oracle: the message itself, as pickling would deliver it), repeats in a few bytes
 (also where forward and backward messages alternate in one slot buffer),
 and anything whose structure changed, that cannot repeat by identity, or that failed to pickle, in full."""
@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from fanfold._core.tree import flatten
-from fanfold.parallel.process_mailbox import WORKER, Backward, Failure, Forward, Gradients, Mailbox, Outputs
-from fanfold.parallel.process_slots import Arena
+from fanfold.parallel.process_worker import WORKER, Arena, Backward, Failure, Forward, Gradients, Mailbox, Outputs
 
 
 def no_check():

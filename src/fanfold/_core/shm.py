@@ -1,14 +1,7 @@
-"""Shared memory between the processes of one host, written once: named segments in /dev/shm (create, open, map as
-a uint8 tensor, close), fd-backed shared buffers, and futex waits on 32-bit words in that memory, every one bounded.
-
-A segment name is one plain path component (:func:`check_name`), so that no name, whoever wrote it, reaches outside
-/dev/shm; creating never follows or reuses an existing entry, opening never follows a symbolic link, and a process
-unlinks a name only while it still names the very file that process created or opened (:class:`FileId`).
-
-Layer: the bottom; used by the shared-memory transport (``collectives/shm/segment.py``) and by DataParallel's
-process engine (``parallel/process_mailbox.py``). Linux only. Ordering across processes relies on stores becoming
-visible in program order (x86-64's total store order): a peer that sees a counter also sees what was written
-before it.
+"""Shared memory between the processes of one host, written once for the collectives and the process engine: named
+segments in /dev/shm (safe names only, never following or reusing an entry, unlinked only while the name is still
+the file this process made or opened), fd-backed buffers, and bounded futex waits on 32-bit words in that memory.
+Linux only; the ordering across processes relies on x86-64's total store order (docs/shm.md).
 """
 from __future__ import annotations
 
@@ -41,8 +34,7 @@ class _Timespec(ctypes.Structure):
 
 class Futex:
     """``futex(2)`` wait and wake on 32-bit words in shared memory, through ``ctypes`` (which releases the
-    interpreter lock during the call). ``what`` names the feature in the error where the machine has no futexes.
-    One object per thread: it keeps the timespec of its waits."""
+    interpreter lock during the call); ``what`` names the feature in errors. One object per thread (its timespec)."""
 
     def __init__(self, what: str = "fanfold's shared memory"):
         if _SYS_FUTEX is None:
@@ -68,9 +60,8 @@ class Futex:
 
     def wait(self, word: Any, reached: Callable[[int], bool], check: Callable[[], float | None], *,
              yield_core: bool) -> None:
-        """Return once ``reached(word.value)`` (``word``: a ``ctypes.c_uint32`` in shared memory). Polls for a few
-        microseconds (``yield_core``: giving the core to a runnable thread on each poll), then
-        :meth:`sleep_until`."""
+        """Return once ``reached(word.value)`` (``word``: a ``ctypes.c_uint32`` in shared memory): polls for a few
+        microseconds (``yield_core``: giving the core away on each poll), then :meth:`sleep_until`."""
         spin_end = time.perf_counter() + SPIN_S
         while time.perf_counter() < spin_end:
             if reached(word.value):
@@ -80,9 +71,8 @@ class Futex:
         self.sleep_until(word, reached, check)
 
     def sleep_until(self, word: Any, reached: Callable[[int], bool], check: Callable[[], float | None]) -> None:
-        """Sleep in the kernel on ``word`` until ``reached(word.value)``. ``check()`` runs before each sleep: it
-        raises to give up (a deadline, a dead peer) and returns the most seconds the next sleep may last (None: the
-        default slice of 50 ms)."""
+        """Sleep in the kernel on ``word`` until ``reached(word.value)``. ``check()`` runs before each sleep: it raises
+        to give up (a deadline, a dead peer) and returns the most seconds the next sleep may last (None: 50 ms)."""
         address = ctypes.addressof(word)
         while True:
             seen = word.value
@@ -126,9 +116,8 @@ def _checked_fd(fd: int, name: str, size: int | None) -> FileId:
 
 
 def create_segment(name: str, size: int) -> tuple[mmap.mmap, FileId]:
-    """Create ``/dev/shm/<name>`` of ``size`` bytes, mode 0600, its space reserved (a full /dev/shm is an error now,
-    not a SIGBUS at the first touch of a page), and map it; returns the mapping and the file's :class:`FileId`.
-    An existing entry of that name, a symbolic link included, is an error (O_EXCL, O_NOFOLLOW), never reused."""
+    """Create and map ``/dev/shm/<name>`` of ``size`` bytes, mode 0600, its space reserved (a full /dev/shm is an
+    error now, not a SIGBUS later); the mapping and its :class:`FileId`. An existing entry is an error, never reused."""
     path = os.path.join(SHM_DIR, check_name(name))
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
@@ -158,8 +147,7 @@ def open_segment(name: str, size: int) -> tuple[mmap.mmap, FileId]:
 
 def unlink(name: str, owned: FileId) -> bool:
     """Remove ``/dev/shm/<name>`` if it is still the file ``owned`` (the memory lives on in every mapping); whether
-    it was removed. Another file now under that name is left alone. /dev/shm is sticky: once the name is seen to be
-    ours, no other user can replace it before the unlink (only its owner, or root, may remove or rename it)."""
+    it was removed. /dev/shm is sticky: once the name is seen to be ours, no other user can replace it first."""
     path = os.path.join(SHM_DIR, check_name(name))
     try:
         st = os.lstat(path)
@@ -175,9 +163,8 @@ def unlink(name: str, owned: FileId) -> bool:
 
 
 def map_tensor(mm: mmap.mmap) -> torch.Tensor:
-    """The mapping as a uint8 tensor that keeps it mapped: made over a ``memoryview``, so the tensor and every view
-    of it hold an export, which :func:`unmap` (``mmap.close``) respects. (``torch.frombuffer`` on the mmap itself
-    holds no export: the mapping could be closed under live tensors.)"""
+    """The mapping as a uint8 tensor that keeps it mapped: over a ``memoryview``, so every view of it holds an export
+    that :func:`unmap` respects (``torch.frombuffer`` on the mmap itself holds none)."""
     return torch.frombuffer(memoryview(mm), dtype=torch.uint8)
 
 
@@ -219,6 +206,5 @@ def pid_namespace() -> str:
 
 
 def shared_bytes(size: int) -> torch.Tensor:
-    """A byte buffer in shared memory for a child process: file-descriptor backed (``share_memory_``), so nothing
-    named is left in /dev/shm; it crosses to the child through torch's reductions."""
+    """A byte buffer in fd-backed shared memory for a child process (nothing named is left in /dev/shm)."""
     return torch.empty(size, dtype=torch.uint8).share_memory_()

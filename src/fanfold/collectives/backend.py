@@ -36,7 +36,7 @@ from .errors import StallError
 from .hierarchical import HierarchicalTransport, host_layout
 from .protocol import Transport
 from .select import ENV_VAR
-from .shm.request import DTYPES
+from .shm.engine import DTYPES
 from .shm.segment import host_key
 from .shm.transport import SegmentSpaceError, ShmTransport
 from .splits import all_to_all_counts, unflatten

@@ -24,14 +24,12 @@ import torch
 import torch.distributed as dist
 
 from .._core.group import require_initialized
-from .shm.request import check_reduce_tensors, flat_view, split_into
 from .shm.segment import host_key
-from .shm.thread import ShmWork
-from .shm.thread import completed as _completed
-from .shm.transport import ShmTransport
+from .shm.transport import ShmTransport, check_reduce_tensors, flat_view, split_into
 from .store import StoreGroup, group_store
 from .timeouts import bound, group_timeout, resolve_stall_timeout
 from .transport import reduce_through_copy
+from .work import FanfoldWork, completed_work
 
 __all__ = ["HierarchicalTransport", "HostLayout", "host_layout"]
 
@@ -251,7 +249,7 @@ class HierarchicalTransport:
     # -- the Transport protocol
 
     def all_reduce(self, tensor: torch.Tensor, bucket: int | None = None, divisor: float | None = None, *,
-                   op: str = "sum") -> ShmWork:
+                   op: str = "sum") -> FanfoldWork:
         """Reduce ``tensor`` over the group in place, asynchronously, piece by piece (``PIECE_BYTES``): in-host
         reduce-scatter (local-rank order), cross-host all-reduce of each shard (gloo), in-host all-gather; then
         divided by ``divisor``. ``op``: "sum", "min", "max" or "product" (no divisor). Every rank gets the same
@@ -273,12 +271,12 @@ class HierarchicalTransport:
         return self._reduce([t.view(-1) for t in tensors], bucket, divisor, "sum", tensors, None)
 
     def _reduce(self, flats: list[torch.Tensor], bucket: int | None, divisor: float | None, op: str, value: Any,
-                back: Callable[[], None] | None) -> ShmWork:
+                back: Callable[[], None] | None) -> FanfoldWork:
         """The all-reduce of ``flats`` laid end to end, one step per piece of ``PIECE_BYTES``, so that the in-host
         stages of piece i + 1 run while piece i crosses hosts."""
         total = sum(f.numel() for f in flats)
         if total == 0:
-            return _completed(value)
+            return completed_work(value)
         step = max(1, PIECE_BYTES // flats[0].element_size())
         futures = [self._piece(_span(flats, a, min(a + step, total)), bucket, divisor, op)
                    for a in range(0, total, step)]
@@ -288,7 +286,7 @@ class HierarchicalTransport:
                 f.value()  # the first piece's error, if any
             return back() if back is not None else None
 
-        return _yielding(torch.futures.collect_all(futures).then(done), value)
+        return FanfoldWork(torch.futures.collect_all(futures).then(done), value)
 
     def _piece(self, views: list[torch.Tensor], bucket: int | None, divisor: float | None,
                op: str) -> torch.futures.Future:
@@ -327,7 +325,7 @@ class HierarchicalTransport:
         return self._submit(self._host_stage(pieces, part, bucket, op), cross, then, finish)
 
     def reduce_scatter(self, tensor: torch.Tensor, out: torch.Tensor, bucket: int | None = None, *,
-                       divisor: float | None = None, op: str = "sum") -> ShmWork:
+                       divisor: float | None = None, op: str = "sum") -> FanfoldWork:
         """This rank's part (rank r: elements r * n .. (r + 1) * n, n = ``out``'s elements) of the reduction of
         ``tensor`` over the group, into ``out``: in-host reduce-scatter of shards that hold, host by host, the parts
         of the ranks with that local rank; an all_to_all on each cross group sends each host its ranks' parts; each
@@ -340,7 +338,7 @@ class HierarchicalTransport:
         flat, _ = flat_view(tensor, "reduce_scatter")
         out_flat, back = flat_view(out, "reduce_scatter (out)")
         if n == 0:
-            return _completed(out)
+            return completed_work(out)
         size, H = len(hosts[self.host]), len(hosts)
         slots_per_rank, slots = self._slots()
         pieces = []
@@ -365,9 +363,9 @@ class HierarchicalTransport:
             if divisor is not None:
                 out_flat.div_(divisor)
 
-        return _yielding(self._submit(self._host_stage(pieces, part, bucket, op), cross, then, back), out)
+        return FanfoldWork(self._submit(self._host_stage(pieces, part, bucket, op), cross, then, back), out)
 
-    def all_gather(self, tensor: torch.Tensor, out: torch.Tensor, bucket: int | None = None) -> ShmWork:
+    def all_gather(self, tensor: torch.Tensor, out: torch.Tensor, bucket: int | None = None) -> FanfoldWork:
         """Every rank's ``tensor`` into ``out`` by rank, asynchronously: across hosts first (gloo group k gathers
         local rank k's tensor of every host; a host with fewer ranks sends zeros there), then inside the host."""
         # read by the cross-host step only, before finish() writes out: out may overlap it (an in-place gather)
@@ -378,7 +376,7 @@ class HierarchicalTransport:
             raise ValueError(f"all_gather: out must hold world_size ({self.world_size}) x {n} elements of "
                              f"{flat.dtype}, got {out.numel()} of {out.dtype}")
         if n == 0:
-            return _completed(out)
+            return completed_work(out)
         size = len(self.layout.hosts[self.host])
         m, slots = self._slots()
         part = torch.zeros(m * hosts * n, dtype=flat.dtype)
@@ -398,7 +396,7 @@ class HierarchicalTransport:
             if back is not None:
                 back()
 
-        return _yielding(self._submit(None, cross, lambda: self._gather.all_gather(part, whole, bucket), finish), out)
+        return FanfoldWork(self._submit(None, cross, lambda: self._gather.all_gather(part, whole, bucket), finish), out)
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         """Rank ``src``'s ``tensor`` into every rank's, in place, synchronously: across hosts on the gloo group of
@@ -440,10 +438,6 @@ class HierarchicalTransport:
     def __repr__(self) -> str:
         return (f"HierarchicalTransport(rank={self.rank}, world_size={self.world_size}, "
                 f"hosts={[len(m) for m in self.layout.hosts]}, host={self.host}, local_rank={self.local_rank})")
-
-
-def _yielding(future: torch.futures.Future, value: Any) -> ShmWork:
-    return ShmWork(future.then(lambda fut: (fut.value(), value)[1]))  # value() raises the step's error
 
 
 def _check(what: str, op: str, divisor: float | None) -> None:

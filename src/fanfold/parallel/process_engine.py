@@ -1,33 +1,179 @@
-"""ProcessEngine: ``DataParallel(..., engine="process")``'s replicas, replica 0 in the caller and one persistent
-worker process per further CPU replica, sharing the module's memory.
-
-Starts on first use (parameters and buffers moved into shared memory in place), restarts after a structure change,
-a dead worker or Ctrl-C; a step posts each worker its chunk through slots and mailboxes and joins their outputs to
-the caller's graph (``process_remote.Remote``). Every wait is bounded. How and why: docs/data-parallel.md.
+"""``DataParallel(..., engine="process")``: replica 0 in the caller and one persistent worker process per further CPU
+replica (``process_worker.py``), sharing the module's memory. Starts on first use, restarts after a structure change,
+a dead worker or Ctrl-C; ``Remote`` joins the workers' outputs to the caller's graph and sums their gradients in
+replica order. Every wait is bounded. How and why: docs/data-parallel.md.
 """
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import select
 import time
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from itertools import chain
 from typing import Any
 
 import torch
 import torch.multiprocessing  # noqa: F401  (registers the reductions that send tensors through shared memory)
 from torch import nn
+from torch.autograd import Function
 
 from .._core.shm import shared_bytes
 from .._core.tree import flatten, unflatten
 from .parallel_backward import _tensor, _with_tensor
-from .process_mailbox import Mailbox
-from .process_remote import Remote, Step
-from .process_slots import Arena, layout, unpack, view
-from .process_start import start_context, stop_workers, structure
-from .process_worker import Failure, Forward, Outputs, Ready, Replica, replica_of, run_forward, worker_main
+from .process_worker import (
+    Arena,
+    Backward,
+    Failure,
+    Forward,
+    Gradients,
+    Graph,
+    Mailbox,
+    Outputs,
+    Ready,
+    Replica,
+    layout,
+    replica_of,
+    run_backward,
+    run_forward,
+    unpack,
+    view,
+    worker_main,
+)
 from .replicate import replicate
+
+
+def start_context(module: nn.Module) -> tuple[Any, bool]:
+    """The multiprocessing context for ``module``'s workers, and whether it forks."""
+    in_main = any(type(m).__module__ == "__main__" for m in module.modules())
+    if in_main or "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("fork"), True
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.multiprocessing", "fanfold"])
+    return ctx, False
+
+
+def structure(module: nn.Module) -> tuple[list, list[bool]]:
+    """What the workers' copy of ``module`` depends on (compared at every forward), and every submodule's ``training``
+    flag (sent at every forward): one walk over the dicts."""
+    sig: list = []
+    training = []
+    for m in module.modules():
+        sig.append(type(m))
+        training.append(m.training)
+        sig.extend((id(t), t.data_ptr(), t.shape, t.dtype, t.requires_grad)
+                   for t in chain(m._parameters.values(), m._buffers.values()) if t is not None)
+    return sig, training
+
+
+def stop_workers(procs: list, mailboxes: list, caller_threads: int = 0, set_to: int = 0) -> None:
+    """Ask the workers to stop, kill those that do not within seconds; give the caller ``caller_threads`` back if its
+    count is still ``set_to`` (the one the engine set; the user may have set another since)."""
+    for m in mailboxes:
+        m.stop()
+    deadline = time.monotonic() + 3.0
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join(2.0)
+    if caller_threads > 0 and torch.get_num_threads() == set_to != caller_threads:
+        torch.set_num_threads(caller_threads)
+
+
+@dataclass
+class Step:
+    """What ``_Remote`` needs: the engine (``ProcessEngine``) and its generation (its workers' start), each worker's
+    step number, each replica's outputs' range, each replica's positions among the chunk inputs, replica 0's graph."""
+
+    engine: Any
+    generation: int
+    steps: list[int]
+    slices: list[tuple[int, int]]
+    inputs: list[list[int]]
+    num_chunks: int
+    graph: Graph | None
+
+
+class _Token:
+    """Lives as long as the caller's graph node: when it goes, the workers may drop their graphs of that step."""
+
+    def __init__(self, engine: Any, steps: list[int]) -> None:
+        self.engine, self.steps = weakref.ref(engine), steps
+
+    def __del__(self) -> None:
+        engine = self.engine()
+        if engine is not None:
+            for w, step in enumerate(self.steps[:len(engine.released)]):  # worker w ran step: it may drop its graph
+                engine.released[w].append(step)
+
+
+def _sum(local: list, replies: list[Gradients], views: list[list[torch.Tensor]]) -> list:
+    """Per parameter, replica 0's gradient plus the workers', in replica order; a new tensor, or None if unused."""
+    if all(g is not None and g.layout == torch.strided for g in local) and all(
+            all(p is True for p in r.parameters) for r in replies):
+        if not replies:
+            return [g.clone() for g in local]  # autograd may hand a tensor it holds elsewhere: not ours to give away
+        total = torch._foreach_add(local, views[0])
+        for w in range(1, len(replies)):
+            torch._foreach_add_(total, views[w])
+        return total
+    sums = []
+    for k, g in enumerate(local):  # some replica did not use a parameter, or a gradient is sparse
+        parts = [g] + [views[w][k] if r.parameters[k] is True else r.parameters[k] for w, r in enumerate(replies)]
+        parts = [p for p in parts if p is not None]
+        total = parts[0].clone() if len(parts) == 1 else torch.add(parts[0], parts[1]) if parts else None
+        for p in parts[2:]:
+            total = total + p
+        sums.append(total)
+    return sums
+
+
+class Remote(Function):
+    """``Remote.apply(step, outputs, *chunks, *params)``: see the module docstring."""
+
+    @staticmethod
+    def forward(ctx, step: Step, outputs: list, *tensors: torch.Tensor) -> tuple:
+        ctx.set_materialize_grads(False)
+        ctx.step = step
+        ctx.token = _Token(step.engine, step.steps)
+        ctx.save_for_backward(torch.empty(0))  # so that autograd refuses a second backward without retain_graph
+        ctx.mark_non_differentiable(*[o for o in outputs if not (o.is_floating_point() or o.is_complex())])
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None) -> tuple:
+        ctx.saved_tensors  # noqa: B018  (raises autograd's own error on a second backward without retain_graph)
+        if torch.is_grad_enabled():
+            raise RuntimeError("DataParallel(engine='process'): double backward (create_graph=True) is not "
+                               "supported by the process engine; use engine='thread'")
+        step, engine = ctx.step, ctx.step.engine
+        if step.steps and step.generation != engine.generation:
+            raise RuntimeError("DataParallel(engine='process'): the workers were stopped since this forward (close(), "
+                               "a dead worker or Ctrl-C) or restarted (a structure change); run the forward again")
+
+        def post(w: int) -> Backward:
+            lo, hi = step.slices[w + 1]
+            packed, grown = engine.inboxes[w].pack(list(grads[lo:hi]))
+            return Backward(step.steps[w], packed, grown)
+
+        def local() -> list:
+            lo, hi = step.slices[0]
+            return run_backward(step.graph, list(grads[lo:hi]))
+
+        mine, replies = engine.exchange(len(step.steps), post, local, "backward")
+        split = len(mine) - len(step.inputs[0])
+        chunk_grads: list = [None] * step.num_chunks
+        for pos, g in zip(step.inputs[0], mine[split:]):
+            chunk_grads[pos] = g
+        for w, reply in enumerate(replies):
+            for pos, g in zip(step.inputs[w + 1], unpack(engine.outboxes[w], reply.inputs, copy=True)):
+                chunk_grads[pos] = g
+        return (None, None, *chunk_grads, *_sum(mine[:split], replies, engine.grad_views))
+
 
 START_TIMEOUT = 120.0  # a forkserver's first start imports torch: slow on a loaded machine
 STEP_TIMEOUT = 600.0  # one forward or backward of one replica

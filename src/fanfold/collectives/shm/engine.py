@@ -1,63 +1,164 @@
-"""The shared-memory transport's ring: all_reduce, broadcast, barrier, all_gather, reduce_scatter and all_to_all as
-numbered steps over the ring of areas of a :class:`~fanfold.collectives.shm.segment.Segment` (each rank writes its
-slot, then reads what its peers wrote), the small all_reduce on the caller's thread, and the rank-ordered folds
-that every algorithm sums with; the peer reads (``peer.py``) are dispatched from here too.
-
-Layer: between ``segment.py`` / ``peer.py`` and ``thread.py`` (the thread that runs it). An :class:`Engine` runs on
-one thread at a time.
+"""The shared-memory transport's engine: the codes of its collectives and reductions, a collective's description
+(:class:`Collective`) and the :class:`Header` each rank publishes so that its peers can check it, the ring (numbered
+steps over the segment's areas: each rank writes its slot, then reads its peers') and the rank-ordered fold that
+every algorithm sums with. :meth:`Engine.run` dispatches the peer reads (``peer.py``) too.
 """
 from __future__ import annotations
 
+import ctypes
 import math
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-from .peer import PeerReader, gather_from_peers, scatter_tensors
-from .request import (
-    ALL_GATHER,
-    ALL_REDUCE,
-    ALL_TO_ALL,
-    BARRIER,
-    DTYPES,
-    GATHER_PEERS,
-    HEADER_BYTES,
-    MAX,
-    MIN,
-    PRODUCT,
-    REDUCE_SCATTER,
-    REDUCE_TENSORS,
-    SCATTER_TENSORS,
-    SUM,
-    Collective,
-    Header,
-    HeaderWords,
-)
+from .peer import PeerReader
 from .segment import Segment
 
-__all__ = ["Engine", "combine", "ShmMismatchError"]
+__all__ = ["Engine", "combine", "ShmMismatchError", "Collective", "Header", "DTYPES", "OPS", "reduce_code"]
 
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.int16,
+          torch.int8, torch.uint8]
+# The ring's (ALL_REDUCE .. ALL_TO_ALL, through the segment's slots) and the peer reads' (REDUCE_TENSORS,
+# SCATTER_TENSORS, GATHER_PEERS: straight from the peers' tensors)
+(ALL_REDUCE, BROADCAST, BARRIER, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL, REDUCE_TENSORS, SCATTER_TENSORS,
+ GATHER_PEERS) = range(1, 10)
+OPS = {ALL_REDUCE: "all_reduce", BROADCAST: "broadcast", BARRIER: "barrier", REDUCE_TENSORS: "all_reduce",
+       ALL_GATHER: "all_gather", REDUCE_SCATTER: "reduce_scatter", ALL_TO_ALL: "all_to_all",
+       SCATTER_TENSORS: "reduce_scatter", GATHER_PEERS: "all_gather"}
+# SUM is 0: the code of a collective that reduces nothing, too
+SUM, MIN, MAX, PRODUCT = range(4)
+REDUCE_OPS = {SUM: "sum", MIN: "min", MAX: "max", PRODUCT: "product"}
+_CODES = {name: code for code, name in REDUCE_OPS.items()}
 _DESC = 16  # in a rank's line (after counter and pid), the headers of its current collective, by seq parity
-_FOLD = {MIN: torch.minimum, MAX: torch.maximum, PRODUCT: torch.mul}
+_FOLD = {SUM: torch.add, MIN: torch.minimum, MAX: torch.maximum, PRODUCT: torch.mul}
 _HALVES = (torch.bfloat16, torch.float16)
 
 
-def combine(parts: list[torch.Tensor], out: torch.Tensor, op: int, scratch: torch.Tensor) -> None:
-    """``out`` = ``parts[0]`` op ``parts[1]`` op ... in rank order, for op MIN, MAX or PRODUCT. ``out`` may be one
-    of ``parts`` (a rank's own copy in shared memory); ``scratch``: float32 memory for at least ``out.numel()``
-    values. MIN and MAX are exact in any dtype (a NaN on any rank gives NaN, as ``torch.minimum``); PRODUCT rounds
-    like the sum: several half-precision values are multiplied in float32 and rounded once."""
+def reduce_code(op: str, divisor: float | None = None, what: str = "all_reduce") -> int:
+    """The code of ``what``'s reduction ``op`` ("sum", "min", "max" or "product"), checked with its ``divisor`` (a
+    positive number, with "sum" only)."""
+    if op not in _CODES:
+        raise ValueError(f"op must be one of {sorted(_CODES)}, got {op!r}")
+    if divisor is not None and not (isinstance(divisor, (int, float)) and divisor > 0):
+        raise ValueError(f"{what}: divisor must be a positive number, got {divisor!r}")
+    if divisor is not None and op != "sum":
+        raise ValueError(f"a divisor (an average) goes with op='sum' only, got op={op!r} and divisor={divisor!r}")
+    return _CODES[op]
+
+
+@dataclass(frozen=True, eq=False)
+class Collective:
+    """One collective as :meth:`Engine.run` runs it. ``flat``: the contiguous 1-d tensor it works on (the input of
+    all_gather, reduce_scatter, all_to_all; None for a barrier); ``seq``: its number, the same on every rank;
+    ``bucket`` labels errors; ``src``: a broadcast's root; ``shards``: the ring's all_reduce sums by shards (each rank
+    one) rather than every rank summing everything; ``divisor``: sums are divided by it; ``outs``: REDUCE_TENSORS'
+    and SCATTER_TENSORS' tensors; ``settle``, ``compress`` (dtype, pre_divisor): see ``PeerReader.run``; ``out``:
+    the output of all_gather, reduce_scatter and all_to_all; ``splits``: all_to_all's element counts (sent, received);
+    ``reduce``: the reduction's code; ``timeout``: seconds any of its waits may take (None: the segment's)."""
+
+    op: int
+    seq: int
+    flat: torch.Tensor | None = None
+    bucket: int | None = None
+    src: int = 0
+    shards: bool = False
+    divisor: float | None = None
+    outs: list[torch.Tensor] | None = None
+    settle: bool = True
+    compress: tuple[torch.dtype, float | None] | None = None
+    out: torch.Tensor | None = None
+    splits: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+    reduce: int = SUM
+    timeout: float | None = None
+
+
+class HeaderWords(ctypes.Structure):
+    """A :class:`Header` in a rank's segment line (``Segment.line(rank, HeaderWords, offset)``)."""
+
+    # Each field in its own word: a peer reads them one by one, and a mismatch names the field that differs.
+    # dtype and reduce share what was dtype's word: the header stays 24 bytes (the line's bytes 64.. are peer.py's)
+    _fields_ = [("op", ctypes.c_uint16), ("dtype", ctypes.c_uint8), ("reduce", ctypes.c_uint8),
+                ("src", ctypes.c_uint16), ("narrow", ctypes.c_uint16), ("numel", ctypes.c_uint64),
+                ("place", ctypes.c_uint64)]
+
+
+HEADER_BYTES = ctypes.sizeof(HeaderWords)
+
+
+def _dtype_code(dtype: torch.dtype | None) -> int:
+    return 0 if dtype is None else DTYPES.index(dtype) + 1
+
+
+def _dtype_name(code: int) -> str:
+    return str(DTYPES[code - 1]).replace("torch.", "") if 0 < code <= len(DTYPES) else f"dtype #{code}"
+
+
+@dataclass(frozen=True)
+class Header:
+    """What a rank announces of its current collective: ``dtype`` (index + 1 in DTYPES, 0: none), ``src`` (a
+    broadcast's root), ``narrow`` (the dtype a compressed all-reduce rounds to, 0: none), ``place`` (how many tensors
+    REDUCE_TENSORS or SCATTER_TENSORS sums), ``reduce`` (the reduction's code)."""
+
+    op: int
+    dtype: int = 0
+    src: int = 0
+    narrow: int = 0
+    numel: int = 0
+    place: int = 0
+    reduce: int = SUM
+
+    @staticmethod
+    def of(c: Collective, numel: int, place: int) -> Header:
+        return Header(c.op, _dtype_code(None if c.flat is None else c.flat.dtype), c.src,
+                      _dtype_code(None if c.compress is None else c.compress[0]), numel, place, c.reduce)
+
+    def write(self, words: Any) -> None:
+        words.op, words.dtype, words.src, words.narrow = self.op, self.dtype, self.src, self.narrow
+        words.numel, words.place, words.reduce = self.numel, self.place, self.reduce
+
+    @staticmethod
+    def read(words: Any) -> Header:
+        return Header(words.op, words.dtype, words.src, words.narrow, words.numel, words.place, words.reduce)
+
+    def reduce_name(self) -> str:
+        return REDUCE_OPS.get(self.reduce, f"reduction #{self.reduce}").upper()  # torch's ReduceOp names
+
+    def describe(self) -> str:
+        name = OPS.get(self.op, f"an unknown collective ({self.op})")
+        if self.op == BARRIER:
+            return name
+        if self.reduce != SUM:  # a sum goes unnamed: it is the reduction of every other collective too
+            name += f" ({self.reduce_name()})"
+        what = f"{name} of {self.numel} {_dtype_name(self.dtype)}" if self.dtype else name
+        if self.narrow:
+            what += f" rounded to {_dtype_name(self.narrow)}"
+        return what + (f" from rank {self.src}" if self.op == BROADCAST else "")
+
+
+def combine(parts: list[torch.Tensor], out: torch.Tensor, op: int, scratch: torch.Tensor,
+            divisor: float | None = None) -> None:
+    """``out`` = ``parts[0]`` op ``parts[1]`` op ... in rank order, a sum then divided by ``divisor``: the bits
+    depend only on the inputs, not on which rank folds. ``out`` may be one of ``parts`` (a rank's own copy in shared
+    memory); ``scratch``: float32 memory for ``out.numel()`` values, where several half-precision values are summed
+    or multiplied and rounded once. MIN and MAX are exact in any dtype (a NaN on any rank gives NaN)."""
     fold = _FOLD[op]
-    if op == PRODUCT and out.dtype in _HALVES and len(parts) > 2:
-        acc, rest = scratch[: out.numel()].copy_(parts[0]), parts[1:]  # several halves: in float32, rounded once
+    if op in (SUM, PRODUCT) and out.dtype in _HALVES and len(parts) > 2:
+        acc, rest = scratch[: out.numel()].copy_(parts[0]), parts[1:]
     elif any(p.data_ptr() == out.data_ptr() for p in parts[2:]):
         acc, rest = fold(parts[0], parts[1]), parts[2:]  # out is a later rank's own copy: read it before writing it
     else:
-        acc, rest = fold(parts[0], parts[1], out=out), parts[2:]
+        acc, rest = fold(parts[0], parts[1], out=out), parts[2:]  # two halves: computed in float32, rounded once
     for p in rest:
         fold(acc, p, out=acc)
+    if divisor is not None:
+        # Dividing the shard just written, still in cache, gives the bits of dividing the whole sum afterwards. By a
+        # power of two a multiplication by the inverse is exact, and CPUs divide several times slower.
+        if math.frexp(divisor)[0] == 0.5:
+            acc.mul_(1.0 / divisor)
+        else:
+            acc.div_(divisor)
     if acc is not out:
         out.copy_(acc)
 
@@ -82,18 +183,13 @@ def _differs(theirs: Header, mine: Header) -> str:
 
 
 class Engine:
-    """The algorithms over one segment; runs on the transport's thread only.
-
-    Every rank publishes numbered steps (``Segment.arrive``); step g writes area g % ``areas`` of the ring. A rank
-    finishes reading step x before it publishes step x + 2 (one chunk of look-ahead: chunk i + 1 is written before
-    chunk i is summed), so step g may rewrite its area once every peer's count reached g - areas + 3. With 8 areas a
-    rank runs up to 5 steps ahead of a descheduled peer: the two take turns in bursts, not at every chunk.
-    """
+    """The algorithms over one segment, run on one thread at a time. Step g (``Segment.arrive``) writes area
+    g % ``areas``; a rank finishes reading step x before it publishes x + 2 (one chunk of look-ahead), so step g may
+    rewrite its area once every peer's count reached g - areas + 3."""
 
     def __init__(self, segment: Segment, rank: int, world_size: int, chunk_bytes: int, areas: int,
                  tables: torch.Tensor | None = None):
-        """``tables``: the peer-read tables' memory in the segment, when every rank may read its peers' memory
-        (``peer.py``); None otherwise."""
+        """``tables``: the peer reads' tables in the segment where every rank may read its peers (else None)."""
         self.seg, self.rank, self.n = segment, rank, world_size
         self.chunk_bytes, self.areas = chunk_bytes, areas
         self._views: dict[torch.dtype, list] = {}
@@ -102,7 +198,7 @@ class Engine:
         self._seen = 0  # every peer's count had reached this at the last small all_reduce
         self._scratch = torch.empty(chunk_bytes // 2, dtype=torch.float32)  # a chunk of half values, widened
         self._divisor = None  # of the collective being run: its sums are divided while the chunk is in cache
-        self._reduce = SUM  # of the collective being run: what sum_into computes (request.py)
+        self._reduce = SUM  # of the collective being run: what sum_into computes
         self._peer = None if tables is None else PeerReader(segment, rank, world_size, tables, chunk_bytes,
                                                             self.sum_into)
         # Parity: a rank rewrites descriptor seq % 2 only after the first step of seq + 1 completed, which its peers
@@ -117,13 +213,12 @@ class Engine:
         self._small.clear()
         self._peer = None
 
-    def step(self, dtype: torch.dtype, describe: Callable) -> tuple[int, list[torch.Tensor], torch.Tensor]:
-        """The next step's number, and its area's slots 0..N-1 and result, as ``dtype`` views, once reusable."""
+    def step(self, dtype: torch.dtype, describe: Callable) -> tuple[int, list[torch.Tensor]]:
+        """The next step's number, and its area (slots 0..N-1, then the result) as ``dtype`` views, once reusable."""
         g = self.seg.arrived
         if g + 3 > self.areas:
             self.seg.wait_all(g + 3 - self.areas, describe)
-        area = self.area(dtype, g)
-        return g, area[: self.n], area[self.n]
+        return g, self.area(dtype, g)
 
     def area(self, dtype: torch.dtype, g: int) -> list[torch.Tensor]:
         # step g's area: slots 0..N-1 and the result, as ``dtype`` views (made once per dtype)
@@ -133,39 +228,8 @@ class Engine:
                                   for b in range(self.areas)]
         return self._views[dtype][g % self.areas]
 
-    def desc_words(self, seq: int) -> HeaderWords:
-        """This rank's header words for collective ``seq`` (by parity)."""
-        return self._desc[self.rank][seq & 1]
-
-    def set_sum(self, divisor: float | None) -> None:
-        """What ``sum_into`` computes next: the sum (divided by ``divisor``), whatever the last collective was."""
-        self._divisor, self._reduce = divisor, SUM
-
     def sum_into(self, parts: list[torch.Tensor], out: torch.Tensor) -> None:
-        # Rank order, every time: the bits depend only on the inputs, not on which rank sums or how fast it is.
-        if self._reduce != SUM:  # MIN, MAX, PRODUCT: the same rank order and rounding rule, no divisor
-            combine(parts, out, self._reduce, self._scratch)
-            return
-        if out.dtype in (torch.bfloat16, torch.float16) and len(parts) > 2:
-            acc, rest = self._scratch[: out.numel()].copy_(parts[0]), parts[1:]  # several halves: in float32
-        elif any(p.data_ptr() == out.data_ptr() for p in parts[2:]):
-            acc, rest = parts[0] + parts[1], parts[2:]  # into rank >= 2's own copy: read it before writing it
-        else:
-            acc, rest = torch.add(parts[0], parts[1], out=out), parts[2:]  # two halves: float32, rounded once
-        for p in rest:
-            acc.add_(p)
-        if self._divisor is not None:
-            # Summing the whole tensor and dividing it afterwards would give the same bits, at another pass over
-            # memory: here the shard was just written and is still in cache.
-            # By a power of two (2, 4, 8 ranks) a multiplication by the inverse is exact, so it gives the division's
-            # bits, and CPUs divide several times slower than they multiply (~6x for float32 here).
-            d = self._divisor
-            if math.frexp(d)[0] == 0.5:
-                acc.mul_(1.0 / d)
-            else:
-                acc.div_(d)
-        if acc is not out:
-            out.copy_(acc)
+        combine(parts, out, self._reduce, self._scratch, self._divisor)
 
     def check(self, seq: int, mine: Header, describe: Callable) -> None:
         # After the first step of a collective every peer has announced it: catch a mismatch instead of summing
@@ -190,7 +254,7 @@ class Engine:
                     field=_differs(theirs, mine), detail=f"rank {p} is in {what}")
 
     def run(self, c: Collective) -> None:
-        """Run collective ``c`` (see :class:`~fanfold.collectives.shm.request.Collective` for its fields)."""
+        """Run collective ``c`` (:class:`Collective`)."""
         op, flat, seq = c.op, c.flat, c.seq
         self._divisor, self._reduce = c.divisor, c.reduce
         if c.timeout is not None:
@@ -208,12 +272,9 @@ class Engine:
         if op in (ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL):
             _EXCHANGES[op](self, c, header, where)
             return
-
-        def describe(i: int) -> Callable:
-            return lambda: (f"{header.describe()} {where}, chunk {i + 1} of {count}", seq, c.bucket)
-
+        describe = _describe(header, where, count, c.bucket, seq)
         if op == GATHER_PEERS:
-            gather_from_peers(self._peer, flat, c.out, describe, lambda: self.check(seq, header, describe(0)))
+            self._peer.all_gather(flat, c.out, describe, lambda: self.check(seq, header, describe(0)))
             return
         if op == BARRIER:
             self.seg.wait_all(self.seg.arrive(), describe(0))
@@ -222,62 +283,54 @@ class Engine:
         if peer:
             check = lambda: self.check(seq, header, describe(0))  # noqa: E731
             if op == REDUCE_TENSORS:
-                self._peer.run(c.outs, describe, check, c.settle, *(c.compress or ()))
+                self._peer.all_reduce(c.outs, describe, check, c.settle, *(c.compress or ()))
             else:
-                scatter_tensors(self._peer, c.outs, c.out, describe, check, c.settle, *(c.compress or ()))
+                self._peer.reduce_scatter(c.outs, c.out, describe, check, c.settle, *(c.compress or ()))
             return
         chunks = [flat[i * cap:][:cap] for i in range(count)]
         if op == ALL_REDUCE and c.shards:
             for i, chunk in enumerate(chunks):
                 self._reduce_scatter_gather(chunk, describe(i), i == 0 and (seq, header))
             return
-        # Direct all-reduce, or broadcast: write chunk i + 1 before reading chunk i (look-ahead of one).
-        src = c.src
-        write = self._write_slot if op == ALL_REDUCE else self._write_result if self.rank == src else self._skip
-        ahead = write(chunks[0], describe(0))
+        # Direct all-reduce into every rank's slot, or broadcast from the root into the result: chunk i + 1 is
+        # written before chunk i is read (look-ahead of one).
+        at = self.rank if op == ALL_REDUCE else self.n if self.rank == c.src else None
+        ahead = self._write(chunks[0], at, describe(0))
         for i, chunk in enumerate(chunks):
-            g, slots, result = ahead
+            g, area = ahead
             if i + 1 < count:
-                ahead = write(chunks[i + 1], describe(i + 1))
+                ahead = self._write(chunks[i + 1], at, describe(i + 1))
             self.seg.wait_all(g + 1, describe(i))
             if i == 0:
                 self.check(seq, header, describe(0))
             m = chunk.numel()
             if op == ALL_REDUCE:
-                self.sum_into([s[:m] for s in slots], chunk)
-            elif self.rank != src:
-                chunk.copy_(result[:m])
+                self.sum_into([s[:m] for s in area[: self.n]], chunk)
+            elif self.rank != c.src:
+                chunk.copy_(area[self.n][:m])
 
-    def _write_slot(self, chunk: torch.Tensor, describe: Callable) -> tuple:
-        g, slots, result = self.step(chunk.dtype, describe)
-        slots[self.rank][: chunk.numel()].copy_(chunk)
+    def _write(self, chunk: torch.Tensor, at: int | None, describe: Callable) -> tuple[int, list[torch.Tensor]]:
+        # the next step, ``chunk`` in its area's place ``at`` (a slot, N: the result, None: nothing), published
+        g, area = self.step(chunk.dtype, describe)
+        if at is not None:
+            area[at][: chunk.numel()].copy_(chunk)
         self.seg.arrive()
-        return g, slots, result
-
-    def _write_result(self, chunk: torch.Tensor, describe: Callable) -> tuple:
-        g, slots, result = self.step(chunk.dtype, describe)
-        result[: chunk.numel()].copy_(chunk)
-        self.seg.arrive()
-        return g, slots, result
-
-    def _skip(self, chunk: torch.Tensor, describe: Callable) -> tuple:
-        g, slots, result = self.step(chunk.dtype, describe)
-        self.seg.arrive()
-        return g, slots, result
+        return g, area
 
     def _reduce_scatter_gather(self, chunk: torch.Tensor, describe: Callable, check: Any) -> None:
         # Two steps, no look-ahead: the second step publishes this rank's reduced shard.
         c = chunk.numel()
-        g, slots, _ = self._write_slot(chunk, describe)
+        g, slots = self._write(chunk, self.rank, describe)
         self.seg.wait_all(g + 1, describe)
         if check:
             self.check(*check, describe)
         align = max(1, 64 // chunk.element_size())  # shard edges on cache lines: no two writers share one
         per = -(-c // self.n // align) * align if c >= self.n * align else -(-c // self.n)
         lo, hi = min(c, self.rank * per), min(c, (self.rank + 1) * per)
-        g, _, result = self.step(chunk.dtype, describe)
+        g, area = self.step(chunk.dtype, describe)
+        result = area[self.n]
         if hi > lo:
-            self.sum_into([s[lo:hi] for s in slots], result[lo:hi])
+            self.sum_into([s[lo:hi] for s in slots[: self.n]], result[lo:hi])
         self.seg.arrive()
         self.seg.wait_all(g + 1, describe)
         chunk.copy_(result[:c])
@@ -301,7 +354,7 @@ class Engine:
         if g + 3 - self.areas > self._seen:  # the area's last readers (see Engine.step): seen done last time
             seg.wait_all(g + 3 - self.areas, describe)
         if self.written[seq & 1] is not header:  # the same small collective again: its words are in place
-            header.write(self.desc_words(seq))
+            header.write(self._desc[self.rank][seq & 1])
             self.written[seq & 1] = header
         slots[self.rank].copy_(t)
         seg.arrive()
@@ -311,8 +364,7 @@ class Engine:
         if self.n == 2 and divisor is None:
             torch.add(slots[0], slots[1], out=t)  # Engine.sum_into's two-part case, without its checks
         else:
-            self.set_sum(divisor)
-            self.sum_into(slots, t)
+            combine(slots, t, SUM, self._scratch, divisor)
 
     @staticmethod
     def _describe_small(header: Header, seq: int, bucket: int | None) -> tuple:
@@ -331,10 +383,10 @@ def _pipeline(engine: Any, dtype: torch.dtype, count: int, write: Callable, read
     # Step i + 1 is written before step i is read (look-ahead of one), as the direct all-reduce does: a rank
     # finishes reading step x before it publishes step x + 2, the engine's rule for reusing an area.
     def post(i: int) -> tuple[int, list[torch.Tensor]]:
-        g, slots, _ = engine.step(dtype, describe(i))
-        write(i, slots[engine.rank])
+        g, area = engine.step(dtype, describe(i))
+        write(i, area[engine.rank])
         engine.seg.arrive()
-        return g, slots
+        return g, area[: engine.n]
 
     ahead = post(0)
     for i in range(count):
@@ -398,7 +450,7 @@ def _all_to_all(engine: Any, c: Collective, header: Header, where: str) -> None:
     # First step: every rank publishes what it sends to and expects from each rank, so that every rank checks
     # every pair (and all raise the same error) before any data moves.
     describe = _describe(header, where, 1, c.bucket, c.seq)
-    g, slots, _ = engine.step(torch.int64, describe(0))
+    g, slots = engine.step(torch.int64, describe(0))
     slots[rank][: 2 * n].copy_(torch.tensor(list(send) + list(recv), dtype=torch.int64))
     engine.seg.arrive()
     engine.seg.wait_all(g + 1, describe(0))

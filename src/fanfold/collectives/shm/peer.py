@@ -1,13 +1,7 @@
-"""The peer reads: all-reduce, reduce-scatter and all_gather of private tensors by reading the peers' memory
-directly (Linux cross-memory attach, ``process_vm_readv``): nothing is copied into shared memory first.
-
-Layer: run by ``engine.py`` on the transport's thread, with ``segment.py``'s bounded waits and one table area per
-rank in the segment (where each rank publishes where its tensors lie); the transport runs :func:`probe` at
-start-up. Why: autograd's gradients are private allocations, so the ring first copies all of them into the segment;
-here rank r reads shard r (or its part) of every peer's tensors into a cache-sized buffer and sums it with its own
-in rank order, with the same float32 operations as the ring (the same bits). Reading another process needs ptrace
-rights over it (same user; Yama's ptrace_scope 0, or 1 after :func:`allow_peers`; seccomp may forbid the call):
-:func:`probe` tries a real read of every peer, and the transport takes this path only if every rank succeeded.
+"""The peer reads: all-reduce, reduce-scatter and all_gather of private tensors by reading the peers' memory where
+it lies (``process_vm_readv``), nothing copied into shared memory first, summed in rank order with the ring's
+operations (the same bits); and :func:`probe`, which tells whether every rank may read every peer (design:
+docs/shm.md).
 """
 from __future__ import annotations
 
@@ -20,7 +14,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["probe", "allow_peers", "PeerReader", "TABLE_BYTES", "gather_from_peers", "scatter_tensors"]
+__all__ = ["probe", "allow_peers", "PeerReader", "TABLE_BYTES"]
 
 TABLE_BYTES = 64 << 10  # per rank: (address, bytes) pairs, 4096 tensors a round; longer lists take several rounds
 PR_SET_PTRACER, PR_SET_PTRACER_ANY = 0x59616D61, 2**64 - 1  # <linux/prctl.h>; ANY is (unsigned long)-1
@@ -120,8 +114,9 @@ def probe(seg: Any, rank: int, world_size: int, enabled: bool = True) -> tuple[b
 
 
 class PeerReader:
-    """The algorithm, on the transport's thread: the tables in ``data`` (a uint8 tensor of world_size x
-    TABLE_BYTES in the segment), ``chunk_bytes`` the unit read from a peer at a time."""
+    """The peer reads, on the transport's thread: the tables in ``data`` (world_size x TABLE_BYTES of the segment:
+    where each rank's tensors lie), ``chunk_bytes`` the unit read from a peer at a time, ``summer`` the engine's
+    rank-ordered fold."""
 
     def __init__(self, seg: Any, rank: int, world_size: int, data: torch.Tensor, chunk_bytes: int,
                  summer: Callable[[list[torch.Tensor], torch.Tensor], None]):
@@ -133,24 +128,92 @@ class PeerReader:
         self._compress: torch.dtype | None = None
         self._pre: float | None = None
         self.rows = self._tables[0].shape[0]  # tensors a round takes
-        self.unsettled: int | None = None  # step after which peers may still read this rank's table (scatter_tensors)
+        self.unsettled: int | None = None  # step after which peers may still read this rank's table (reduce_scatter)
 
-    def run(self, tensors: list[torch.Tensor], describe: Callable, check: Callable[[], None], settle: bool,
-            compress: torch.dtype | None = None, pre_divisor: float | None = None) -> None:
-        """All-reduce ``tensors`` in place. ``settle``: return only once no peer reads them any more; otherwise
-        peers may still be copying this rank's shard until this rank's next collective has waited for them.
-        ``compress`` (float32 tensors only): every rank's values are divided by ``pre_divisor`` (if given) and
-        rounded to that dtype, summed as the other algorithms sum it, and the result rounded to it -- the bits
-        of the compression hooks' cast, all-reduce and cast back, rounded where the data is read."""
-        self.set_rounding(compress, pre_divisor)
-        rows = self.rows
-        for s in range(0, max(1, len(tensors)), rows):  # rounds of at most a table's worth of tensors
-            last = s + rows >= len(tensors)
-            self._round(tensors[s: s + rows], describe, check if s == 0 else None, settle or not last)
-
-    def set_rounding(self, compress: torch.dtype | None, pre_divisor: float | None) -> None:
-        """What :meth:`sum_from_peers` rounds to next (see :meth:`run`)."""
+    def all_reduce(self, tensors: list[torch.Tensor], describe: Callable, check: Callable[[], None], settle: bool,
+                   compress: torch.dtype | None = None, pre_divisor: float | None = None) -> None:
+        """All-reduce ``tensors`` in place (op REDUCE_TENSORS), in rounds of at most a table's worth of tensors: rank r
+        sums shard r from every rank's tensors into its own, then copies every other shard from its owner's.
+        ``settle``: return only once no peer reads them any more; otherwise peers may still be copying this rank's
+        shard until this rank's next collective has waited for them. ``compress`` (float32 tensors only): every
+        rank's values are divided by ``pre_divisor`` (if given) and rounded to that dtype as they are read, summed,
+        and the result rounded to it: the bits of the compression hooks' cast, all-reduce and cast back."""
         self._compress, self._pre = compress, pre_divisor
+        rows, n = self.rows, self.n
+        for s in range(0, max(1, len(tensors)), rows):
+            group = tensors[s: s + rows]
+            mine, tables = self._open(group, describe, check if s == 0 else None, "all-reduces", s)
+            total = sum(nb for _, nb in mine)
+            per = -(-total // n // 64) * 64  # shard edges on cache lines: no two writers share one
+            shards = [(min(total, p * per), min(total, (p + 1) * per)) for p in range(n)]
+            steps = self._sum_part(group, mine, tables, *shards[self.rank], lambda own, x, y: own, describe)
+            done = self.seg.arrive()  # this rank's shard holds the result
+            self.seg.wait_all(done, describe(steps))
+            for p in range(n):  # the other shards, from their owners' tensors straight into this rank's
+                plo, phi = shards[p]
+                if p == self.rank or phi <= plo:
+                    continue
+                pieces = []
+                for laddr, off, m in _pieces(mine, tables[1][self.rank], plo, phi):
+                    for raddr, roff, rm in _pieces(tables[0][p], tables[1][p], off, off + m):
+                        pieces.append((laddr + roff - off, raddr, rm))
+                self.read(p, pieces, describe(steps))
+            # Peers may still be reading this rank's shard. This rank's table may be rewritten already (every peer
+            # had read it before it summed its shard), but the tensors must not change before the peers are done: a
+            # peer arrives at the next step only then, and any later wait of this rank for it implies that step.
+            end = self.seg.arrive()
+            if settle or s + rows < len(tensors):
+                self.seg.wait_all(end, describe(steps))
+
+    def reduce_scatter(self, tensors: list[torch.Tensor], out: torch.Tensor, describe: Callable,
+                       check: Callable[[], None], settle: bool, compress: torch.dtype | None = None,
+                       pre_divisor: float | None = None) -> None:
+        """``out`` = this rank's part of the sum of ``tensors`` (op SCATTER_TENSORS; ``compress`` as
+        :meth:`all_reduce`). The tensors, laid end to end, are cut in N parts of ``ceil(total / N)`` (ZeRO's
+        layout); rank r reads only its part from each peer and sums it straight into ``out`` (zeroed beyond
+        ``total``). ``settle=False`` does not wait for the peers to be done reading: the caller keeps the tensors
+        unchanged until a later collective has waited, and this rank's table is rewritten only once the peers are
+        past it (:meth:`publish`)."""
+        self._compress, self._pre = compress, pre_divisor
+        total = sum(t.numel() for t in tensors)
+        lo = min(total, self.rank * -(-total // self.n))
+        hi = min(total, lo + -(-total // self.n))
+        out[hi - lo:].zero_()
+        base, rows = 0, self.rows
+        for s in range(0, max(1, len(tensors)), rows):
+            group = tensors[s: s + rows]
+            mine, tables = self._open(group, describe, check if s == 0 else None, "reduce-scatters", s)
+            size = group[0].element_size() if group else 1
+            a, b = (max(0, x - base) * size for x in (lo, hi))  # this rank's part, in bytes of this round
+
+            def into(own: torch.Tensor, x: int, y: int, base: int = base, size: int = size) -> torch.Tensor:
+                at = base + x // size - lo  # where the piece lies in this rank's part
+                return out[at: at + (y - x) // size]
+
+            steps = self._sum_part(group, mine, tables, a, min(b, sum(nb for _, nb in mine)), into, describe)
+            end = self.seg.arrive()  # this rank reads nobody's tensors any more
+            if settle and s + rows >= len(tensors):
+                self.seg.wait_all(end, describe(max(0, steps - 1)))
+            else:
+                self.unsettled = end
+            base += sum(t.numel() for t in group)
+
+    def all_gather(self, part: torch.Tensor, out: torch.Tensor, describe: Callable, check: Callable[[], None]
+                   ) -> None:
+        """``out`` (contiguous, N parts of ``part``'s length) = every rank's ``part``, by rank (op GATHER_PEERS): each
+        rank puts its part in its place of its output, publishes where the output lies, and reads every peer's part
+        straight from the peer's output. It returns only once every peer has read this rank's part, so the caller
+        may change it at once (ZeRO's next optimizer step)."""
+        m = part.numel()
+        own = out[self.rank * m:][:m]
+        if m and part.data_ptr() != own.data_ptr():
+            own.copy_(part)
+        tables = self._open([out], describe, check, "gathers into", 0)[1][0]
+        nb = m * out.element_size()
+        for p in range(self.n):
+            if p != self.rank and nb:
+                self.read(p, [(out.data_ptr() + p * nb, tables[p][0][0] + p * nb, nb)], describe(0))
+        self.seg.wait_all(self.seg.arrive(), describe(0))  # every peer has read this rank's part
 
     def publish(self, tensors: list[torch.Tensor], describe: Callable) -> list[tuple[int, int]]:
         """Write where ``tensors`` lie into this rank's table; their (address, bytes). Waits first for the peers to
@@ -163,17 +226,45 @@ class PeerReader:
             self._tables[self.rank][: len(mine)] = torch.tensor(mine, dtype=torch.int64)
         return mine
 
-    def peer_tables(self, mine: list[tuple[int, int]]) -> tuple[list[list[tuple[int, int]]], list[list[int]]]:
-        """Every rank's table of the current round (this rank's: ``mine``) and its logical offsets; once every
-        peer has published (after the round's first step)."""
+    def _open(self, tensors: list[torch.Tensor], describe: Callable, check: Callable[[], None] | None, verb: str,
+              first: int) -> tuple[list[tuple[int, int]], tuple[list, list]]:
+        # A round's first step: this rank's table published, every peer's read (with their offsets) once every
+        # rank has published. Every rank passes as many tensors (the header), but only the bytes must agree.
+        mine = self.publish(tensors, describe(0))
+        start = self.seg.arrive()  # the table is written and the tensors hold this rank's values: peers may read
+        self.seg.wait_all(start, describe(0))
+        if check is not None:
+            check()
         tables = [mine if p == self.rank else [tuple(r) for r in self._tables[p][: len(mine)].tolist()]
                   for p in range(self.n)]
-        return tables, [_offsets(t) for t in tables]
+        total = sum(nb for _, nb in mine)
+        for p in range(self.n):
+            theirs = sum(nb for _, nb in tables[p])
+            if theirs != total:
+                raise RuntimeError(f"fanfold shm transport: rank {p} {verb} {theirs} bytes in tensors {first}.."
+                                   f"{first + len(tensors) - 1} where rank {self.rank} has {total}, in "
+                                   f"{describe(0)()[0]}: every rank must pass tensors of the same sizes")
+        return mine, (tables, [_offsets(t) for t in tables])
 
-    def sum_from_peers(self, own: torch.Tensor, x: int, y: int, tables: tuple, into: torch.Tensor,
-                       describe: Callable) -> None:
-        """``into`` = the rank-ordered sum of logical bytes [x, y) of every rank's tensors (``tables``: every rank's
-        table and offsets, :meth:`peer_tables`), this rank's being ``own``: each peer's read into its buffer."""
+    def _sum_part(self, tensors: list[torch.Tensor], mine: list[tuple[int, int]], tables: tuple, a: int, b: int,
+                  into: Callable, describe: Callable) -> int:
+        # bytes [a, b) of this round's tensors laid end to end, a chunk at a time: this rank's values and every
+        # peer's, folded in rank order into ``into(own, x, y)``; the number of chunks
+        starts, steps = tables[1][self.rank], 0
+        size = tensors[0].element_size() if tensors else 1
+        for k, (_, nb) in enumerate(mine):
+            end = min(b, starts[k] + nb)
+            for x in range(max(a, starts[k]), end, self.chunk_bytes):
+                y = min(end, x + self.chunk_bytes)
+                own = tensors[k].view(-1)[(x - starts[k]) // size: (y - starts[k]) // size]
+                self._sum_chunk(own, x, y, tables, into(own, x, y), describe(steps))
+                steps += 1
+        return steps
+
+    def _sum_chunk(self, own: torch.Tensor, x: int, y: int, tables: tuple, into: torch.Tensor,
+                   describe: Callable) -> None:
+        # ``into`` = the rank-ordered fold of bytes [x, y) of every rank's tensors, this rank's being ``own``; each
+        # peer's read into its buffer, rounded first where the collective is compressed
         parts = []
         for p in range(self.n):
             if p == self.rank:
@@ -183,66 +274,16 @@ class PeerReader:
             self.read(p, [(buf.data_ptr() + off - x, raddr, m)
                           for raddr, off, m in _pieces(tables[0][p], tables[1][p], x, y)], describe)
             parts.append(buf[: y - x].view(own.dtype))
-        self._reduce_chunk(parts, into)
-
-    def _reduce_chunk(self, parts: list[torch.Tensor], own: torch.Tensor) -> None:
         if self._compress is None:
-            self._sum(parts, own)
+            self._sum(parts, into)
             return
-        m = own.numel()
+        m = into.numel()
         if self._narrow is None or self._narrow.dtype != self._compress:
             self._narrow = torch.empty((self.n + 1, self.chunk_bytes // 4), dtype=self._compress)
         narrow = [self._narrow[i][:m].copy_(p if self._pre is None else p / self._pre) for i, p in enumerate(parts)]
         result = self._narrow[self.n][:m]
         self._sum(narrow, result)
-        own.copy_(result)
-
-    def _round(self, tensors: list[torch.Tensor], describe: Callable, check: Callable[[], None] | None,
-               settle: bool) -> None:
-        seg, rank, n = self.seg, self.rank, self.n
-        mine = self.publish(tensors, describe(0))
-        start = seg.arrive()  # the table is written and the tensors hold this rank's values: peers may read
-        seg.wait_all(start, describe(0))
-        if check is not None:
-            check()
-        # Every rank passes the same number of tensors in a round (checked with the collective's descriptor), but
-        # only the total length has to agree: each table is walked with its own offsets.
-        tables, offsets = self.peer_tables(mine)
-        starts, total = offsets[rank], sum(nb for _, nb in mine)
-        for p in range(n):
-            theirs = sum(nb for _, nb in tables[p])
-            if theirs != total:
-                raise RuntimeError(f"fanfold shm transport: rank {p} all-reduces {theirs} bytes where rank {rank} "
-                                   f"has {total}, in {describe(0)()[0]}")
-        size = tensors[0].element_size() if tensors else 1
-        per = -(-total // n // 64) * 64  # shard edges on cache lines: no two writers share one
-        shards = [(min(total, p * per), min(total, (p + 1) * per)) for p in range(n)]
-        lo, hi = shards[rank]
-        steps = 0
-        for k, (addr, nb) in enumerate(mine):  # phase 1: this rank's shard, summed from every rank's memory
-            a, b = max(lo, starts[k]), min(hi, starts[k] + nb)
-            for x in range(a, b, self.chunk_bytes):
-                y = min(b, x + self.chunk_bytes)
-                own = tensors[k].view(-1)[(x - starts[k]) // size: (y - starts[k]) // size]
-                self.sum_from_peers(own, x, y, (tables, offsets), own, describe(steps))
-                steps += 1
-        done = seg.arrive()  # this rank's shard holds the result
-        seg.wait_all(done, describe(steps))
-        for p in range(n):  # phase 2: the other shards, from their owners' tensors straight into this rank's
-            plo, phi = shards[p]
-            if p == rank or phi <= plo:
-                continue
-            pieces = []
-            for laddr, off, m in _pieces(mine, starts, plo, phi):
-                for raddr, roff, rm in _pieces(tables[p], offsets[p], off, off + m):
-                    pieces.append((laddr + roff - off, raddr, rm))
-            self.read(p, pieces, describe(steps))
-        # Peers may still be reading this rank's shard. This rank's table may be rewritten already (every peer
-        # had read it before it summed its shard), but the tensors must not change before the peers are done: a
-        # peer arrives at the next step only then, and any later wait of this rank for it implies that step.
-        end = seg.arrive()
-        if settle:
-            seg.wait_all(end, describe(steps))
+        into.copy_(result)
 
     def read(self, p: int, pieces: list[tuple[int, int, int]], describe: Callable) -> None:
         """Copy (local address, remote address, bytes) ``pieces`` from rank ``p``'s memory."""
@@ -250,88 +291,3 @@ class PeerReader:
             _copy(self._fn, self.seg.pid(p), pieces)
         except OSError as exc:
             self.seg.peer_failed(p, describe, exc)  # raises: ShmTimeoutError naming p where p died
-
-
-def gather_from_peers(reader: Any, part: torch.Tensor, out: torch.Tensor, describe: Callable,
-                      check: Callable[[], None]) -> None:
-    """``out`` (contiguous, N parts of ``part``'s length) = every rank's ``part``, by rank (op GATHER_PEERS): each
-    rank puts its part in its place of its output, publishes where the output lies, and after one step reads every
-    peer's part straight from the peer's output, one ``process_vm_readv`` per peer. Settled: it returns only once
-    every peer has read this rank's part, so the caller may change it at once (ZeRO's next optimizer step)."""
-    seg, rank, n = reader.seg, reader.rank, reader.n
-    m = part.numel()
-    own = out[rank * m:][:m]
-    if m and part.data_ptr() != own.data_ptr():
-        own.copy_(part)
-    mine = reader.publish([out], describe(0))
-    start = seg.arrive()  # this rank's part is in place and its address published: peers may read it
-    seg.wait_all(start, describe(0))
-    check()  # the headers: every rank gathers parts of the same length and dtype
-    tables, _ = reader.peer_tables(mine)
-    nb = m * out.element_size()
-    for p in range(n):
-        if p != rank and nb:
-            reader.read(p, [(out.data_ptr() + p * nb, tables[p][0][0] + p * nb, nb)], describe(0))
-    seg.wait_all(seg.arrive(), describe(0))  # every peer has read this rank's part
-
-
-def scatter_tensors(reader: Any, tensors: list[torch.Tensor], out: torch.Tensor, describe: Callable,
-                    check: Callable[[], None], settle: bool, compress: torch.dtype | None = None,
-                    pre_divisor: float | None = None) -> None:
-    """``out`` = this rank's part of the sum of ``tensors`` over the group (op SCATTER_TENSORS; rounded as
-    ``compress`` says, see ``PeerReader.run``), in rounds of at most a table's worth of tensors (every rank's rounds
-    must hold the same bytes: with up to ``reader.rows`` tensors, one round). The tensors, laid end to end, are cut
-    in N parts of ``ceil(total / N)`` (ZeRO's ``BucketShard`` layout); rank r reads only its part from each peer and
-    sums it straight into ``out`` (zeroed beyond ``total``). Two steps a round: after the first every peer has
-    published its table; after the second no peer reads this rank's tensors. ``settle=False`` does not wait for
-    the second: the caller keeps the tensors unchanged until a later collective has waited (each one's first wait
-    implies the step), and this rank's table is rewritten only once the peers are past it (:meth:`PeerReader
-    .publish`)."""
-    reader.set_rounding(compress, pre_divisor)
-    total = sum(t.numel() for t in tensors)
-    chunk = -(-total // reader.n)
-    lo = min(total, reader.rank * chunk)
-    hi = min(total, lo + chunk)
-    out[hi - lo:].zero_()
-    base, rows = 0, reader.rows
-    for s in range(0, max(1, len(tensors)), rows):
-        group = tensors[s: s + rows]
-        _round(reader, group, out, base, (lo, hi), describe, check if s == 0 else None,
-               settle and s + rows >= len(tensors), s)
-        base += sum(t.numel() for t in group)
-
-
-def _round(reader: Any, tensors: list[torch.Tensor], out: torch.Tensor, base: int, part: tuple[int, int],
-           describe: Callable, check: Callable[[], None] | None, settle: bool, first: int) -> None:
-    seg, rank, n = reader.seg, reader.rank, reader.n
-    mine = reader.publish(tensors, describe(0))
-    start = seg.arrive()  # this rank's table is written and its tensors hold their values: peers may read
-    seg.wait_all(start, describe(0))
-    if check is not None:
-        check()  # the headers: the same op, dtype, total elements and number of tensors on every rank
-    tables, offsets = reader.peer_tables(mine)
-    total = sum(nb for _, nb in mine)
-    for p in range(n):
-        theirs = sum(nb for _, nb in tables[p])
-        if theirs != total:  # rounds beyond the first: the tensors' sizes differ by rank, not only their total
-            raise RuntimeError(f"fanfold shm transport: rank {p} reduce-scatters {theirs} bytes in tensors "
-                               f"{first}..{first + len(tensors) - 1} where rank {rank} has {total}, in "
-                               f"{describe(0)()[0]}: every rank must pass tensors of the same sizes")
-    size = tensors[0].element_size() if tensors else 1
-    # this rank's part, in bytes from the start of this round's tensors
-    a, b = (max(0, (x - base)) * size for x in part)
-    b = min(b, total)
-    steps, starts = 0, offsets[rank]
-    for k, (_, nb) in enumerate(mine):
-        ka, kb = max(a, starts[k]), min(b, starts[k] + nb)
-        for x in range(ka, kb, reader.chunk_bytes):
-            y = min(kb, x + reader.chunk_bytes)
-            own = tensors[k].view(-1)[(x - starts[k]) // size: (y - starts[k]) // size]
-            at = base + x // size - part[0]  # where the piece lies in this rank's part
-            reader.sum_from_peers(own, x, y, (tables, offsets), out[at: at + (y - x) // size], describe(steps))
-            steps += 1
-    end = seg.arrive()  # this rank reads nobody's tensors any more
-    if settle:
-        seg.wait_all(end, describe(max(0, steps - 1)))
-    else:
-        reader.unsettled = end

@@ -1,14 +1,7 @@
-"""The shared-memory segment of :class:`~fanfold.collectives.shm.transport.ShmTransport`, the bounded waits that
-order it, and which processes share a host.
-
-Layer: the bottom of ``shm/``, on ``_core/shm.py`` (mapping, futexes); the process group's store carries the
-segment's name. Rank 0 creates ``/dev/shm/fanfold-<pid namespace>-<pid>-<random>`` and publishes the name, the
-others map it, and once every rank has reported every rank unlinks it: the kernel frees the memory when the last
-rank unmaps it, however that rank ends. A name read from the store is used only if it matches the pattern rank 0
-makes names by (:data:`SEGMENT_NAME`), and a rank unlinks the name only while it still names the file that rank
-created or opened. Layout: a header page (abort word and message), one 128-byte line per rank
-(its step counter, pid and current collective's header), then the data area. Rank r only writes its own line:
-:meth:`Segment.arrive` bumps its counter, :meth:`Segment.wait_all` waits (bounded) for every peer's.
+"""The shared-memory segment of one ``ShmTransport``: rank 0 creates it and publishes its name through the group's
+store, the others map it, and every rank unlinks it once all have reported; a header page (abort word and message),
+one 128-byte line per rank (its step counter, pid, current collective's header), then the data. Rank r writes only
+its own line: :meth:`Segment.arrive` bumps its counter, :meth:`Segment.wait_all` waits (bounded) for every peer's.
 """
 from __future__ import annotations
 
@@ -38,8 +31,8 @@ from ..._core.shm import (
 )
 from ..errors import StallError
 
-__all__ = ["Segment", "ShmTimeoutError", "SegmentSpaceError", "SHM_DIR", "SEGMENT_NAME", "segment_name",
-           "pid_namespace", "leftover_segments", "host_key"]
+__all__ = ["Segment", "ShmTimeoutError", "SegmentSpaceError", "SEGMENT_NAME", "segment_name", "leftover_segments",
+           "host_key"]
 
 _PREFIX = "fanfold-"
 # fanfold-<pid namespace inode, or x>-<creator's pid>-<12 hex digits>: what segment_name() makes, nothing else

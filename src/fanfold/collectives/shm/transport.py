@@ -1,19 +1,17 @@
-"""``ShmTransport``: collectives through one shared-memory segment for ranks that share a host, and the one rule
-that chooses between its two algorithms (``_reads_peers``): the ring through the segment's slots (``engine.py``),
-and direct reads of the peers' tensors where the kernel allows them (``peer.py``).
-
-Layer: the top of ``shm/``; used by the ``fanfold`` backend (``backend.py``), the transport choice (``select.py``)
-and fanfold's DDP. Below it ``exchanges.py`` (all_gather, reduce_scatter, all_to_all), ``thread.py`` (the thread
-that runs requests in FIFO order, so several buckets are in flight while backward runs) and ``segment.py`` (the
-memory and the bounded waits). Only the segment's name and each rank's host identity travel through the group's
-store.
+"""``ShmTransport``: collectives through one shared-memory segment for ranks that share a host, the one rule that
+chooses between its two algorithms (``_reads_peers``: the ring through the segment's slots, ``engine.py``; direct
+reads of the peers' tensors, ``peer.py``), the argument checks, and the worker thread that runs the collectives in
+the order they were numbered (a small all_reduce runs on the caller's thread when nothing is queued).
 """
 from __future__ import annotations
 
 import os
+import queue
+import threading
 import warnings
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from functools import partial
 from typing import Any
@@ -22,34 +20,217 @@ import torch
 import torch.distributed as dist
 
 from ..._core.group import require_initialized
+from ..._core.shm import SHM_DIR, pid_namespace
 from ..store import StoreGroup, group_store
 from ..timeouts import bound, group_timeout, resolve_stall_timeout
-from .engine import Engine
-from .exchanges import Exchanges
-from .peer import TABLE_BYTES, probe
-from .request import (
+from ..work import FanfoldWork, completed_work
+from .engine import (
+    ALL_GATHER,
     ALL_REDUCE,
+    ALL_TO_ALL,
     BARRIER,
     BROADCAST,
     DTYPES,
+    GATHER_PEERS,
     OPS,
+    REDUCE_SCATTER,
     REDUCE_TENSORS,
+    SCATTER_TENSORS,
     SUM,
     Collective,
-    check_reduce_tensors,
-    flat_view,
+    Engine,
     reduce_code,
-    split_into,
 )
-from .segment import SHM_DIR, Segment, SegmentSpaceError, ShmTimeoutError, pid_namespace
-from .thread import ShmWork, Worker
-from .thread import completed as _completed
+from .peer import TABLE_BYTES, probe
+from .segment import Segment, SegmentSpaceError, ShmTimeoutError
 
-__all__ = ["ShmTransport", "ShmWork", "ShmTimeoutError", "SegmentSpaceError", "INLINE_BYTES", "SMALLEST_CHUNK"]
+__all__ = ["ShmTransport", "ShmTimeoutError", "SegmentSpaceError", "INLINE_BYTES", "SMALLEST_CHUNK", "flat_view"]
 
 INLINE_BYTES = 64 << 10  # all_reduce(inline=True) up to this size runs on the caller's thread when nothing is queued
 SMALLEST_CHUNK = 64 << 10  # a full /dev/shm: chunks shrink (by 4) down to this before the transport gives up
 _SMALL_DTYPES = frozenset(DTYPES)
+
+
+def flat_view(tensor: torch.Tensor, what: str) -> tuple[torch.Tensor, Callable[[], None] | None]:
+    """A contiguous 1-d view of ``tensor`` in a supported dtype, and the copy back when it had to be a copy."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{what} needs a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.device.type != "cpu":
+        raise ValueError(f"the shm transport works on CPU tensors; {what} got one on {tensor.device}")
+    t = torch.view_as_real(tensor) if tensor.is_complex() else tensor
+    if t.dtype not in DTYPES:
+        raise TypeError(f"{what}: dtype {tensor.dtype} is not supported by the shm transport ({DTYPES})")
+    if t.is_contiguous():
+        return t.view(-1), None
+    flat = t.contiguous().view(-1)
+    return flat, lambda: t.copy_(flat.view_as(t))
+
+
+def split_into(flat: torch.Tensor, outs: list[torch.Tensor]) -> None:
+    """Copy consecutive pieces of ``flat`` into ``outs``, in order."""
+    offset = 0
+    for out in outs:
+        out.copy_(flat[offset: offset + out.numel()])
+        offset += out.numel()
+
+
+def exchange_tensors(what: str, tensor: torch.Tensor, out: torch.Tensor, times: int = 1, per: int = 1
+                     ) -> tuple[torch.Tensor, torch.Tensor, Callable[[], None] | None]:
+    """The flat input and output of all_gather, reduce_scatter or all_to_all, and what to run once the engine has
+    written the output (the copy back into a non-contiguous ``out``); ``out`` must hold ``times`` / ``per`` times
+    the input's elements (``times=0``: any number, all_to_all's counts say)."""
+    flat, _ = flat_view(tensor, f"{what} (input)")  # the engine only reads the input: a copy is all it needs
+    out_flat, back = flat_view(out, f"{what} (output)")
+    if out.dtype != tensor.dtype:
+        raise TypeError(f"{what}: the output's dtype {out.dtype} differs from the input's {tensor.dtype}")
+    if times and (tensor.numel() % per or out.numel() * per != tensor.numel() * times):
+        raise ValueError(f"{what}: an input of {tensor.numel()} elements needs an output of {times}/{per} as many, "
+                         f"got {out.numel()}")
+    return flat, out_flat, back
+
+
+def exchange_counts(tensor: torch.Tensor, out: torch.Tensor, send: list[int], recv: list[int], n: int) -> tuple:
+    """all_to_all's flat input and output, the copy back (or None) and the element counts (sent to each rank,
+    received from each rank) in the flat views' elements."""
+    for name, counts in (("send", send), ("recv", recv)):
+        if len(counts) != n or any(not isinstance(k, int) or k < 0 for k in counts):
+            raise ValueError(f"all_to_all: {name} must be {n} non-negative element counts, got {counts!r}")
+    flat, out_flat, back = exchange_tensors("all_to_all", tensor, out, times=0)
+    for name, counts, t in (("send", send, tensor), ("recv", recv, out)):
+        if sum(counts) != t.numel():
+            raise ValueError(f"all_to_all: {name} counts {counts} add up to {sum(counts)}, not the {t.numel()} "
+                             f"elements of the {'input' if t is tensor else 'output'}")
+    scale = flat.numel() // tensor.numel() if tensor.numel() else 1  # complex: pairs of reals
+    return flat, out_flat, back, (tuple(k * scale for k in send), tuple(k * scale for k in recv))
+
+
+def check_reduce_tensors(tensors: list[torch.Tensor], compress: torch.dtype | None, what: str = "reduce_tensors"
+                         ) -> list[torch.Tensor]:
+    """``ShmTransport.reduce_tensors``' (or ``what``'s) tensors, checked: contiguous real CPU tensors of one dtype,
+    not overlapping; ``compress`` only to bfloat16 or float16, of float32 tensors."""
+    tensors = list(tensors)
+    for k, t in enumerate(tensors):
+        flat_view(t, f"{what} (tensor {k})")
+        if not t.is_contiguous() or t.dtype != tensors[0].dtype or t.is_complex():
+            raise ValueError(f"{what}: tensor {k} must be a contiguous real tensor of "
+                             f"{tensors[0].dtype}, like tensor 0; got {t.dtype}, contiguous={t.is_contiguous()}")
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), k)
+                   for k, t in enumerate(tensors) if t.numel())
+    for (_, end, j), (start, _, k) in zip(spans, spans[1:]):
+        if start < end:  # summed in place shard by shard: two names for one memory would corrupt both
+            raise ValueError(f"{what}: tensors {min(j, k)} and {max(j, k)} overlap in memory")
+    if compress is not None and (compress not in (torch.bfloat16, torch.float16) or
+                                 any(t.dtype != torch.float32 for t in tensors)):
+        raise ValueError(f"{what}: compress must be torch.bfloat16 or torch.float16, for float32 tensors; "
+                         f"got {compress} for {tensors[0].dtype if tensors else 'no'} tensors")
+    return tensors
+
+
+@dataclass(frozen=True, eq=False)
+class Request:
+    """A collective queued for the transport's thread: once it (and ``finish``, if any) has run, ``future``
+    completes, or gets the error."""
+
+    future: torch.futures.Future
+    finish: Callable[[], None] | None
+    collective: Collective
+
+
+class Worker:
+    """Numbers the collectives of one transport and runs them on ``engine``: queued for its thread, or a small
+    all_reduce on the caller's thread when nothing is queued or running. After a failure the transport is unusable (the
+    peers were told through the abort word); later collectives get the same error."""
+
+    def __init__(self, engine: Engine, name: str, timeout: Callable[[], float]):
+        """``timeout()``: the bound of a collective numbered now (read on the caller's thread)."""
+        self.engine, self._timeout = engine, timeout
+        self.seq = 0  # the collectives numbered so far
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()  # numbering, queueing and the count of unfinished collectives, together
+        self._running = threading.Lock()  # held while the engine runs: one collective at a time, in number order
+        self._pending = 0
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._serve, daemon=True, name=name)
+        self._thread.start()
+
+    def submit(self, c: Collective, finish: Callable[[], None] | None = None) -> torch.futures.Future:
+        """Number ``c`` and queue it; the future completes once it (and ``finish``) ran."""
+        fut = torch.futures.Future()
+        with self._lock:  # numbering and queueing together: the FIFO order is the numbering order
+            self.seq += 1
+            self._pending += 1
+            self._requests.put(Request(fut, finish, replace(c, seq=self.seq, timeout=self._timeout())))
+        return fut
+
+    def run_small(self, t: torch.Tensor, divisor: float | None, bucket: int | None) -> bool:
+        """An all_reduce of contiguous ``t`` (at most a quarter chunk) on this thread, if nothing is queued or
+        running: True once done (raising the transport's error, as its handle would). False, with nothing done, when
+        it must queue."""
+        with self._lock:
+            if self._pending or self._error is not None:
+                return False
+            self.seq += 1
+            seq = self.seq
+            self._pending = 1
+            self._running.acquire()  # nothing unfinished: the thread is idle (it releases the engine, then counts down)
+        try:
+            self.engine.seg.timeout = self._timeout()
+            self.engine.run_small(t, divisor, seq, bucket)
+        except BaseException as exc:  # noqa: BLE001 - every peer must learn of the failure, as in _execute
+            self._error = exc
+            self._abort(exc)
+            raise
+        finally:
+            self._running.release()
+            self._done()
+        return True
+
+    def _abort(self, exc: BaseException) -> None:
+        # the peers raise at once, naming the ranks this one found missing (a StallError's), if any
+        self.engine.seg.abort(f"rank {self.engine.rank}: {type(exc).__name__}: {exc}", getattr(exc, "missing", None))
+
+    def _serve(self) -> None:
+        while True:
+            request = self._requests.get()
+            if request is None:
+                return
+            with self._running:  # behind a collective running on a caller's thread, numbered before this one
+                self._execute(request)
+            self._done()
+
+    def _done(self) -> None:
+        with self._lock:
+            self._pending -= 1
+
+    def _execute(self, request: Request) -> None:
+        if self._error is not None:
+            error = RuntimeError(f"the shm transport failed earlier and cannot be used: {self._error}")
+            error.__cause__ = self._error  # what failed, for the stall inspector's diagnosis
+            request.future.set_exception(error)
+            return
+        try:
+            self.engine.run(request.collective)
+            if request.finish is not None:
+                request.finish()
+        except BaseException as exc:  # noqa: BLE001 - every failure must reach the waiting caller
+            self._error = exc
+            self._abort(exc)
+            request.future.set_exception(exc)
+            return
+        request.future.set_result(None)
+
+    def stop(self, segment: Segment, regions: list[Segment]) -> None:
+        """Finish the queued collectives, stop the thread, let go of the segment and the regions: each is unmapped
+        now, or when the last tensor viewing it dies (``Segment.close``)."""
+        if self._thread.is_alive():
+            self._requests.put(None)
+            self._thread.join(5.0)
+        if not self._thread.is_alive():
+            self.engine.close()
+            segment.close()
+            for region in regions:
+                region.close()
+            regions.clear()
 
 
 def _free_mib() -> float:
@@ -60,19 +241,16 @@ def _free_mib() -> float:
     return st.f_bavail * st.f_frsize / 2**20
 
 
-class ShmTransport(Exchanges):
+class ShmTransport:
     """The transport interface (``protocol.Transport``) through shared memory, for ranks sharing this host's /dev/shm.
     Collective: every rank of ``group`` (None: the default group) constructs it, in the same order as its other
     transports. ``timeout`` (seconds or timedelta; default ``$FANFOLD_STALL_TIMEOUT``, else 300; at most the
     process group's timeout; a ``stall_timeout`` block replaces it for the collectives started in it) bounds every
-    wait for a peer; a peer that never arrives, dies or fails makes the waiting rank raise
-    :class:`ShmTimeoutError` naming both ranks and the collective. ``chunk_bytes`` is the pipelining unit (where
-    /dev/shm has no room for the segment, smaller ones, down to :data:`SMALLEST_CHUNK`, announced once; then
-    :class:`SegmentSpaceError`);
-    ``direct_bytes`` (default: no limit up to 3 ranks, else 64 KiB) the largest tensor whose ring all_reduce every
-    rank sums whole instead of by shards; ``peer_read`` (None: where the probe allows) whether ranks read their
-    peers' memory.
-    Call :meth:`close` when done (also run when the object is collected)."""
+    wait for a peer: a peer that never arrives, dies or fails makes the waiting rank raise :class:`ShmTimeoutError`
+    naming both ranks and the collective. ``chunk_bytes``: the pipelining unit (smaller ones, down to
+    :data:`SMALLEST_CHUNK`, where /dev/shm has no room; then :class:`SegmentSpaceError`). ``direct_bytes`` (default:
+    no limit up to 3 ranks, else 64 KiB): the largest ring all_reduce every rank sums whole instead of by shards.
+    ``peer_read`` (None: where the probe allows): whether ranks read their peers' memory. :meth:`close` when done."""
 
     def __init__(self, group: Any = None, timeout: float | timedelta | None = None, *, chunk_bytes: int = 1 << 20,
                  direct_bytes: int | None = None, peer_read: bool | None = None):
@@ -122,9 +300,8 @@ class ShmTransport(Exchanges):
         self._small_bytes = min(INLINE_BYTES, chunk_bytes // 4, direct_bytes) if self.world_size > 1 else -1
 
     def _map_segment(self, store: Any, areas: int, chunk_bytes: int) -> tuple[Segment, int]:
-        """The segment, with ``chunk_bytes`` chunks or, where /dev/shm has no room for it (Docker gives a container
-        64 MB), the largest of a quarter, a sixteenth... down to SMALLEST_CHUNK that fits: announced once, by rank
-        0. Collective: every rank sees the same failures (the segment's reports), so all take the same size."""
+        """The segment, with ``chunk_bytes`` chunks or, where /dev/shm has no room (Docker's 64 MB), the largest of a
+        quarter, a sixteenth... down to SMALLEST_CHUNK that fits. Every rank sees the same failures: all agree."""
         asked, tried = chunk_bytes, 0
         while True:
             size = areas * (self.world_size + 1) * chunk_bytes + self.world_size * TABLE_BYTES
@@ -149,24 +326,22 @@ class ShmTransport(Exchanges):
         return seg, chunk_bytes
 
     def _reads_peers(self, nbytes: int, listed: bool = False) -> bool:
-        """The one choice between the two algorithms, for every collective that has both (all_reduce,
-        reduce_tensors, reduce_scatter_tensors, all_gather): read the peers' tensors where they lie when every rank
-        may (``peer_read``) and the data is a list of tensors (``listed``: gathering it into one buffer for the ring
-        would cost a copy each way) or one tensor above a quarter chunk; the ring through the segment otherwise
-        (below a quarter chunk its one synchronisation beats a system call per peer). It depends on sizes only, so
-        every rank makes the same choice."""
+        """The one choice between the two algorithms: read the peers' tensors where they lie when every rank may and
+        the data is a list of tensors (``listed``: the ring would copy it into one buffer and back) or one tensor above
+        a quarter chunk (below, the ring's one synchronisation beats a system call per peer); else the ring. From
+        sizes only, so every rank chooses alike."""
         return self.peer_read and (listed or nbytes > self._chunk_bytes // 4)
 
     def _submit(self, op: int, tensor: torch.Tensor | None, bucket: int | None = None, src: int = 0,
-                divisor: float | None = None, inline: bool = False, reduce: int = SUM,
-                finish: Callable[[], None] | None = None) -> ShmWork:
+                divisor: float | None = None, reduce: int = SUM,
+                finish: Callable[[], None] | None = None) -> FanfoldWork:
         flat, back = flat_view(tensor, OPS[op]) if tensor is not None else (None, None)
         if self.world_size == 1:
             if divisor is not None:
                 tensor.div_(divisor)
             if finish is not None:
                 finish()
-            return _completed(tensor)
+            return completed_work(tensor)
         nbytes = 0 if flat is None else flat.numel() * flat.element_size()
         if op == ALL_REDUCE and back is None and self._reads_peers(nbytes):
             c = Collective(REDUCE_TENSORS, 0, flat, bucket, divisor=divisor, outs=[flat], reduce=reduce)
@@ -174,20 +349,18 @@ class ShmTransport(Exchanges):
             c = Collective(op, 0, flat, bucket, src, nbytes > self._direct_bytes, divisor, reduce=reduce)
         if back is not None:
             finish = back if finish is None else (lambda first=back, then=finish: (first(), then()))
-        return self._enqueue(c, tensor, finish, inline and nbytes <= INLINE_BYTES)
+        return self._enqueue(c, tensor, finish)
 
-    def _enqueue(self, c: Collective, value: Any, finish: Callable[[], None] | None, inline: bool = False
-                 ) -> ShmWork:
+    def _enqueue(self, c: Collective, value: Any, finish: Callable[[], None] | None) -> FanfoldWork:
         """Number ``c`` and run it (``Worker.submit``); the handle's future yields ``value``."""
         if not self._finalizer.alive:
             raise RuntimeError(f"rank {self.rank}: {OPS[c.op]} on a closed ShmTransport")
-        return ShmWork(self._worker.submit(c, value, finish, inline))
+        return FanfoldWork(self._worker.submit(c, finish), value)
 
     def allocate(self, numel: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
         """A zeroed 1-d tensor of ``numel`` ``dtype`` in a shared-memory region of its own (ordinary memory for one
-        rank, an unsupported dtype, not CPU), reduced like any other tensor. Collective: every rank allocates the
-        same sizes in the same order. The region lives until close() and the last tensor viewing it (DDP's buckets,
-        ``.grad`` views of them), whichever comes last (``_core.shm.map_tensor``)."""
+        rank, an unsupported dtype, not CPU). Collective: every rank allocates the same sizes in the same order. The
+        region lives until close() and the last tensor viewing it, whichever comes last."""
         if self.world_size == 1 or dtype not in DTYPES or numel <= 0 or torch.device(device).type != "cpu":
             return torch.zeros(numel, dtype=dtype, device=device)
         if not self._finalizer.alive:
@@ -218,24 +391,19 @@ class ShmTransport(Exchanges):
         return region.data[self.rank * stride:][:nbytes].view(dtype)
 
     def all_reduce(self, tensor: torch.Tensor, bucket: int | None = None, divisor: float | None = None, *,
-                   inline: bool = False, op: str = "sum") -> ShmWork:
-        """Sum ``tensor`` over the group, in place, asynchronously; ``bucket`` labels errors. With ``divisor`` the
-        result is the sum divided by it (bitwise what dividing afterwards gives), at no extra pass over memory.
-        ``op``: "sum", or "min", "max", "product" (in rank order as the sum; no divisor). ``inline``: a sum of at
-        most :data:`INLINE_BYTES` is done on this thread before the call returns when no collective is queued or
-        running (the latency path, :meth:`run_small`); otherwise it is queued as usual."""
-        if divisor is not None and not (isinstance(divisor, (int, float)) and divisor > 0):
-            raise ValueError(f"all_reduce: divisor must be a positive number, got {divisor!r}")
-        reduce = reduce_code(op, divisor)
+                   inline: bool = False, op: str = "sum") -> FanfoldWork:
+        """Sum ``tensor`` over the group, in place, asynchronously; ``bucket`` labels errors; ``divisor``: the sum
+        divided by it (bitwise what dividing afterwards gives); ``op``: "sum", "min", "max" or "product" (no divisor).
+        ``inline``: a sum of at most :data:`INLINE_BYTES` runs on this thread when nothing is queued or running."""
+        reduce = reduce_code(op, divisor, "all_reduce")
         if inline and reduce == SUM and self.run_small(tensor, divisor, bucket):
-            return _completed(tensor)
+            return completed_work(tensor)
         return self._submit(ALL_REDUCE, tensor, bucket, divisor=divisor, reduce=reduce)
 
     def run_small(self, tensor: torch.Tensor, divisor: float | None = None, bucket: int | None = None) -> bool:
-        """The latency path: sum a contiguous CPU ``tensor`` of at most :data:`INLINE_BYTES` (the ring's direct sum
-        of one chunk) in place, on this thread, now, if nothing is queued or running -- True once done. False
-        (nothing done) for anything else; the caller then queues it as usual. ``divisor`` is checked by the
-        caller."""
+        """The latency path: sum a contiguous CPU ``tensor`` of at most :data:`INLINE_BYTES` in place on this thread,
+        now, if nothing is queued or running: True once done; False, nothing done, for anything else (the caller
+        queues it). ``divisor`` is checked by the caller."""
         if not (tensor.is_cpu and tensor.layout is torch.strided and tensor.dtype in _SMALL_DTYPES
                 and tensor.nbytes <= self._small_bytes and tensor.is_contiguous() and self._finalizer.alive):
             return False
@@ -244,19 +412,15 @@ class ShmTransport(Exchanges):
 
     def reduce_tensors(self, tensors: list[torch.Tensor], bucket: int | None = None, *,
                        divisor: float | None = None, settle: bool = True,
-                       compress: torch.dtype | None = None) -> ShmWork:
-        """The Protocol's ``reduce_tensors`` (CPU tensors). Where the peers' memory is read (``_reads_peers``)
-        nothing is copied into shared memory: each rank sums its shard from the peers' own tensors and copies the
-        other shards from theirs (DDP's gradients, straight from autograd); ``settle=False``: the handle completes
-        once this rank has its result, while peers may still read its tensors (one synchronisation less).
-        Otherwise the tensors are laid end to end in one buffer, all-reduced through the ring and copied back.
-        ``compress``: bitwise fanfold's compression hooks (cast -- float16 after dividing by ``divisor`` --,
-        all-reduce, cast back); with peer reads every rank rounds the values as it reads them."""
-        if divisor is not None and not (isinstance(divisor, (int, float)) and divisor > 0):
-            raise ValueError(f"reduce_tensors: divisor must be a positive number, got {divisor!r}")
+                       compress: torch.dtype | None = None) -> FanfoldWork:
+        """The Protocol's ``reduce_tensors`` (CPU tensors): by peer reads where ``_reads_peers`` allows (then
+        ``settle=False`` completes the handle while peers may still read the tensors), else laid end to end in one
+        buffer through the ring. ``compress``: bitwise fanfold's compression hooks (cast, float16 after dividing by
+        ``divisor``; all-reduce; cast back)."""
+        reduce_code("sum", divisor, "reduce_tensors")
         tensors = check_reduce_tensors(tensors, compress)
         if not tensors:
-            return _completed(tensors)
+            return completed_work(tensors)
         # float16 overflows on the sum of a few large gradients: it divides first (as fp16_compress_hook does)
         pre = divisor if compress == torch.float16 else None
         if pre is not None:
@@ -276,17 +440,15 @@ class ShmTransport(Exchanges):
         """Copy rank ``src``'s ``tensor`` into every rank's, in place (after the collectives queued before it)."""
         if not isinstance(src, int) or not 0 <= src < self.world_size:
             raise ValueError(f"broadcast: src must be a rank of the group (0..{self.world_size - 1}), got {src!r}")
-        self._submit(BROADCAST, tensor, src=src, inline=True).wait()  # waited for at once: small ones on this thread
+        self._submit(BROADCAST, tensor, src=src).wait()
 
     def barrier(self) -> None:
         """Return once every rank has reached this barrier (and finished the collectives queued before it)."""
         self._submit(BARRIER, None).wait()
 
     def abort(self, message: str) -> None:
-        """End every rank's waits in this transport at once (its collectives and its peers' raise, naming this rank
-        and ``message``): the answer to the group's stall alarm, and to a failure in a layer above (the hierarchical
-        transport's cross-host step), so that the ranks of this host learn it now rather than at their timeout. The
-        transport is unusable after."""
+        """End every rank's waits in this transport at once (they raise, naming this rank and ``message``): the
+        answer to a stall alarm or a failure in a layer above. The transport is unusable after."""
         if self._segment is not None and self._finalizer.alive:
             self._segment.abort(f"rank {self.rank}: {message}")
 
@@ -307,3 +469,106 @@ class ShmTransport(Exchanges):
 
     def __repr__(self) -> str:
         return f"ShmTransport(rank={self.rank}, world_size={self.world_size}, timeout={self.timeout:g})"
+
+    def all_gather(self, tensor: torch.Tensor, out: torch.Tensor, bucket: int | None = None) -> FanfoldWork:
+        """Every rank's ``tensor`` (same numel and dtype on every rank) into ``out`` (world_size times as many
+        elements: rank r's at r * numel), asynchronously; ``bucket`` labels errors. Where the peers' memory is read
+        (``_reads_peers``), every rank copies the peers' parts straight from their outputs."""
+        if tensor.numel() and out.numel() and _overlaps(tensor, out) and not _own_part(tensor, out, self.rank):
+            tensor = tensor.clone()  # overlapping other ranks' places in out: the engine would overwrite it
+        flat, out_flat, finish = exchange_tensors("all_gather", tensor, out, times=self.world_size)
+        peers = self.world_size > 1 and self._reads_peers(out_flat.nbytes)
+        return self._exchange(Collective(GATHER_PEERS if peers else ALL_GATHER, 0, flat, bucket, out=out_flat), out,
+                              finish)
+
+    def reduce_scatter(self, tensor: torch.Tensor, out: torch.Tensor, bucket: int | None = None, *,
+                       divisor: float | None = None, op: str = "sum") -> FanfoldWork:
+        """Sum ``tensor`` (world_size x ``out``'s elements) over the group and keep this rank's shard in ``out``
+        (rank r: elements r * numel .. (r + 1) * numel), asynchronously; with ``divisor``, divided by it. Summed in
+        rank order: bitwise what :meth:`all_reduce` gives that shard. ``op``: "sum", "min", "max" or "product"."""
+        reduce = reduce_code(op, divisor, "reduce_scatter")
+        flat, out_flat, finish = exchange_tensors("reduce_scatter", tensor, out, per=self.world_size)
+        if reduce == SUM and self.world_size > 1 and self._reads_peers(flat.nbytes) and flat.numel() and \
+                not (_overlaps(flat, out_flat) or _overlaps(out_flat, flat)):
+            # Where ranks read each other's memory, each reads only its part of the peers' tensors (peer.py): no
+            # copy through the ring, the same bits (ZeRO stage 2's gradients)
+            return self._enqueue(Collective(SCATTER_TENSORS, 0, flat, bucket, divisor=divisor, outs=[flat],
+                                            out=out_flat), out, finish)
+        return self._exchange(Collective(REDUCE_SCATTER, 0, flat, bucket, divisor=divisor, out=out_flat,
+                                         reduce=reduce), out, finish)
+
+    def reduce_scatter_tensors(self, tensors: list[torch.Tensor], out: torch.Tensor, bucket: int | None = None, *,
+                               divisor: float | None = None, settle: bool = True,
+                               compress: torch.dtype | None = None) -> FanfoldWork:
+        """Sum ``tensors`` (contiguous CPU tensors of one dtype, not overlapping; laid end to end, ``total`` elements
+        on every rank) over the group and keep this rank's part in ``out`` (``ceil(total / world_size)`` elements:
+        rank r's part is elements r * len(out) .. (r + 1) * len(out) of the concatenation; where it runs past
+        ``total``, ``out`` is zeroed), asynchronously; divided by ``divisor``: bitwise :meth:`reduce_scatter` of the
+        zero-padded concatenation. By peer reads where ``_reads_peers`` allows (``settle=False``: the tensors must
+        stay unchanged until a later collective has returned), else through the ring. ``compress``: as
+        :meth:`reduce_tensors`; ``out`` stays float32."""
+        reduce_code("sum", divisor, "reduce_scatter_tensors")
+        tensors = check_reduce_tensors(tensors, compress, "reduce_scatter_tensors")
+        total = sum(t.numel() for t in tensors)
+        chunk = -(-total // self.world_size)
+        flat_out, back = flat_view(out, "reduce_scatter_tensors (out)")
+        dtype = tensors[0].dtype if tensors else out.dtype
+        if back is not None or out.dtype != dtype or out.numel() != chunk:
+            raise ValueError(f"reduce_scatter_tensors: out must be a contiguous {dtype} tensor of ceil({total} / "
+                             f"{self.world_size}) = {chunk} elements, got {out.dtype} {tuple(out.shape)} "
+                             f"contiguous={out.is_contiguous()}")
+        if any(_overlaps(t, out) or _overlaps(out, t) for t in tensors if t.numel() and out.numel()):
+            raise ValueError("reduce_scatter_tensors: out overlaps one of the tensors in memory")
+        if not tensors:
+            return completed_work(out)
+        pre = divisor if compress == torch.float16 else None  # float16 divides first, as fp16_compress_hook does
+        if pre is not None:
+            divisor = None
+        if self.world_size > 1 and self._reads_peers(total * tensors[0].element_size(), listed=True):
+            return self._enqueue(Collective(SCATTER_TENSORS, 0, tensors[0].view(-1), bucket, divisor=divisor,
+                                            outs=tensors, out=flat_out, settle=bool(settle),
+                                            compress=None if compress is None else (compress, pre)), out, None)
+        # No peer reads: one zero-padded copy of the concatenation, reduce-scattered through the ring
+        stage = torch.empty(chunk * self.world_size, dtype=compress or dtype)
+        stage[total:].zero_()
+        if compress is None:
+            torch.cat([t.view(-1) for t in tensors], out=stage[:total])
+            return self.reduce_scatter(stage, flat_out, bucket, divisor=divisor)
+        wide = torch.cat([t.view(-1) for t in tensors])
+        stage[:total].copy_(wide if pre is None else wide.div_(pre))
+        narrow = torch.empty(chunk, dtype=compress)
+        work = self.reduce_scatter(stage, narrow, bucket, divisor=divisor)
+        return FanfoldWork(work.get_future(), out, lambda: flat_out.copy_(narrow))
+
+    def all_to_all(self, tensor: torch.Tensor, out: torch.Tensor, send: list[int], recv: list[int]) -> FanfoldWork:
+        """Send ``send[q]`` consecutive elements of ``tensor`` to rank q and receive ``recv[p]`` from rank p into
+        ``out`` (in rank order), asynchronously. Every rank's ``recv[p]`` must equal rank p's ``send`` to it:
+        checked on every rank before anything moves."""
+        flat, out_flat, finish, splits = exchange_counts(tensor, out, send, recv, self.world_size)
+        return self._exchange(Collective(ALL_TO_ALL, 0, flat, out=out_flat, splits=splits), out, finish)
+
+    def _exchange(self, c: Collective, out: torch.Tensor, finish: Callable[[], None] | None) -> FanfoldWork:
+        if 16 * self.world_size > self._chunk_bytes:  # all_to_all's table of counts, a piece per rank in a chunk
+            raise ValueError(f"{OPS[c.op]}: {self.world_size} ranks need chunk_bytes >= {16 * self.world_size}")
+        if self.world_size == 1:
+            if c.op == REDUCE_SCATTER and c.divisor is not None:
+                torch.div(c.flat, c.divisor, out=c.out)
+            else:
+                c.out.copy_(c.flat)
+            if finish is not None:
+                finish()
+            return completed_work(out)
+        return self._enqueue(c, out, finish)
+
+
+def _own_part(tensor: torch.Tensor, out: torch.Tensor, rank: int) -> bool:
+    """Whether ``tensor`` is exactly this rank's place in ``out`` (an in-place all_gather, as ZeRO's): the engine
+    then leaves that place as it is."""
+    size = tensor.numel() * tensor.element_size()
+    return (tensor.is_contiguous() and out.is_contiguous() and tensor.dtype == out.dtype
+            and tensor.data_ptr() == out.data_ptr() + rank * size)
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    lo, hi = b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()
+    return lo <= a.data_ptr() < hi
