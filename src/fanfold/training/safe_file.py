@@ -16,6 +16,8 @@ from typing import Any, BinaryIO
 
 import torch
 
+from .._core.shm import alive
+
 __all__ = ["CheckpointError", "META", "write_atomic", "read_verified", "has_footer"]
 
 META = "__fanfold__"  # the payload's own entry (format version, kinds, RNG): also tells a footless file apart
@@ -61,16 +63,6 @@ def _boot_id() -> str:
         return ""
 
 
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:  # alive, another user's
-        return False
-    return False
-
-
 def remove_dead_writers_files(path: Path, boot: str) -> list[Path]:
     """Remove the temporary files that writers of ``path`` left when they died (a SIGKILL mid-save): those named
     with this boot and a pid that no longer exists. A live writer's file, or one of another boot or host (a shared
@@ -80,7 +72,7 @@ def remove_dead_writers_files(path: Path, boot: str) -> list[Path]:
         return removed
     for tmp in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
         parts = tmp.name[len(path.name) + 2:].split(".")  # boot, pid, token, "tmp"
-        if len(parts) != 4 or parts[0] != boot or not parts[1].isdigit() or not _gone(int(parts[1])):
+        if len(parts) != 4 or parts[0] != boot or not parts[1].isdigit() or alive(int(parts[1])):
             continue
         with contextlib.suppress(FileNotFoundError):  # another rank's save may have removed it first
             tmp.unlink()
