@@ -11,7 +11,7 @@ from torch import nn
 
 import fanfold
 from fanfold._core.devices import accelerator_type, usable_device, usable_devices
-from fanfold.parallel import comm
+from fanfold.parallel.functions import Broadcast, Gather, ReduceAdd, Scatter
 
 pytestmark = pytest.mark.skipif(accelerator_type() is not None, reason="needs a machine without an accelerator")
 
@@ -36,10 +36,10 @@ def _entry_points():
                                        ONE.format(name="output_device")),
         "data_parallel": (lambda: fanfold.data_parallel(model, x, cpu2, output_device=0),
                           ONE.format(name="output_device")),
-        "comm.broadcast": (lambda: comm.broadcast(x, ["cpu", "cuda:1"]), LIST.format(name="devices", i=1, n=2)),
-        "comm.scatter": (lambda: comm.scatter(x, ["cuda:0", "cpu"], [2, 2]), LIST.format(name="devices", i=0, n=2)),
-        "comm.gather": (lambda: comm.gather([x], "cuda:0"), ONE.format(name="destination")),
-        "comm.reduce_add": (lambda: comm.reduce_add([x], "cuda:0"), ONE.format(name="destination")),
+        "Broadcast": (lambda: Broadcast.apply(["cpu", "cuda:1"], x), LIST.format(name="devices", i=1, n=2)),
+        "Scatter": (lambda: Scatter.apply(["cuda:0", "cpu"], [2, 2], 0, x), LIST.format(name="devices", i=0, n=2)),
+        "Gather": (lambda: Gather.apply("cuda:0", 0, x), ONE.format(name="destination")),
+        "ReduceAdd": (lambda: ReduceAdd.apply("cuda:0", x), ONE.format(name="destination")),
     }
 
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import fanfold
-from fanfold.training.keys import unwrap_state_dict
+from fanfold.training.checkpoint import unwrap_state_dict
 
 
 def _net() -> nn.Module:

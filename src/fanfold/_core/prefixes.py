@@ -2,8 +2,8 @@
 
 Wrappers add, on either side of a checkpoint: a ``module.``, ``_orig_mod.`` or ``_forward_module.`` prefix shared by
 every key (repeatedly, e.g. ``module._orig_mod.``), and ``_orig_mod`` anywhere (a compiled submodule). Knows wrappers
-only by duck typing, so this bottom layer imports neither DataParallel nor DDP; ``training.keys`` matches saved and
-live keys with it.
+only by duck typing, so this bottom layer imports neither DataParallel nor DDP; ``training.checkpoint`` matches saved
+and live keys with it.
 """
 from __future__ import annotations
 

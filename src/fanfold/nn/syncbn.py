@@ -1,9 +1,5 @@
-"""``SyncBatchNorm``: BatchNorm whose training statistics are the whole batch's, over ranks and DataParallel replicas.
-
-The module: each part of the batch packs its moments (``moments.py``), one sum over every part (``group_sum.py``
-over ranks, ``rendezvous.py`` over replicas, or both) gives the whole batch's mean and variance, and the autograd
-Functions (``functions.py``) normalise and differentiate. With nothing to sum over it is plain BatchNorm; eval mode
-never communicates. Semantics: docs/syncbn.md.
+"""``SyncBatchNorm``: BatchNorm whose training statistics are the whole batch's, over ranks and DataParallel replicas,
+and the conversion of a model's BatchNorm layers to it and back. Semantics: docs/syncbn.md.
 """
 from __future__ import annotations
 
@@ -12,22 +8,23 @@ import weakref
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.lazy import LazyModuleMixin
 
+from .._core.group import rank_world
 from ..collectives.stall import InspectedTransport, group_transport
 from ..collectives.timeouts import resolve_stall_timeout
 from ..distributed.join import BACKWARD, FORWARD, JoinState
-from .convert import convert, rebuild_plain
-from .functions import BatchStats, Normalize, StatsPlan, SyncNormalize
-from .group_sum import GroupSum, check_channel, expect_in_join, group_size, same_group
-from .moments import Moments, pack_moments, stats_dtype, unpack_moments, wide_dtype
-from .rendezvous import Rendezvous, ReplicaLink
+from .functions import BatchStats, Normalize, StatsPlan, SyncNormalize, pack_moments, stats_dtype, unpack_moments
+from .group_sum import GroupSum, Rendezvous, ReplicaLink, check_channel, expect_in_join
 
 __all__ = ["SyncBatchNorm", "revert_sync_batchnorm"]
 
 _UNLINKED = "unlinked"  # a replica made by a DataParallel that does not link them (torch.nn.DataParallel)
+_TORCH_CLASSES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 
 
 def _sum_parts(vecs: list[torch.Tensor], outer: GroupSum | None, phase: int) -> torch.Tensor:
@@ -53,7 +50,6 @@ class SyncBatchNorm(_BatchNorm):
         self._join: JoinState | None = None
         self._replica: ReplicaLink | str | None = None
         self._transport: weakref.ref | None = None  # DDP's, when on this layer's group; DDP owns it
-        self._own: InspectedTransport | None = None  # on process_group, made at the first collective without DDP's
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() < 2:
@@ -81,10 +77,9 @@ class SyncBatchNorm(_BatchNorm):
                 "replicas (torch.nn.DataParallel, or replicate() and parallel_apply() by hand), so it would see its "
                 "own slice of the batch only: use fanfold.DataParallel")
         outer = None
-        # DDP's transport, when on this layer's group, knows the group's size (torch.distributed's look-up of the
-        # default group costs a dozen Python calls a forward)
+        # DDP's transport knows the group's size (torch.distributed's look-up costs a dozen Python calls a forward)
         transport = self._transport() if self._transport is not None else None
-        if (transport.world_size if transport is not None else group_size(self.process_group)) > 1:
+        if (transport.world_size if transport is not None else rank_world(self.process_group, from_env=False)[1]) > 1:
             if link is not None and self._join is not None:  # every rank alike: all have the same model
                 raise RuntimeError(
                     "SyncBatchNorm: DataParallel replicas inside DistributedDataParallel.join() are not supported "
@@ -103,12 +98,12 @@ class SyncBatchNorm(_BatchNorm):
         if link is not None and not link.concurrent_backward and torch.is_grad_enabled():
             return self._joined(x, vec, factor, link, outer)
         if link is None:  # ranks only
-            moments = self._update(unpack_moments(outer(vec, FORWARD), stats_dtype(x)), x, factor)
+            moments = self._update(outer(vec, FORWARD), x, factor)
             reduce = functools.partial(outer, phase=BACKWARD)
         else:  # replicas (and ranks, if any), each running its own backward in its own thread
             rendezvous, i = link.rendezvous, link.index
             total = rendezvous.meet(i, vec, functools.partial(_sum_parts, outer=outer, phase=FORWARD), "forward")
-            moments = self._update(unpack_moments(total.to(x.device), stats_dtype(x)), x, factor)
+            moments = self._update(total, x, factor)
 
             def reduce(packed: torch.Tensor) -> torch.Tensor:
                 return rendezvous.meet(i, packed, functools.partial(_sum_parts, outer=outer, phase=BACKWARD),
@@ -130,13 +125,14 @@ class SyncBatchNorm(_BatchNorm):
             return total, BatchStats.apply(StatsPlan(moments, self.eps, identity), *[p for _, p in parts])
 
         total, stats = link.rendezvous.meet(link.index, (vec, x), combine, "forward")
-        moments = self._update(unpack_moments(total.to(x.device), stats_dtype(x)), x, factor)
+        moments = self._update(total, x, factor)
         i = link.index
         return Normalize.apply(x, stats[2 * i], stats[2 * i + 1], self.weight, self.bias,
                                StatsPlan(moments, self.eps, identity))
 
-    def _update(self, moments: Moments, x: torch.Tensor, factor: float | None) -> Moments:
-        """Check the count, move the running statistics (the same bits on every rank and replica)."""
+    def _update(self, total: torch.Tensor, x: torch.Tensor, factor: float | None):
+        """The whole batch's moments from the parts' summed vectors; checks the count, moves the running statistics."""
+        moments = unpack_moments(total.to(x.device), stats_dtype(x))
         if moments.count == 1:  # as plain BatchNorm, but counted over the whole batch
             raise ValueError(f"Expected more than 1 value per channel when training, got 1 over the whole batch "
                              f"(input size {tuple(x.shape)} here)")
@@ -151,7 +147,6 @@ class SyncBatchNorm(_BatchNorm):
     def _name(self) -> str:
         return f"SyncBatchNorm({self.num_features})"
 
-    # ---- DataParallel: replicas that meet ------------------------------------------------------------------
     def _replicate_for_data_parallel(self) -> SyncBatchNorm:
         replica = super()._replicate_for_data_parallel()
         replica._replica = _UNLINKED
@@ -164,39 +159,46 @@ class SyncBatchNorm(_BatchNorm):
         for i, replica in enumerate(replicas):
             replica._replica = ReplicaLink(rendezvous, i, bool(concurrent_backward))
 
-    # ---- DistributedDataParallel: its transport, its join() -------------------------------------------------
     def use_transport(self, transport: Any, process_group: Any) -> None:
         """Called by fanfold.DistributedDataParallel at construction: its collectives' transport and group."""
-        shared = same_group(process_group, self.process_group)
+        world = dist.group.WORLD
+        shared = (process_group or world) is (self.process_group or world)
         self._transport = weakref.ref(transport) if shared else None
 
     def _own_transport(self) -> InspectedTransport:
-        """The layer's own transport on ``process_group``; made at first use, which every rank reaches alike."""
-        if self._own is None:
-            self._own = group_transport(self.process_group, "SyncBatchNorm")
-        return self._own
+        # made at the first collective without DDP's, which every rank reaches alike, and kept by group_transport
+        return group_transport(self.process_group, "SyncBatchNorm")
 
     def set_join_state(self, state: JoinState | None) -> None:
         """Called by DistributedDataParallel.join() on entry (the state) and on exit (None)."""
-        if state is not None and group_size(self.process_group) > 1:
+        if state is not None and rank_world(self.process_group, from_env=False)[1] > 1:
             check_channel(state, self.process_group, self._name())
             if self.training:
                 p = self.running_mean if self.running_mean is not None else self.weight
                 device = p.device if p is not None else torch.device("cpu")
-                expect_in_join(state, 2 * self.num_features + 1, 2 * self.num_features, device, wide_dtype(device),
-                               self._own_transport())
+                expect_in_join(state, self.num_features, device, self._own_transport())
         self._join = state
 
     def __getstate__(self) -> dict:
         # what belongs to one DDP, join() context or forward is not pickled (torch.save(model), copy.deepcopy)
-        return {**super().__getstate__(), "_transport": None, "_own": None, "_join": None, "_replica": None}
+        return {**super().__getstate__(), "_transport": None, "_join": None, "_replica": None}
 
     @classmethod
     def convert_sync_batchnorm(cls, module: nn.Module, process_group: Any = None) -> nn.Module:
         """Replace every BatchNorm layer of ``module`` (torch's ``_BatchNorm`` subclasses: BatchNorm1d/2d/3d and
         torch's SyncBatchNorm) by a fanfold ``SyncBatchNorm`` sharing its parameters and buffers; returns the
         module (a new one when ``module`` itself is a BatchNorm). ``revert_sync_batchnorm`` undoes it."""
-        return convert(module, cls, process_group)
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"convert_sync_batchnorm: module must be an nn.Module, got {type(module).__name__}")
+
+        def swap(m: nn.Module, name: str) -> nn.Module:
+            if not isinstance(m, _BatchNorm) or isinstance(m, cls):
+                return m
+            new = _rebuild(m, cls, name, process_group=process_group)
+            new.converted_from = next((c for c in _TORCH_CLASSES if isinstance(m, c)), None)
+            return new
+
+        return _replace(module, swap)
 
 
 def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
@@ -205,4 +207,44 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
     inference and export; returns the module (a new one when ``module`` itself is a SyncBatchNorm)."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"revert_sync_batchnorm: module must be an nn.Module, got {type(module).__name__}")
-    return rebuild_plain(module, lambda m: isinstance(m, (SyncBatchNorm, nn.SyncBatchNorm)))
+
+    def swap(m: nn.Module, name: str) -> nn.Module:
+        if not isinstance(m, (SyncBatchNorm, nn.SyncBatchNorm)):
+            return m
+        return _rebuild(m, getattr(m, "converted_from", None) or _BatchNormNd, name)
+
+    return _replace(module, swap)
+
+
+class _BatchNormNd(_BatchNorm):
+    """Plain BatchNorm over inputs of any dimension >= 2 (what a reverted SyncBatchNorm of unknown origin becomes)."""
+
+    def _check_input_dim(self, input: torch.Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"expected an input of at least 2 dimensions, got shape {tuple(input.shape)}")
+
+
+def _rebuild(old: _BatchNorm, cls: type, name: str, **extra: Any) -> _BatchNorm:
+    """A ``cls`` layer with ``old``'s settings, holding ``old``'s very parameter and buffer objects (an optimizer
+    made before keeps working, the state dict keys do not change)."""
+    if isinstance(old, LazyModuleMixin) and old.has_uninitialized_params():
+        raise ValueError(f"{name or 'the module'} is a lazy BatchNorm that has not seen an input yet: run one "
+                         "forward before converting it")
+    bias = old.bias is not None or not old.affine
+    new = cls(old.num_features, old.eps, old.momentum, old.affine, old.track_running_stats, device="meta",
+              **({} if bias else {"bias": False}), **extra)
+    for key in new._parameters:
+        new._parameters[key] = old._parameters[key]
+    for key in new._buffers:
+        new._buffers[key] = old._buffers[key]
+    new.training = old.training
+    if hasattr(old, "qconfig"):
+        new.qconfig = old.qconfig
+    return new
+
+
+def _replace(module: nn.Module, swap: Any, prefix: str = "") -> nn.Module:
+    new = swap(module, prefix)
+    for name, child in list(module.named_children()):
+        new.add_module(name, _replace(child, swap, f"{prefix}.{name}" if prefix else name))
+    return new

@@ -1,8 +1,5 @@
-"""DataParallel and data_parallel(): scatter -> replicate -> parallel_apply -> gather, in one process.
-
-A drop-in for ``torch.nn.DataParallel`` that also runs replicas on the CPU (``device_ids=["cpu", "cpu"]``), each
-verb a one-line method a subclass can swap; replicas run in threads (their backward too, ``parallel_backward``) or,
-with ``engine="process"``, in worker processes (``process_engine``). Semantics: docs/data-parallel.md.
+"""DataParallel and data_parallel(): scatter -> replicate -> parallel_apply -> gather, in one process, each verb a
+method a subclass can swap; CPU replicas too. Semantics: docs/data-parallel.md.
 """
 from __future__ import annotations
 
@@ -135,8 +132,8 @@ class DataParallel(nn.Module):
             self._processes = None
 
     def _check_placement(self) -> None:
-        # runs every forward (the module may have been moved since), so it walks the dicts directly: a third of
-        # the cost of parameters() + buffers(); names are looked up only on failure
+        # every forward (the module may have been moved since): the dicts walked directly cost a third of
+        # parameters() + buffers(); names are looked up only on failure
         src = self.src_device_obj
         for m in self.module.modules():
             for t in chain(m._parameters.values(), m._buffers.values()):

@@ -1,37 +1,31 @@
-"""Differentiable device communication: ``Broadcast``/``ReduceAdd`` and ``Scatter``/``Gather``, autograd Functions in
-dual pairs, each backward calling its dual's ``apply`` (so higher-order gradients work too). Any device type,
-repeated devices allowed; the data moves are ``comm.py``'s.
+"""Differentiable copies between devices of one process, any device type, a device possibly repeated (``["cpu",
+"cpu"]``): ``Broadcast``/``ReduceAdd`` and ``Scatter``/``Gather``, each backward its dual's ``apply`` (so higher-order
+gradients work). Every result is a new tensor, sharing no memory with the inputs.
 """
 from __future__ import annotations
 
 import torch
 from torch.autograd import Function
 
-from .._core.devices import normalize_device, normalize_devices
-from . import comm
+from .._core.devices import usable_device, usable_devices
 
 
 class Broadcast(Function):
-    """``Broadcast.apply(devices, *tensors)``: every tensor on every device, device-major.
-
-    Returns ``len(devices) * len(tensors)`` tensors: ``out[i * len(tensors) + j]`` is ``tensors[j]`` on
-    ``devices[i]``. Copies of tensors that do not require grad (buffers, frozen parameters) do not require grad.
-    """
+    """``Broadcast.apply(devices, *tensors)``: every tensor on every device, device-major (``out[i * len(tensors) + j]``
+    is ``tensors[j]`` on ``devices[i]``). Copies of tensors that do not require grad do not require grad."""
 
     @staticmethod
     def forward(ctx, devices, *tensors):
-        devs = normalize_devices(devices, "devices")
         ctx.sources = [t.device for t in tensors]
-        ctx.num_tensors = len(tensors)
-        copies = [comm.broadcast(t, devs) for t in tensors]
-        outputs = tuple(copies[j][i] for i in range(len(devs)) for j in range(len(tensors)))
+        # copy=True: a new tensor even on its own device, which a replica may then modify in place
+        outputs = tuple(t.to(d, copy=True) for d in usable_devices(devices, "devices") for t in tensors)
         frozen = [o for k, o in enumerate(outputs) if not ctx.needs_input_grad[1 + k % len(tensors)]]
         ctx.mark_non_differentiable(*frozen)
         return outputs
 
     @staticmethod
     def backward(ctx, *grads):
-        n = ctx.num_tensors
+        n = len(ctx.sources)
         summed = tuple(
             ReduceAdd.apply(ctx.sources[j], *grads[j::n]) if ctx.needs_input_grad[1 + j] else None for j in range(n)
         )
@@ -39,12 +33,16 @@ class Broadcast(Function):
 
 
 class ReduceAdd(Function):
-    """``ReduceAdd.apply(destination, *tensors)``: the sum of same-shaped tensors on ``destination``."""
+    """``ReduceAdd.apply(destination, *tensors)``: the sum of same-shaped tensors on ``destination``, in list order."""
 
     @staticmethod
     def forward(ctx, destination, *tensors):
         ctx.sources = [t.device for t in tensors]
-        return comm.reduce_add(tensors, destination)
+        dest = usable_device(destination, "destination")
+        out = tensors[0].to(dest, copy=True)
+        for t in tensors[1:]:
+            out.add_(t.to(dest))
+        return out
 
     @staticmethod
     def backward(ctx, grad):
@@ -58,7 +56,8 @@ class Scatter(Function):
     def forward(ctx, devices, chunk_sizes, dim, tensor):
         ctx.dim = dim
         ctx.source = tensor.device
-        return tuple(comm.scatter(tensor, devices, chunk_sizes, dim))
+        chunks = tensor.split(list(chunk_sizes), dim)
+        return tuple(c.to(d, copy=True) for c, d in zip(chunks, usable_devices(devices, "devices")))
 
     @staticmethod
     def backward(ctx, *grads):
@@ -73,7 +72,8 @@ class Gather(Function):
         ctx.dim = dim
         ctx.sources = [t.device for t in tensors]
         ctx.sizes = [t.size(dim) for t in tensors]
-        return comm.gather(tensors, normalize_device(destination), dim)
+        dest = usable_device(destination, "destination")
+        return torch.cat([t.to(dest) for t in tensors], dim)
 
     @staticmethod
     def backward(ctx, grad):

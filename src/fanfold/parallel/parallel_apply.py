@@ -1,8 +1,5 @@
-"""parallel_apply: run one replica per device concurrently on a persistent pool of worker threads (``WorkerPool``).
-
-Worker i always runs replica i, with the caller's grad mode, inference mode, autocast and current device carried in
-and its own intra-op thread count; an exception in a replica is re-raised in the caller naming the replica and
-device. Without ``pool=`` the free function starts a pool for that call only.
+"""parallel_apply: one replica per device, run concurrently by a persistent pool of worker threads (``WorkerPool``),
+each with the caller's grad mode, inference mode, autocast and current device; errors name the replica and device.
 """
 from __future__ import annotations
 
@@ -103,20 +100,14 @@ class WorkerPool:
         self.close()
 
 
-def _first_tensor_device(obj: Any) -> torch.device | None:
-    for _, leaf in flatten(obj)[0]:
+def _infer_device(module: nn.Module, args: tuple, kwargs: dict) -> torch.device:
+    """The device of the first tensor of the arguments, else of the module's parameters, else the CPU."""
+    for _, leaf in flatten((args, kwargs))[0]:
         if isinstance(leaf, PackedSequence):
             leaf = leaf.data
         if isinstance(leaf, torch.Tensor):
             return leaf.device
-    return None
-
-
-def _infer_device(module: nn.Module, args: tuple, kwargs: dict) -> torch.device:
-    device = _first_tensor_device((args, kwargs))
-    if device is None:
-        device = next((p.device for p in module.parameters()), torch.device("cpu"))
-    return device
+    return next((p.device for p in module.parameters()), torch.device("cpu"))
 
 
 def _autocast_state(device_type: str) -> tuple | None:
@@ -168,6 +159,15 @@ def _reraise(index: int, device: torch.device, exc: BaseException) -> None:
     raise err from exc
 
 
+def _run(pool: WorkerPool, fns: list, devices: list) -> list:
+    """The results of ``fns`` run by ``pool``, or the first failure raised naming its replica and device."""
+    results = pool.run(fns)
+    for i, (ok, value) in enumerate(results):
+        if not ok:
+            _reraise(i, devices[i], value)
+    return [value for _, value in results]
+
+
 def parallel_apply(
     modules: Sequence[nn.Module],
     inputs: Sequence[Any],
@@ -213,10 +213,5 @@ def parallel_apply(
     ]
     if pool is None:
         with WorkerPool() as short_lived:
-            results = short_lived.run(fns)
-    else:
-        results = pool.run(fns)
-    for i, (ok, value) in enumerate(results):
-        if not ok:
-            _reraise(i, devs[i], value)
-    return [value for _, value in results]
+            return _run(short_lived, fns, devs)
+    return _run(pool, fns, devs)

@@ -1,11 +1,10 @@
-"""parallel_apply_backward: run CPU replicas forward AND backward concurrently, on the same worker pool.
-
-One autograd Function, ``_Replicas``, spans all replicas: each worker runs its replica on detached arguments and
-aliases of the parameters, differentiates its own graph at backward, and the replicas' parameter gradients are
-summed and handed to autograd as the real parameters' gradient. Design notes: docs/data-parallel.md.
+"""parallel_apply_backward: CPU replicas' forward AND backward run concurrently by the worker pool, one autograd
+Function (``_Replicas``) spanning all replicas; a double backward re-runs their forward on the caller's thread.
+Design notes: docs/data-parallel.md.
 """
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -15,12 +14,17 @@ from torch.autograd import Function
 from torch.nn.utils.rnn import PackedSequence
 
 from .._core.tree import flatten, unflatten
-from .double_backward import leaf_tensor as _tensor
-from .double_backward import recompute_backward as _recompute_backward
-from .parallel_apply import WorkerPool, _call, _caller_state, _reraise
+from .parallel_apply import WorkerPool, _call, _caller_state, _run
 
 # from this many elements in all, the replicas' gradients are summed by the workers, not the caller
 _SPREAD_SUM_NUMEL = 1 << 20
+
+
+def _tensor(leaf: Any) -> torch.Tensor | None:
+    """The tensor a leaf carries (a PackedSequence's data), or None."""
+    if isinstance(leaf, PackedSequence):
+        return leaf.data
+    return leaf if isinstance(leaf, torch.Tensor) else None
 
 
 def _with_tensor(leaf: Any, tensor: torch.Tensor) -> Any:
@@ -46,13 +50,9 @@ def _leaves_of(outputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _alias_parameters(replicas: Sequence[nn.Module]) -> tuple[list[torch.Tensor], list[list[torch.Tensor]], list]:
-    """Give each replica its own leaf for every parameter that requires grad, sharing the parameter's memory.
-
-    The replicas' graphs then end at these leaves, not at the parameters: hooks on a parameter run once, on the
-    summed gradient, as for the bare module, and never in a worker. Returns the parameters, per replica its leaves
-    in the same order, and per replica the ``(module, name, parameter)`` swapped (to run it again on the real ones).
-    A parameter used under two names (tied weights) gets one leaf per replica.
-    """
+    """Give each replica its own leaf for every parameter that requires grad (one for tied weights), sharing its
+    memory, so that hooks on a parameter run once, on the summed gradient, never in a worker. Returns the parameters,
+    per replica its leaves in that order, and per replica the ``(module, name, parameter)`` swapped."""
     params: dict[int, torch.Tensor] = {}
     for r in replicas:
         for p in r.parameters():
@@ -74,14 +74,6 @@ def _alias_parameters(replicas: Sequence[nn.Module]) -> tuple[list[torch.Tensor]
     return list(params.values()), per_replica, restore
 
 
-def _run(pool: WorkerPool, fns: list, devices: list) -> list:
-    results = pool.run(fns)
-    for i, (ok, value) in enumerate(results):
-        if not ok:
-            _reraise(i, devices[i], value)
-    return [value for _, value in results]
-
-
 def _sum_into_first(grads: list, owned: bool) -> torch.Tensor | None:
     present = [g for g in grads if g is not None]
     if not present:
@@ -90,6 +82,45 @@ def _sum_into_first(grads: list, owned: bool) -> torch.Tensor | None:
     for g in present[1:]:
         total.add_(g)
     return total
+
+
+def _recompute_backward(plan: dict, outs: Sequence[torch.Tensor], grads: Sequence) -> list:
+    """The Function's gradients as a differentiable graph (double backward): each replica's forward run again on the
+    caller's thread on the real parameters, its buffers left as they were, its outputs checked against the first
+    forward's (a random op drawing again would give the gradient of another function)."""
+    warnings.warn("DataParallel: double backward (create_graph=True) through CPU replicas: their forward is run "
+                  "again on the caller's thread to build a differentiable graph (slower; parallel_backward=False "
+                  "avoids the recomputation)", stacklevel=3)
+    recomputed = []
+    for i, (module, args, kwargs, device) in enumerate(zip(plan["modules"], plan["inputs"], plan["kwargs"],
+                                                            plan["devices"])):
+        for m, key, p in plan["restore"][i]:
+            setattr(m, key, p)
+        # the run writes into copies of the buffers (BatchNorm's statistics were updated by the first forward);
+        # swapped, not restored in place, because its graph may save them
+        kept = [(m, key, b) for m in module.modules() for key, b in m._buffers.items() if b is not None]
+        for m, key, b in kept:
+            m._buffers[key] = b.clone()
+        try:
+            out = _call(module, args, kwargs, device, plan["state"])
+        finally:
+            for m, key, b in kept:
+                m._buffers[key] = b
+        leaves, _ = flatten(out, "output")
+        recomputed.extend(t for t in (_tensor(v) for _, v in leaves) if t is not None)
+    for i, (start, stop) in enumerate(plan["output_slices"]):
+        for a, b in zip(outs[start:stop], recomputed[start:stop]):
+            if a.shape != b.shape or not torch.allclose(a.detach(), b.detach(), rtol=1e-4, atol=1e-5, equal_nan=True):
+                raise RuntimeError(
+                    f"DataParallel: double backward (create_graph=True) runs replica {i}'s forward again, and its "
+                    "outputs changed (a random op such as dropout?); create the model with "
+                    "DataParallel(..., parallel_backward=False) to keep the first forward's graph")
+    pairs = [(o, g) for o, g in zip(recomputed, grads) if g is not None and o.requires_grad]
+    targets = list(plan["originals"]) + list(plan["shared_tensors"])
+    if not pairs:
+        return [None] * len(targets)
+    return list(torch.autograd.grad([o for o, _ in pairs], targets, [g for _, g in pairs], create_graph=True,
+                                    allow_unused=True))
 
 
 class _Replicas(Function):
@@ -101,8 +132,7 @@ class _Replicas(Function):
         ctx.plan = plan
         outs = plan.pop("outputs")  # computed before apply (see parallel_apply_backward): the replicas' graphs
         ctx.save_for_backward(*outs)
-        non_diff = [o.detach() for o in outs]
-        result = tuple(non_diff)
+        result = tuple(o.detach() for o in outs)
         ctx.mark_non_differentiable(*[r for r, o in zip(result, outs) if not o.requires_grad])
         return result
 
@@ -162,9 +192,7 @@ class _Replicas(Function):
         else:  # small: waking the workers again would cost more than the additions
             add(order)()
 
-        result: list = [None] * plan["num_inputs"]
-        for k, position in enumerate(plan["shared_positions"]):
-            result[position] = sums[k]
+        result = [None] * len(plan["originals"]) + sums
         for i in range(n):
             for index, position in plan["own"][i]:
                 result[position] = per_replica[i][index]
@@ -226,7 +254,6 @@ def parallel_apply_backward(
     # reach; what each replica differentiates: its arguments and its aliases of the parameters
     shared_tensors: list[torch.Tensor] = list(params)
     shared_index = {id(p): k for k, p in enumerate(shared_tensors)}
-    own: list[list] = [[] for _ in range(n)]
     own_lists: list[list[torch.Tensor]] = [[] for _ in range(n)]
     alias_ids = {id(a) for replica_aliases in aliases for a in replica_aliases}
     for i in range(n):
@@ -237,24 +264,15 @@ def parallel_apply_backward(
             elif id(leaf) not in alias_ids and id(leaf) not in shared_index:
                 shared_index[id(leaf)] = len(shared_tensors)
                 shared_tensors.append(leaf)
-    num_originals = len(originals)
-    leaves_per_replica = []
-    for i in range(n):
-        leaves_per_replica.append(aliases[i] + shared_tensors[len(params):] + own_lists[i])
-        own[i] = [(len(shared_tensors) + j, own_by_id[id(t)]) for j, t in enumerate(own_lists[i])]
     plan = {
-        "devices": devices,
-        "pool": pool,
-        "outputs": flat_outputs,
-        "output_slices": slices,
-        "leaves": leaves_per_replica,
-        "shared_tensors": shared_tensors,
-        "shared_positions": [num_originals + k for k in range(len(shared_tensors))],
-        "own": own,
-        "num_inputs": num_originals + len(shared_tensors),
+        "devices": devices, "pool": pool, "outputs": flat_outputs, "output_slices": slices,
+        "leaves": [a + shared_tensors[len(params):] + mine for a, mine in zip(aliases, own_lists)],
+        "shared_tensors": shared_tensors, "originals": originals,
+        # own[i]: (index among replica i's leaves, position among the originals) of each argument it differentiates
+        "own": [[(len(shared_tensors) + j, own_by_id[id(t)]) for j, t in enumerate(mine)] for mine in own_lists],
         # to run the replicas again for a double backward (_recompute_backward)
         "modules": list(modules), "inputs": list(inputs), "kwargs": list(kwargs_tup), "state": state,
-        "restore": restore, "originals": originals,
+        "restore": restore,
     }
     results = _Replicas.apply(plan, *originals, *shared_tensors)
     it = iter(results)

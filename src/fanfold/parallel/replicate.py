@@ -1,8 +1,5 @@
-"""replicate(network, devices, detach=False): one cheap replica of a module per device, for one forward pass.
-
-Shallow copies of every submodule (each module's ``_replicate_for_data_parallel`` hook); parameters shared on their
-own device, else copied by the differentiable ``Broadcast``; the first replica on a buffer's device shares it, the
-others get copies. ``LinkedReplicas`` / :func:`link_replicas`: replicas that cooperate during forward (SyncBatchNorm).
+"""replicate(network, devices, detach=False): one cheap replica of a module per device, for one forward pass; and
+``link_replicas`` for replicas that work together during it (SyncBatchNorm).
 """
 from __future__ import annotations
 
@@ -13,7 +10,6 @@ import torch
 from torch import nn
 
 from .._core.devices import DeviceLike, usable_devices
-from . import comm
 from .functions import Broadcast
 
 M = TypeVar("M", bound=nn.Module)
@@ -29,7 +25,7 @@ def _check_replicable(network: nn.Module) -> None:
 
 
 def _param_copies(params: list[torch.Tensor], devices: list[torch.device], detach: bool) -> list[list[torch.Tensor]]:
-    """``out[j][k]``: what replica j uses for ``params[k]``."""
+    """``out[j][k]``: what replica j uses for ``params[k]``: the parameter itself on its own device, else a copy."""
     out: list[list] = [list(params) if not detach else [p.detach() for p in params] for _ in devices]
     by_source: dict[torch.device, list[int]] = {}
     for k, p in enumerate(params):
@@ -38,18 +34,13 @@ def _param_copies(params: list[torch.Tensor], devices: list[torch.device], detac
         targets = list(dict.fromkeys(d for d in devices if d != source))  # distinct, in order
         if not targets:
             continue
-        tensors = [params[k] for k in ks]
-        if detach:
-            copies = [comm.broadcast(t.detach(), targets) for t in tensors]  # copies[k][i]
-            flat = [copies[k][i] for i in range(len(targets)) for k in range(len(ks))]
-        else:
-            flat = Broadcast.apply(targets, *tensors)  # device-major: flat[i * len(ks) + k]
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not detach):
+            flat = Broadcast.apply(targets, *[params[k] for k in ks])  # device-major: flat[i * len(ks) + k]
         where = {d: i for i, d in enumerate(targets)}
         for j, d in enumerate(devices):
             if d in where:
-                i = where[d]
                 for n, k in enumerate(ks):
-                    out[j][k] = flat[i * len(ks) + n]
+                    out[j][k] = flat[where[d] * len(ks) + n]
     return out
 
 
@@ -59,13 +50,8 @@ def _buffer_copies(buffers: list[torch.Tensor], devices: list[torch.device], det
     for k, b in enumerate(buffers):
         owner = next((j for j, d in enumerate(devices) if d == b.device), None)
         others = [d for j, d in enumerate(devices) if j != owner]
-        if not others:
-            copies = []
-        elif b.requires_grad and not detach:
-            copies = list(Broadcast.apply(others, b))
-        else:
-            copies = comm.broadcast(b.detach(), others)
-        it = iter(copies)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not detach):
+            it = iter(Broadcast.apply(others, b) if others else ())
         for j in range(len(devices)):
             out[j][k] = b if j == owner else next(it)
     return out

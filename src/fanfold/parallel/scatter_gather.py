@@ -1,8 +1,5 @@
-"""scatter / scatter_kwargs / gather over nested data, with torch's signatures, and the split rule ``split_sizes``.
-
-scatter splits every tensor of a nested structure along ``dim`` (``torch.chunk`` sizes, ``chunk_sizes`` or
-``weights``), positional and keyword arguments by one plan; a ``PackedSequence`` is split by sequences. gather is
-the inverse, differentiable. The walk over the structure is ``_core.tree``'s. Semantics: docs/data-parallel.md.
+"""scatter / scatter_kwargs / gather over nested data, with torch's signatures, differentiable; a ``PackedSequence``
+is split by sequences. ``split_sizes``: how many rows each replica gets. Semantics: docs/data-parallel.md.
 """
 from __future__ import annotations
 
@@ -64,11 +61,9 @@ def _batch_size(path: str, leaf: Any, dim: int) -> int | None:
     if not isinstance(leaf, torch.Tensor):
         return None
     if not -leaf.dim() <= dim < leaf.dim():
-        raise ValueError(
-            f"scatter: dim {dim} is out of range for {path} with shape {tuple(leaf.shape)}"
-            + (" (a 0-dim tensor cannot be split; pass a Python number to give it to every replica)"
-               if leaf.dim() == 0 else "")
-        )
+        raise ValueError(f"scatter: dim {dim} is out of range for {path} with shape {tuple(leaf.shape)}" + (
+            " (a 0-dim tensor cannot be split; pass a Python number to give it to every replica)"
+            if leaf.dim() == 0 else ""))
     return leaf.size(dim)
 
 
@@ -82,10 +77,8 @@ def _plan(leaves: list, devices: list, dim: int, chunk_sizes, weights) -> list[i
         if first is None:
             first = (path, size)
         elif size != first[1]:
-            raise ValueError(
-                f"scatter: {path} has size {size} along dim {dim} but {first[0]} has {first[1]}; "
-                "every tensor being scattered must have the same batch size"
-            )
+            raise ValueError(f"scatter: {path} has size {size} along dim {dim} but {first[0]} has {first[1]}; "
+                             "every tensor being scattered must have the same batch size")
     if first is None:
         return None
     batch = first[1]
@@ -114,14 +107,12 @@ def _scatter_packed(path: str, seq: PackedSequence, devices: list, sizes: list[i
 
 
 def _on(leaf: Any, device: torch.device) -> bool:
-    """True unless ``leaf`` holds tensor data on a device other than ``device``."""
     if isinstance(leaf, PackedSequence):
         leaf = leaf.data
     return not isinstance(leaf, torch.Tensor) or leaf.device == device
 
 
 def _scatter_leaves(leaves: list, devices: list, dim: int, sizes: list[int] | None) -> list[list]:
-    """Per replica, the list of its leaves."""
     n = len(devices) if sizes is None else len(sizes)
     if n == 1 and all(_on(leaf, devices[0]) for _, leaf in leaves):
         # one replica on the caller's device: it gets the caller's own tensors, exactly like the bare module (no
@@ -143,6 +134,12 @@ def _check_dim(dim: Any) -> None:
         raise TypeError(f"dim must be an int, got {type(dim).__name__}: {dim!r}")
 
 
+def _split(leaves: list, target_gpus: Sequence[DeviceLike], dim: int, chunk_sizes, weights) -> list[list]:
+    """Per replica used, the list of its leaves."""
+    devices = usable_devices(target_gpus, "target_gpus")
+    return _scatter_leaves(leaves, devices, dim, _plan(leaves, devices, dim, chunk_sizes, weights))
+
+
 def scatter(
     inputs: Any,
     target_gpus: Sequence[DeviceLike],
@@ -153,10 +150,8 @@ def scatter(
 ) -> list:
     """Split ``inputs`` (a tensor or nested structure) over ``target_gpus``; one structure per replica used."""
     _check_dim(dim)
-    devices = usable_devices(target_gpus, "target_gpus")
     leaves, spec = flatten(inputs, "inputs")
-    sizes = _plan(leaves, devices, dim, chunk_sizes, weights)
-    return [unflatten(spec, replica) for replica in _scatter_leaves(leaves, devices, dim, sizes)]
+    return [unflatten(spec, replica) for replica in _split(leaves, target_gpus, dim, chunk_sizes, weights)]
 
 
 def scatter_kwargs(
@@ -170,17 +165,14 @@ def scatter_kwargs(
 ) -> tuple[tuple[tuple, ...], tuple[dict[str, Any], ...]]:
     """Split positional ``inputs`` and ``kwargs`` with one plan: two tuples of the same length (replicas used)."""
     _check_dim(dim)
-    devices = usable_devices(target_gpus, "target_gpus")
     inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
     kwargs = {} if kwargs is None else kwargs
     if not isinstance(kwargs, dict):
         raise TypeError(f"kwargs must be a dict or None, got {type(kwargs).__name__}")
     in_leaves, in_spec = flatten(inputs, "inputs")
     kw_leaves, kw_spec = flatten(kwargs, "kwargs")
-    leaves = in_leaves + kw_leaves
-    sizes = _plan(leaves, devices, dim, chunk_sizes, weights)
     cut = len(in_leaves)
-    replicas = _scatter_leaves(leaves, devices, dim, sizes)
+    replicas = _split(in_leaves + kw_leaves, target_gpus, dim, chunk_sizes, weights)
     return (
         tuple(unflatten(in_spec, r[:cut]) for r in replicas),
         tuple(unflatten(kw_spec, r[cut:]) for r in replicas),
@@ -189,11 +181,9 @@ def scatter_kwargs(
 
 def _gather_tensors(path: str, tensors: list[torch.Tensor], device: torch.device, dim: int) -> torch.Tensor:
     if all(t.dim() == 0 for t in tensors):
-        warnings.warn(
-            f"gather: every replica returned a 0-dim tensor at {path}; returning a vector with one value per replica "
-            "(reduce it, e.g. with .mean(), to get one value)",
-            stacklevel=4,  # _gather_tensors <- _gather_leaf <- gather <- caller
-        )
+        warnings.warn(f"gather: every replica returned a 0-dim tensor at {path}; returning a vector with one value "
+                      "per replica (reduce it, e.g. with .mean(), to get one value)",
+                      stacklevel=4)  # _gather_tensors <- _gather_leaf <- gather <- caller
         tensors = [t.unsqueeze(0) for t in tensors]
         dim = 0
     ref = tensors[0]

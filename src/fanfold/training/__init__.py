@@ -1,6 +1,5 @@
-"""fanfold.training: the training essentials. Checkpoints (``checkpoint`` over ``safe_file``, ``keys`` and ``rng``),
-the resumable ``DistributedSampler`` and exact evaluation (``data``), and the main job's worker (``job``).
-May import every library layer below it; never the CLI.
+"""fanfold.training: checkpoints (``checkpoint`` over ``safe_file``), the resumable ``DistributedSampler`` and exact
+evaluation (``data``), and the main job's worker (``job``).
 """
 from . import data
 from .checkpoint import CheckpointError, latest, load, save

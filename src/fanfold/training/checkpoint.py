@@ -1,14 +1,13 @@
-"""Portable, safe, atomic checkpoints: ``save(path, state)`` / ``load(path, state)`` with exact resume.
-
-``state`` maps names to live objects (anything with ``state_dict`` / ``load_state_dict``) and plain values; the file
-adds ``"__fanfold__"`` (format version, world size, entry kinds, every rank's RNG states), is written by
-``torch.save`` with a checksum footer (``safe_file``) and loads with ``torch.load(weights_only=True)``. Wrapper
-prefixes are ``_core.prefixes``' business, key matching ``keys``'. Format and guarantees: docs/checkpoints.md.
+"""Portable, safe, atomic checkpoints: ``save(path, state)`` / ``load(path, state)`` with exact resume (every rank's
+RNG states, wrapper prefixes reconciled). The file format is ``safe_file``'s; format and guarantees:
+docs/checkpoints.md.
 """
 from __future__ import annotations
 
 import copy
 import os
+import random
+import sys
 import warnings
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -19,17 +18,79 @@ import torch
 from torch import nn
 
 from .._core.group import rank_world
-from .._core.prefixes import drop_orig_mod, unwrap_module
+from .._core.prefixes import drop_orig_mod, strip_prefixes, unwrap_module
 from ..collectives.objects import all_gather_object, broadcast_object, gather_object
 from ..collectives.stall import group_transport
-from .keys import match_keys, unwrap_state_dict
-from .rng import get_rng_state, set_rng_state
 from .safe_file import META, CheckpointError, has_footer, read_verified, write_atomic
 
-__all__ = ["save", "load", "latest", "unwrap_module", "unwrap_state_dict", "CheckpointError"]
+__all__ = ["save", "load", "latest", "unwrap_state_dict", "CheckpointError"]
 
 VERSION = 1
 _LEAVES = (bool, int, float, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
+
+
+def get_rng_state() -> dict[str, Any]:
+    """This process's generators, as weights-only-loadable values: ``torch``, ``python``, ``cuda`` and ``numpy``
+    when in use."""
+    version, words, gauss_next = random.getstate()
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": [version, list(words), gauss_next]}
+    # Only touch CUDA if the program already did: initialising it here would create a context on every device.
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = [s.cpu() for s in torch.cuda.get_rng_state_all()]
+    numpy = sys.modules.get("numpy")  # a program that never imported numpy cannot depend on its generator
+    if numpy is not None:
+        name, keys, pos, has_gauss, cached = numpy.random.get_state(legacy=True)
+        state["numpy"] = [str(name), torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(cached)]
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what :func:`get_rng_state` captured; generators it did not capture are left as they are."""
+    torch.set_rng_state(state["torch"])
+    version, words, gauss_next = state["python"]
+    random.setstate((version, tuple(words), gauss_next))
+    if "cuda" in state and torch.cuda.is_available():
+        # A machine with fewer devices restores the devices it has; the others' states have nowhere to go.
+        for index, s in enumerate(state["cuda"][: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(s, index)
+    if "numpy" in state:
+        try:
+            import numpy
+        except ImportError:
+            return
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        numpy.random.set_state((name, keys.numpy().astype(numpy.uint32), pos, has_gauss, cached))
+
+
+def unwrap_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """``state_dict`` with wrapper prefixes removed (``module.``, ``_orig_mod.``, ``_forward_module.``, nested)."""
+    keys = list(state_dict)
+    stripped = strip_prefixes(keys)
+    if len(set(stripped)) != len(stripped):
+        raise CheckpointError(f"state dict keys collide once wrapper prefixes are removed: {keys[:10]}")
+    return OrderedDict(zip(stripped, state_dict.values()))
+
+
+def _match_keys(path: Path, name: str, saved: Any, live: Mapping[str, Any], strict: bool) -> dict:
+    """``saved`` renamed to the live module's keys; CheckpointError listing missing / unexpected / shape misfits."""
+    if not (isinstance(saved, Mapping) and all(isinstance(k, str) for k in saved)):
+        raise CheckpointError(f"{path}: entry {name!r} is a {type(saved).__name__}, not a module state dict")
+    saved_keys = dict(zip(strip_prefixes(list(saved)), saved))
+    live_keys = dict(zip(strip_prefixes(list(live)), live))
+    if len(saved_keys) != len(saved) or len(live_keys) != len(live):
+        raise CheckpointError(f"{path}: entry {name!r}: keys collide once wrapper prefixes are removed")
+    missing = [live_keys[k] for k in live_keys if k not in saved_keys]
+    unexpected = [saved_keys[k] for k in saved_keys if k not in live_keys]
+    shapes = [f"{live_keys[k]}: saved {tuple(saved[saved_keys[k]].shape)}, model {tuple(live[live_keys[k]].shape)}"
+              for k in live_keys if k in saved_keys and isinstance(live[live_keys[k]], torch.Tensor)
+              and isinstance(saved[saved_keys[k]], torch.Tensor)
+              and saved[saved_keys[k]].shape != live[live_keys[k]].shape]
+    if shapes or (strict and (missing or unexpected)):
+        parts = [f"{label} ({len(keys)}): {keys[:20]}{' ...' if len(keys) > 20 else ''}"
+                 for label, keys in (("missing keys", missing), ("unexpected keys", unexpected),
+                                     ("shape mismatches", shapes)) if keys]
+        raise CheckpointError(f"{path}: entry {name!r} does not fit the model: " + "; ".join(parts))
+    return OrderedDict((live_keys[k], saved[saved_keys[k]]) for k in live_keys if k in saved_keys)
 
 
 def _plain(x: Any, where: str) -> Any:
@@ -65,10 +126,6 @@ def _check_state(state: Any) -> None:
             raise ValueError(f"state: invalid entry name {name!r} (names are str, {META!r} is reserved)")
 
 
-def _dist() -> tuple[int, int]:
-    return rank_world(from_env=False)  # a process with $RANK but no group saves alone
-
-
 def _payload(state: Mapping[str, Any], rngs: list, world: int) -> dict:
     payload: dict[str, Any] = {}
     kinds = {}
@@ -91,20 +148,16 @@ def _payload(state: Mapping[str, Any], rngs: list, world: int) -> dict:
 def save(path: str | os.PathLike, state: Mapping[str, Any]) -> None:
     """Write ``state`` to ``path``: rank 0 only, atomically, tensors on CPU, with every rank's RNG states.
 
-    Collective when a process group is initialised: every rank calls it; the ranks' RNG states are gathered to
-    rank 0, which writes a temporary file in the same directory, fsyncs it, renames it over ``path`` and fsyncs the
-    directory; no rank returns before the file is in place. A sharded optimizer (``consolidate_state_dict``) is
-    consolidated on rank 0 and saved whole, so that it resumes at any world size. Wrappers (DataParallel, DDP,
-    ``torch.compile``) are unwrapped, so the model's keys carry no prefix. A value that is not a tensor or plain
-    container raises TypeError naming it (on rank 0; the other ranks raise RuntimeError naming rank 0).
+    Collective when a process group is initialised; no rank returns before the file is in place. A sharded optimizer
+    is consolidated and saved whole (it resumes at any world size); wrappers (DataParallel, DDP, ``torch.compile``)
+    are unwrapped, so keys carry no prefix. A value that is not a tensor or plain container raises TypeError naming
+    it (on rank 0; the other ranks raise RuntimeError naming rank 0).
     """
     path = Path(path)
     _check_state(state)
-    rank, world = _dist()
+    rank, world = rank_world(from_env=False)  # a process with $RANK but no group saves alone
     for obj in state.values():
-        # A sharded optimizer (fanfold's or torch's ZeroRedundancyOptimizer) gathers its whole state on rank 0 first;
-        # every rank does this, in the state's order, since it is a collective. The file then holds the plain torch
-        # format, which loads at any world size and into a plain optimizer.
+        # every rank, in the state's order, since consolidating is a collective
         if callable(getattr(obj, "consolidate_state_dict", None)):
             obj.consolidate_state_dict(to=0)
     transport = group_transport(None, "fanfold.save") if world > 1 else None
@@ -166,7 +219,7 @@ def _plan(path: Path, payload: Any, state: Mapping[str, Any], strict: bool):
             raise CheckpointError(f"{path}: entry {name!r} was saved as a plain value, not from a {type(obj).__name__}")
         if isinstance(obj, nn.Module):
             target = unwrap_module(obj)
-            loads.append((name, target, match_keys(path, name, data, target.state_dict(), strict)))
+            loads.append((name, target, _match_keys(path, name, data, target.state_dict(), strict)))
         elif _stateful(obj):
             if isinstance(obj, torch.optim.Optimizer):
                 _check_optimizer(path, name, data, obj)
@@ -206,7 +259,7 @@ def _apply(path: Path, loads: list, rng_state: dict | None) -> None:
         raise
     for name, obj, data in loads:
         if isinstance(obj, nn.Module):
-            obj.load_state_dict(data, strict=False)  # match_keys already enforced `strict` and the shapes
+            obj.load_state_dict(data, strict=False)  # _match_keys already enforced `strict` and the shapes
         elif isinstance(obj, torch.optim.Optimizer):
             obj.load_state_dict(data)
 
@@ -214,24 +267,21 @@ def _apply(path: Path, loads: list, rng_state: dict | None) -> None:
 def load(path: str | os.PathLike, state: Mapping[str, Any], *, strict: bool = True, rng: bool = True) -> dict:
     """Restore ``state``'s live objects in place from ``path``; return the checkpoint's plain values.
 
-    Objects (modules, optimizers, schedulers, samplers) get their saved state; modules through any wrapper, with
-    ``module.`` / ``_orig_mod.`` / ``_forward_module.`` prefixes reconciled on both sides. The returned dict holds
-    every plain value of the checkpoint (e.g. ``{"step": 120}``) plus the saved data of names that ``state`` maps to
-    plain placeholders. With ``strict`` every name of ``state`` and every model key must be in the file. With
-    ``rng`` each rank restores its own saved RNG states if the world size is the one that saved; on another world
-    size they are left alone with a warning (model, optimizer and fanfold samplers still load). Files written by
-    plain ``torch.save`` load too (no checksum to check). Collective when a process group is initialised.
+    Objects (modules, optimizers, schedulers, samplers) get their saved state; modules through any wrapper, wrapper
+    prefixes reconciled on both sides. Returns every plain value of the checkpoint (e.g. ``{"step": 120}``) and the
+    saved data of names ``state`` maps to plain placeholders. ``strict``: every name of ``state`` and every model
+    key must be in the file. ``rng``: each rank restores its own RNG states if the world size is the one that saved
+    (else a warning). Plain ``torch.save`` files load too. Collective when a process group is initialised.
 
-    Raises :class:`CheckpointError` naming the file (corrupted, truncated, pickled code, no fit) before any live
-    object or generator changed; on every rank if any rank failed.
+    Raises :class:`CheckpointError` naming the file before any live object or generator changed; on every rank if
+    any rank failed.
     """
     path = Path(path)
     _check_state(state)
-    rank, world = _dist()
+    rank, world = rank_world(from_env=False)
     error = plan = None
     try:
-        payload, _ = read_verified(path)
-        plan = _plan(path, payload, state, strict)
+        plan = _plan(path, read_verified(path), state, strict)
     except (CheckpointError, OSError) as exc:
         error = exc
     except Exception as exc:  # a well-formed file whose entries have the wrong shape of data
@@ -262,7 +312,4 @@ def latest(directory: str | os.PathLike, pattern: str = "*.pt") -> Path | None:
     if not directory.is_dir():
         return None
     files = [p for p in directory.glob(pattern) if p.is_file() and not p.name.startswith(".")]
-    for p in sorted(files, key=lambda p: p.stat().st_mtime_ns, reverse=True):
-        if has_footer(p):
-            return p
-    return None
+    return next((p for p in sorted(files, key=lambda p: p.stat().st_mtime_ns, reverse=True) if has_footer(p)), None)

@@ -1,8 +1,5 @@
-"""A distributed sampler that advances its own epochs and resumes mid-epoch exactly, and exact evaluation.
-
-``DistributedSampler`` yields what ``torch.utils.data.DistributedSampler`` yields for the same arguments, and keeps a
-world-size-free state (a run saved on 4 ranks resumes on 2). ``gather_evaluation`` puts the per-rank results of an
-evaluation pass back in dataset order, each sample once, gathered through the group's inspected transport.
+"""``DistributedSampler``: torch's order, its own epochs, a mid-epoch resume at any world size; ``gather_evaluation``:
+every rank's evaluation results in dataset order, each sample once.
 """
 from __future__ import annotations
 
@@ -17,10 +14,6 @@ from ..collectives.objects import all_gather_object
 from ..collectives.stall import group_transport
 
 __all__ = ["DistributedSampler", "gather_evaluation"]
-
-
-def _world() -> tuple[int, int]:
-    return rank_world()
 
 
 class DistributedSampler(Sampler[int]):
@@ -39,7 +32,7 @@ class DistributedSampler(Sampler[int]):
                  shuffle: bool = True, seed: int = 0, drop_last: bool = False, even: bool = True) -> None:
         if not hasattr(dataset, "__len__"):
             raise TypeError(f"dataset must have a length, got {type(dataset).__name__}")
-        default_rank, default_world = _world()
+        default_rank, default_world = rank_world()
         num_replicas = default_world if num_replicas is None else num_replicas
         rank = default_rank if rank is None else rank
         if not isinstance(num_replicas, int) or num_replicas < 1:
@@ -58,7 +51,6 @@ class DistributedSampler(Sampler[int]):
         self._told: int | None = None
         self._iterated = False
 
-    # -- the order ----------------------------------------------------------------------------------------------
     def _order(self, epoch: int) -> list[int]:
         n = len(self.dataset)
         if not self.shuffle:
@@ -108,7 +100,6 @@ class DistributedSampler(Sampler[int]):
             self._yielded += 1  # counted when handed out: a batch in the loop's hands is consumed
             yield index
 
-    # -- epochs and resume --------------------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
         """The next ``iter()`` is ``epoch``; a resume point loaded for that same epoch is kept."""
         if not isinstance(epoch, int) or epoch < 0:

@@ -1,8 +1,5 @@
-"""The main job's worker: a small CNN learns scikit-learn's digits, data-parallel, one process per rank.
-
-``fanfold.cli.train`` parses the flags, starts the workers and calls :func:`run_worker` in each; a worker uses
-fanfold's own pieces only (``init_process_group``, ``DistributedDataParallel``, ``DistributedSampler``,
-``save``/``load``): the README's training-loop pattern, for real. Same seed, same parameters, bitwise: docs/main-job.md.
+"""The main job's worker (``fanfold train``): a small CNN learns scikit-learn's digits with fanfold's DDP, sampler and
+checkpoints, one process per rank. docs/main-job.md.
 """
 from __future__ import annotations
 
@@ -46,9 +43,8 @@ def run_settings(args: argparse.Namespace) -> dict:
 
 
 def draws_bars(stream) -> bool:
-    """True when ``stream`` is a terminal a progress bar can be drawn on. Written to a file or a pipe, the job prints
-    one plain line an epoch instead of glued bar fragments; so it does on a terminal that reports zero columns (a
-    pseudo-terminal nobody sized, as under ``script`` or some CI runners), where tqdm would draw empty lines."""
+    """True when ``stream`` is a terminal a progress bar can be drawn on: not a file or pipe, nor a terminal of zero
+    columns (a pseudo-terminal nobody sized, as under ``script``), where tqdm would draw empty lines."""
     if not stream.isatty():
         return False
     try:
@@ -58,8 +54,7 @@ def draws_bars(stream) -> bool:
 
 
 def saved_settings(ckpt: Path) -> dict:
-    """The run settings a checkpoint was trained with, read without touching any model, generator or group:
-    every ``RUN_KEYS`` value, and the ``RUN_FLAGS`` it recorded as on."""
+    """The run settings a checkpoint was trained with, read without touching any model, generator or group."""
     saved = load(ckpt, {"run": {}}, rng=False).get("run")
     if not isinstance(saved, dict) or not set(RUN_KEYS) <= set(saved) <= set(RUN_KEYS) | set(RUN_FLAGS):
         raise ValueError(f"{ckpt} holds no run settings {list(RUN_KEYS)}: not written by fanfold train")
@@ -80,11 +75,8 @@ def digits():
 
 
 def make_model(batch_norm: bool = False):
-    """Two 3x3 convolutions and two linear layers: ~38k parameters, > 0.97 test accuracy in a few seconds.
-    ``batch_norm``: a BatchNorm2d after each convolution (``--sync-bn`` converts them to SyncBatchNorm).
-
-    The dropout draws from each rank's torch generator: the checkpoint's per-rank RNG states keep a resume exact.
-    """
+    """Two 3x3 convolutions and two linear layers: ~38k parameters, > 0.97 test accuracy in a few seconds;
+    ``batch_norm``: a BatchNorm2d after each convolution (``--sync-bn`` converts them to SyncBatchNorm)."""
 
     def norm(channels: int) -> list:
         return [nn.BatchNorm2d(channels)] if batch_norm else []
@@ -185,8 +177,6 @@ def run_worker(args: argparse.Namespace) -> int:
 
 def _evaluate(model, test_set, dev) -> tuple[int, int]:
     """Every held-out sample exactly once: ``even=False`` pads nothing, the gather puts each result in its place."""
-
-
     sampler = DistributedSampler(test_set, shuffle=False, even=False)
     model.eval()
     hits = []

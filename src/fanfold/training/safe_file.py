@@ -1,12 +1,10 @@
-"""The checkpoint file: ``torch.save`` bytes followed by a 48-byte footer, written atomically, read verified.
-
-Footer: ``b"FANFOLD\\x01"`` + sha256 of the payload bytes + payload length (u64, little end). torch's zip reader
-finds its directory at the end of the file and skips trailing bytes, so the file still opens with a plain
-``torch.load(path, weights_only=True)``; fanfold reads it only after the checksum matched. Below ``checkpoint``
-(which knows about modules, ranks and RNG); this file knows only bytes, paths and the unpickler.
+"""The checkpoint file: ``torch.save`` bytes and a 48-byte footer (magic, sha256, length), written atomically, read
+after the checksum matched, unpickled weights-only. Bytes and paths only; ``checkpoint`` knows modules and ranks.
 """
 from __future__ import annotations
 
+import contextlib
+import glob
 import hashlib
 import os
 import pickle
@@ -17,6 +15,8 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
+
+from .._core.shm import alive
 
 __all__ = ["CheckpointError", "META", "write_atomic", "read_verified", "has_footer"]
 
@@ -45,22 +45,14 @@ class _HashingWriter:
         self.file.flush()
 
 
-def _serialize(payload: Any, file: _HashingWriter) -> None:
-    torch.save(payload, file)
-
-
 def _fsync_dir(directory: Path) -> None:
     # The rename is durable only once the directory entry is on disk; some systems cannot open a directory.
-    try:
+    with contextlib.suppress(OSError):
         fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def _boot_id() -> str:
@@ -71,16 +63,6 @@ def _boot_id() -> str:
         return ""
 
 
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:  # alive, another user's
-        return False
-    return False
-
-
 def remove_dead_writers_files(path: Path, boot: str) -> list[Path]:
     """Remove the temporary files that writers of ``path`` left when they died (a SIGKILL mid-save): those named
     with this boot and a pid that no longer exists. A live writer's file, or one of another boot or host (a shared
@@ -88,25 +70,18 @@ def remove_dead_writers_files(path: Path, boot: str) -> list[Path]:
     removed = []
     if not boot:
         return removed
-    for tmp in path.parent.glob(f".{_glob_escape(path.name)}.*.tmp"):
+    for tmp in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
         parts = tmp.name[len(path.name) + 2:].split(".")  # boot, pid, token, "tmp"
-        if len(parts) != 4 or parts[0] != boot or not parts[1].isdigit() or not _gone(int(parts[1])):
+        if len(parts) != 4 or parts[0] != boot or not parts[1].isdigit() or alive(int(parts[1])):
             continue
-        try:
+        with contextlib.suppress(FileNotFoundError):  # another rank's save may have removed it first
             tmp.unlink()
             removed.append(tmp)
-        except FileNotFoundError:  # another rank's save removed it first
-            pass
     return removed
 
 
-def _glob_escape(name: str) -> str:
-    return "".join(f"[{c}]" if c in "*?[" else c for c in name)
-
-
 def write_atomic(path: Path, payload: Any) -> None:
-    """Write ``payload`` to ``path`` so that a reader sees the old file or the whole new one, never a part. First
-    removes what dead writers of the same path left (``remove_dead_writers_files``)."""
+    """Write ``payload`` to ``path`` so that a reader sees the old file or the whole new one, never a part."""
     directory = path.parent
     directory.mkdir(parents=True, exist_ok=True)
     boot = _boot_id()
@@ -118,16 +93,14 @@ def write_atomic(path: Path, payload: Any) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             writer = _HashingWriter(f)
-            _serialize(payload, writer)
+            torch.save(payload, writer)
             f.write(FOOTER.pack(MAGIC, writer.sha.digest(), writer.size))
             f.flush()
             os.fsync(f.fileno())  # the bytes are on disk before the name points at them
         os.replace(tmp, path)
     except BaseException:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-        except FileNotFoundError:
-            pass
         raise
     _fsync_dir(directory)
 
@@ -179,13 +152,10 @@ def _unpickle(path: Path, f: BinaryIO) -> Any:
                               f"({type(exc).__name__}: {first})") from None
 
 
-def read_verified(path: Path) -> tuple[Any, bool]:
-    """Unpickle ``path`` (weights only, tensors on CPU) after checking its checksum; ``(payload, verified)``.
-
-    A file without a fanfold footer (one written by plain ``torch.save``) is read unverified; ``verified`` is then
-    False. Raises :class:`CheckpointError` naming the file for a checksum mismatch, a damaged or truncated footer,
-    or content the weights-only unpickler refuses.
-    """
+def read_verified(path: Path) -> Any:
+    """Unpickle ``path`` (weights only, tensors on CPU) after checking its checksum; a file without a footer (plain
+    ``torch.save``) is read unverified. CheckpointError naming the file for a mismatch, a damaged footer, or content
+    the weights-only unpickler refuses."""
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         footer = _footer(f, size)
@@ -199,7 +169,7 @@ def read_verified(path: Path) -> tuple[Any, bool]:
                 # Written by fanfold, so it had a footer: it lost it (cut short) or the footer itself is damaged.
                 raise CheckpointError(f"{path}: damaged or truncated: a fanfold checkpoint without its checksum "
                                       f"footer; nothing was loaded")
-            return payload, False
+            return payload
         digest, length = footer
         f.seek(0)
         sha, left = hashlib.sha256(), length
@@ -213,4 +183,4 @@ def read_verified(path: Path) -> tuple[Any, bool]:
             raise CheckpointError(f"{path}: corrupted: sha256 of its {length} payload bytes is "
                                   f"{sha.hexdigest()[:16]}..., the footer says {digest.hex()[:16]}...; "
                                   "nothing was loaded")
-        return _unpickle(path, f), True
+        return _unpickle(path, f)
