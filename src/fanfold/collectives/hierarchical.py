@@ -29,8 +29,7 @@ from .shm.segment import host_key
 from .shm.thread import ShmWork
 from .shm.thread import completed as _completed
 from .shm.transport import ShmTransport
-from .store import StoreGroup, group_store
-from .timeouts import bound, group_timeout, resolve_stall_timeout
+from .timeouts import StoreGroup, bound, group_store, group_timeout, resolve_stall_timeout
 from .transport import reduce_through_copy
 
 __all__ = ["HierarchicalTransport", "HostLayout", "host_layout"]

@@ -36,7 +36,7 @@ from ..._core.shm import (
     unlink,
     unmap,
 )
-from ..errors import StallError
+from ..protocol import StallError
 
 __all__ = ["Segment", "ShmTimeoutError", "SegmentSpaceError", "SHM_DIR", "SEGMENT_NAME", "segment_name",
            "pid_namespace", "leftover_segments", "host_key"]

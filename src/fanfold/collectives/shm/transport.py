@@ -22,8 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..._core.group import require_initialized
-from ..store import StoreGroup, group_store
-from ..timeouts import bound, group_timeout, resolve_stall_timeout
+from ..timeouts import StoreGroup, bound, group_store, group_timeout, resolve_stall_timeout
 from .engine import Engine
 from .exchanges import Exchanges
 from .peer import TABLE_BYTES, probe
