@@ -235,10 +235,9 @@ def _bounded_wait(handle: Any, timeout: float, waiting: set, alarmed: Callable[[
     return handle.wait()  # done by now
 
 
-def _future_of(handle: Any) -> torch._C.Future | None:
-    """``handle`` if it is a torch future, else the one it offers (``get_future()``: ``FanfoldWork``, gloo's Work),
-    else None. ``torch._C.Future``: what torch's own futures and ``Future.then`` return."""
-    if isinstance(handle, torch._C.Future):
+def _future_of(handle: Any) -> torch.futures.Future | None:
+    """``handle`` if it is a torch future, else the one it offers (``ShmWork.get_future()``), else None."""
+    if isinstance(handle, torch.futures.Future):
         return handle
     get = getattr(handle, "get_future", None)
     if get is None:
@@ -247,7 +246,7 @@ def _future_of(handle: Any) -> torch._C.Future | None:
         future = get()
     except RuntimeError:  # a torch Work of a backend without futures
         return None
-    return future if isinstance(future, torch._C.Future) else None
+    return future if isinstance(future, torch.futures.Future) else None
 
 
 class StallInspector:

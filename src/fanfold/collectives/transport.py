@@ -5,7 +5,7 @@ compression hooks), and the small exchanges of structured data built from ``all_
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -16,9 +16,33 @@ from torch._C._distributed_c10d import AllgatherOptions  # torch.distributed doe
 from .._core.group import require_initialized
 from .protocol import Transport
 from .timeouts import bound, group_timeout, resolve_stall_timeout
-from .work import FanfoldWork, completed_work
+from .work import completed_work
 
-__all__ = ["TorchTransport", "reduce_through_copy", "split_into", "all_gather_rows", "all_gather_bytes"]
+__all__ = ["TorchTransport", "DividedWork", "reduce_through_copy", "split_into", "all_gather_rows", "all_gather_bytes"]
+
+
+class DividedWork(dist._Work):
+    """A torch ``Work`` whose ``wait()`` also runs ``finish()`` (once): the division or copy-back that follows a sum.
+    A torch Work itself, so that the stall inspector bounds its wait as gloo's (a timed wait ends the collective);
+    it needs no future from ``handle`` (gloo's reduce-scatter has none)."""
+
+    def __init__(self, handle: Any, finish: Callable[[], None]):
+        super().__init__()
+        self._handle, self._finish = handle, finish
+
+    def wait(self, timeout: timedelta | None = None) -> Any:
+        result = self._handle.wait() if timeout is None else self._handle.wait(timeout)
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            finish()
+        return result
+
+    def is_completed(self) -> bool:
+        return self._handle.is_completed()
+
+    def get_future(self) -> torch.futures.Future:
+        """The sum's future (before ``finish``)."""
+        return self._handle.get_future()
 
 
 def split_into(flat: torch.Tensor, outs: Sequence[torch.Tensor]) -> None:
@@ -74,10 +98,9 @@ class TorchTransport:
         if home is not None:
             staged = tensor.to(home)
             work = self._sum(staged)
-            return FanfoldWork(work.get_future(), [tensor],
-                               lambda: tensor.copy_(staged if divisor is None else staged.div_(divisor)))
+            return DividedWork(work, lambda: tensor.copy_(staged if divisor is None else staged.div_(divisor)))
         work = self._sum(tensor)
-        return work if divisor is None else FanfoldWork(work.get_future(), [tensor], lambda: tensor.div_(divisor))
+        return work if divisor is None else DividedWork(work, lambda: tensor.div_(divisor))
 
     def reduce_tensors(self, tensors: Sequence[torch.Tensor], bucket: int | None = None, *,
                        divisor: float | None = None, settle: bool = True,
@@ -102,11 +125,11 @@ class TorchTransport:
         n = out.numel()
         if not self.native_scatter:
             # gloo: its all-reduce was faster than its reduce-scatter here; this rank keeps its part of the sum
-            work = self.all_reduce(tensor, bucket, divisor)
-            return FanfoldWork(work.get_future(), [out], lambda: out.copy_(tensor[self.rank * n:(self.rank + 1) * n]))
+            return self.all_reduce(tensor, bucket, divisor) if self.world_size == 1 else DividedWork(
+                self.all_reduce(tensor, bucket, divisor), lambda: out.copy_(tensor[self.rank * n:(self.rank + 1) * n]))
         work = self._pg._reduce_scatter_base(out, tensor, self._options(dist.ReduceScatterOptions,
                                                                         reduceOp=dist.ReduceOp.SUM))
-        return work if divisor is None else FanfoldWork(work.get_future(), [out], lambda: out.div_(divisor))
+        return work if divisor is None else DividedWork(work, lambda: out.div_(divisor))
 
     def all_gather(self, tensor: torch.Tensor, out: torch.Tensor, bucket: int | None = None) -> Any:
         lo, hi = out.data_ptr(), out.data_ptr() + out.numel() * out.element_size()
@@ -144,7 +167,7 @@ def reduce_through_copy(transport: Transport, tensors: Sequence[torch.Tensor], b
             flat.div_(divisor)
         split_into(flat, tensors)
 
-    return FanfoldWork(work.get_future(), tensors, finish)
+    return DividedWork(work, finish)
 
 
 def all_gather_rows(transport: Transport, row: torch.Tensor) -> torch.Tensor:
