@@ -4,7 +4,7 @@ import json
 import threading
 import time
 
-from fanfold.collectives.progress import WRITE_INTERVAL_S, Publisher
+from fanfold.collectives.stall import WRITE_INTERVAL_S, Publisher
 
 
 class _CountingStore:

@@ -17,13 +17,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fanfold.collectives.stall import (
-    DEFAULT_STALL_TIMEOUT,
-    InspectedTransport,
-    StallError,
-    caller_line,
-    resolve_stall_timeout,
-)
+from fanfold.collectives.stall import InspectedTransport, StallError, caller_line, read_progress
+from fanfold.collectives.timeouts import DEFAULT_STALL_TIMEOUT, resolve_stall_timeout
 from fanfold.distributed import DistributedDataParallel, free_port
 
 HERE = os.path.abspath(__file__)
@@ -60,9 +55,9 @@ def test_completed_collective_returns_result_and_publishes_progress():
     assert h.wait() == "done"
     t1.inspector.start("barrier")  # what rank 1 publishes while inside a barrier
     t0.inspector.flush(), t1.inspector.flush()  # records are written by a background thread
-    progress = t0.inspector._progress(1)
+    progress = read_progress(t0.inspector.store, 1)
     assert progress["last"][:3] == progress["pending"][0][:3] == [1, "barrier", None]
-    assert t0.inspector._progress(0)["pending"] == []
+    assert read_progress(t0.inspector.store, 0)["pending"] == []
     assert t0.broadcast(torch.ones(1), 0) is None  # a synchronous inner call completes at once
 
 
@@ -177,7 +172,7 @@ def test_instances_number_separately_and_timeout_resolution(monkeypatch):
     a.all_reduce(torch.ones(1)).wait(), a.all_reduce(torch.ones(1)).wait()
     b.all_reduce(torch.ones(1)).wait()
     a.inspector.flush(), b.inspector.flush()
-    assert (a.inspector._progress(0)["last"][0], b.inspector._progress(0)["last"][0]) == (2, 1)
+    assert (read_progress(a.inspector.store, 0)["last"][0], read_progress(b.inspector.store, 0)["last"][0]) == (2, 1)
     monkeypatch.delenv("FANFOLD_STALL_TIMEOUT", raising=False)
     assert resolve_stall_timeout() == DEFAULT_STALL_TIMEOUT == 300
     assert resolve_stall_timeout(timedelta(seconds=7)) == 7

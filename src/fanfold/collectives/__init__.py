@@ -1,10 +1,6 @@
-"""fanfold.collectives: how ranks talk. The transport interface (``protocol.Transport``), its torch.distributed
-implementation (``transport``), the shared-memory transport for ranks on one host (``shm/``), the hierarchical one
-for ranks on several hosts (``hierarchical``: shared memory inside each, gloo across), the choice between them
-(``select``), the stall inspector every feature talks through (``stall``, ``progress``: numbered, bounded,
-diagnosed, profiled collectives), the handle of a collective (``work``), the ``fanfold`` torch.distributed backend
-(``backend``), store namespaces (``store``), the wait bound every layer shares (``timeouts``) and the object
-collectives, without numpy (``objects``).
+"""fanfold.collectives: how ranks talk. The transport interface (``protocol``) and its implementations (torch's
+``transport``, ``shm/`` on one host, ``hierarchical`` across hosts, chosen by ``select``), the stall inspector every
+feature talks through (``stall``), the one handle (``work``) and the ``fanfold`` torch.distributed backend.
 """
 from .backend import FanfoldProcessGroup
 from .hierarchical import HierarchicalTransport

@@ -1,49 +1,32 @@
-"""The ``fanfold`` torch.distributed backend: ``init_process_group("fanfold")`` (or ``"cpu:fanfold"``) runs torch's
-own collectives -- and so torch's DDP, ZeroRedundancyOptimizer and FSDP2 -- with fanfold's shared memory where the
-ranks share a host, and with the hierarchical transport (shared memory inside each host, gloo across) where they
-span hosts.
-
-Layer: collectives (above ``shm/``). :class:`FanfoldProcessGroup` is a ``dist.ProcessGroup`` written in Python:
-torch calls its ``allreduce``, ``allreduce_coalesced``, ``broadcast``, ``barrier``, ``allgather``,
-``all_gather_single``, ``reduce_scatter``, ``reduce_scatter_single`` and ``all_to_all_single`` (and their older
-names); each takes the group's transport (``shm.ShmTransport`` on one host, ``hierarchical.HierarchicalTransport``
-across hosts; all_to_all_single on the first only) when the tensors allow it, else the inner gloo backend built on
-the same store. Every other collective (the coalesced gathers, list all_to_all, send/recv, gather,
-scatter, reduce) goes straight to that gloo backend, registered as the group's CPU backend, so no call fails for
-the choice of backend.
-
-Which path a collective takes depends only on what is the same on every rank (the op, the dtype, the device, the
-number of tensors), never on a rank's own state, so every rank takes the same path. The transport is created at
-the group's first fast collective (a collective itself), after comparing every rank's host identity through the
-store (``select.py``'s rule: one host, shared memory; several, some with more than one rank, hierarchical; one rank
-per host, gloo); ``$FANFOLD_TRANSPORT=torch`` turns the shared memory off (everything goes through gloo).
+"""The ``fanfold`` torch.distributed backend: ``init_process_group("fanfold")`` runs torch's collectives (and so
+torch's DDP, ZeroRedundancyOptimizer and FSDP2) on the group's transport (``select.choose``: shared memory on one
+host, hierarchical across hosts) where the tensors allow it, on an inner gloo backend otherwise. Every path depends
+only on what is the same on every rank (op, dtype, device, number of tensors). docs/backend.md.
 """
 from __future__ import annotations
 
-import json
 import os
 import platform
 import threading
 import warnings
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import _create_work_from_future
 
 from . import forms
-from .errors import StallError
-from .hierarchical import HierarchicalTransport, host_layout
-from .protocol import Transport
-from .select import ENV_VAR
+from .hierarchical import HierarchicalTransport
+from .protocol import StallError, Transport
+from .select import ENV_VAR, choose, host_views
 from .shm.engine import DTYPES
-from .shm.segment import host_key
 from .shm.transport import SegmentSpaceError, ShmTransport
-from .splits import all_to_all_counts, unflatten
-from .store import StoreGroup
-from .timeouts import DEFAULT_STALL_TIMEOUT, bound, resolve_stall_timeout
+from .timeouts import DEFAULT_STALL_TIMEOUT, StoreGroup, bound, resolve_stall_timeout
 from .timeouts import ENV_VAR as STALL_ENV_VAR
-from .work import FanfoldWork, Handout, completed_work, failed_work
+from .transport import split_into
+from .work import FanfoldWork, completed_work, failed_work
 
 __all__ = ["FanfoldProcessGroup", "register", "BACKEND"]
 
@@ -56,10 +39,7 @@ _FAST_OPS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg", dist.ReduceOp.M
 def _op_name(op: Any) -> str | None:
     """"sum", "avg", "min", "max" or "product" for the reductions the shared memory computes (fixed rank order,
     bitwise equal on every rank); None for the rest (bitwise ops, PREMUL_SUM: gloo's)."""
-    for fast, name in _FAST_OPS.items():
-        if op == fast:
-            return name
-    return None
+    return next((name for fast, name in _FAST_OPS.items() if op == fast), None)
 
 
 def _shm_op(op: str) -> str:
@@ -73,6 +53,53 @@ def _supported(tensors: list[torch.Tensor], op: str | None = "sum") -> bool:
     dtype = tensors[0].dtype
     return all(t.device.type == "cpu" and t.dtype == dtype and not t.is_sparse for t in tensors) and (
         dtype in DTYPES and (op != "avg" or dtype.is_floating_point))
+
+
+def _torch_method(name: str, impl: Callable[..., dist.Work]) -> Callable[..., dist.Work]:
+    """torch's ``ProcessGroup`` method ``name``, in every calling form (``forms.read``), running ``impl``. Under
+    torch.compile dynamo calls it instead of tracing into it (torch's DDP broadcasts its buffers from the traced
+    forward): a collective runs the transport's threads, locks and futures, which no graph holds."""
+
+    @torch.compiler.disable
+    def method(self: FanfoldProcessGroup, *args: Any, **kwargs: Any) -> dist.Work:
+        *arguments, opts = forms.read(name, args, kwargs)
+        return self._handout(impl(self, *arguments, opts), opts.asyncOp)
+
+    method.__name__ = method.__qualname__ = name
+    return method
+
+
+class _Holder(dist.ProcessGroup):
+    """A group of one whose only collective returns the Work it was given: torch's C++ wraps what a Python group's
+    collective returns in its holder of the Python Work (``PyWorkHolder``), which keeps the Python object alive."""
+
+    def __init__(self) -> None:
+        super().__init__(0, 1)
+        self.given = threading.local()  # per thread: collectives may be issued from several
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
+        return self.given.work
+
+
+class _Handout:
+    """``handout(work, async_op)``: the Work a collective of the group returns, safe to hand to torch's C++ (a Work
+    written in Python dies with its Python half: docs/backend.md). Completed at return: torch's future-backed Work.
+    Failed or in flight: torch's holder of ``work``, whose ``wait(timeout)`` and ``get_future()`` are ``work``'s; its
+    ``is_completed()`` is the holder's own, False (torch forwards only those two)."""
+
+    def __init__(self) -> None:
+        self._holder = _Holder()
+
+    def __call__(self, work: dist.Work, async_op: bool) -> dist.Work:
+        if not async_op or not isinstance(work, FanfoldWork):
+            return work  # waited for at once, or gloo's (C++ through and through)
+        if work.is_completed() and work.exception() is None:
+            return _create_work_from_future(work.get_future())
+        self._holder.given.work = work
+        try:
+            return dist.ProcessGroup.allreduce(self._holder, [], dist.AllreduceOptions())
+        finally:
+            self._holder.given.work = None
 
 
 class FanfoldProcessGroup(dist.ProcessGroup):
@@ -95,7 +122,7 @@ class FanfoldProcessGroup(dist.ProcessGroup):
         self._shm: Transport | None = None
         self._decided = False
         self._lock = threading.Lock()
-        self._handout = Handout()
+        self._handout = _Handout()
         self._barriers = 0  # this rank's barriers through the store (the n-th of every rank meet)
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
@@ -126,41 +153,30 @@ class FanfoldProcessGroup(dist.ProcessGroup):
         if size == 1:
             return None
         store = dist.PrefixStore("fanfold/backend/", self._store)
-        choice = os.environ.get(ENV_VAR) or None
-        local = platform.machine().lower() in ("x86_64", "amd64")  # the segment relies on x86's store order
-        store.set(str(rank), json.dumps([choice, host_key(), local]))
+        asked = os.environ.get(ENV_VAR) or None
         limit, source = self._wait_limit()
-        try:
-            store.wait([str(r) for r in range(size)], timedelta(seconds=limit))
-        except RuntimeError as exc:  # the store's own message is "Wait timeout": say who and what
-            late = [r for r in range(size) if not store.check([str(r)])]
-            raise RuntimeError(f"fanfold backend: rank {rank} of {size} waited in its first shared-memory collective "
-                               f"for ranks {late}, which never arrived within {limit:g} s, {source}") from exc
-        views = [json.loads(store.get(str(r))) for r in range(size)]
-        choices = {v[0] for v in views}
-        if len(choices) > 1:
-            raise ValueError(f"ranks set different ${ENV_VAR} (by rank): {[v[0] for v in views]}")
-        if choice == "torch":
+        views = host_views(store, rank, size, asked, platform.machine().lower() in ("x86_64", "amd64"), limit,
+                           f"fanfold backend's first shared-memory collective ({source})")
+        if asked == "torch":
             return None
-        layout = host_layout([v[1] for v in views])
-        hosts = len(layout.hosts) > 1
-        reason = ("the shared-memory transport needs x86-64" if not all(v[2] for v in views) else
-                  "the ranks run on different hosts" if hosts and choice == "shm" else
-                  "every rank runs on a host of its own" if hosts and not layout.worthwhile and choice is None
-                  else None)
+        choice, reason = choose(views)
+        if asked is not None and choice != asked:
+            local = all(v[2] for v in views)
+            if not local or asked == "shm":  # the hierarchical transport may be asked for on any hosts
+                raise RuntimeError(f"rank {rank}: ${ENV_VAR}={asked}, but "
+                                   f"{'the ranks run on different hosts' if local else reason}")
+            choice, reason = asked, None
         if reason is not None:
-            if choice is not None:
-                raise RuntimeError(f"rank {rank}: ${ENV_VAR}={choice}, but {reason}")
             warnings.warn(f"fanfold backend (rank {rank}): every collective goes through gloo: {reason}",
                           stacklevel=3)
             return None
         group = StoreGroup(store, rank, size, self._timeout.total_seconds())
-        if hosts or choice == "hierarchical":
+        if choice == "hierarchical":
             return HierarchicalTransport(group)  # a host short of /dev/shm raises: its peers on other hosts do not
         try:
             return ShmTransport(group)
         except SegmentSpaceError as exc:  # every rank raises it
-            if choice == "shm":
+            if asked == "shm":
                 raise
             if rank == 0:
                 warnings.warn(f"fanfold backend: every collective goes through gloo: {exc}", stacklevel=3)
@@ -181,60 +197,6 @@ class FanfoldProcessGroup(dist.ProcessGroup):
         opts.timeout = timedelta(seconds=self._wait_limit()[0])
         return opts
 
-    # torch's methods, in every calling form of torch's (forms.py); the Work handed out is safe in C++ (work.py).
-    # Under torch.compile dynamo calls them instead of tracing into them (torch's DDP broadcasts its buffers from
-    # the traced forward): a collective runs the transport's threads, locks and futures, which no graph holds, and
-    # dynamo cannot read a Python process group's attributes (an opaque object to it).
-
-    @torch.compiler.disable
-    def allreduce(self, *args: Any, **kwargs: Any) -> dist.Work:
-        tensors, opts = forms.allreduce(args, kwargs)
-        return self._handout(self._allreduce(tensors, opts), opts.asyncOp)
-
-    @torch.compiler.disable
-    def allreduce_coalesced(self, *args: Any, **kwargs: Any) -> dist.Work:
-        tensors, opts = forms.allreduce_coalesced(args, kwargs)
-        return self._handout(self._allreduce_coalesced(tensors, opts), opts.asyncOp)
-
-    @torch.compiler.disable
-    def broadcast(self, *args: Any, **kwargs: Any) -> dist.Work:
-        tensors, opts = forms.broadcast(args, kwargs)
-        return self._handout(self._broadcast(tensors, opts), opts.asyncOp)
-
-    @torch.compiler.disable
-    def allgather(self, *args: Any, **kwargs: Any) -> dist.Work:
-        outs, ins, opts = forms.allgather(args, kwargs)
-        return self._handout(self._allgather(outs, ins, opts), opts.asyncOp)
-
-    @torch.compiler.disable
-    def all_gather_single(self, *args: Any, **kwargs: Any) -> dist.Work:
-        output, input, opts = forms.all_gather_single(args, kwargs)
-        return self._handout(self._all_gather_single(output, input, opts), opts.asyncOp)
-
-    @torch.compiler.disable
-    def reduce_scatter(self, *args: Any, **kwargs: Any) -> dist.Work:
-        outs, ins, opts = forms.reduce_scatter(args, kwargs)
-        return self._handout(self._reduce_scatter(outs, ins, opts), opts.asyncOp)
-
-    @torch.compiler.disable
-    def reduce_scatter_single(self, *args: Any, **kwargs: Any) -> dist.Work:
-        output, input, opts = forms.reduce_scatter_single(args, kwargs)
-        return self._handout(self._reduce_scatter_single(output, input, opts), opts.asyncOp)
-
-    @torch.compiler.disable
-    def all_to_all_single(self, *args: Any, **kwargs: Any) -> dist.Work:
-        output, input, out_splits, in_splits, opts = forms.all_to_all_single(args, kwargs)
-        return self._handout(self._all_to_all_single(output, input, out_splits, in_splits, opts), opts.asyncOp)
-
-    @torch.compiler.disable
-    def barrier(self, *args: Any, **kwargs: Any) -> dist.Work:
-        (opts,) = forms.barrier(args, kwargs)
-        return self._handout(self._barrier(opts), opts.asyncOp)
-
-    _allgather_base = all_gather_single  # torch's older names
-    _reduce_scatter_base = reduce_scatter_single
-    alltoall_base = all_to_all_single
-
     # The implementations: each falls back to gloo with the same arguments.
 
     def _allreduce(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
@@ -243,9 +205,8 @@ class FanfoldProcessGroup(dist.ProcessGroup):
         if len(tensors) == 1 and self._decided and isinstance(self._shm, ShmTransport):
             t, op = tensors[0], opts.reduceOp
             try:
-                if op == _SUM and self._shm.run_small(t):
-                    return completed_work(tensors)
-                if op == _AVG and t.is_floating_point() and self._shm.run_small(t, self.size()):
+                if (op == _SUM and self._shm.run_small(t)) or (
+                        op == _AVG and t.is_floating_point() and self._shm.run_small(t, self.size())):
                     return completed_work(tensors)
             except Exception as exc:  # noqa: BLE001 - raised by wait(), as gloo's errors are
                 return failed_work(exc, tensors)
@@ -267,7 +228,7 @@ class FanfoldProcessGroup(dist.ProcessGroup):
         divisor = self.size() if op == "avg" else None
 
         return FanfoldWork(shm.all_reduce(flat, divisor=divisor, op=_shm_op(op)).get_future(), tensors,
-                           lambda: unflatten(flat, tensors))
+                           lambda: split_into(flat, tensors))
 
     def _broadcast(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
         shm = self._fast() if len(tensors) == 1 and opts.rootTensor == 0 and _supported(tensors) else None
@@ -285,7 +246,7 @@ class FanfoldProcessGroup(dist.ProcessGroup):
             return self.gloo.allgather(output_tensors, input_tensors, self._bounded(opts))
         flat = torch.empty(self.size() * input_tensors[0].numel(), dtype=input_tensors[0].dtype)
         work = shm.all_gather(input_tensors[0].detach(), flat)
-        return FanfoldWork(work.get_future(), output_tensors, lambda: unflatten(flat, outs))
+        return FanfoldWork(work.get_future(), output_tensors, lambda: split_into(flat, outs))
 
     def _all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> dist.Work:
         shm = self._exchange_ok([input], [output], output.numel() == self.size() * input.numel())
@@ -318,7 +279,7 @@ class FanfoldProcessGroup(dist.ProcessGroup):
 
     def _all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
                            input_split_sizes: list[int], opts: Any) -> dist.Work:
-        counts = all_to_all_counts(output, input, list(output_split_sizes), list(input_split_sizes), self.size())
+        counts = forms.all_to_all_counts(output, input, list(output_split_sizes), list(input_split_sizes), self.size())
         shm = self._exchange_ok([input], [output], counts is not None)
         if not isinstance(shm, ShmTransport):  # none, or the hierarchical transport, which has no all_to_all: gloo's
             return self.gloo.alltoall_base(output, input, output_split_sizes, input_split_sizes, self._bounded(opts))
@@ -354,6 +315,18 @@ class FanfoldProcessGroup(dist.ProcessGroup):
                 f"fanfold backend: rank {rank} of {size}: barrier #{n} Timed out after {limit:g} s ({source}) "
                 f"waiting for ranks {missing}, which never arrived", rank=rank, seq=n, kind="barrier",
                 bucket=None, missing=missing, feature="fanfold backend") from exc
+
+    # torch's methods, in every calling form (forms.py), each handing out a Work that is safe in C++ (_Handout)
+    allreduce = _torch_method("allreduce", _allreduce)
+    allreduce_coalesced = _torch_method("allreduce_coalesced", _allreduce_coalesced)
+    broadcast = _torch_method("broadcast", _broadcast)
+    allgather = _torch_method("allgather", _allgather)
+    all_gather_single = _allgather_base = _torch_method("all_gather_single", _all_gather_single)
+    reduce_scatter = _torch_method("reduce_scatter", _reduce_scatter)
+    reduce_scatter_single = _reduce_scatter_base = _torch_method("reduce_scatter_single", _reduce_scatter_single)
+    all_to_all_single = alltoall_base = _torch_method("all_to_all_single", _all_to_all_single)
+    barrier = _torch_method("barrier", _barrier)
+
 
     def shutdown(self) -> None:
         """Close the transport (its queued collectives finish first), then torch's own shutdown (gloo's)."""

@@ -1,15 +1,7 @@
-"""The calling forms of torch's ``ProcessGroup`` methods that the ``fanfold`` backend (``backend.py``) implements in
-Python, each read into the one form its implementation takes: the tensors, then the options object.
-
-torch's pybind methods are overloaded (``allreduce(tensors, opts)``, ``allreduce(tensors, op, timeout)``,
-``allreduce(tensor, op, timeout)``, ``broadcast(tensor, root)``, ``barrier(timeout=...)``, ...). A Python override
-replaces every overload at once, so it must accept them all: torch's DDP calls ``process_group.allreduce(tensor)``
-from its join hook. Each form below has the overload's own parameter names and defaults; the first that binds the
-arguments (and whose arguments have the right kinds: one tensor, a list of tensors, an options object) is taken, as
-pybind does. None binds: a ``TypeError`` listing torch's forms. The first form of each is the one
-``torch.distributed`` and torch's C++ use: it binds at the first try.
-
-Layer: collectives, under ``backend.py``; torch only.
+"""The calling forms of torch's ``ProcessGroup`` methods that the ``fanfold`` backend implements, each read into the
+one form its implementation takes. A Python override replaces every pybind overload at once, so it accepts them all
+(torch's DDP calls ``process_group.allreduce(tensor)``): the first form that binds is taken, as pybind does; none
+binds: a ``TypeError`` listing torch's forms.
 """
 from __future__ import annotations
 
@@ -30,8 +22,7 @@ from torch._C._distributed_c10d import (
     ReduceScatterOptions,
 )
 
-__all__ = ["allreduce", "allreduce_coalesced", "broadcast", "allgather", "all_gather_single", "reduce_scatter",
-           "reduce_scatter_single", "all_to_all_single", "barrier"]
+__all__ = ["read", "all_to_all_counts"]
 
 _SUM = dist.ReduceOp.SUM
 
@@ -71,6 +62,8 @@ def _made(kind: type, timeout: timedelta | None, **fields: Any) -> Any:
     """The options object of the keyword forms (``op=``, ``root=``, ``timeout=``)."""
     if "reduceOp" in fields and not isinstance(fields["reduceOp"], (dist.ReduceOp, dist.ReduceOp.RedOpType)):
         raise _NoMatch
+    if timeout is not None and not isinstance(timeout, timedelta):
+        raise _NoMatch
     opts = kind()
     for name, value in fields.items():
         setattr(opts, name, value)
@@ -79,7 +72,10 @@ def _made(kind: type, timeout: timedelta | None, **fields: Any) -> Any:
     return opts
 
 
-def _read(name: str, forms: list[Callable[..., tuple]], args: tuple, kwargs: dict) -> tuple:
+def read(name: str, args: tuple, kwargs: dict) -> tuple:
+    """The arguments of torch's method ``name`` as its first binding form reads them: the tensors (and split sizes),
+    then the options object."""
+    forms = _FORMS[name]
     for form in forms:
         try:
             return form(*args, **kwargs)
@@ -91,109 +87,77 @@ def _read(name: str, forms: list[Callable[..., tuple]], args: tuple, kwargs: dic
                     f"{accepted}")
 
 
-def _allreduce_opts(tensors, opts=None):
-    return _tensors(tensors), _opts(AllreduceOptions, opts)
-
-
-def _allreduce_op(tensors, op=_SUM, timeout=None):
-    return _tensors(tensors), _made(AllreduceOptions, timeout, reduceOp=op)
-
-
-def _allreduce_one(tensor, op=_SUM, timeout=None):
-    return [_tensor(tensor)], _made(AllreduceOptions, timeout, reduceOp=op)
-
-
-def allreduce(args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], Any]:
-    return _read("allreduce", [_allreduce_opts, _allreduce_op, _allreduce_one], args, kwargs)
-
-
-def _allreduce_coalesced(tensors, opts=None):
-    return _tensors(tensors), _opts(AllreduceCoalescedOptions, opts)
-
-
-def allreduce_coalesced(args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], Any]:
-    return _read("allreduce_coalesced", [_allreduce_coalesced], args, kwargs)
-
-
-def _broadcast_opts(tensors, opts=None):
-    return _tensors(tensors), _opts(BroadcastOptions, opts)
-
-
-def _broadcast_root(tensor, root, timeout=None):
-    if not isinstance(root, int):
+def _int(x: Any) -> int:
+    if not isinstance(x, int):
         raise _NoMatch
-    return [_tensor(tensor)], _made(BroadcastOptions, timeout, rootRank=root, rootTensor=0)
+    return x
 
 
-def broadcast(args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], Any]:
-    return _read("broadcast", [_broadcast_opts, _broadcast_root], args, kwargs)
+# Each of torch's overloads, with its parameter names and defaults (the error lists them), in pybind's order: the
+# first is the one torch.distributed and torch's C++ use, so it binds at the first try.
+_FORMS: dict[str, tuple[Callable[..., tuple], ...]] = {
+    "allreduce": (
+        lambda tensors, opts=None: (_tensors(tensors), _opts(AllreduceOptions, opts)),
+        lambda tensors, op=_SUM, timeout=None: (_tensors(tensors), _made(AllreduceOptions, timeout, reduceOp=op)),
+        lambda tensor, op=_SUM, timeout=None: ([_tensor(tensor)], _made(AllreduceOptions, timeout, reduceOp=op)),
+    ),
+    "allreduce_coalesced": (
+        lambda tensors, opts=None: (_tensors(tensors), _opts(AllreduceCoalescedOptions, opts)),
+    ),
+    "broadcast": (
+        lambda tensors, opts=None: (_tensors(tensors), _opts(BroadcastOptions, opts)),
+        lambda tensor, root, timeout=None: (
+            [_tensor(tensor)], _made(BroadcastOptions, timeout, rootRank=_int(root), rootTensor=0)),
+    ),
+    "allgather": (
+        lambda output_tensors, input_tensors, opts=None: (
+            _lists(output_tensors), _tensors(input_tensors), _opts(AllgatherOptions, opts)),
+        lambda output_tensors, input_tensor, timeout=None: (
+            [_tensors(output_tensors)], [_tensor(input_tensor)], _made(AllgatherOptions, timeout)),
+    ),
+    "all_gather_single": (
+        lambda output, input, opts=None: (_tensor(output), _tensor(input), _opts(AllgatherOptions, opts)),
+    ),
+    "reduce_scatter": (
+        lambda output_tensors, input_tensors, opts=None: (
+            _tensors(output_tensors), _lists(input_tensors), _opts(ReduceScatterOptions, opts)),
+        lambda output, input, op=_SUM, timeout=None: (
+            [_tensor(output)], [_tensors(input)], _made(ReduceScatterOptions, timeout, reduceOp=op)),
+    ),
+    "reduce_scatter_single": (
+        lambda outputTensor, inputTensor, opts=None: (  # noqa: N803 - torch's keyword names
+            _tensor(outputTensor), _tensor(inputTensor), _opts(ReduceScatterOptions, opts)),
+    ),
+    "all_to_all_single": (
+        lambda output, input, output_split_sizes, input_split_sizes, opts=None: (
+            _tensor(output), _tensor(input), list(output_split_sizes), list(input_split_sizes),
+            _opts(AllToAllOptions, opts)),
+        lambda output, input, output_split_sizes, input_split_sizes, timeout=None: (
+            _tensor(output), _tensor(input), list(output_split_sizes), list(input_split_sizes),
+            _made(AllToAllOptions, timeout)),
+    ),
+    "barrier": (
+        lambda opts=None: (_opts(BarrierOptions, opts),),
+        lambda timeout=None: (_made(BarrierOptions, timeout),),
+    ),
+}
 
 
-def _allgather_lists(output_tensors, input_tensors, opts=None):
-    return _lists(output_tensors), _tensors(input_tensors), _opts(AllgatherOptions, opts)
-
-
-def _allgather_one(output_tensors, input_tensor, timeout=None):
-    return [_tensors(output_tensors)], [_tensor(input_tensor)], _made(AllgatherOptions, timeout)
-
-
-def allgather(args: tuple, kwargs: dict) -> tuple[list[list[torch.Tensor]], list[torch.Tensor], Any]:
-    return _read("allgather", [_allgather_lists, _allgather_one], args, kwargs)
-
-
-def _all_gather_single(output, input, opts=None):
-    return _tensor(output), _tensor(input), _opts(AllgatherOptions, opts)
-
-
-def all_gather_single(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, Any]:
-    return _read("all_gather_single", [_all_gather_single], args, kwargs)
-
-
-def _reduce_scatter_lists(output_tensors, input_tensors, opts=None):
-    return _tensors(output_tensors), _lists(input_tensors), _opts(ReduceScatterOptions, opts)
-
-
-def _reduce_scatter_one(output, input, op=_SUM, timeout=None):
-    return [_tensor(output)], [_tensors(input)], _made(ReduceScatterOptions, timeout, reduceOp=op)
-
-
-def reduce_scatter(args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], list[list[torch.Tensor]], Any]:
-    return _read("reduce_scatter", [_reduce_scatter_lists, _reduce_scatter_one], args, kwargs)
-
-
-def _reduce_scatter_single(outputTensor, inputTensor, opts=None):  # noqa: N803 - torch's keyword names
-    return _tensor(outputTensor), _tensor(inputTensor), _opts(ReduceScatterOptions, opts)
-
-
-def reduce_scatter_single(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, Any]:
-    return _read("reduce_scatter_single", [_reduce_scatter_single], args, kwargs)
-
-
-def _all_to_all_opts(output, input, output_split_sizes, input_split_sizes, opts=None):
-    return (_tensor(output), _tensor(input), list(output_split_sizes), list(input_split_sizes),
-            _opts(AllToAllOptions, opts))
-
-
-def _all_to_all_timeout(output, input, output_split_sizes, input_split_sizes, timeout=None):
-    if timeout is not None and not isinstance(timeout, timedelta):
-        raise _NoMatch
-    return (_tensor(output), _tensor(input), list(output_split_sizes), list(input_split_sizes),
-            _made(AllToAllOptions, timeout))
-
-
-def all_to_all_single(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int], Any]:
-    return _read("all_to_all_single", [_all_to_all_opts, _all_to_all_timeout], args, kwargs)
-
-
-def _barrier_opts(opts=None):
-    return (_opts(BarrierOptions, opts),)
-
-
-def _barrier_timeout(timeout=None):
-    if timeout is not None and not isinstance(timeout, timedelta):
-        raise _NoMatch
-    return (_made(BarrierOptions, timeout),)
-
-
-def barrier(args: tuple, kwargs: dict) -> tuple[Any]:
-    return _read("barrier", [_barrier_opts, _barrier_timeout], args, kwargs)
+def all_to_all_counts(output: torch.Tensor, input: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                       n: int) -> tuple[list[int], list[int]] | None:
+    """all_to_all_single's element counts (sent to each rank, received from each rank) from torch's split sizes
+    (rows of dim 0; empty: equal parts), or None where they do not describe the tensors (gloo says why)."""
+    if input.dim() == 0 or output.dim() == 0:
+        return None
+    counts = []
+    for t, splits in ((input, in_splits), (output, out_splits)):
+        rows = t.shape[0]
+        if not splits:
+            if rows % n:
+                return None
+            splits = [rows // n] * n
+        if len(splits) != n or sum(splits) != rows or min(splits) < 0:
+            return None
+        row = t.numel() // rows if rows else 0
+        counts.append([k * row for k in splits])
+    return counts[0], counts[1]

@@ -26,8 +26,7 @@ import torch.distributed as dist
 from .._core.group import require_initialized
 from .shm.segment import host_key
 from .shm.transport import ShmTransport, check_reduce_tensors, flat_view, split_into
-from .store import StoreGroup, group_store
-from .timeouts import bound, group_timeout, resolve_stall_timeout
+from .timeouts import StoreGroup, bound, group_store, group_timeout, resolve_stall_timeout
 from .transport import reduce_through_copy
 from .work import FanfoldWork, completed_work
 

@@ -1,11 +1,7 @@
-"""Object collectives: any picklable object gathered or broadcast over a process group, without numpy.
-
-torch's ``all_gather_object``, ``gather_object`` and ``broadcast_object_list`` unpickle through ``Tensor.numpy()``
-and fail with "Numpy is not available" where numpy is not installed; fanfold declares torch and tqdm only, so every
-fanfold module uses these instead. Each rank pickles its object into a uint8 tensor, the ranks exchange the lengths,
-then the bytes padded to the longest, and unpickle: two collectives per call of an inspected transport (a stall names
-the feature), on the device ``wire_device(group)`` names.
-Unpickling runs whatever the peers sent: use them between trusted ranks only, as torch's.
+"""Object collectives without numpy (torch's unpickle through ``Tensor.numpy()``; fanfold declares torch and tqdm
+only): each rank pickles its object into a uint8 tensor, the ranks exchange the lengths, then the bytes padded to the
+longest, through an inspected transport (a stall names the feature). Unpickling runs whatever the peers sent: use
+them between trusted ranks only, as torch's.
 """
 from __future__ import annotations
 

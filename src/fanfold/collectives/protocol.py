@@ -1,10 +1,7 @@
-"""The collective interface: what every fanfold feature that reaches other ranks asks of a transport.
-
-Implemented in full by ``TorchTransport`` (``transport.py``, on a torch.distributed process group), ``ShmTransport``
-(``shm/transport.py``, shared memory on one host) and the stall inspector's ``InspectedTransport`` (``stall.py``),
-which delegates each method once and is what the features above ``collectives`` hold. Nothing is optional: where a
-transport has a faster way (peer reads, shared buckets), it takes it inside the method. Collectives match by issue
-order, so every rank calls the same methods with the same sizes in the same order.
+"""The collective interface every fanfold feature that reaches other ranks talks to (:class:`Transport`, every
+method required; a faster way, such as peer reads, is taken inside the method), and :class:`StallError`, the error
+of a collective that a peer did not complete. Collectives match by issue order: every rank calls the same methods
+with the same sizes in the same order.
 """
 from __future__ import annotations
 
@@ -13,7 +10,20 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["Transport", "Work", "TransportOwner"]
+__all__ = ["Transport", "Work", "TransportOwner", "StallError"]
+
+
+class StallError(RuntimeError):
+    """A collective did not complete: ``rank`` gave up on collective ``seq`` (``kind``) of ``feature`` (the fanfold
+    feature that issued it, e.g. "clip_grad_norm_"); ``missing`` lists the ranks that never arrived (behind,
+    elsewhere, or dead). Every path raises it or a subclass, so a peer's fault is told apart from a misuse of the
+    API (``ValueError``/``TypeError``) by its type."""
+
+    def __init__(self, message: str, *, rank: int, seq: int, kind: str, bucket: int | None, missing: list[int],
+                 feature: str | None = None):
+        super().__init__(message)
+        self.rank, self.seq, self.kind, self.bucket, self.missing = rank, seq, kind, bucket, missing
+        self.feature = feature
 
 
 @runtime_checkable

@@ -1,11 +1,7 @@
-"""Which transport a group's collectives take: :func:`select_transport` (the same answer on every rank, from the
-host identity of every rank, :func:`host_key`) and :func:`resolve_transport` (the object). All ranks on one host:
-shared memory; ranks on several hosts, some host with more than one: the hierarchical transport (shared memory
-inside each host, gloo across); otherwise torch.distributed's group. The choice is made once, when the group's
-transport is set up (docs/hierarchical.md).
-
-Used by fanfold's DDP (``resolve_transport``) and ``fanfold doctor``; the ``fanfold`` backend applies the same rule
-to its own group (``backend.py``).
+"""Which transport a group's collectives take, the same answer on every rank: all ranks on one host, shared memory;
+on several hosts, some with more than one rank, the hierarchical transport; otherwise torch.distributed's group.
+One rule (:func:`choose`), used by fanfold's DDP and ``fanfold doctor`` (:func:`select_transport`,
+:func:`resolve_transport`) and by the ``fanfold`` backend for its own group. docs/hierarchical.md.
 """
 from __future__ import annotations
 
@@ -13,6 +9,7 @@ import json
 import os
 import platform
 import warnings
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -24,26 +21,51 @@ from .hierarchical import HierarchicalTransport, host_layout
 from .protocol import TransportOwner
 from .shm.segment import host_key
 from .shm.transport import SegmentSpaceError, ShmTransport
-from .store import group_store
+from .timeouts import group_store
 from .transport import TorchTransport
 
-__all__ = ["select_transport", "resolve_transport", "ENV_VAR", "CHOICES"]
+__all__ = ["select_transport", "resolve_transport", "host_views", "choose", "ENV_VAR", "CHOICES"]
 
 ENV_VAR = "FANFOLD_TRANSPORT"
 CHOICES = ("torch", "shm", "hierarchical")
 
 
-def select_transport(group: Any = None, transport: str | None = None, device: Any = None) -> str:
-    """"torch", "shm" or "hierarchical" for ``group``, the same answer on every rank (collective: every rank calls
-    it).
+def host_views(store: dist.Store, rank: int, world_size: int, asked: str | None, local: bool,
+               wait: float | None = None, who: str = "choosing a transport") -> list[list]:
+    """Every rank's ``[asked, host_key(), local]`` through ``store`` (collective), ``local``: whether shared memory
+    may serve this rank (x86-64, whose total store order the segment relies on; CPU tensors). ValueError where the
+    ranks ask for different transports; RuntimeError naming the ranks that did not come within ``wait`` seconds
+    (None: the store's timeout); ``who`` says what waited."""
+    store.set(str(rank), json.dumps([asked, host_key(), local]))
+    keys = [str(r) for r in range(world_size)]
+    try:
+        store.wait(keys) if wait is None else store.wait(keys, timedelta(seconds=wait))
+    except RuntimeError as exc:  # the store's own message is "Wait timeout": say who and what
+        late = [r for r in range(world_size) if not store.check([str(r)])]
+        within = "" if wait is None else f" within {wait:g} s"
+        raise RuntimeError(f"{who}: rank {rank} of {world_size} waited for ranks {late}, which never arrived{within}"
+                           ) from exc
+    views = [json.loads(store.get(k)) for k in keys]
+    if len({v[0] for v in views}) > 1:
+        raise ValueError(f"ranks ask for different transports (by rank, ${ENV_VAR} or transport=): "
+                         f"{ {r: v[0] for r, v in enumerate(views)} }")
+    return views
 
-    ``transport`` (or ``$FANFOLD_TRANSPORT`` when None) forces a choice; ranks that ask for different ones get a
-    ValueError naming them. Unforced, when the group's backend is gloo, the tensors live on the CPU (``device``;
-    when None: no CUDA here) and the machine is x86-64 (the segment's ordering relies on its total store order):
-    "shm" when every rank has the same ``host_key`` (kernel and /dev/shm, compared through the store);
-    "hierarchical" when the ranks are on several hosts and some host has more than one of them; "torch" otherwise
-    (and always where the conditions fail).
-    """
+
+def choose(views: list[list]) -> tuple[str, str | None]:
+    """The transport for ``views`` (:func:`host_views`) when none is asked for, and why it is not shared memory."""
+    if not all(v[2] for v in views):
+        return "torch", "shared memory needs x86-64 and CPU tensors"
+    layout = host_layout([v[1] for v in views])
+    if len(layout.hosts) == 1:
+        return "shm", None
+    return ("hierarchical", None) if layout.worthwhile else ("torch", "every rank runs on a host of its own")
+
+
+def select_transport(group: Any = None, transport: str | None = None, device: Any = None) -> str:
+    """"torch", "shm" or "hierarchical" for ``group`` (collective). ``transport`` (or ``$FANFOLD_TRANSPORT`` when
+    None) forces a choice. Unforced: :func:`choose`, shared memory where the group's backend is gloo and the tensors
+    live on the CPU (``device``; when None: no accelerator here)."""
     source = "transport"
     if transport is None:
         transport, source = os.environ.get(ENV_VAR) or None, ENV_VAR
@@ -51,30 +73,19 @@ def select_transport(group: Any = None, transport: str | None = None, device: An
         raise ValueError(f"{source} must be 'torch', 'shm' or 'hierarchical', got {transport!r}")
     require_initialized("choosing a transport")
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-    store = group_store(group, "select", rank)
     local = platform.machine().lower() in ("x86_64", "amd64") and "nccl" not in dist.get_backend(group) and (
         torch.device(device).type == "cpu" if device is not None else accelerator_type() is None)
-    store.set(str(rank), json.dumps([transport, host_key(), local]))
-    store.wait([str(r) for r in range(world_size)])  # bounded by the store's (the process group's) timeout
-    views = [json.loads(store.get(str(r))) for r in range(world_size)]
-    asked = {r: v[0] for r, v in enumerate(views)}
-    if len(set(asked.values())) > 1:
-        raise ValueError(f"ranks ask for different transports (by rank, {source}): {asked}")
-    if transport is not None:
-        return transport
-    if not all(v[2] for v in views):
-        return "torch"
-    layout = host_layout([v[1] for v in views])
-    return "shm" if len(layout.hosts) == 1 else "hierarchical" if layout.worthwhile else "torch"
+    # bounded by the store's (the process group's) timeout
+    views = host_views(group_store(group, "select", rank), rank, world_size, transport, local)
+    return transport if transport is not None else choose(views)[0]
 
 
 def resolve_transport(transport: Any = None, group: Any = None, timeout: float | None = None) -> Any:
     """The transport named by ``transport``: None -> the group's own where it has one (``TransportOwner``: the
     ``fanfold`` backend's group), else ``$FANFOLD_TRANSPORT``, else ``select_transport``'s choice (collective;
-    "shm" chosen, not asked for, becomes TorchTransport, announced, where /dev/shm has no room for it); "torch" ->
-    TorchTransport; "shm" -> the shared-memory transport; "hierarchical" -> HierarchicalTransport; an object
-    implementing ``protocol.Transport`` -> used as is. ``timeout``: the stall timeout of the transports made here
-    (``timeouts.resolve_stall_timeout``)."""
+    "shm" chosen, not asked for, becomes TorchTransport, announced, where /dev/shm has no room for it); "torch",
+    "shm", "hierarchical" -> that transport; an object implementing ``protocol.Transport`` -> used as is.
+    ``timeout``: the stall timeout of the transports made here."""
     source = "transport"
     if transport is None:
         pg = group if group is not None or not dist.is_initialized() else dist.group.WORLD

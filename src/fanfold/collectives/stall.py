@@ -1,50 +1,43 @@
-"""Stall inspector: every fanfold collective is numbered, every wait is bounded, and a stall names its cause.
+"""Stall inspector: every fanfold collective is numbered, bounded, published and profiled, and a stall names its cause.
 
-``InspectedTransport(inner)`` implements the collective interface (``protocol.Transport``) by delegating each method
-to ``inner`` once; every feature that reaches other ranks (DDP, ZeRO, SyncBatchNorm, clip_grad_norm_, a pipeline's
-data parallelism, checkpoints and object collectives: :func:`group_transport`) talks through one. Each collective
-gets a number, shows in torch.profiler traces as ``fanfold.<kind>``, and is published in the rank's progress record
-(``progress.py``); a wait past the timeout, or one that fails, raises :class:`StallError` naming the feature, the
-collective and the ranks that never arrived. Design notes: docs/reliability.md.
+``InspectedTransport(inner)`` implements ``protocol.Transport`` by delegating each method to ``inner`` once; every
+feature that reaches other ranks talks through one (:func:`group_transport`). A daemon thread writes each rank's
+progress record to the group's store; a wait past the timeout raises :class:`StallError` naming the feature, the
+collective and the ranks that never arrived, and raises the group's alarm. Design: docs/reliability.md, docs/stalls.md.
 """
 from __future__ import annotations
 
 import json
 import os
 import socket
+import sys
+import sysconfig
 import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
-from .errors import StallError
-from .progress import (
-    STORE_ANSWER_S,
-    WRITE_INTERVAL_S,
-    Collective,
-    Publisher,
-    caller_line,
-    process_gone,
-    read_all_progress,
-    read_progress,
-    within,
-)
-from .protocol import Transport, TransportOwner
+from .protocol import StallError, Transport, TransportOwner
 from .shm.engine import ShmMismatchError
 from .shm.transport import ShmTransport
-from .store import StoreGroup
-from .timeouts import DEFAULT_STALL_TIMEOUT, ENV_VAR, bound, group_timeout, resolve_stall_timeout
+from .timeouts import ENV_VAR, bound, group_namespace, group_timeout, resolve_stall_timeout
 from .transport import TorchTransport
 
-__all__ = ["StallError", "InspectedTransport", "StallInspector", "inspected", "group_transport",
-           "resolve_stall_timeout", "DEFAULT_STALL_TIMEOUT"]
+__all__ = ["StallError", "InspectedTransport", "StallInspector", "Publisher", "inspected", "group_transport",
+           "caller_line", "read_progress", "WRITE_INTERVAL_S"]
 
+WRITE_INTERVAL_S = 0.05  # the least time between two writes of a rank's record, unless flushed
+ALARM_POLL_S = 0.5  # how often an idle writer looks for the group's alarm
+# How long a diagnosis waits for the store: over a link that went down a store call blocks in TCP's retransmissions,
+# far past the store's own timeout; the diagnosis must end regardless.
+STORE_ANSWER_S = 3.0
 _MAX_PENDING = 64
 _BARRIER_SLICE_S = 0.5  # the inspector's barrier looks for the group's alarm this often
 _HINT = (
@@ -53,28 +46,179 @@ _HINT = (
     f"The timeout is the stall_timeout argument or {ENV_VAR} (seconds)."
 )
 
+# Frames in these trees are plumbing; the line worth showing is the first one outside them (the user's).
+_PLUMBING = tuple(
+    os.path.dirname(p) + os.sep
+    for p in (os.path.dirname(os.path.abspath(__file__)), os.path.abspath(torch.__file__))
+) + (sysconfig.get_paths()["stdlib"] + os.sep,)
 
-class _Timeout(Exception):
-    pass
+
+class Collective(NamedTuple):  # a tuple, so that it is published as a JSON list
+    seq: int
+    kind: str
+    bucket: int | None
+    line: str
+
+    def __str__(self) -> str:
+        where = "" if self.bucket is None else f" (bucket {self.bucket})"
+        return f"{self.kind} #{self.seq}{where} started at {self.line}"
 
 
-class _Alarm(Exception):
-    pass
+def caller_line() -> str:
+    """``path:line in function`` of the innermost frame outside fanfold, torch and the standard library."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if not path.startswith(_PLUMBING) and not path.startswith("<"):
+            return f"{path}:{frame.f_lineno} in {frame.f_code.co_name}"
+        frame = frame.f_back
+    return "<no user frame>"  # e.g. a hook run on an autograd device thread
+
+
+class Publisher:
+    """Writes the newest record ``post``-ed to it under ``key`` of ``store`` from a daemon thread, at most once per
+    ``WRITE_INTERVAL_S`` unless flushed. With ``alarm`` (a key and a callback) the same thread, when idle, looks for
+    that key every ``ALARM_POLL_S`` and calls the callback once with its JSON value: no store round trip per
+    collective on the training thread."""
+
+    def __init__(self, store: dist.Store, key: str, alarm: tuple[str, Callable[[dict], None]] | None = None):
+        self._cond = threading.Condition()
+        self._latest: dict | None = None
+        self._busy = self._closed = self._urgent = False
+        # Its own connection: a store client serves one request at a time, and the training thread may sit in a
+        # long store wait (a barrier) during which the record must still get through.
+        threading.Thread(target=self._run, args=(store.clone(), key, alarm), daemon=True,
+                         name=f"fanfold-stall-{key}").start()
+
+    def post(self, record: dict) -> None:
+        with self._cond:
+            # Wake the writer only when it waits for a record: while it waits out the interval, a wake-up per
+            # collective (two context switches on a busy host) would cost more than the collective's bookkeeping.
+            idle = self._latest is None
+            self._latest = record
+            if idle:
+                self._cond.notify_all()
+
+    def flush(self, timeout: float = 10.0) -> None:
+        """Return once the newest record is written (or the store is gone)."""
+        with self._cond:
+            self._urgent = True
+            self._cond.notify_all()
+            self._cond.wait_for(lambda: self._closed or (self._latest is None and not self._busy), timeout)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def _run(self, store: dist.Store, key: str, alarm: tuple[str, Callable[[dict], None]] | None) -> None:
+        written = -WRITE_INTERVAL_S
+        while True:
+            with self._cond:
+                while not self._cond.wait_for(lambda: self._closed or self._latest is not None,
+                                              None if alarm is None else ALARM_POLL_S):
+                    self._cond.release()  # no lock held across a store round trip
+                    try:
+                        if _alarm_raised(store, *alarm):
+                            alarm = None
+                    finally:
+                        self._cond.acquire()
+                # the rest of the interval since the last write, unless a flush wants the record now
+                self._cond.wait_for(lambda: self._closed or self._urgent,
+                                    timeout=written + WRITE_INTERVAL_S - time.monotonic())
+                if self._closed:
+                    return
+                record, self._latest, self._busy, self._urgent = self._latest, None, True, False
+            try:
+                store.set(key, json.dumps(record))
+                written = time.monotonic()
+            except Exception:  # the store is gone (its process died): nothing more can be published
+                self.close()
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
+
+
+def _alarm_raised(store: dist.Store, key: str, callback: Callable[[dict], None]) -> bool:
+    try:
+        if not store.check([key]):
+            return False
+        record = json.loads(store.get(key))
+    except Exception:  # the store is gone (the job is ending): no alarm can come any more
+        return True
+    callback(record)
+    return True
+
+
+def _within(seconds: float, fn: Callable[[], object], otherwise: object) -> object:
+    """``fn()``'s result, or ``otherwise`` when it raised or has not returned within ``seconds`` (it goes on in a
+    daemon thread: a store call cannot be cancelled)."""
+    box: list = []
+
+    def run() -> None:
+        try:
+            box.append(fn())
+        except Exception:  # noqa: BLE001 - a failed call answers as one that never came
+            pass
+
+    t = threading.Thread(target=run, name="fanfold-store-call", daemon=True)
+    t.start()
+    t.join(seconds)
+    return box[0] if box else otherwise
+
+
+def read_progress(store: dist.Store, rank: int) -> dict | str:
+    """``rank``'s record, or why there is none."""
+    try:
+        if not store.check([str(rank)]):
+            return "has not issued any fanfold collective"
+        return json.loads(store.get(str(rank)))
+    except Exception as exc:  # the store lives in rank 0's process (or the agent): it may be gone too
+        return f"progress unknown, the store is unreachable ({type(exc).__name__}: {str(exc)[:120]})"
+
+
+def _process_gone(pid: int, grace_until: float) -> bool:
+    """Whether local process ``pid`` has exited, waiting for it until ``grace_until`` (time.monotonic())."""
+    while not _exited(pid):
+        if time.monotonic() >= grace_until:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _exited(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] in ("Z", "X")  # a zombie has exited, unreaped
+    except FileNotFoundError:
+        return True
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except OSError:
+            pass
+        return False
+
+
+class _GaveUp(Exception):
+    """A wait ran out of time or was ended by the group's alarm."""
 
 
 def _bounded_wait(handle: Any, timeout: float, waiting: set, alarmed: Callable[[], bool]) -> Any:
-    """``handle``'s result once it completes, within ``timeout`` seconds; _Timeout after that, _Alarm as soon as
-    ``alarmed()`` (the group's alarm sets the events in ``waiting``)."""
+    """``handle``'s result once it completes, within ``timeout`` seconds and before ``alarmed()`` (the group's
+    alarm sets the events in ``waiting``); _GaveUp otherwise."""
     if isinstance(handle, dist.Work) and handle.is_completed():
         return handle.wait()  # the event costs more than the collective's bookkeeping; skip it when already done
-    future = handle if isinstance(handle, torch.futures.Future) else _future_of(handle)
+    future = _future_of(handle)
     if future is None:
         if isinstance(handle, dist.Work):  # a Work without a future: its own timed wait
             try:
                 return handle.wait(timedelta(seconds=timeout))
             except RuntimeError:
                 if not handle.is_completed():
-                    raise _Timeout() from None
+                    raise _GaveUp() from None
                 raise
         return handle.wait()  # bounded by its own transport
     if not future.done():
@@ -87,12 +231,14 @@ def _bounded_wait(handle: Any, timeout: float, waiting: set, alarmed: Callable[[
         finally:
             waiting.discard(done)
         if not future.done():
-            raise _Alarm() if alarmed() else _Timeout()
+            raise _GaveUp()
     return handle.wait()  # done by now
 
 
 def _future_of(handle: Any) -> torch.futures.Future | None:
-    """The torch future behind a handle that offers one (``ShmWork.get_future()``, gloo's Work), else None."""
+    """``handle`` if it is a torch future, else the one it offers (``ShmWork.get_future()``), else None."""
+    if isinstance(handle, torch.futures.Future):
+        return handle
     get = getattr(handle, "get_future", None)
     if get is None:
         return None
@@ -106,11 +252,10 @@ def _future_of(handle: Any) -> torch.futures.Future | None:
 class StallInspector:
     """Numbers collectives, publishes this rank's progress under ``str(rank)`` in ``store``, bounds waits and
     turns a stall into a :class:`StallError`. One per transport instance: its numbering is that transport's.
-    ``feature`` names what issues the collectives in errors ("DistributedDataParallel", "SyncBatchNorm", ...).
-    ``limit``: the process group's timeout in seconds (no wait is longer). ``instance``: this inspector's key
-    space within ``store`` (the group's), where the first rank to diagnose a stall raises the group's alarm (key
-    ``alarm``); every rank's inspector looks for it, then ends its pending waits with a StallError and calls
-    ``on_alarm`` (the transport's abort)."""
+    ``feature`` names the issuer in errors; ``limit``: the group's timeout in seconds (no wait is longer).
+    ``instance``: this inspector's key space within ``store`` (the group's), where the first rank to diagnose a stall
+    raises the group's alarm (key ``alarm``); every rank's inspector then ends its pending waits with a StallError
+    and calls ``on_alarm`` (the transport's abort)."""
 
     def __init__(self, store: dist.Store, rank: int, world_size: int, timeout: float | timedelta | None = None,
                  feature: str | None = None, *, limit: float | None = None, instance: str = "",
@@ -155,40 +300,32 @@ class StallInspector:
         timeout = self.timeout if timeout is None else timeout
         try:
             result = _bounded_wait(handle, timeout, self._waiting, lambda: self.alarm is not None)
-        except _Timeout:
-            raise self.diagnose(op, None, timeout) from None
-        except _Alarm:
+        except _GaveUp:
             raise self.diagnose(op, None, timeout) from None
         except Exception as exc:
             raise self.diagnose(op, exc, timeout) from exc
         self.complete(op)
         return result
 
+    def _span(self, op: Collective) -> Any:
+        """The ``fanfold.<kind>`` span of ``op`` under torch.profiler; nothing otherwise."""
+        if torch._C._autograd._profiler_enabled():  # a C call: record_function costs ~5 us, this ~0.1 us
+            return record_function(f"fanfold.{op.kind.partition('(')[0]}")
+        return nullcontext()
+
     def run(self, kind: str, bucket: int | None, call: Callable[[], Any]) -> Any:
         """Start ``call()`` as collective ``kind``; wrap a returned handle so that its wait is inspected. Under
         torch.profiler the collective is a ``fanfold.<kind>`` span from the call to its completion."""
         op = self.start(kind, bucket)
-        if torch._C._autograd._profiler_enabled():  # a C call: record_function costs ~5 us, this ~0.1 us
-            return self._profiled(op, call)
-        try:
-            handle = call()
-        except Exception as exc:
-            raise self.diagnose(op, exc) from exc
-        if handle is None or not hasattr(handle, "wait"):
-            self.complete(op)  # it ran synchronously
-            return handle
-        return InspectedWork(self, op, handle, self.timeout)
-
-    def _profiled(self, op: Collective, call: Callable[[], Any]) -> Any:
-        with record_function(f"fanfold.{op.kind.partition('(')[0]}") as span:
+        with self._span(op) as span:
             try:
                 handle = call()
             except Exception as exc:
                 raise self.diagnose(op, exc) from exc
             if handle is None or not hasattr(handle, "wait"):
-                self.complete(op)
+                self.complete(op)  # it ran synchronously
                 return handle
-            future = handle if isinstance(handle, torch.futures.Future) else _future_of(handle)
+            future = None if span is None else _future_of(handle)
             if future is not None and not future.done():
                 span._call_end_callbacks_on_future(future)  # the span ends when the collective does
             return InspectedWork(self, op, handle, self.timeout)
@@ -200,33 +337,28 @@ class StallInspector:
         a small all-reduce meeting a rank that is one collective off would make gloo abort that rank's process
         ("Received data size doesn't match expected size") before it could say anything."""
         op = self.start("barrier")
-        if torch._C._autograd._profiler_enabled():
-            with record_function("fanfold.barrier"):
-                return self._barrier(op)
-        self._barrier(op)
-
-    def _barrier(self, op: Collective) -> None:
-        self.flush()  # the peers must see this barrier in the record before they can give up on it
-        key, timeout = f"barrier/{op.seq}", self.timeout
-        deadline = time.monotonic() + timeout
-        try:
-            if self.store.add(key, 1) == self.world_size:
-                self.store.set(f"{key}/all", "1")
-            # in slices, so that the group's alarm ends it too (a store wait cannot be interrupted)
-            while not self.store.check([f"{key}/all"]):
-                left = deadline - time.monotonic()
-                if left <= 0.01 or self.alarm is not None:  # a store takes a wait of under 1 ms as "no timeout"
-                    raise _Timeout()
-                try:
-                    self.store.wait([f"{key}/all"], timedelta(seconds=min(left, _BARRIER_SLICE_S)))
-                except dist.DistStoreError as exc:
-                    if not _is_timeout(exc):  # torch's store says "timeout", fanfold's job store "timed out"
-                        raise
-        except _Timeout:
-            raise self.diagnose(op, None, timeout) from None
-        except Exception as exc:
-            raise self.diagnose(op, exc, timeout) from None
-        self.complete(op)
+        with self._span(op):
+            self.flush()  # the peers must see this barrier in the record before they can give up on it
+            key, timeout = f"barrier/{op.seq}", self.timeout
+            deadline = time.monotonic() + timeout
+            try:
+                if self.store.add(key, 1) == self.world_size:
+                    self.store.set(f"{key}/all", "1")
+                # in slices, so that the group's alarm ends it too (a store wait cannot be interrupted)
+                while not self.store.check([f"{key}/all"]):
+                    left = deadline - time.monotonic()
+                    if left <= 0.01 or self.alarm is not None:  # a store takes a wait under 1 ms as "no timeout"
+                        raise _GaveUp()
+                    try:
+                        self.store.wait([f"{key}/all"], timedelta(seconds=min(left, _BARRIER_SLICE_S)))
+                    except dist.DistStoreError as exc:
+                        if not _is_timeout(exc):
+                            raise
+            except _GaveUp:
+                raise self.diagnose(op, None, timeout) from None
+            except Exception as exc:
+                raise self.diagnose(op, exc, timeout) from None
+            self.complete(op)
 
     def _publish(self, **fields: Any) -> None:
         self._state.update(fields, pending=list(self._pending))
@@ -235,9 +367,6 @@ class StallInspector:
     def flush(self, timeout: float = 10.0) -> None:
         """Return once this rank's latest progress is in the store (or the store is gone), or after ``timeout``."""
         self._publisher.flush(timeout)
-
-    def _progress(self, rank: int) -> dict | str:
-        return read_progress(self.store, rank)
 
     def _heard(self, record: dict) -> None:
         """The group's alarm (on the writer's thread): end this inspector's waits and the transport's."""
@@ -256,14 +385,25 @@ class StallInspector:
         if self.alarm is not None:
             return
         record = {"rank": self.rank, "headline": headline}
+
         def tell() -> bool:
             if self._alarm_store.add("alarms", 1) == 1:  # the first rank's diagnosis is the one to tell
                 self._alarm_store.set("alarm", json.dumps(record))
             return True
 
         # the store gone or out of reach: the peers learn of the stall from their own waits
-        if within(STORE_ANSWER_S, tell, False):
+        if _within(STORE_ANSWER_S, tell, False):
             self._heard(record)
+
+    def _read_peers(self) -> dict[int, dict | str]:
+        """Every other rank's record (:func:`read_progress`), all read within ``STORE_ANSWER_S``."""
+        peers = [r for r in range(self.world_size) if r != self.rank]
+        got = _within(STORE_ANSWER_S, lambda: {r: read_progress(self.store, r) for r in peers}, None)
+        if isinstance(got, dict):
+            return got
+        late = (f"progress unknown: the store did not answer within {STORE_ANSWER_S:g} s (its host unreachable, or "
+                "a link down)")
+        return {r: late for r in peers}
 
     def diagnose(self, op: Collective, cause: BaseException | None, timeout: float | None = None) -> StallError:
         """Read every rank's progress and build the error for a wait on ``op`` that timed out, failed or was ended
@@ -278,18 +418,14 @@ class StallInspector:
         grace_until = time.monotonic() + (1.0 if cause is not None else 0.0)
         time.sleep(2 * WRITE_INTERVAL_S)
         never, gave_up, disagreed, ahead, unknown, lines = [], [], [], [], [], []
-        records = read_all_progress(self.store, [r for r in range(self.world_size) if r != self.rank])
-        for r in range(self.world_size):
-            if r == self.rank:
-                continue
-            p = records[r]
+        for r, p in sorted(self._read_peers().items()):
             if isinstance(p, str):
                 lines.append(f"  rank {r}: {p}")
                 (never if p.startswith("has not") else unknown).append(r)
                 continue
             last = Collective(*p["last"])
             pending = {o[0]: Collective(*o) for o in p["pending"]}
-            gone = p["host"] == self._state["host"] and process_gone(p["pid"], grace_until)
+            gone = p["host"] == self._state["host"] and _process_gone(p["pid"], grace_until)
             quit_here = p.get("gave_up") == op.seq
             if op.seq in pending or quit_here:
                 theirs = pending.get(op.seq)
@@ -317,15 +453,15 @@ class StallInspector:
             disagreed = [clash.peer]
             never = [r for r in never if r != clash.peer]
             gave_up = [r for r in gave_up if r != clash.peer]
-        timed_out = cause is None or _is_timeout(cause)
-        if alarm is not None:
-            by = "this rank" if alarm["rank"] == self.rank else f"rank {alarm['rank']}"
-            verdict = f"was ended: {by} had diagnosed a stall ({alarm['headline']})"
-        else:
-            verdict = f"did not complete within {timeout:g} s" if timed_out else f"failed ({type(cause).__name__})"
-        if clash is not None:
             earlier = "" if clash.seq_text is None else f" in {clash.seq_text}"
             verdict = f"failed: rank {clash.peer} disagreed ({clash.field}){earlier}: {clash.detail}"
+        elif alarm is not None:
+            by = "this rank" if alarm["rank"] == self.rank else f"rank {alarm['rank']}"
+            verdict = f"was ended: {by} had diagnosed a stall ({alarm['headline']})"
+        elif cause is None or _is_timeout(cause):
+            verdict = f"did not complete within {timeout:g} s"
+        else:
+            verdict = f"failed ({type(cause).__name__})"
         who = "" if self.feature is None else f"{self.feature}'s "
         found = [f"Ranks that never arrived: {never}." if never else "",
                  f"Ranks that disagreed: {disagreed}." if disagreed else "",
@@ -339,11 +475,10 @@ class StallInspector:
         if cause is not None and clash is None:
             parts.append(f"  cause: {type(cause).__name__}: {str(cause)[:300]}")
         parts.append(_HINT)
-        missing = sorted(never + disagreed + ahead)
         if alarm is None:
             self._raise_alarm(headline.partition(" started at ")[0] + f"; never arrived: {never}")
-        return StallError("\n".join(parts), rank=self.rank, seq=op.seq, kind=op.kind, bucket=op.bucket, missing=missing,
-                          feature=self.feature)
+        return StallError("\n".join(parts), rank=self.rank, seq=op.seq, kind=op.kind, bucket=op.bucket,
+                          missing=sorted(never + disagreed + ahead), feature=self.feature)
 
 
 def _is_timeout(exc: BaseException) -> bool:
@@ -379,11 +514,6 @@ class InspectedWork:
         return getattr(self._handle, name)
 
 
-def _store_prefix(group: Any) -> str:
-    name = (group if group is not None else dist.group.WORLD).group_name
-    return f"fanfold/stall/{name}/"
-
-
 class InspectedTransport:
     """``inner`` (a ``collectives.Transport``) with numbered, published, bounded collectives. ``timeout`` in
     seconds (default ``$FANFOLD_STALL_TIMEOUT`` or 300); ``group``, ``rank`` and ``world_size`` default to the inner
@@ -400,9 +530,7 @@ class InspectedTransport:
         self.rank = rank = dist.get_rank(group) if rank is None else rank
         world_size = world_size if world_size is not None else getattr(inner, "world_size", None)
         self.world_size = world_size = dist.get_world_size(group) if world_size is None else world_size
-        if store is None:  # the group's store; a group under construction (the fanfold backend's) knows its own
-            store = dist.PrefixStore("fanfold/stall/", group.store) if isinstance(group, StoreGroup) else \
-                dist.PrefixStore(_store_prefix(group), dist.distributed_c10d._get_default_store())
+        store = group_namespace(group, "stall") if store is None else store
         # Each rank counts its own transports in the store, so the n-th transport of every rank shares key space
         # n without any process-wide state, and two DDP models on one group do not mix their numbering.
         instance = store.add(f"instances/{rank}", 1)
@@ -452,20 +580,6 @@ class InspectedTransport:
         world = dist.group.WORLD
         return isinstance(self.inner, TorchTransport) and (self.inner.group or world) is (group or world)
 
-    def reads_peers(self) -> bool:
-        """Whether the transport all-reduces tensors where they lie (the shm transport reading its peers' memory)."""
-        return isinstance(self.inner, ShmTransport) and self.inner.peer_read
-
-    def gathers(self) -> bool:
-        """Whether ``all_gather`` is the fast way to gather; else broadcasting each piece is (torch's gloo)."""
-        return not isinstance(self.inner, TorchTransport) or self.inner.native_scatter
-
-    def reduce_scatter_tensors(self, tensors: list[torch.Tensor], out: torch.Tensor, bucket: int | None = None,
-                               **kw: Any) -> Any:
-        """The shm transport's reduce-scatter of tensors read where they lie (where :meth:`reads_peers`)."""
-        return self.inspector.run("reduce_scatter", bucket, lambda: self.inner.reduce_scatter_tensors(
-            tensors, out, bucket, **kw))
-
 
 def inspected(transport: Transport, timeout: float | timedelta | None = None, feature: str | None = None
               ) -> InspectedTransport:
@@ -479,8 +593,7 @@ def group_transport(group: Any = None, feature: str | None = None) -> InspectedT
     """The inspected transport for ``feature``'s collectives over process group ``group`` (None: the default group):
     the group's own where it has one (the ``fanfold`` backend's shared memory), else torch.distributed's. Made at the
     feature's first call on the group (every rank alike) and kept, so that each call does not pay for a new
-    progress record and its writer thread. Timeout: ``$FANFOLD_STALL_TIMEOUT`` (else 300 s), at most the process
-    group's own."""
+    progress record and its writer thread."""
     pg = group if group is not None else dist.group.WORLD
     with _GROUP_LOCK:
         kept = _BY_GROUP.setdefault(pg, {})

@@ -1,10 +1,6 @@
-"""How long a rank waits for its peers: one setting shared by every collective layer.
-
-``resolve_stall_timeout`` reads the ``stall_timeout`` argument, else ``$FANFOLD_STALL_TIMEOUT``, else 300 s;
-``stall_limit`` caps it by the process group's own timeout (the smaller wins). :func:`stall_timeout` replaces it
-for the collectives started inside a ``with`` block (a long evaluation or save on one rank): ``bound`` gives the
-bound of a collective started now. The shared-memory transport, the torch transport, the ``fanfold`` backend and
-the stall inspector (``stall.py``) all bound their waits by it.
+"""What every collective object takes from its group: how long a rank waits for its peers (the stall timeout:
+``stall_timeout`` argument, else ``$FANFOLD_STALL_TIMEOUT``, else 300 s; at most the group's timeout; replaced within
+a :func:`stall_timeout` block) and the store namespace its objects meet in (:func:`group_store`).
 """
 from __future__ import annotations
 
@@ -12,16 +8,15 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .store import StoreGroup
-
-__all__ = ["resolve_stall_timeout", "stall_limit", "stall_timeout", "bound", "group_timeout",
-           "DEFAULT_STALL_TIMEOUT", "ENV_VAR"]
+__all__ = ["resolve_stall_timeout", "stall_timeout", "bound", "group_timeout", "group_store", "group_namespace",
+           "StoreGroup", "DEFAULT_STALL_TIMEOUT", "ENV_VAR"]
 
 DEFAULT_STALL_TIMEOUT = 300.0
 ENV_VAR = "FANFOLD_STALL_TIMEOUT"
@@ -30,6 +25,32 @@ ENV_VAR = "FANFOLD_STALL_TIMEOUT"
 # transport: it is scoped to the block and to the thread (or task) that opened it, undone on the way out whatever
 # happens, and reaches every feature (DDP, ZeRO, fanfold.save, the backend) without an argument through each.
 _PHASE: ContextVar[float | None] = ContextVar("fanfold_stall_timeout", default=None)
+
+
+@dataclass(frozen=True)
+class StoreGroup:
+    """A group known by its store, rank and size only: a process group that torch is still constructing (the
+    ``fanfold`` backend's), not yet registered, so neither ``dist.get_rank`` nor the default store applies.
+    ``timeout``: the group's, in seconds (None: unknown)."""
+    store: dist.Store
+    rank: int
+    world_size: int
+    timeout: float | None = None
+
+
+def group_namespace(group: Any, kind: str) -> dist.Store:
+    """The store namespace of ``kind`` objects on ``group`` (None: the default group; a ``StoreGroup``: its store)."""
+    if isinstance(group, StoreGroup):  # the store is already the group's own
+        return dist.PrefixStore(f"fanfold/{kind}/", group.store)
+    name = (group if group is not None else dist.group.WORLD).group_name
+    return dist.PrefixStore(f"fanfold/{kind}/{name}/", dist.distributed_c10d._get_default_store())
+
+
+def group_store(group: Any, kind: str, rank: int) -> dist.Store:
+    """A store namespace private to this rank's next ``kind`` object on ``group``: every rank creates its objects in
+    the same order, so the n-th of each rank meet under the same prefix, with no process-wide counter."""
+    store = group_namespace(group, kind)
+    return dist.PrefixStore(f"{store.add(f'instances/{rank}', 1)}/", store)
 
 
 def resolve_stall_timeout(timeout: float | timedelta | None = None) -> float:
@@ -61,12 +82,6 @@ def group_timeout(group: Any = None) -> float | None:
     except (AttributeError, RuntimeError):  # no CPU backend (NCCL's group), or one without options: the store's
         timeout = getattr(dist.distributed_c10d._get_default_store(), "timeout", None)
         return timeout.total_seconds() if isinstance(timeout, timedelta) else None
-
-
-def stall_limit(timeout: float | timedelta | None, group: float | None) -> float:
-    """The stall timeout (``resolve_stall_timeout(timeout)``), capped by ``group``, the group's timeout in seconds."""
-    seconds = resolve_stall_timeout(timeout)
-    return seconds if group is None else min(seconds, group)
 
 
 def bound(base: float, group: float | None = None) -> float:

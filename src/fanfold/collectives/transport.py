@@ -1,13 +1,7 @@
-"""``TorchTransport``: the collective interface (``protocol.Transport``) on a torch.distributed process group.
-
-Every collective of a fanfold feature goes through one transport object, so the shared-memory ``ShmTransport``
-(``shm/transport.py``) or a wrapper (the stall inspector, ``stall.py``) can stand in without touching the feature.
-Here every method is torch's collective: ``all_reduce`` divides after the wait, ``reduce_tensors`` copies the tensors
-into one flat buffer of its own, all-reduces it and copies the result back (with ``compress``, exactly as torch's
-bf16/fp16 compression hooks do on a bucket), ``allocate`` is plain ``torch.zeros``.
-
-Small exchanges of structured data are built from ``all_reduce`` alone (:func:`all_gather_rows`), summing rows that
-only their owner fills, in float32 with values below 2**24 so that the sum is exact on every transport.
+"""``TorchTransport``: the collective interface (``protocol.Transport``) on a torch.distributed process group, each
+method torch's collective (``reduce_tensors`` through one flat copy, as torch's DDP buckets; ``compress`` as torch's
+compression hooks), and the small exchanges of structured data built from ``all_reduce`` alone
+(:func:`all_gather_rows`: float32 rows only their owner fills, integers below 2**24, exact on every transport).
 """
 from __future__ import annotations
 
@@ -24,12 +18,13 @@ from .protocol import Transport
 from .timeouts import bound, group_timeout, resolve_stall_timeout
 from .work import completed_work
 
-__all__ = ["TorchTransport", "DividedWork", "reduce_through_copy", "all_gather_rows", "all_gather_bytes"]
+__all__ = ["TorchTransport", "DividedWork", "reduce_through_copy", "split_into", "all_gather_rows", "all_gather_bytes"]
 
 
 class DividedWork(dist._Work):
     """A torch ``Work`` whose ``wait()`` also runs ``finish()`` (once): the division or copy-back that follows a sum.
-    A torch Work itself, so that the stall inspector bounds its wait as gloo's (a timed wait ends the collective)."""
+    A torch Work itself, so that the stall inspector bounds its wait as gloo's (a timed wait ends the collective);
+    it needs no future from ``handle`` (gloo's reduce-scatter has none)."""
 
     def __init__(self, handle: Any, finish: Callable[[], None]):
         super().__init__()
@@ -50,21 +45,21 @@ class DividedWork(dist._Work):
         return self._handle.get_future()
 
 
-def _split(flat: torch.Tensor, outs: Sequence[torch.Tensor]) -> None:
+def split_into(flat: torch.Tensor, outs: Sequence[torch.Tensor]) -> None:
+    """Copy consecutive pieces of ``flat`` into ``outs`` (any shapes, a Parameter too), in order."""
     offset = 0
-    for out in outs:
-        out.copy_(flat[offset: offset + out.numel()].view_as(out))
-        offset += out.numel()
+    with torch.no_grad():
+        for out in outs:
+            out.copy_(flat[offset: offset + out.numel()].view_as(out))
+            offset += out.numel()
 
 
 class TorchTransport:
     """The transport interface on a torch.distributed process group (``group=None``: the default group).
     ``native_scatter``: whether ``reduce_scatter`` and ``all_gather`` call torch's own (None: unless the group is
     gloo's, whose all-reduce was faster than its reduce-scatter; ZeRO stage 2 then broadcasts instead of gathering).
-    ``timeout`` (seconds; default ``$FANFOLD_STALL_TIMEOUT``, else 300; at most the group's timeout; a
-    ``stall_timeout`` block replaces it) bounds each collective inside torch's backend (its options' timeout): gloo
-    ends a collective that runs out of time and closes its connections, so the peers' pending collectives fail at
-    once instead of waiting out the group's timeout, and no process is held at exit by a collective left behind."""
+    ``timeout``: the stall timeout (``timeouts.resolve_stall_timeout``), bounding each collective inside torch's
+    backend (its options' timeout)."""
 
     def __init__(self, group: Any = None, *, native_scatter: bool | None = None,
                  timeout: float | timedelta | None = None):
@@ -79,7 +74,8 @@ class TorchTransport:
         self._base, self._limit = resolve_stall_timeout(timeout), group_timeout(group)
 
     def _options(self, kind: type, **fields: Any) -> Any:
-        # The bound of a collective issued now, in the options torch's backend reads per collective
+        # The bound of a collective issued now, in the options torch's backend reads per collective: gloo ends a
+        # collective that runs out of time and closes its connections, so the peers' pending ones fail at once
         opts = kind()
         for name, value in fields.items():
             setattr(opts, name, value)
@@ -169,7 +165,7 @@ def reduce_through_copy(transport: Transport, tensors: Sequence[torch.Tensor], b
     def finish() -> None:
         if divisor is not None:
             flat.div_(divisor)
-        _split(flat, tensors)
+        split_into(flat, tensors)
 
     return DividedWork(work, finish)
 

@@ -1,19 +1,15 @@
-"""``FanfoldWork``, the torch ``Work`` of a fanfold collective (done at return, or a torch future in flight; its
-``wait()`` raises the collective's error, as gloo's does), and :class:`Handout`, which makes the Work the ``fanfold``
-backend returns safe to hand to torch's C++ (a Work written in Python dies with its Python half: docs/backend.md).
-"""
+"""``FanfoldWork``, the one handle of a fanfold collective: a torch ``Work``, done at return or backed by a torch
+future in flight; its ``wait()`` raises the collective's error, as gloo's does."""
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _create_work_from_future
 
-__all__ = ["FanfoldWork", "Handout", "completed_work", "failed_work"]
+__all__ = ["FanfoldWork", "completed_work", "failed_work"]
 
 
 class FanfoldWork(dist._Work):
@@ -46,15 +42,9 @@ class FanfoldWork(dist._Work):
         return self._future is None or self._result.done()
 
     def is_success(self) -> bool:
-        if self._future is None:
-            return True
-        if not self._result.done():
+        if not self.is_completed():
             raise RuntimeError("is_success on a collective that has not completed")
-        try:
-            self._result.value()
-        except Exception:  # noqa: BLE001 - the question is only whether it failed
-            return False
-        return True
+        return self.exception() is None
 
     def exception(self) -> BaseException | None:
         if self._future is None or not self._result.done():
@@ -84,36 +74,3 @@ def failed_work(error: BaseException, result: Any) -> FanfoldWork:
     fut.set_exception(error)
     return FanfoldWork(fut, result)
 
-
-class _Holder(dist.ProcessGroup):
-    """A group of one whose only collective returns the Work it was given: torch's C++ wraps what a Python group's
-    collective returns in its holder of the Python Work (``PyWorkHolder``), which keeps the Python object alive."""
-
-    def __init__(self) -> None:
-        super().__init__(0, 1)
-        self.given = threading.local()  # per thread: collectives may be issued from several
-
-    def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
-        return self.given.work
-
-
-class Handout:
-    """``handout(work, async_op)``: the Work a collective of the ``fanfold`` group returns (see the module's
-    docstring). An asynchronous one completed at return: torch's future-backed Work (``wait()`` returns at once,
-    ``is_completed()`` is True; a finite ``wait(timeout)`` is refused by torch's class). Failed or in flight: torch's
-    holder of ``work``, whose ``wait(timeout)`` and ``get_future()`` are ``work``'s; its ``is_completed()`` is the
-    holder's own, False (torch forwards only those two)."""
-
-    def __init__(self) -> None:
-        self._holder = _Holder()
-
-    def __call__(self, work: dist.Work, async_op: bool) -> dist.Work:
-        if not async_op or not isinstance(work, FanfoldWork):
-            return work  # waited for at once, or gloo's (C++ through and through)
-        if work.is_completed() and work.exception() is None:
-            return _create_work_from_future(work.get_future())
-        self._holder.given.work = work
-        try:
-            return dist.ProcessGroup.allreduce(self._holder, [], dist.AllreduceOptions())
-        finally:
-            self._holder.given.work = None

@@ -29,7 +29,7 @@ from ..._core.shm import (
     unlink,
     unmap,
 )
-from ..errors import StallError
+from ..protocol import StallError
 
 __all__ = ["Segment", "ShmTimeoutError", "SegmentSpaceError", "SEGMENT_NAME", "segment_name", "leftover_segments",
            "host_key"]

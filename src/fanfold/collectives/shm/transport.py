@@ -21,8 +21,7 @@ import torch.distributed as dist
 
 from ..._core.group import require_initialized
 from ..._core.shm import SHM_DIR, pid_namespace
-from ..store import StoreGroup, group_store
-from ..timeouts import bound, group_timeout, resolve_stall_timeout
+from ..timeouts import StoreGroup, bound, group_store, group_timeout, resolve_stall_timeout
 from ..work import FanfoldWork, completed_work
 from .engine import (
     ALL_GATHER,
