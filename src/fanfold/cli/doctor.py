@@ -1,9 +1,6 @@
-"""``fanfold doctor``: what fanfold will do on this machine, and why.
-
-Prints torch's build, the CPUs and threads, accelerators, backends, ``/dev/shm``, and, from two real worker
-processes, whether the shared-memory collectives and their peer reads work here, with the reason for each "no".
-Exits 1 when something fanfold needs is missing (torch.distributed, gloo, two local workers that can all-reduce).
-"""
+"""``fanfold doctor``: what fanfold will do on this machine, and why: torch's build, CPUs and threads, accelerators,
+backends, ``/dev/shm``, and from two real workers whether the shared-memory collectives and their peer reads work,
+with the reason for each "no". Exits 1 when something fanfold needs is missing."""
 from __future__ import annotations
 
 import argparse
@@ -13,7 +10,7 @@ import shutil
 import sys
 from dataclasses import dataclass
 
-__all__ = ["add_arguments", "main"]
+from ..launcher.agent import threads_per_worker
 
 
 @dataclass(frozen=True)
@@ -92,10 +89,7 @@ def main(args: argparse.Namespace) -> int:
              ("python", f"{platform.python_version()} ({sys.executable})")]
     build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU-only build"
     lines.append(("torch", f"{torch.__version__} ({build})"))
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:
-        usable = os.cpu_count() or 1
+    usable = threads_per_worker(1)  # the cores this process may run on
     lines.append(("CPUs", f"{usable} usable by this process of {os.cpu_count()}; torch threads "
                           f"{torch.get_num_threads()}; `fanfold run -n N` gives each worker max(1, {usable} // N)"))
     if torch.cuda.is_available():

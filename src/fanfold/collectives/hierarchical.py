@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._core.group import require_initialized
+from .._core.job import require_initialized
 from .shm.request import flat_view
 from .shm.segment import host_key
 from .shm.thread import ShmWork

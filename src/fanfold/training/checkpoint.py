@@ -3,7 +3,7 @@
 ``state`` maps names to live objects (anything with ``state_dict`` / ``load_state_dict``) and plain values; the file
 adds ``"__fanfold__"`` (format version, world size, entry kinds, every rank's RNG states), is written by
 ``torch.save`` with a checksum footer (``safe_file``) and loads with ``torch.load(weights_only=True)``. Wrapper
-prefixes are ``_core.prefixes``' business, key matching ``keys``'. Format and guarantees: docs/checkpoints.md.
+prefixes and key matching are ``keys``' business. Format and guarantees: docs/checkpoints.md.
 """
 from __future__ import annotations
 
@@ -18,15 +18,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._core.group import rank_world
-from .._core.prefixes import drop_orig_mod, unwrap_module
+from .._core.job import rank_world
 from ..collectives.objects import all_gather_object, broadcast_object, gather_object
 from ..collectives.stall import group_transport
-from .keys import match_keys, unwrap_state_dict
+from ..parallel.data_parallel import unwrap
+from .keys import drop_orig_mod, match_keys, unwrap_state_dict
 from .rng import get_rng_state, set_rng_state
 from .safe_file import META, CheckpointError, has_footer, read_verified, write_atomic
 
-__all__ = ["save", "load", "latest", "unwrap_module", "unwrap_state_dict", "CheckpointError"]
+__all__ = ["save", "load", "latest", "unwrap_state_dict", "CheckpointError"]
 
 VERSION = 1
 _LEAVES = (bool, int, float, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
@@ -76,7 +76,7 @@ def _payload(state: Mapping[str, Any], rngs: list, world: int) -> dict:
         if isinstance(obj, nn.Module):
             # Known wrappers are gone; a compiled submodule's `_orig_mod` goes too. Other prefixes are the model's
             # own names (a user's container with a `module` attribute) and stay, for a plain load_state_dict.
-            sd = unwrap_module(obj).state_dict()
+            sd = unwrap(obj).state_dict()
             kinds[name], data = "module", OrderedDict(zip(drop_orig_mod(list(sd)), sd.values()))
         elif _stateful(obj):
             kinds[name], data = "object", obj.state_dict()
@@ -165,7 +165,7 @@ def _plan(path: Path, payload: Any, state: Mapping[str, Any], strict: bool):
         if _stateful(obj) and kind == "value":
             raise CheckpointError(f"{path}: entry {name!r} was saved as a plain value, not from a {type(obj).__name__}")
         if isinstance(obj, nn.Module):
-            target = unwrap_module(obj)
+            target = unwrap(obj)
             loads.append((name, target, match_keys(path, name, data, target.state_dict(), strict)))
         elif _stateful(obj):
             if isinstance(obj, torch.optim.Optimizer):

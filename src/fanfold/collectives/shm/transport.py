@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..._core.group import require_initialized
+from ..._core.job import require_initialized
 from ..store import StoreGroup, group_store
 from ..timeouts import bound, group_timeout, resolve_stall_timeout
 from .engine import Engine
