@@ -19,7 +19,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from fanfold._core.job_store import JobStore, StoreServer
+from fanfold._core.job import JobStore, StoreServer
 
 SECRET = b"benchmark secret"
 

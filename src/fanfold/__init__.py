@@ -1,8 +1,5 @@
 """fanfold: data parallelism for PyTorch. Fan the batch out over devices or processes, fold results and gradients back.
-
-Public names only; the README's API list mirrors ``__all__``. The layers, top to bottom (each imports only those
-below it; checked by import-linter in ``make test``): ``cli`` > ``training`` > ``optim`` | ``pipeline`` | ``nn`` >
-``distributed`` | ``parallel`` > ``collectives`` | ``launcher`` > ``_core``.
+Public names only; the README's API table mirrors ``__all__``; the layers are declared in pyproject.toml.
 """
 from . import pipeline
 from .collectives.backend import FanfoldProcessGroup, register
@@ -31,34 +28,9 @@ __version__ = "0.1.0"
 register()  # the one deliberate side effect of importing fanfold: init_process_group("fanfold") (idempotent)
 
 __all__ = [
-    "scatter",
-    "scatter_kwargs",
-    "gather",
-    "replicate",
-    "parallel_apply",
-    "WorkerPool",
-    "data_parallel",
-    "DataParallel",
-    "unwrap",
-    "launch",
-    "launch_script",
-    "WorkerError",
-    "DistributedDataParallel",
-    "DDP",
-    "StallError",
-    "stall_timeout",
-    "save",
-    "load",
-    "latest",
-    "CheckpointError",
-    "DistributedSampler",
-    "data",
-    "ZeroRedundancyOptimizer",
-    "clip_grad_norm_",
-    "Pipeline",
-    "DistributedPipeline",
-    "pipeline",
-    "FanfoldProcessGroup",
-    "SyncBatchNorm",
+    "scatter", "scatter_kwargs", "gather", "replicate", "parallel_apply", "WorkerPool", "data_parallel", "DataParallel",
+    "unwrap", "launch", "launch_script", "WorkerError", "DistributedDataParallel", "DDP", "StallError", "stall_timeout",
+    "save", "load", "latest", "CheckpointError", "DistributedSampler", "data", "ZeroRedundancyOptimizer",
+    "clip_grad_norm_", "Pipeline", "DistributedPipeline", "pipeline", "FanfoldProcessGroup", "SyncBatchNorm",
     "revert_sync_batchnorm",
 ]

@@ -15,7 +15,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from fanfold.launcher.loopback import LOOPBACK, loopback_interface
+from fanfold.launcher.spawn import LOOPBACK, loopback_interface
 
 STALL = 2.0
 PROGRAM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_stall_program.py")

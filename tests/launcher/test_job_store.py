@@ -21,7 +21,7 @@ import pytest
 import torch.distributed as dist
 
 import fanfold
-from fanfold._core.job_store import (
+from fanfold._core.job import (
     SECRET_ENV,
     SECRET_FILE_ENV,
     AuthenticationError,
@@ -169,7 +169,7 @@ import json, os, sys
 from datetime import timedelta
 sys.path.insert(0, sys.argv[1])
 import torch.distributed as dist
-from fanfold._core.job_store import JobStore
+from fanfold._core.job import JobStore
 port, key, target, pids = int(sys.argv[2]), sys.argv[3], sys.argv[4], [int(p) for p in sys.argv[5].split(",")]
 out = {"uid": os.geteuid()}
 def attempt(name, fn):

@@ -68,9 +68,9 @@ def test_results_by_rank_and_collective():
 @pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads /proc/net/tcp (Linux)")
 def test_everything_listens_on_loopback_only():
     """The store is hosted by the launching process on 127.0.0.1; workers are its clients; gloo stays on lo."""
-    from fanfold.launcher.spawn import loopback_store
+    from fanfold._core.job import StoreServer
 
-    store = loopback_store(b"secret")
+    store = StoreServer(b"secret")  # as fanfold.launch and fanfold run host it
     assert store.host == "127.0.0.1"
     assert "0100007F" in listening_addresses(os.getpid())  # 127.0.0.1 in /proc's byte order
     store.close()

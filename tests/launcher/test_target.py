@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from fanfold.launcher.target import check_module, check_script
+from fanfold.launcher.agent import check_module, check_script
 
 
 def _python(tmp_path, *argv: str) -> subprocess.CompletedProcess:

@@ -1,7 +1,6 @@
-"""Device normalisation: an index (``0``), a string (``"cuda:1"``, ``"cpu"``) or a ``torch.device`` of any type becomes
-a ``torch.device`` that compares equal across spellings (``"cpu:0"`` and ``"cpu"``; ``"cuda"`` and
-``"cuda:<current>"``); a repeated device means several replicas there. ``usable_device(s)`` also check that the
-device exists here (a ValueError naming the argument). The accelerator type comes from ``torch.accelerator``.
+"""Devices, written once: an index, a string or a ``torch.device`` becomes a ``torch.device`` that compares equal
+across spellings ("cpu:0" and "cpu"; "cuda" and "cuda:<current>"); ``usable_device(s)`` also check that the device
+exists here, with a ValueError naming the argument. The accelerator type comes from ``torch.accelerator``.
 """
 from __future__ import annotations
 
@@ -22,12 +21,8 @@ def accelerator_type() -> str | None:
 
 
 def normalize_device(device: DeviceLike) -> torch.device:
-    """Return ``device`` as a ``torch.device`` with a canonical index.
-
-    An int ``i`` means index ``i`` of the current accelerator (``cuda:i`` on a machine without one, as torch does,
-    so that device ids can be written before a GPU is present). An accelerator device without an index gets the
-    current index; a CPU device loses its index (there is only one CPU device).
-    """
+    """``device`` with a canonical index: an int ``i`` is index ``i`` of the current accelerator (``cuda:i`` without
+    one, as torch does); an accelerator device without an index gets the current one; the CPU has no index."""
     if isinstance(device, bool) or not isinstance(device, (int, str, torch.device)):
         raise TypeError(f"a device must be an int, a str or a torch.device, got {type(device).__name__}: {device!r}")
     if isinstance(device, int):
@@ -65,7 +60,6 @@ def default_device_ids() -> list[int]:
     if accelerator_type() is None:
         return []
     return list(range(torch.accelerator.device_count()))
-
 
 
 def _check_present(dev: torch.device, where: str, cpu_spelling: str) -> torch.device:

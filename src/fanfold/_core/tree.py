@@ -1,8 +1,6 @@
 """One walk over nested data: flatten a structure to (path, leaf) pairs and a spec, rebuild it from new leaves.
-
-Containers: tuple, list, dict (and subclasses), namedtuple, torch's structseq types and dataclass instances; anything
-else is a leaf, ``PackedSequence`` included (its fields are not independent). Paths such as ``inputs[1]['mask']``
-name leaves in error messages. Scatter and gather are flatten -> work on the leaves -> unflatten.
+Containers: tuple, list, dict (and subclasses), namedtuple, torch's structseq types, dataclass instances; anything
+else is a leaf, ``PackedSequence`` included. Paths such as ``inputs[1]['mask']`` name leaves in error messages.
 """
 from __future__ import annotations
 
@@ -28,13 +26,8 @@ class Spec(NamedTuple):
 
     nodes: tuple
 
-    @property
-    def kind(self) -> str:
-        return self.nodes[0].kind
-
 
 _LEAF_NODE = Node("leaf")
-LEAF = Spec((_LEAF_NODE,))
 
 
 class Path:
@@ -57,9 +50,6 @@ class Path:
     def __repr__(self) -> str:
         return repr(str(self))
 
-    def __format__(self, spec: str) -> str:
-        return format(str(self), spec)
-
     def __eq__(self, other: object) -> bool:
         return str(self) == str(other)
 
@@ -76,10 +66,8 @@ def _kind(obj: Any) -> str:
         return kind
     if isinstance(obj, (torch.Tensor, PackedSequence)):
         return "leaf"
-    if isinstance(obj, tuple):
-        if hasattr(obj, "_fields"):
-            return "namedtuple"
-        return "tuple" if type(obj) is tuple else "structseq"
+    if isinstance(obj, tuple):  # a subclass: plain tuples are in _EXACT
+        return "namedtuple" if hasattr(obj, "_fields") else "structseq"
     if isinstance(obj, list):
         return "list"
     if isinstance(obj, dict):
@@ -138,9 +126,8 @@ def flatten(obj: Any, path: str = "") -> tuple[list[tuple[Path | str, Any]], Spe
 
 
 def _template(obj: Any, kind: str, keys: tuple) -> Any:
-    """What ``unflatten`` copies to rebuild ``obj``: its type, or for dict subclasses and dataclasses an empty copy.
-    Empty, so that a spec holds none of the leaves: a spec crosses process boundaries (DataParallel's process
-    engine pickles it), where a tensor of the graph could not go, and it should not keep the batch alive."""
+    """What ``unflatten`` copies to rebuild ``obj``: its type, or for dict subclasses and dataclasses an empty copy
+    (a spec holds no leaf: it is pickled across processes, and should not keep the batch alive)."""
     if kind == "dict" and type(obj) is not dict:
         out = copy.copy(obj)
         out.clear()
@@ -197,7 +184,6 @@ def _build(node: Node, values: list) -> Any:
             return dict(zip(node.keys, values))
         # a copy keeps the subclass's own state (a defaultdict's factory, an OrderedDict's type)
         out = copy.copy(node.template)
-        out.clear()
         out.update(zip(node.keys, values))
         return out
     # dataclass: copy and set the fields rather than call __init__, so that __post_init__ checks written for the
@@ -208,19 +194,13 @@ def _build(node: Node, values: list) -> Any:
     return out
 
 
-def _describe(node: Node) -> str:
+def _describe(node: Node) -> tuple[type | None, str]:
     if node.kind == "leaf":
-        return "a leaf"
-    name = node.template.__name__ if isinstance(node.template, type) else type(node.template).__name__
+        return None, "a leaf"
+    cls = node.template if isinstance(node.template, type) else type(node.template)
     what = "keys" if node.kind == "dict" else ("fields" if node.kind in ("namedtuple", "dataclass") else "length")
     detail = len(node.keys) if what == "length" else list(node.keys)
-    return f"a {name} with {what} {detail}"
-
-
-def _type_of(node: Node) -> type | None:
-    if node.kind == "leaf":
-        return None
-    return node.template if isinstance(node.template, type) else type(node.template)
+    return cls, f"a {cls.__name__} with {what} {detail}"
 
 
 def first_difference(a: Spec, b: Spec, path: str = "") -> str | None:
@@ -234,8 +214,9 @@ def first_difference(a: Spec, b: Spec, path: str = "") -> str | None:
             top = open_nodes[-1]
             where = child_path(top[0], top[1], top[2][top[3]])
             top[3] += 1
-        if na.kind != nb.kind or na.keys != nb.keys or _type_of(na) is not _type_of(nb):
-            return f"{where or '<root>'}: {_describe(na)} vs {_describe(nb)}"
+        (type_a, a_is), (type_b, b_is) = _describe(na), _describe(nb)
+        if na.kind != nb.kind or na.keys != nb.keys or type_a is not type_b:
+            return f"{where or '<root>'}: {a_is} vs {b_is}"
         if na.keys:
             open_nodes.append([where, na.kind, na.keys, 0])
     return None

@@ -1,14 +1,10 @@
-"""The ``fanfold`` command: an argparse hub that only dispatches to subcommands.
-
-Each subcommand lives in its own module, which provides ``add_arguments(parser)`` and ``main(args) -> int``:
-``demo``, ``run``, ``train`` and ``doctor``, each in ``fanfold.cli.<name>``. Nothing imports this module.
-"""
+"""The ``fanfold`` command: an argparse hub that only dispatches. Each subcommand is a module ``fanfold.cli.<name>``
+with ``add_arguments(parser)`` and ``main(args) -> int``."""
 from __future__ import annotations
 
 import argparse
 import importlib
 
-# name -> (module, one-line help); modules are imported only when the parser is built.
 _COMMANDS = {
     "demo": ("fanfold.cli.demo", "the DataParallel tutorial: per-replica batch sizes on N devices (CPU replicas too)"),
     "run": ("fanfold.cli.run", "launch N worker processes of a script (torchrun's contract, tracebacks shown)"),
@@ -43,4 +39,3 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     return int(args._main(args) or 0)
-

@@ -1,9 +1,6 @@
-"""``fanfold doctor``: what fanfold will do on this machine, and why.
-
-Prints torch's build, the CPUs and threads, accelerators, backends, ``/dev/shm``, and, from two real worker
-processes, whether the shared-memory collectives and their peer reads work here, with the reason for each "no".
-Exits 1 when something fanfold needs is missing (torch.distributed, gloo, two local workers that can all-reduce).
-"""
+"""``fanfold doctor``: what fanfold will do on this machine, and why: torch's build, CPUs and threads, accelerators,
+backends, ``/dev/shm``, and from two real workers whether the shared-memory collectives and their peer reads work,
+with the reason for each "no". Exits 1 when something fanfold needs is missing."""
 from __future__ import annotations
 
 import argparse
@@ -13,7 +10,13 @@ import shutil
 import sys
 from dataclasses import dataclass
 
-__all__ = ["add_arguments", "main"]
+import torch
+import torch.distributed as dist
+
+from .. import __version__
+from ..distributed import ShmTransport, init_process_group, select_transport
+from ..launcher.agent import threads_per_worker
+from ..launcher.spawn import WorkerError, launch
 
 
 @dataclass(frozen=True)
@@ -28,11 +31,6 @@ class ProbeResult:
 
 def _probe() -> ProbeResult:
     """Runs in each of two workers: the transport choice, a real all-reduce through /dev/shm, the peer-read probe."""
-    import torch
-    import torch.distributed as dist
-
-    from fanfold.distributed import ShmTransport, init_process_group, select_transport
-
     init_process_group(backend="gloo", timeout=60.0)
     chosen = select_transport()
     total, error, peer = None, "", False
@@ -82,20 +80,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    import torch
-    import torch.distributed as dist
-
-    import fanfold
-
     missing: list[str] = []
-    lines = [("fanfold", f"{fanfold.__version__} ({os.path.dirname(fanfold.__file__)})"),
+    lines = [("fanfold", f"{__version__} ({os.path.dirname(os.path.dirname(os.path.abspath(__file__)))})"),
              ("python", f"{platform.python_version()} ({sys.executable})")]
     build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU-only build"
     lines.append(("torch", f"{torch.__version__} ({build})"))
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:
-        usable = os.cpu_count() or 1
+    usable = threads_per_worker(1)  # the cores this process may run on
     lines.append(("CPUs", f"{usable} usable by this process of {os.cpu_count()}; torch threads "
                           f"{torch.get_num_threads()}; `fanfold run -n N` gives each worker max(1, {usable} // N)"))
     if torch.cuda.is_available():
@@ -131,11 +121,9 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _probe_lines(timeout: float, missing: list[str]) -> list[tuple[str, str]]:
-    import fanfold
-
     try:
-        results = fanfold.launch(_probe, nprocs=2, timeout=timeout)
-    except (fanfold.WorkerError, TimeoutError, OSError) as exc:
+        results = launch(_probe, nprocs=2, timeout=timeout)
+    except (WorkerError, TimeoutError, OSError) as exc:
         missing.append("two local workers that can all-reduce over gloo")
         first = str(exc).splitlines()[0]
         return [("workers", f"2 local gloo workers FAILED: {first}")]

@@ -1,8 +1,5 @@
-"""``fanfold run``: the command-line face of ``fanfold.launcher.launch_script`` (torchrun's flags, tracebacks shown).
-
-Errors name the flag as the user typed it, never an internal function; ``--verbose`` shows torch's agent log lines
-and every failed rank's traceback as it happens, instead of the one report at the end.
-"""
+"""``fanfold run``: torchrun's flags, parsed for ``fanfold.launcher.launch_script``. Errors name the flag as the user
+typed it, never an internal function."""
 from __future__ import annotations
 
 import argparse
@@ -11,8 +8,6 @@ import signal
 import sys
 
 from ..launcher.agent import launch_script
-
-__all__ = ["add_arguments", "main"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -124,7 +124,8 @@ def _launch(args: argparse.Namespace) -> int:
     if args.devices is None:
         args.devices = default_nproc_per_node()
     _check(args)
-    created = _make_dirs(out)
+    created = [d for d in (out, *out.parents) if not d.exists()]  # innermost first
+    out.mkdir(parents=True, exist_ok=True)
     cmd = ["fanfold.cli.train", "--worker", "--out", str(out), "--epochs", str(args.epochs),
            "--batch-size", str(args.batch_size), "--lr", repr(args.lr), "--seed", str(args.seed),
            "--checkpoint-every", str(args.checkpoint_every), "--devices", str(args.devices)]
@@ -148,28 +149,15 @@ def _launch(args: argparse.Namespace) -> int:
     elif ckpt.is_file():
         print(f"fanfold train: {what}; continue with: {advice}", file=sys.stderr)
     else:
-        removed = _remove_empty(created)
-        gone = f"; removed the empty {out}" if removed else ""
+        # nothing to resume: the folders this run made and left empty would only mislead
+        for d in created:
+            try:
+                d.rmdir()
+            except OSError:  # not empty (something else wrote there), or already gone
+                break
+        gone = f"; removed the empty {out}" if created and not out.exists() else ""
         print(f"fanfold train: {what} before the first checkpoint: nothing to resume{gone}", file=sys.stderr)
     return code
-
-
-def _make_dirs(out: Path) -> list[Path]:
-    """Create ``out`` and its missing parents; return those created, innermost first."""
-    created = [d for d in (out, *out.parents) if not d.exists()]
-    out.mkdir(parents=True, exist_ok=True)
-    return created
-
-
-def _remove_empty(created: list[Path]) -> bool:
-    """Remove the directories this run created that are still empty (innermost first); whether ``created[0]`` went.
-    A run stopped before its first checkpoint leaves nothing to resume, and an empty folder only misleads."""
-    for d in created:
-        try:
-            d.rmdir()
-        except OSError:  # not empty (something else wrote there), or already gone
-            break
-    return bool(created) and not created[0].exists()
 
 
 if __name__ == "__main__":  # the worker entry: python -m fanfold.cli.train --worker ...

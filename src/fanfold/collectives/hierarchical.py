@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._core.group import require_initialized
+from .._core.job import require_initialized
 from .shm.segment import host_key
 from .shm.transport import ShmTransport, check_reduce_tensors, flat_view, split_into
 from .timeouts import StoreGroup, bound, group_store, group_timeout, resolve_stall_timeout

@@ -11,7 +11,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._core.buffers import bytes_to_tensor, tensor_to_bytes
 from .stall import InspectedTransport, group_transport
 
 __all__ = ["all_gather_object", "gather_object", "broadcast_object", "wire_device"]
@@ -72,11 +71,15 @@ def broadcast_object(obj: Any, src: int = 0, group: Any = None, *, transport: In
 
 
 def _pickled(obj: Any, device: torch.device) -> torch.Tensor:
-    return bytes_to_tensor(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)).to(device)
+    # torch.frombuffer, not numpy; it wants a writable buffer (a pickle is never empty, which it would refuse)
+    data = bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+    return torch.frombuffer(data, dtype=torch.uint8).to(device)
 
 
 def _unpickled(data: torch.Tensor, size: int) -> Any:
-    return pickle.loads(tensor_to_bytes(data[:size]))
+    out = bytearray(size)
+    torch.frombuffer(out, dtype=torch.uint8).copy_(data[:size])
+    return pickle.loads(out)
 
 
 def _padded(data: torch.Tensor, length: int) -> torch.Tensor:

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .._core.devices import accelerator_type
-from .._core.group import require_initialized
+from .._core.job import require_initialized
 from .hierarchical import HierarchicalTransport, host_layout
 from .protocol import TransportOwner
 from .shm.segment import host_key

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions  # torch.distributed does not re-export it
 
-from .._core.group import require_initialized
+from .._core.job import require_initialized
 from .protocol import Transport
 from .timeouts import bound, group_timeout, resolve_stall_timeout
 from .work import completed_work

@@ -10,8 +10,7 @@ import torch
 import torch.distributed as dist
 
 from .._core.devices import accelerator_type
-from .._core.group import is_initialized, rank_world
-from .._core.job_store import store_from_env
+from .._core.job import install_env_rendezvous, is_initialized, rank_world
 from ..collectives.stall import group_transport
 
 __all__ = ["init_process_group", "destroy_process_group", "is_initialized", "rank", "world_size", "local_rank",
@@ -32,7 +31,7 @@ def init_process_group(backend: str | None = None, timeout: timedelta | float = 
     """Join the process group described by the torchrun environment and return this process's device.
 
     With a job secret in the environment (``FANFOLD_JOB_SECRET``/``FANFOLD_JOB_SECRET_FILE``; ``fanfold run`` and
-    ``fanfold.launch`` set one) the group's store admits only the job's processes (``fanfold._core.job_store``).
+    ``fanfold.launch`` set one) the group's store admits only the job's processes (``fanfold._core.job``).
     ``backend`` defaults to "nccl" when CUDA is available, "gloo" otherwise. ``timeout`` (seconds or a timedelta)
     bounds every collective of the group. The local accelerator ``LOCAL_RANK`` becomes the current device.
     """
@@ -66,9 +65,7 @@ def init_process_group(backend: str | None = None, timeout: timedelta | float = 
         dev = torch.device(acc, lr)
         torch.get_device_module(acc).set_device(dev)
     kwargs = {"device_id": dev} if backend == "nccl" else {}
-    store = store_from_env(r, n, timeout)  # the job's authenticated store where the environment holds its secret
-    if store is not None:
-        kwargs["store"] = store
+    install_env_rendezvous()  # the job's authenticated store where the environment holds its secret
     dist.init_process_group(backend, rank=r, world_size=n, timeout=timeout, **kwargs)
     return dev
 

@@ -1,25 +1,12 @@
-"""``fanfold run``: start N worker processes of a script on torch's elastic agent, and ``launch_script`` for Python.
-
-A thin layer over ``torch.distributed.launcher.api`` (what torchrun runs): the workers get torchrun's environment
-(RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, ROLE_RANK, MASTER_ADDR, MASTER_PORT,
-TORCHELASTIC_RESTART_COUNT, ...), the agent restarts them up to ``--max-restarts`` times and stops all of them
-when one fails. What it adds:
-
-- single node by default, with a rendezvous whose only listening socket is bound to 127.0.0.1 (torchrun's
-  ``--standalone`` store listens on every interface), and gloo/NCCL pinned to the loopback interface;
-- the rendezvous store admits only processes that prove the job's secret (``fanfold._core.job_store``): made here
-  (or the user's ``FANFOLD_JOB_SECRET``/``FANFOLD_JOB_SECRET_FILE``) and handed to the workers in their
-  environment; the worker shim points torch's ``env://`` rendezvous at it, so plain scripts need no change;
-- ``-n`` defaults to the number of GPUs, or 2 without one; OMP_NUM_THREADS = max(1, cores // N) per worker;
-- each worker runs through the ``worker_shim``, so a failure is reported as the rank that failed first and its
-  full traceback, instead of a ChildFailedError raised out of the launcher; the exit code is non-zero.
-
-Layer: ``fanfold.launcher`` (below training and the CLI; imports torch only besides ``spawn``'s loopback
-helpers). ``fanfold.cli.run`` parses ``fanfold run``'s flags and calls ``launch_script``; ``fanfold train`` does too.
+"""``fanfold run`` and ``launch_script``: N worker processes of a script on torch's elastic agent (what torchrun runs:
+its environment, rendezvous and restarts). Adds: the script or module checked before any worker starts, a single
+node's rendezvous on 127.0.0.1 behind the job's secret (``fanfold._core.job``), and one report of the rank that
+failed first with its traceback. Flags and behaviour: docs/launching.md.
 """
 from __future__ import annotations
 
 import contextlib
+import importlib.machinery
 import logging
 import os
 import signal
@@ -31,11 +18,11 @@ from datetime import timedelta
 
 from torch.distributed.elastic.rendezvous.api import RendezvousHandler, RendezvousInfo, RendezvousStoreInfo
 
-from .._core.job_store import SECRET_ENV, SECRET_FILE_ENV, STORE_ENV, JobStore, job_secret, new_secret
-from .loopback import LOOPBACK, loopback_interface, loopback_store
-from .target import check_module, check_script
+from .._core.job import SECRET_ENV, SECRET_FILE_ENV, STORE_ENV, JobStore, StoreServer, job_secret, new_secret
+from .spawn import LOOPBACK, loopback_env
 
-__all__ = ["launch_script", "default_nproc_per_node", "threads_per_worker", "format_failure"]
+__all__ = ["launch_script", "default_nproc_per_node", "threads_per_worker", "format_failure", "check_script",
+           "check_module"]
 
 _LOOPBACK_BACKEND = "fanfold-loopback"
 
@@ -56,6 +43,86 @@ def threads_per_worker(nproc_per_node: int) -> int:
     return max(1, cores // nproc_per_node)
 
 
+def _compiles(path: str, what: str) -> None:
+    try:
+        with open(path, "rb") as f:
+            source = f.read()
+    except OSError as exc:
+        raise ValueError(f"{what} cannot be read: {exc.strerror}") from None
+    try:
+        compile(source, path, "exec", dont_inherit=True)
+    except SyntaxError as exc:  # IndentationError too
+        where = f"line {exc.lineno}" + (f": {exc.text.strip()!r}" if exc.text and exc.text.strip() else "")
+        raise ValueError(f"{what} does not compile: {type(exc).__name__}: {exc.msg} ({where})") from None
+    except ValueError as exc:  # null bytes in the source
+        raise ValueError(f"{what} does not compile: {exc}") from None
+
+
+def check_script(script: str) -> None:
+    """ValueError unless ``python script`` could start: a Python file that compiles, or a directory or zip file
+    with a ``__main__.py`` (as ``python`` itself accepts)."""
+    if not os.path.exists(script):
+        raise ValueError(f"script not found: {script!r}")
+    if os.path.isdir(script):
+        main = os.path.join(script, "__main__.py")
+        if not os.path.isfile(main):
+            raise ValueError(f"script {script!r} is a directory without a __main__.py: give the Python file to run "
+                             f"(or the package with -m)")
+        _compiles(main, f"script {main!r}")
+        return
+    if not os.path.isfile(script):
+        raise ValueError(f"script {script!r} is not a regular file")
+    with open(script, "rb") as f:
+        zipped = f.read(4) == b"PK\x03\x04"
+    if not zipped:  # a zip application is checked by the interpreter that opens it
+        _compiles(script, f"script {script!r}")
+
+
+def _find(name: str, path: list[str] | None):
+    """The spec of ``name`` without importing anything: the path finder over ``path``, then (a top-level name)
+    any other finder on ``sys.meta_path`` (an editable install's, for example)."""
+    spec = importlib.machinery.PathFinder.find_spec(name, path)
+    if spec is not None or "." in name:
+        return spec
+    for finder in sys.meta_path:
+        if finder is importlib.machinery.PathFinder or not hasattr(finder, "find_spec"):
+            continue
+        try:
+            spec = finder.find_spec(name, None)
+        except Exception:  # a third-party finder that cannot answer without importing: not ours to judge
+            continue
+        if spec is not None:
+            return spec
+    return None
+
+
+def check_module(module: str) -> None:
+    """ValueError unless ``python -m module`` could start from this directory: every part of the dotted name is
+    found (no package's ``__init__`` is run), a package has a ``__main__``, and a source file compiles."""
+    parts = module.split(".")
+    if not all(p.isidentifier() for p in parts):
+        raise ValueError(f"module {module!r} is not a dotted Python name (to run a file, leave -m out)")
+    # a worker runs with the current directory first on sys.path (python -m's rule), then the rest of ours
+    search: list[str] | None = [os.getcwd(), *sys.path[1:]]
+    spec = None
+    for i in range(len(parts)):
+        name = ".".join(parts[: i + 1])
+        spec = _find(name, search)
+        if spec is None:
+            where = "" if i == 0 else f" (package {'.'.join(parts[:i])!r} has no {parts[i]!r})"
+            raise ValueError(f"module not found: {module!r}{where}; run from the directory that holds it, or "
+                             f"put that directory on PYTHONPATH")
+        search = list(spec.submodule_search_locations or [])
+        if i < len(parts) - 1 and spec.submodule_search_locations is None:
+            raise ValueError(f"module not found: {module!r} ({name!r} is a module, not a package)")
+    if spec.submodule_search_locations is not None:  # a package: python -m runs its __main__
+        spec = _find(f"{module}.__main__", search)
+        if spec is None:
+            raise ValueError(f"module {module!r} is a package without a __main__ module: python -m cannot run it")
+    if spec.origin and spec.origin.endswith(".py") and os.path.isfile(spec.origin):
+        _compiles(spec.origin, f"module {spec.name!r} ({spec.origin})")
+
+
 class _LoopbackRendezvous(RendezvousHandler):
     """Rendezvous of a single node: this agent is node 0 of 1, the store's socket listens on 127.0.0.1 only."""
 
@@ -74,7 +141,7 @@ class _LoopbackRendezvous(RendezvousHandler):
     def next_rendezvous(self) -> RendezvousInfo:
         # A fresh store for every round: restarted workers must not read the keys of the round that failed.
         self.shutdown_store()
-        self._server = loopback_store(self._secret)
+        self._server = StoreServer(self._secret, host=LOOPBACK)
         self._store = JobStore(LOOPBACK, self._server.port, self._secret, self._timeout)  # the agent's own client
         return RendezvousInfo(self._store, 0, 1, RendezvousStoreInfo(LOOPBACK, self._server.port))
 
@@ -97,7 +164,7 @@ class _LoopbackRendezvous(RendezvousHandler):
         return self._run_id
 
     def shutdown(self) -> bool:
-        self._closed = True
+        self.set_closed()
         self.shutdown_store()
         return True
 
@@ -108,18 +175,6 @@ def _create_loopback_handler(params) -> RendezvousHandler:
     if secret is None:
         raise RuntimeError(f"fanfold run: no job secret in the environment ({SECRET_ENV}); launch_script sets one")
     return _LoopbackRendezvous(params.run_id, timedelta(seconds=params.get_as_int("timeout", 900)), secret)
-
-
-@contextlib.contextmanager
-def _environ(changes: Mapping[str, str]) -> Iterator[None]:
-    # The agent hands os.environ to the workers (and writes to it itself); put everything back afterwards.
-    saved = dict(os.environ)
-    os.environ.update(changes)
-    try:
-        yield
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
 
 
 def launch_script(
@@ -178,32 +233,24 @@ def launch_script(
     if single:
         rendezvous_handler_registry.register(_LOOPBACK_BACKEND, _create_loopback_handler)  # idempotent
         backend, endpoint, run_id, configs = _LOOPBACK_BACKEND, f"{LOOPBACK}:0", uuid.uuid4().hex, {}
-        lo = loopback_interface()
-        for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-            if lo and var not in os.environ:
-                env[var] = lo  # the collectives' own listening sockets stay on loopback too
+        env.update(loopback_env())
     else:
         if not rdzv_endpoint:
             raise ValueError(f"nnodes={nnodes!r} spans several machines: pass rdzv_endpoint as HOST:PORT")
         backend, endpoint, run_id = rdzv_backend, rdzv_endpoint, rdzv_id
         configs = {"rank": node_rank} if rdzv_backend == "static" else {}
-        # A fresh store for the workers of every rendezvous round (rank 0's worker hosts it), not the agents'
-        # shared one: its keys are prefixed by each agent's own restart count, and the agents' counts differ
-        # after a restart (the node whose worker failed counts one; a node that only saw it rejoin may not), so
-        # the restarted workers of one node would read the last round's keys (gloo: connection refused).
+        # The workers' store fresh every round, not the agents' shared one, whose keys carry each agent's own
+        # restart count: the counts differ after a restart, and restarted workers would read a stale round's keys.
         if "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in os.environ:
             env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    env.update(extra_env or {})
-    # The user's secret (multi-node: the same on every node) or one made for this run; the workers find it in their
-    # environment, which only this user can read, and never on a command line.
-    # A multi-node job without the user's secret keeps torch's rendezvous: open to whoever reaches its endpoint.
-    if single:
         if job_secret() is None:
+            print(f"fanfold run: no {SECRET_ENV} or {SECRET_FILE_ENV} set: this multi-node job's rendezvous is open "
+                  f"to anyone who can reach {rdzv_endpoint} (docs/reliability.md)", file=sys.stderr)
+    env.update(extra_env or {})
+    if single:
+        if job_secret() is None:  # the workers find it in their environment, never on a command line
             env[SECRET_ENV] = new_secret()
         env[STORE_ENV] = "1"  # MASTER_ADDR:MASTER_PORT is the agent's authenticated store
-    elif job_secret() is None:
-        print(f"fanfold run: no {SECRET_ENV} or {SECRET_FILE_ENV} set: this multi-node job's rendezvous is open to "
-              f"anyone who can reach {rdzv_endpoint} (docs/reliability.md)", file=sys.stderr)
     if verbose:
         env["FANFOLD_VERBOSE"] = "1"
     if rank_prefix:
@@ -211,8 +258,7 @@ def launch_script(
 
     shim = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker_shim.py")
     args = ["-u", shim, *(["-m"] if module else []), *cmd]
-    with tempfile.TemporaryDirectory(prefix="fanfold-run-") as logs, _environ(env), _quiet_torch(not verbose), \
-            _restart_notices(quiet=not verbose):
+    with tempfile.TemporaryDirectory(prefix="fanfold-run-") as logs, _environ(env), _torch_logs(quiet=not verbose):
         config = LaunchConfig(
             min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=nproc_per_node, run_id=run_id,
             rdzv_endpoint=endpoint, rdzv_backend=backend, rdzv_configs=configs, max_restarts=max_restarts,
@@ -231,23 +277,15 @@ def launch_script(
 
 
 @contextlib.contextmanager
-def _quiet_torch(quiet: bool) -> Iterator[None]:
-    # torch's agent logs every SIGTERM it sends and every failure it sees (W/E lines) on loggers with levels of
-    # their own; the report at the end says the same once. Restored afterwards: this process may be a user's.
-    if not quiet:
-        yield
-        return
-    names = [n for n in list(logging.root.manager.loggerDict)
-             if n.startswith(("torch.distributed.elastic", "torch.distributed.launcher"))]
-    loggers = [logging.getLogger(n) for n in names]
-    saved = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.CRITICAL)
+def _environ(changes: Mapping[str, str]) -> Iterator[None]:
+    # The agent hands os.environ to the workers (and writes to it itself); put everything back afterwards.
+    saved = dict(os.environ)
+    os.environ.update(changes)
     try:
         yield
     finally:
-        for lg, level in zip(loggers, saved):
-            lg.setLevel(level)
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 _POLL_LOGGER = "torch.distributed.elastic.multiprocessing.api"  # logs "failed (exitcode: ...) local_rank: ..."
@@ -256,11 +294,8 @@ _AGENT_LOGGER = "torch.distributed.elastic.agent.server.api"  # logs "... attemp
 
 class _RestartNotice(logging.Handler):
     """One line on stderr when the agent restarts the workers: which worker failed, how, and the attempt starting,
-    e.g. ``fanfold run: local rank 1 (pid 41) was killed by signal SIGKILL; restarting (attempt 1 of 2)``.
-
-    torch's agent says both things only in its own log records (the first failure, then the restart), which the
-    quiet mode hides; the workers' own tracebacks are printed by the shim, labelled with their rank.
-    """
+    e.g. ``fanfold run: local rank 1 (pid 41) was killed by signal SIGKILL; restarting (attempt 1 of 2)``. torch's
+    agent says so only in two log records of its own (the failure, then the restart)."""
 
     def __init__(self) -> None:
         super().__init__(logging.INFO)
@@ -285,15 +320,22 @@ class _RestartNotice(logging.Handler):
 
 
 @contextlib.contextmanager
-def _restart_notices(quiet: bool) -> Iterator[None]:
-    loggers = [logging.getLogger(n) for n in (_POLL_LOGGER, _AGENT_LOGGER)]
+def _torch_logs(quiet: bool) -> Iterator[None]:
+    # Quiet: torch's agent logs every SIGTERM it sends and every failure it sees, on loggers with levels of their
+    # own; the report at the end says the same once. Its restart records reach the notice either way. Everything
+    # is restored afterwards: this process may be a user's.
+    names = [n for n in list(logging.root.manager.loggerDict)
+             if quiet and n.startswith(("torch.distributed.elastic", "torch.distributed.launcher"))]
+    loggers = [logging.getLogger(n) for n in {*names, _POLL_LOGGER, _AGENT_LOGGER}]
     saved = [(lg.level, lg.propagate) for lg in loggers]
     notice = _RestartNotice()
     for lg in loggers:
-        lg.setLevel(logging.INFO)
-        lg.addHandler(notice)
-        if quiet:  # the records reach the notice only, not torch's handlers
-            lg.propagate = False
+        if lg.name in (_POLL_LOGGER, _AGENT_LOGGER):
+            lg.setLevel(logging.INFO)
+            lg.addHandler(notice)
+            lg.propagate = lg.propagate and not quiet  # quiet: the records reach the notice only
+        else:
+            lg.setLevel(logging.CRITICAL)
     try:
         yield
     finally:
@@ -328,8 +370,7 @@ def format_failure(err, verbose: bool = False) -> str:
     info = first.error_file_data.get("message")
     lines = [f"fanfold run: {_describe(rank, first)}"]
     if isinstance(info, dict):
-        lines.append(f"Traceback of rank {rank}:")
-        lines.append(info["extraInfo"]["py_callstack"].rstrip())
+        lines += [f"Traceback of rank {rank}:", info["extraInfo"]["py_callstack"].rstrip()]
     elif first.exitcode < 0:
         lines.append("no Python traceback: the process was killed (any output it left is above)")
     else:

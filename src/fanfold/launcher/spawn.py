@@ -1,17 +1,8 @@
-"""Start N local worker processes running one Python function: ``fanfold.launch(fn, *args, nprocs=N)``.
-
-Sits beside the env contract (``fanfold.distributed.env``): each worker gets the same variables torchrun sets
-(RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), so the function calls
-``fanfold.distributed.init_process_group()`` (or torch's own ``dist.init_process_group()``) exactly as a script under
-``fanfold run`` would. The rendezvous store is hosted by the launching process on a socket bound to 127.0.0.1, open
-only to processes that prove a secret made for this launch (the workers get it in their environment; other users of
-the host cannot read it), and gloo is pinned to the loopback interface: nothing listens elsewhere.
-
-Works from notebooks: a function defined in a cell cannot be pickled by reference, so its workers are forked
-(``_context``; docs/notebooks.md says why fork, and its limits). Used by the test suite too, so it must never hang:
-the whole run is bounded by ``timeout``; the rank that failed first (by its own clock, read before its process
-group is torn down) is the one reported, with its traceback, and the others are stopped. Importable functions start
-from a forkserver that has already imported torch (~0.3 s a rank instead of 5-15 s).
+"""``fanfold.launch(fn, *args, nprocs=N)``: run a Python function on N local worker processes, with torchrun's
+environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), so ``fn`` calls
+``init_process_group()`` as a script under ``fanfold run`` would. Everything listens on 127.0.0.1 only: the job's
+store (hosted here, open only to processes proving the launch's secret) and gloo. Notebooks, fork and the failure
+report: docs/launching.md, docs/notebooks.md.
 """
 from __future__ import annotations
 
@@ -19,6 +10,7 @@ import multiprocessing as mp
 import os
 import pickle
 import signal
+import socket
 import sys
 import time
 import traceback
@@ -27,11 +19,32 @@ from dataclasses import dataclass
 from multiprocessing.connection import wait
 from typing import Any
 
-from .._core.job_store import SECRET_ENV, STORE_ENV, install_env_rendezvous, new_secret
-from .loopback import LOOPBACK, free_port, loopback_interface, loopback_store
+from .._core.job import SECRET_ENV, STORE_ENV, StoreServer, install_env_rendezvous, new_secret
 from .worker_shim import whole_lines
 
-__all__ = ["launch", "WorkerError", "free_port", "loopback_store", "loopback_interface"]
+__all__ = ["launch", "WorkerError", "free_port", "loopback_interface", "LOOPBACK"]
+
+LOOPBACK = "127.0.0.1"
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((LOOPBACK, 0))
+        return s.getsockname()[1]
+
+
+def loopback_interface() -> str | None:
+    """The name of the loopback network interface (``lo`` on Linux, ``lo0`` on macOS), or None if not found."""
+    names = [name for _, name in socket.if_nameindex()] if hasattr(socket, "if_nameindex") else []
+    return next((n for n in ("lo", "lo0") if n in names), None)
+
+
+def loopback_env() -> dict[str, str]:
+    """The variables that keep gloo's and NCCL's own listening sockets on the loopback interface (unless set)."""
+    lo = loopback_interface()
+    return {var: lo for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if lo and var not in os.environ}
+
 
 class WorkerError(RuntimeError):
     """A worker raised or died; ``rank`` names it and the message carries its traceback."""
@@ -60,20 +73,15 @@ def _pickled(report: _Report, rank: int) -> bytes:
                                     time_ns=time.time_ns()))
 
 
-def _send(conn, data: bytes) -> None:
-    conn.send_bytes(data)
-    conn.close()
-
-
 def _worker(fn, args, rank: int, env: Mapping[str, str], threads: int, conn, rank_prefix: bool) -> None:
     # A forked worker inherits its parent's handlers: one that raises (torch's elastic agent leaves such a handler
     # after `launch_script`) printed a traceback when the launcher stopped this worker. Stopped is stopped.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.environ.update(env)
     os.environ["RANK"] = os.environ["LOCAL_RANK"] = str(rank)
-    # whole lines only: two workers printing to one notebook cell must not interleave within a line
-    streams = whole_lines(f"[rank {rank}] " if rank_prefix else "")
+    streams = whole_lines(f"[rank {rank}] " if rank_prefix else "")  # ranks sharing a notebook cell
     import torch
+    import torch.distributed as dist
 
     torch.set_num_threads(threads)
     install_env_rendezvous()  # a plain dist.init_process_group() joins the launch's authenticated store too
@@ -87,10 +95,9 @@ def _worker(fn, args, rank: int, env: Mapping[str, str], threads: int, conn, ran
                          time_ns=time.time_ns())
         # Report before the process group is torn down: tearing it down is what makes the peers fail
         # ("Connection closed by peer"), and their reports must not overtake this one.
-        _send(conn, _pickled(report, rank))
+        data = _pickled(report, rank)
+        conn.send_bytes(data)
     finally:
-        import torch.distributed as dist
-
         if dist.is_available() and dist.is_initialized():
             try:
                 dist.destroy_process_group()
@@ -100,7 +107,8 @@ def _worker(fn, args, rank: int, env: Mapping[str, str], threads: int, conn, ran
         stream.close_line()
         stream.flush()
     if report.ok:
-        _send(conn, data)
+        conn.send_bytes(data)
+    conn.close()
     os._exit(0 if report.ok else 1)
 
 
@@ -122,29 +130,23 @@ def _context(fn: Callable, start_method: str | None):
         raise ValueError(f"fn {getattr(fn, '__qualname__', fn)!r} is defined in __main__ (a notebook or a script) or "
                          f"is not a module-level function: start_method={start_method!r} cannot find it in the new "
                          f"process; leave start_method=None (fork) or move fn into an importable module")
-    if start_method == "fork":
-        _check_fork_safe()
+    torch = sys.modules.get("torch")
+    if start_method == "fork" and torch is not None:
+        # A forked child inherits the parent's CUDA context in a state it cannot use: refuse before starting.
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            raise RuntimeError(
+                "fanfold.launch: CUDA is already initialised in this process, and the workers of a function defined "
+                "in a notebook (or __main__) are forked, which cannot use it. Restart the kernel and launch before "
+                "any CUDA call in it (no tensor .cuda()/.to('cuda') and no torch.cuda.* query that initialises it), "
+                "or move the function into a module so the workers start fresh")
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            raise RuntimeError("fanfold.launch: a process group is initialised in this process; forked workers "
+                               "would inherit it: call torch.distributed.destroy_process_group() first")
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
         # torch._dynamo: creating any torch.optim optimizer imports it (4-15 s here); pay that once, not per rank.
         ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.optim", "torch._dynamo", "fanfold"])
     return ctx
-
-
-def _check_fork_safe() -> None:
-    # A forked child inherits the parent's CUDA context in a state it cannot use ("Cannot re-initialize CUDA in
-    # forked subprocess"): refuse before starting anything, with what to do instead.
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
-        raise RuntimeError(
-            "fanfold.launch: CUDA is already initialised in this process, and the workers of a function defined in "
-            "a notebook (or __main__) are forked, which cannot use it. Restart the kernel and launch before any "
-            "CUDA call in it (no tensor .cuda()/.to('cuda') and no torch.cuda.* query that initialises it), or "
-            "move the function into a module so the workers start fresh")
-    if getattr(torch, "distributed", None) is not None and torch.distributed.is_available() \
-            and torch.distributed.is_initialized():
-        raise RuntimeError("fanfold.launch: a process group is initialised in this process; forked workers would "
-                           "inherit it: call torch.distributed.destroy_process_group() first")
 
 
 def _kill(procs: Sequence) -> None:
@@ -170,79 +172,54 @@ class _Failure:
     seen_ns: int  # when the parent noticed it
 
 
-def _read(conn) -> _Report | None:
-    try:
-        return pickle.loads(conn.recv_bytes())
-    except (EOFError, OSError):
-        return None
-
-
-def _collect(procs: Sequence, conns: dict, timeout: float) -> dict[int, Any]:
-    """Wait for every rank's report; on a failure, raise :class:`WorkerError` naming the rank that failed first.
+def _collect(procs: Sequence, conns: Sequence, timeout: float) -> list:
+    """Every rank's result; on a failure, :class:`WorkerError` naming the rank that failed first.
 
     A rank's failure usually makes its peers fail too (gloo: "Connection closed by peer"), and the parent may read
     those reports in any order; so after the first failure the others are awaited for a moment, and the one that
     happened first (the worker's own clock, taken before it tore its process group down) is the one reported.
     A rank that died without reporting is taken as the cause: nothing its peers do makes a process vanish.
     """
-    nprocs = len(procs)
     results: dict[int, Any] = {}
     failures: dict[int, _Failure] = {}
-    pending = {c: r for c, r in conns.items()}
-    sentinels = {p.sentinel: r for r, p in enumerate(procs)}
-    deadline = time.monotonic() + timeout
-    grace_end = None
-    while len(results) + len(failures) < nprocs:
-        left = deadline - time.monotonic()
-        if grace_end is not None:
-            left = min(left, grace_end - time.monotonic())
-        if left <= 0:
-            break
-        for obj in wait(list(pending) + list(sentinels), timeout=left):
-            rank = sentinels.pop(obj, None)
-            if rank is not None:
-                recv = next((c for c, r in pending.items() if r == rank), None)
-                if recv is None or not recv.poll(0):
-                    if recv is not None:
-                        pending.pop(recv)
-                        procs[rank].join(5.0)
-                        failures[rank] = _Failure(rank, None, procs[rank].exitcode, time.time_ns())
-                    continue
-                obj = recv
-            if obj not in pending:
-                continue
-            rank = pending.pop(obj)
-            report = _read(obj)
+    pending = dict(enumerate(conns))  # rank -> its pipe, until read
+    end = time.monotonic() + timeout
+    while pending and time.monotonic() < end:
+        # the pipe for a report, the sentinel for a death (a process the worker started may hold the pipe open)
+        ready = set(wait([*pending.values(), *(procs[r].sentinel for r in pending)], end - time.monotonic()))
+        for rank in [r for r in pending if pending[r] in ready or procs[r].sentinel in ready]:
+            conn = pending.pop(rank)
+            try:
+                report = pickle.loads(conn.recv_bytes()) if conn.poll(0) else None
+            except (EOFError, OSError):
+                report = None
             if report is not None and report.ok:
                 results[rank] = report.value
-            else:
-                if report is None:
-                    procs[rank].join(5.0)
-                failures[rank] = _Failure(rank, report, procs[rank].exitcode, time.time_ns())
-        if failures and grace_end is None:
-            grace_end = time.monotonic() + _GRACE_S
+                continue
+            if report is None:
+                procs[rank].join(5.0)
+            failures[rank] = _Failure(rank, report, procs[rank].exitcode, time.time_ns())
+            end = min(end, time.monotonic() + _GRACE_S)
     if failures:
-        raise _first_failure(failures, [r for r in range(nprocs) if r not in results and r not in failures], nprocs)
-    if len(results) < nprocs:
-        missing = [r for r in range(nprocs) if r not in results]
-        raise TimeoutError(f"fanfold.launch: ranks {missing} of {nprocs} still running after {timeout:g} s")
-    return results
+        raise _first_failure(failures, sorted(pending), len(procs))
+    if pending:
+        raise TimeoutError(f"fanfold.launch: ranks {sorted(pending)} of {len(procs)} still running after {timeout:g} s")
+    return [results[r] for r in range(len(procs))]
 
 
 def _first_failure(failures: dict[int, _Failure], running: list[int], nprocs: int) -> WorkerError:
     first = min(failures.values(), key=lambda f: (f.report is not None, f.report.time_ns if f.report else f.seen_ns,
                                                   f.rank))
     if first.report is None:
-        head = f"rank {first.rank} of {nprocs} died with exit code {first.exitcode} before reporting"
+        lines = [f"rank {first.rank} of {nprocs} died with exit code {first.exitcode} before reporting"]
     else:
-        head = f"rank {first.rank} of {nprocs} failed: {first.report.error}\n{first.report.traceback.rstrip()}"
-    lines = [head]
+        lines = [f"rank {first.rank} of {nprocs} failed: {first.report.error}\n{first.report.traceback.rstrip()}"]
     if running:
         lines.append(f"fanfold.launch: stopped the other workers (ranks {running})")
-    after = [f for f in failures.values() if f is not first]
-    for f in sorted(after, key=lambda f: f.rank):
-        what = f.report.error.split(":", 1)[0] if f.report else f"died with exit code {f.exitcode}"
-        lines.append(f"fanfold.launch: rank {f.rank} also failed, after rank {first.rank} ({what})")
+    for f in sorted(failures.values(), key=lambda f: f.rank):
+        if f is not first:
+            what = f.report.error.split(":", 1)[0] if f.report else f"died with exit code {f.exitcode}"
+            lines.append(f"fanfold.launch: rank {f.rank} also failed, after rank {first.rank} ({what})")
     return WorkerError("\n".join(lines), first.rank)
 
 
@@ -273,12 +250,11 @@ def launch(
         raise ValueError(f"timeout must be positive, got {timeout!r}")
     ctx = _context(fn, start_method)
     secret = new_secret()
-    store = loopback_store(secret.encode())
-    lo = loopback_interface()
+    store = StoreServer(secret.encode(), host=LOOPBACK)
     base = {
         "MASTER_ADDR": LOOPBACK,
         "MASTER_PORT": str(store.port),
-        **({"GLOO_SOCKET_IFNAME": lo} if lo and "GLOO_SOCKET_IFNAME" not in os.environ else {}),
+        **loopback_env(),
         "WORLD_SIZE": str(nprocs),
         "LOCAL_WORLD_SIZE": str(nprocs),
         "GROUP_RANK": "0",
@@ -287,18 +263,17 @@ def launch(
         STORE_ENV: "1",  # every rank, rank 0 included, is a client of the store above
         SECRET_ENV: secret,  # in the environment, never on a command line: only this user can read it
     }
-    procs, conns = [], {}
+    procs, conns = [], []
     try:
         for rank in range(nprocs):
             recv, send = ctx.Pipe(duplex=False)
+            conns.append(recv)
             p = ctx.Process(target=_worker, args=(fn, args, rank, base, threads, send, rank_prefix),
                             name=f"fanfold-rank{rank}")
             p.start()
             send.close()
             procs.append(p)
-            conns[recv] = rank
-        results = _collect(procs, conns, timeout)
-        return [results[r] for r in range(nprocs)]
+        return _collect(procs, conns, timeout)
     finally:
         _kill(procs)
         for c in conns:

@@ -1,23 +1,8 @@
-"""The shim each rank of ``fanfold run`` executes: ``python -u _worker.py [-m] target args...``.
-
-Runs the user's script (or module, with ``-m``) as ``__main__`` exactly as ``python script.py args`` would (same
-``sys.argv``, ``sys.path[0]`` = the script's folder), and adds three things torchrun leaves to the user:
-
-- an uncaught exception is written to the error file the elastic agent names in ``TORCHELASTIC_ERROR_FILE`` (the
-  JSON layout of torch's ``ErrorHandler``, read back by ``ProcessFailure``), minus this shim's frames, so the
-  launcher can show which rank failed first and its full traceback, once; it is printed here as well only when the
-  launcher will not show it (a failure the agent restarts from, no error file) or with ``FANFOLD_VERBOSE=1``;
-- ``faulthandler`` is on, so a segfault still leaves a Python stack on stderr;
-- on Linux the worker is killed when the launcher dies, even by SIGKILL, so no worker outlives it; and when the
-  worker ends, the processes it started in its process group (helpers, servers, pools) are stopped with it;
-- with a job secret in the environment (``fanfold run`` puts one there), torch's ``env://`` rendezvous, which a
-  plain ``dist.init_process_group()`` uses, is pointed at the job's authenticated store once torch imports it
-  (:class:`_RouteEnvRendezvous`);
-- ``sys.stdout`` and ``sys.stderr`` pass on whole lines only (:class:`WholeLines`), so that N workers sharing a
-  terminal never interleave within a line; with ``FANFOLD_RANK_PREFIX=1`` (``fanfold run --rank-prefix``) each line
-  starts with ``[rank R] ``. ``fanfold.launch`` uses the same class for its workers.
-
-Deliberately imports neither torch nor fanfold: a script that does not need them starts in milliseconds.
+"""What each worker of ``fanfold run`` executes: ``python -u worker_shim.py [-m] target args...`` runs the script (or
+module) as ``python`` would, and adds: its uncaught exception recorded for the launcher's report (torch's error
+file); ``faulthandler``; no worker outliving the launcher, nor its own helpers outliving it; ``env://`` routed to
+the job's authenticated store; output in whole lines, optionally prefixed ``[rank R] ``. Imports neither torch nor
+fanfold, so that a script that needs neither starts in milliseconds.
 """
 from __future__ import annotations
 
@@ -38,13 +23,10 @@ _LINE_ENDS = re.compile(r"(?<=\n)|(?<=\r)(?!\n)")  # splits after each \n, and a
 
 
 class WholeLines:
-    """A text stream over ``target`` that passes on whole lines only, each with one ``write`` and a ``flush``, and
-    starts each with ``prefix``; every other attribute (``fileno``, ``isatty``, ``buffer``, ...) is ``target``'s.
-
-    A line ends at ``\\n`` or at ``\\r`` (a progress bar redrawing its line). ``flush`` keeps an unfinished line back:
-    a whole line per write is the point, and ``print(..., end="", flush=True)`` on two ranks at once is exactly
-    what interleaves. What is left unfinished is written by :meth:`close_line`, when the worker ends.
-    """
+    """A text stream over ``target`` that passes on whole lines only (ended by ``\\n``, or by a ``\\r`` redrawing a
+    progress bar), each with one ``write`` and a ``flush``, each started with ``prefix``; other attributes are
+    ``target``'s. ``flush`` keeps an unfinished line back (two ranks' ``print(..., end="", flush=True)`` is what
+    interleaves); :meth:`close_line` writes it when the worker ends."""
 
     def __init__(self, target, prefix: str = ""):
         self._target, self._prefix = target, prefix
@@ -90,8 +72,7 @@ def whole_lines(prefix: str = "") -> tuple[WholeLines, WholeLines]:
 
 class _RouteEnvRendezvous:
     """An import hook: once ``torch.distributed.rendezvous`` has run, its ``env://`` handler is wrapped so that its
-    first use installs fanfold's (``fanfold._core.job_store.install_env_rendezvous``). fanfold is imported only
-    then: torch is still importing itself when the module runs, and the user's script may never need fanfold."""
+    first use installs fanfold's (``fanfold._core.job.install_env_rendezvous``); fanfold is imported only then."""
 
     _NAME = "torch.distributed.rendezvous"
 
@@ -109,7 +90,7 @@ class _RouteEnvRendezvous:
             torch_env = module._rendezvous_handlers["env"]
 
             def env_handler(url, *args, **kwargs):
-                from fanfold._core.job_store import install_env_rendezvous
+                from fanfold._core.job import install_env_rendezvous
 
                 module._rendezvous_handlers["env"] = torch_env
                 install_env_rendezvous()  # wraps torch_env; used from now on
@@ -119,11 +100,6 @@ class _RouteEnvRendezvous:
 
         spec.loader.exec_module = exec_module
         return spec
-
-
-def _route_env_rendezvous() -> None:
-    if os.environ.get("FANFOLD_JOB_SECRET") or os.environ.get("FANFOLD_JOB_SECRET_FILE"):
-        sys.meta_path.insert(0, _RouteEnvRendezvous())
 
 
 def _die_with_parent() -> None:
@@ -167,31 +143,13 @@ def _record(exc: BaseException, text: str) -> None:
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
-    data = {
-        "message": {
-            "message": f"{type(exc).__name__}: {exc}",
-            "extraInfo": {
-                "py_callstack": text,
-                "timestamp": str(int(time.time())),
-                # ProcessFailure keeps whole seconds only; ranks that fail in the same second are told apart by this.
-                "time_ns": time.time_ns(),
-            },
-        }
-    }
+    # time_ns: ProcessFailure keeps whole seconds only; ranks that fail in the same second are told apart by it
+    info = {"py_callstack": text, "timestamp": str(int(time.time())), "time_ns": time.time_ns()}
     try:
         with open(path, "w") as fp:
-            json.dump(data, fp)
+            json.dump({"message": {"message": f"{type(exc).__name__}: {exc}", "extraInfo": info}}, fp)
     except OSError as err:
         print(f"fanfold run: cannot write the error file {path}: {err}", file=sys.stderr)
-
-
-def _restart_follows() -> tuple[int, int] | None:
-    """(the attempt the agent starts next, the restarts allowed) when a failure now is followed by a restart."""
-    try:
-        done, allowed = int(os.environ["TORCHELASTIC_RESTART_COUNT"]), int(os.environ["TORCHELASTIC_MAX_RESTARTS"])
-    except (KeyError, ValueError):
-        return None
-    return (done + 1, allowed) if done < allowed else None
 
 
 # A rank whose peer died fails in its next collective with gloo's or the store's "connection closed" errors: the
@@ -199,24 +157,21 @@ def _restart_follows() -> tuple[int, int] | None:
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "DistNetworkError")
 
 
-def _restart_report(exc: BaseException, text: str, restart: tuple[int, int]) -> str:
-    rank, (attempt, allowed) = os.environ.get("RANK", "?"), restart
-    label = f"restarting (attempt {attempt} of {allowed})"
-    if any(s in f"{type(exc).__name__}: {exc}" for s in _PEER_GONE) and os.environ.get("FANFOLD_VERBOSE") != "1":
+def _own_report(exc: BaseException, text: str) -> str:
+    """What this worker prints of its failure. The launcher shows the traceback of the rank that failed first once
+    the run has failed; a failure the agent restarts from is labelled here; --verbose shows every rank's."""
+    verbose = os.environ.get("FANFOLD_VERBOSE") == "1"
+    try:
+        done, allowed = int(os.environ["TORCHELASTIC_RESTART_COUNT"]), int(os.environ["TORCHELASTIC_MAX_RESTARTS"])
+    except (KeyError, ValueError):
+        return text
+    if not os.environ.get("TORCHELASTIC_ERROR_FILE") or done >= allowed:
+        return text if verbose or not os.environ.get("TORCHELASTIC_ERROR_FILE") else ""
+    rank, label = os.environ.get("RANK", "?"), f"restarting (attempt {done + 1} of {allowed})"
+    if not verbose and any(s in f"{type(exc).__name__}: {exc}" for s in _PEER_GONE):
         return (f"fanfold run: rank {rank} also failed: a peer is gone ({type(exc).__name__}); {label} "
                 f"(--verbose shows its traceback)\n")
     return f"fanfold run: rank {rank} failed; {label}. Traceback of rank {rank}:\n{text}"
-
-
-def _launcher_wont_show() -> bool:
-    # The launcher prints the traceback of the rank that failed first once the run has failed; a failure the agent
-    # restarts from is never reported by it, and --verbose (FANFOLD_VERBOSE) shows every rank's as it happens.
-    if not os.environ.get("TORCHELASTIC_ERROR_FILE") or os.environ.get("FANFOLD_VERBOSE") == "1":
-        return True
-    try:
-        return int(os.environ["TORCHELASTIC_RESTART_COUNT"]) < int(os.environ["TORCHELASTIC_MAX_RESTARTS"])
-    except (KeyError, ValueError):
-        return True
 
 
 def main(argv: list[str]) -> int:
@@ -224,7 +179,7 @@ def main(argv: list[str]) -> int:
     if module:
         argv = argv[1:]
     if not argv:
-        print("usage: _worker.py [-m] target [args...]", file=sys.stderr)
+        print("usage: worker_shim.py [-m] target [args...]", file=sys.stderr)
         return 2
     target = argv[0]
     sys.argv = list(argv)
@@ -232,7 +187,8 @@ def main(argv: list[str]) -> int:
     streams = whole_lines(prefix)
     faulthandler.enable(file=sys.__stderr__, all_threads=True)
     _die_with_parent()
-    _route_env_rendezvous()
+    if os.environ.get("FANFOLD_JOB_SECRET") or os.environ.get("FANFOLD_JOB_SECRET_FILE"):
+        sys.meta_path.insert(0, _RouteEnvRendezvous())
     try:
         if module:
             sys.path[0] = os.getcwd()
@@ -244,11 +200,7 @@ def main(argv: list[str]) -> int:
         raise
     except BaseException as exc:  # KeyboardInterrupt too: the launcher reports it like any other failure
         text = "".join(traceback.format_exception(type(exc), exc, _user_frames(exc.__traceback__)))
-        restart = _restart_follows() if os.environ.get("TORCHELASTIC_ERROR_FILE") else None
-        if restart is not None:  # the launcher reports only the failure that ends the run: label this one here
-            sys.stderr.write(_restart_report(exc, text, restart))
-        elif _launcher_wont_show():
-            sys.stderr.write(text)
+        sys.stderr.write(_own_report(exc, text))
         sys.stderr.flush()
         _record(exc, text)
         return 1

@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
 
-from .._core.group import rank_world
+from .._core.job import rank_world
 from ..collectives.stall import InspectedTransport, group_transport
 from ..collectives.timeouts import resolve_stall_timeout
 from ..distributed.join import BACKWARD, FORWARD, JoinState

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .._core.group import rank_world
+from .._core.job import rank_world
 from ..collectives.objects import all_gather_object, gather_object
 from ..collectives.stall import group_transport
 from ..distributed.reducer import Reducer

@@ -11,7 +11,6 @@ import torch
 from torch import nn
 
 from .._core.devices import DeviceLike, default_device_ids, usable_device, usable_devices
-from .._core.prefixes import unwrap_module
 from .parallel_apply import WorkerPool, parallel_apply
 from .parallel_backward import parallel_apply_backward
 from .process_engine import ProcessEngine
@@ -215,4 +214,13 @@ def unwrap(module: nn.Module) -> nn.Module:
     ``torch.compile`` wrappers, however deeply nested."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"unwrap: expected an nn.Module, got {type(module).__name__}")
-    return unwrap_module(module)
+    while True:
+        inner = getattr(module, "_orig_mod", None)  # torch.compile's OptimizedModule
+        if not isinstance(inner, nn.Module):
+            inner = module._modules.get("module")  # not getattr: DataParallel's attribute fall-through
+            # fanfold's DDP by its module name: the distributed layer is not importable from here
+            wrapper = isinstance(module, (nn.DataParallel, nn.parallel.DistributedDataParallel)) or \
+                type(module).__module__.startswith("fanfold.")
+            if not (wrapper and isinstance(inner, nn.Module)):
+                return module
+        module = inner

@@ -23,7 +23,6 @@ import torch
 import torch.multiprocessing  # noqa: F401  (torch's reductions: the pickler below must know them)
 from torch import nn
 
-from .._core.buffers import bytes_to_tensor, tensor_to_bytes
 from .._core.shm import Futex, alive, shared_bytes
 from .._core.tree import Spec, flatten, unflatten
 from .parallel_backward import _alias_parameters, _tensor, _with_tensor
@@ -309,7 +308,7 @@ class Mailbox:
         if data is None:
             data = self._pickle(message)
             if len(data) > _AREA:
-                data = self._pickle(_Spill(bytes_to_tensor(data).share_memory_()))
+                data = self._pickle(_Spill(torch.frombuffer(bytearray(data), dtype=torch.uint8).share_memory_()))
             self._codec.sent(message)  # pickled: the receiver will have it
         ctypes.memmove(self._base + _HEADER + self.side * _AREA, data, len(data))
         self._lengths[self.side].value = len(data)
@@ -340,7 +339,7 @@ class Mailbox:
             return self._codec.decode(data)
         message = pickle.loads(data)
         if isinstance(message, _Spill):
-            message = pickle.loads(tensor_to_bytes(message.data))
+            message = pickle.loads(ctypes.string_at(message.data.data_ptr(), message.data.numel()))
         self._codec.got(message)
         return message
 

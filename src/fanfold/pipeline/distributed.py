@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .._core.devices import DeviceLike, normalize_device
-from .._core.group import require_initialized
+from .._core.job import require_initialized
 from .channel import ProcessChannel
 from .partition import batch_size, chunk_sizes, join, layers_of, loss_weights, resolve_balance, split, stage_modules
 from .pipe import average_gradients, broadcast_state, capture, check_checkpoint, check_chunks

@@ -17,10 +17,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._core.group import rank_world
-from .._core.prefixes import drop_orig_mod, strip_prefixes, unwrap_module
+from .._core.job import rank_world
 from ..collectives.objects import all_gather_object, broadcast_object, gather_object
 from ..collectives.stall import group_transport
+from ..parallel.data_parallel import unwrap
 from .safe_file import META, CheckpointError, has_footer, read_verified, write_atomic
 
 __all__ = ["save", "load", "latest", "unwrap_state_dict", "CheckpointError"]
@@ -60,6 +60,23 @@ def set_rng_state(state: dict[str, Any]) -> None:
             return
         name, keys, pos, has_gauss, cached = state["numpy"]
         numpy.random.set_state((name, keys.numpy().astype(numpy.uint32), pos, has_gauss, cached))
+
+
+_PREFIXES = ("module.", "_orig_mod.", "_forward_module.")
+
+
+def drop_orig_mod(keys: list[str]) -> list[str]:
+    return [".".join(part for part in k.split(".") if part != "_orig_mod") for k in keys]
+
+
+def strip_prefixes(keys: list[str]) -> list[str]:
+    # A whole-model wrapper prefixes every key; a compiled submodule adds `_orig_mod` inside the tree.
+    while keys:
+        prefix = next((p for p in _PREFIXES if all(k.startswith(p) for k in keys)), None)
+        if prefix is None:
+            break
+        keys = [k[len(prefix):] for k in keys]
+    return drop_orig_mod(keys)
 
 
 def unwrap_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:
@@ -133,7 +150,7 @@ def _payload(state: Mapping[str, Any], rngs: list, world: int) -> dict:
         if isinstance(obj, nn.Module):
             # Known wrappers are gone; a compiled submodule's `_orig_mod` goes too. Other prefixes are the model's
             # own names (a user's container with a `module` attribute) and stay, for a plain load_state_dict.
-            sd = unwrap_module(obj).state_dict()
+            sd = unwrap(obj).state_dict()
             kinds[name], data = "module", OrderedDict(zip(drop_orig_mod(list(sd)), sd.values()))
         elif _stateful(obj):
             kinds[name], data = "object", obj.state_dict()
@@ -218,7 +235,7 @@ def _plan(path: Path, payload: Any, state: Mapping[str, Any], strict: bool):
         if _stateful(obj) and kind == "value":
             raise CheckpointError(f"{path}: entry {name!r} was saved as a plain value, not from a {type(obj).__name__}")
         if isinstance(obj, nn.Module):
-            target = unwrap_module(obj)
+            target = unwrap(obj)
             loads.append((name, target, _match_keys(path, name, data, target.state_dict(), strict)))
         elif _stateful(obj):
             if isinstance(obj, torch.optim.Optimizer):

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch.utils.data import Sampler
 
-from .._core.group import rank_world
+from .._core.job import rank_world
 from ..collectives.objects import all_gather_object
 from ..collectives.stall import group_transport
 

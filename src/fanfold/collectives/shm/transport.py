@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..._core.group import require_initialized
+from ..._core.job import require_initialized
 from ..._core.shm import SHM_DIR, pid_namespace
 from ..timeouts import StoreGroup, bound, group_store, group_timeout, resolve_stall_timeout
 from ..work import FanfoldWork, completed_work

@@ -1,17 +1,9 @@
-"""The job's rendezvous store, closed to strangers: a key-value server that admits only processes proving the job's
-secret, and the client, a ``torch.distributed.Store`` that torch, gloo and fanfold use like a TCPStore.
+"""The job this process belongs to: its rank and world size, and its rendezvous store, closed to strangers.
 
-torch's TCPStore answers anyone who can reach its port, other users of the host included (loopback keeps out other
-hosts, not other users). Here every connection starts with a challenge and response both ways (HMAC-SHA256 over two
-fresh nonces, keyed by the secret): the secret never crosses the wire, a recorded exchange cannot be replayed, a
-stranger's connection is closed before it can read or write a key, and a client refuses a server that cannot prove
-the secret either (a stranger listening on a port the job gave up). After that, requests are plain: the check costs
-one round trip per connection, nothing per request.
-
-Where the secret comes from (:func:`job_secret`): ``FANFOLD_JOB_SECRET`` in the environment (made by ``fanfold run``
-and ``fanfold.launch`` and handed to their workers in their environment, which only the job's user can read), or
-``FANFOLD_JOB_SECRET_FILE``, a file only the job's user can read (supplied by the user on every node of a multi-node
-job). docs/reliability.md says what this guards and what it does not.
+The store is a key-value server that admits only processes proving the job's secret (HMAC-SHA256 challenge and
+response, both ways), and its client, a ``torch.distributed.Store`` that torch, gloo and fanfold use like a
+TCPStore. The secret: ``FANFOLD_JOB_SECRET``, or a 0600 file named by ``FANFOLD_JOB_SECRET_FILE``. Design and
+threat model: docs/reliability.md.
 """
 from __future__ import annotations
 
@@ -24,15 +16,17 @@ import stat
 import struct
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from datetime import timedelta
 from hashlib import sha256
+from typing import Any
 from urllib.parse import urlparse
 
 import torch.distributed as dist
 
-__all__ = ["SECRET_ENV", "SECRET_FILE_ENV", "STORE_ENV", "new_secret", "job_secret", "StoreServer", "JobStore",
-           "AuthenticationError", "store_from_env", "install_env_rendezvous"]
+__all__ = ["is_initialized", "require_initialized", "rank_world", "SECRET_ENV", "SECRET_FILE_ENV", "STORE_ENV",
+           "new_secret", "job_secret", "StoreServer", "JobStore", "AuthenticationError", "install_env_rendezvous"]
 
 SECRET_ENV = "FANFOLD_JOB_SECRET"
 SECRET_FILE_ENV = "FANFOLD_JOB_SECRET_FILE"
@@ -44,6 +38,28 @@ _DIGEST = 32
 _HANDSHAKE_S = 10.0  # a connection that has not proved the secret by then is closed
 _MAX_FIELDS, _MAX_FIELD = 1 << 16, 1 << 31
 _OK, _TIMEOUT, _ERROR = b"\x00", b"\x01", b"\x02"
+
+
+def is_initialized() -> bool:
+    """True when the default torch.distributed process group is up."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def require_initialized(who: str) -> None:
+    """Raise the one error every fanfold object that needs a process group gives without one."""
+    if not is_initialized():
+        raise RuntimeError(f"{who} needs an initialised process group: call "
+                           "fanfold.distributed.init_process_group() first (under `fanfold run` or fanfold.launch)")
+
+
+def rank_world(group: Any = None, *, from_env: bool = True) -> tuple[int, int]:
+    """(rank, world size) in ``group`` when a process group is up; otherwise ``$RANK``/``$WORLD_SIZE`` (a launched
+    process before ``init_process_group``) when ``from_env``, else (0, 1): one process."""
+    if is_initialized():
+        return dist.get_rank(group), dist.get_world_size(group)
+    if from_env:
+        return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    return 0, 1
 
 
 class AuthenticationError(RuntimeError):
@@ -126,20 +142,16 @@ def _recv(sock: socket.socket) -> list[bytes]:
 
 
 class StoreServer:
-    """Serves one job's keys on ``(host, port)`` (port 0: a free one; ``sock``: an already bound socket instead) to
-    clients that prove ``secret``. ``refused`` counts the connections turned away. Threads: one accepting, one per
-    connection; :meth:`close` stops accepting and drops every connection."""
+    """Serves one job's keys on ``host`` (a free port) to clients that prove ``secret``; ``refused`` counts the
+    connections turned away. Threads: one accepting, one per connection; :meth:`close` drops them all."""
 
-    def __init__(self, secret: bytes, host: str = "127.0.0.1", port: int = 0, sock: socket.socket | None = None):
+    def __init__(self, secret: bytes, host: str = "127.0.0.1"):
         if not secret:
             raise ValueError("the store's secret is empty")
         self._secret = secret
-        if sock is None:
-            sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
-                                        backlog=128)
-        sock.listen(128)
-        self._sock = sock
-        self.host, self.port = sock.getsockname()[:2]
+        self._sock = socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
+                                          backlog=128)
+        self.host, self.port = self._sock.getsockname()[:2]
         self.refused = 0
         self._data: dict[str, bytes] = {}
         self._cond = threading.Condition()
@@ -192,7 +204,7 @@ class StoreServer:
             while admitted and not self._closed:
                 request = _recv(conn)
                 try:
-                    answer = self._answer(request)
+                    answer = self._answer(request[0].decode(), request[1:])
                 except (IndexError, ValueError, UnicodeDecodeError) as exc:  # a malformed request: say so, go on
                     answer = [_ERROR, f"malformed store request: {type(exc).__name__}: {exc}".encode()]
                 _send(conn, *answer)
@@ -204,14 +216,9 @@ class StoreServer:
             self._conns.discard(conn)
             conn.close()
 
-    def _answer(self, req: list[bytes]) -> list[bytes]:
-        op, args = req[0].decode(), req[1:]
+    def _answer(self, op: str, args: list[bytes]) -> list[bytes]:
         data = self._data
         with self._cond:
-            if op == "set":
-                data[args[0].decode()] = args[1]
-                self._cond.notify_all()
-                return [_OK]
             if op in ("get", "wait"):  # args: timeout in ms, then the keys
                 keys = [k.decode() for k in args[1:]]
                 if not self._cond.wait_for(lambda: self._closed or all(k in data for k in keys),
@@ -221,45 +228,35 @@ class StoreServer:
                 if self._closed:
                     return [_ERROR, b"the store is closing"]
                 return [_OK, *([data[k] for k in keys] if op == "get" else [])]
-            if op == "add":
-                value = int(data.get(args[0].decode(), b"0")) + int(args[1])
-                data[args[0].decode()] = str(value).encode()
-                self._cond.notify_all()
-                return [_OK, str(value).encode()]
-            if op == "compare_set":  # TCPStore's semantics: a missing key is set only when expected is empty
-                key, expected, desired = args[0].decode(), args[1], args[2]
-                if key not in data:
-                    if expected:
-                        return [_OK, expected]
-                    data[key] = desired
-                elif data[key] == expected:
-                    data[key] = desired
-                self._cond.notify_all()
-                return [_OK, data[key]]
-            if op == "append":
-                key = args[0].decode()
-                data[key] = data.get(key, b"") + args[1]
-                self._cond.notify_all()
-                return [_OK]
-            if op == "multi_set":
-                half = len(args) // 2
-                for k, v in zip(args[:half], args[half:]):
-                    data[k.decode()] = v
-                self._cond.notify_all()
-                return [_OK]
             if op == "check":
                 return [_OK, b"1" if all(k.decode() in data for k in args) else b"0"]
             if op == "delete_key":
                 return [_OK, b"1" if data.pop(args[0].decode(), None) is not None else b"0"]
             if op == "num_keys":
                 return [_OK, str(len(data)).encode()]
-        return [_ERROR, f"unknown store request {op!r}".encode()]
-
-
-# Every open JobStore, until closed. torch keeps a store through its C++ half only (PrefixStore, the process group);
-# once the Python object is gone, torch's calls into the methods below fail ("Not implemented"): a store made inside
-# torch's rendezvous or our init_process_group has no other Python owner. The one process-wide list in fanfold.
-_OPEN: set[JobStore] = set()
+            answer = [_OK]  # the rest write: wake the waiting gets
+            if op == "set":
+                data[args[0].decode()] = args[1]
+            elif op == "add":
+                value = int(data.get(args[0].decode(), b"0")) + int(args[1])
+                data[args[0].decode()] = str(value).encode()
+                answer.append(str(value).encode())
+            elif op == "compare_set":  # TCPStore's semantics: a missing key is set only when expected is empty
+                key, expected, desired = args[0].decode(), args[1], args[2]
+                if key not in data and expected:
+                    return [_OK, expected]
+                if key not in data or data[key] == expected:
+                    data[key] = desired
+                answer.append(data[key])
+            elif op == "append":
+                data[args[0].decode()] = data.get(args[0].decode(), b"") + args[1]
+            elif op == "multi_set":
+                half = len(args) // 2
+                data.update((k.decode(), v) for k, v in zip(args[:half], args[half:]))
+            else:
+                return [_ERROR, f"unknown store request {op!r}".encode()]
+            self._cond.notify_all()
+            return answer
 
 
 def _as_bytes(value: bytes | str) -> bytes:
@@ -267,11 +264,10 @@ def _as_bytes(value: bytes | str) -> bytes:
 
 
 class JobStore(dist.Store):
-    """A client of a :class:`StoreServer` at ``host:port``: a ``torch.distributed.Store`` (set, get, add, wait,
-    check, compare_set, delete_key, num_keys, multi_get, multi_set, append), so ``init_process_group(store=...)``,
-    gloo and ``PrefixStore`` use it as they use a TCPStore. Connecting retries until ``timeout`` while nothing
-    listens; a server that cannot prove ``secret``, or that refuses ours, is an :class:`AuthenticationError` at
-    once. Blocking requests (get, wait) last at most the store's timeout (``set_timeout``)."""
+    """A client of a :class:`StoreServer` at ``host:port``, used by torch, gloo and ``PrefixStore`` as a TCPStore.
+    Connecting retries until ``timeout`` while nothing listens; a server that cannot prove ``secret``, or refuses
+    ours, is an :class:`AuthenticationError` at once. get and wait last at most the store's timeout. torch holds
+    a store through its C++ half only: whoever hands one to torch keeps this object alive while torch uses it."""
 
     def __init__(self, host: str, port: int, secret: bytes, timeout: timedelta = timedelta(seconds=300)):
         super().__init__()
@@ -279,8 +275,8 @@ class JobStore(dist.Store):
         self._where = f"{host}:{port}"
         self._address, self._secret = (host, port), secret
         self._lock = threading.Lock()
+        self._clones: list[JobStore] = []
         self._sock = self._connect(host, port, secret, timeout.total_seconds())
-        _OPEN.add(self)
 
     def _connect(self, host: str, port: int, secret: bytes, timeout: float) -> socket.socket:
         deadline = time.monotonic() + timeout
@@ -378,7 +374,9 @@ class JobStore(dist.Store):
 
     def clone(self) -> JobStore:
         """Another connection to the same store (torch clones a store for a group it splits off)."""
-        return JobStore(*self._address, self._secret, self.timeout)
+        twin = JobStore(*self._address, self._secret, self.timeout)
+        self._clones.append(twin)  # torch keeps only the C++ half of the clone: it lives as long as this store
+        return twin
 
     def close(self) -> None:
         """Close the connection; the store is unusable afterwards (torch must no longer hold it)."""
@@ -386,8 +384,6 @@ class JobStore(dist.Store):
             if self._sock is not None:
                 self._sock.close()
                 self._sock = None
-        _OPEN.discard(self)
-
 
 
 def _loopback(host: str) -> bool:
@@ -414,22 +410,11 @@ def _rank0_hosted(addr: str, port: int, rank: int, world_size: int, secret: byte
     return store
 
 
-def store_from_env(rank: int, world_size: int, timeout: timedelta) -> dist.Store | None:
-    """The job's authenticated store for this rank, or None when the environment holds no job secret (then the
-    caller uses torch's rendezvous). Under fanfold's launchers (``FANFOLD_JOB_STORE=1``) it is the launcher's
-    server at MASTER_ADDR:MASTER_PORT; otherwise (torchrun, a secret supplied by the user) rank 0 serves it."""
-    secret = job_secret()
-    if secret is None:
-        return None
-    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    if os.environ.get(STORE_ENV) == "1":
-        return JobStore(addr, port, secret, timeout)
-    return _rank0_hosted(addr, port, rank, world_size, secret, timeout)
-
-
 def install_env_rendezvous() -> None:
-    """Make torch's default rendezvous (``env://``, what a plain ``dist.init_process_group("gloo")`` uses) join
-    the job's authenticated store when the environment holds a job secret; torch's own handler otherwise.
+    """Make torch's default rendezvous (``env://``, what ``dist.init_process_group`` uses without a store) join
+    the job's authenticated store when the environment holds a job secret; torch's own handler otherwise. Under
+    fanfold's launchers (``FANFOLD_JOB_STORE=1``) the store is the launcher's server at MASTER_ADDR:MASTER_PORT;
+    otherwise (torchrun, a secret supplied by the user) rank 0 serves it.
 
     torch offers no way to replace a registered rendezvous scheme, so the entry in its registry is swapped; the
     new handler delegates to the one it replaced. Idempotent."""
@@ -439,7 +424,8 @@ def install_env_rendezvous() -> None:
         return
 
     def env_handler(url: str, timeout: timedelta = timedelta(minutes=30), **kwargs):
-        if job_secret() is None:
+        secret = job_secret()
+        if secret is None:
             yield from torch_env(url, timeout=timeout, **kwargs)
             return
         query = dict(pair.split("=", 1) for pair in urlparse(url).query.split("&") if "=" in pair)
@@ -447,7 +433,20 @@ def install_env_rendezvous() -> None:
         world_size = int(query.get("world_size", os.environ.get("WORLD_SIZE", "-1")))
         if rank < 0 or world_size < 1:
             raise ValueError(f"env:// rendezvous: RANK={rank} and WORLD_SIZE={world_size} must be set")
-        yield store_from_env(rank, world_size, timeout), rank, world_size
+        addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        if os.environ.get(STORE_ENV) == "1":
+            store = JobStore(addr, port, secret, timeout)
+        else:
+            store = _rank0_hosted(addr, port, rank, world_size, secret, timeout)
+        try:
+            yield store, rank, world_size
+        finally:
+            # torch drops this generator once init_process_group is done, and keeps the store in C++ only: from
+            # here the default group keeps it alive, and closes it when the group is freed (at exit, the OS does).
+            if is_initialized():
+                weakref.finalize(dist.group.WORLD, store.close).atexit = False
+            else:
+                store.close()
         raise RuntimeError("env:// rendezvous of fanfold's job store cannot be re-run")
 
     env_handler.fanfold_job_store = True
