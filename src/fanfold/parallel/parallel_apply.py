@@ -148,10 +148,12 @@ def _call(module: nn.Module, args: tuple, kwargs: dict, device: torch.device, st
         return module(*args, **kwargs)
 
 
-def _reraise(index: int, device: torch.device, exc: BaseException) -> None:
-    if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit: as they are
+def reraise(where: str, exc: BaseException) -> None:
+    """Raise ``exc`` again, its message starting with ``where`` (e.g. "in replica 1 on device cpu"), as its own type
+    where that type takes one message; KeyboardInterrupt and the like as they are."""
+    if not isinstance(exc, Exception):
         raise exc
-    message = f"in replica {index} on device {device}: {type(exc).__name__}: {exc}"
+    message = f"{where}: {type(exc).__name__}: {exc}"
     try:
         err = type(exc)(message)
     except Exception:
@@ -164,7 +166,7 @@ def _run(pool: WorkerPool, fns: list, devices: list) -> list:
     results = pool.run(fns)
     for i, (ok, value) in enumerate(results):
         if not ok:
-            _reraise(i, devices[i], value)
+            reraise(f"in replica {i} on device {devices[i]}", value)
     return [value for _, value in results]
 
 
@@ -204,7 +206,7 @@ def parallel_apply(
         try:
             return [_call(modules[0], args[0], kwargs[0], devs[0], state)]
         except Exception as exc:
-            _reraise(0, devs[0], exc)
+            reraise(f"in replica 0 on device {devs[0]}", exc)
 
     fns = [
         # default arguments bind this iteration's values (a closure would see the loop's last ones)

@@ -17,7 +17,7 @@ from torch import nn
 
 from .._core.devices import DeviceLike, normalize_device
 from ..collectives.stall import group_transport
-from ..parallel.parallel_apply import WorkerPool, _autocast_state
+from ..parallel.parallel_apply import WorkerPool, _autocast_state, reraise
 from .channel import Channel, StageAborted, ThreadChannel
 from .partition import batch_size, chunk_sizes, join, layers_of, loss_weights, resolve_balance, split, stage_modules
 from .rng import draws_random_numbers, pass_seed, stage_randoms
@@ -64,18 +64,6 @@ def capture(devices: Sequence[torch.device], grad: bool | None = None) -> Thread
 
 
 # ---- driving the stages: serially on the caller's thread, or each stage on its own worker -------------------------
-def _reraise(stage: int, run: StageRun, exc: BaseException) -> None:
-    """Raise ``exc`` again, its message naming the stage and device; KeyboardInterrupt and the like as they are."""
-    if not isinstance(exc, Exception):
-        raise exc
-    message = f"in pipeline stage {stage} on {run.device}: {type(exc).__name__}: {exc}"
-    try:
-        err = type(exc)(message)
-    except Exception:
-        err = RuntimeError(message)
-    raise err from exc
-
-
 def _run_serial(runs: Sequence[StageRun], orders: list[list[Step]], state: ThreadState) -> None:
     for cycle in clocked(orders):
         for step in cycle:
@@ -84,7 +72,7 @@ def _run_serial(runs: Sequence[StageRun], orders: list[list[Step]], state: Threa
                 with state.applied(run.device):
                     run.run(step)
             except BaseException as exc:
-                _reraise(step.stage, run, exc)
+                reraise(f"in pipeline stage {step.stage} on {run.device}", exc)
 
 
 def _work(run: StageRun, order: list[Step], channel: Channel, state: ThreadState) -> None:
@@ -110,7 +98,7 @@ def _run_threads(runs: Sequence[StageRun], orders: list[list[Step]], channel: Ch
     if failed:
         # the stage that failed first is the one whose error is not "stopped because another stage failed"
         s, exc = next(((s, e) for s, e in failed if not isinstance(e, StageAborted)), failed[0])
-        _reraise(s, runs[s], exc)
+        reraise(f"in pipeline stage {s} on {runs[s].device}", exc)
 
 
 # ---- data parallelism over pipelines ------------------------------------------------------------------------------
