@@ -5,6 +5,8 @@ float64 so that the only differences left are summation order (micro-batch gradi
 """
 from __future__ import annotations
 
+import collections
+import copy
 import threading
 import time
 import warnings
@@ -325,3 +327,48 @@ def test_checkpointed_dropout_on_stages_sharing_a_generator_recomputes_the_same_
         for forward, recomputed in ((drop.masks[0:4], drop.masks[4:8]), (drop.masks[8:12], drop.masks[12:16])):
             assert all(any(torch.equal(r, f) for f in forward) for r in recomputed)
             assert len({bytes(f.numpy()) for f in forward}) == 4  # the micro-batches did draw different masks
+
+
+class _ToDict(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 5)
+
+    def forward(self, x):
+        return {"h": torch.tanh(self.lin(x)), "skip": x[:, :5]}
+
+
+Pair = collections.namedtuple("Pair", "a b")
+
+
+class _DictToPair(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(5, 5)
+
+    def forward(self, d):
+        return Pair(self.lin(d["h"]), d["skip"])
+
+
+class _FromPair(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(5, 2)
+
+    def forward(self, p):
+        return self.lin(p.a + p.b)
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+def test_dicts_and_namedtuples_pass_between_stages_as_in_one_sequential(checkpoint):
+    # Before the stages' tree walk, a namedtuple between stages crashed and a dict's tensors were not detached.
+    torch.manual_seed(0)
+    ref = nn.Sequential(_ToDict(), _DictToPair(), _FromPair())
+    pipe = fanfold.Pipeline(copy.deepcopy(ref), [1, 1, 1], ["cpu"] * 3, chunks=2,
+                            checkpoint=checkpoint)
+    x, y = torch.randn(8, 6), torch.randn(8, 2)
+    nn.functional.mse_loss(ref(x), y).backward()
+    out = pipe(x)
+    nn.functional.mse_loss(out, y).backward()
+    assert_close(out, ref(x))
+    assert_close([p.grad for p in pipe.parameters()], [p.grad for p in ref.parameters()])
