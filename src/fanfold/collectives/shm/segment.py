@@ -248,6 +248,8 @@ class Segment:
         if self.check_pids and not alive(self.pid(p)):
             # only the dead are missing: a live peer behind this step is on its way
             dead = [q for q in self._behind(k) if not alive(self.pid(q))] or [p]
+            if self._abort.value:  # a survivor that gave up and left is dead too: its diagnosis names the victim
+                self._fail_aborted(describe, p, k)
             self._fail(describe, p, k, f" ({self._gone(dead)})", dead)
         return left
 
@@ -281,14 +283,14 @@ class Segment:
         settle = time.monotonic() + 1.0  # a killed process is gone (a zombie at least) within milliseconds
         while alive(pid) and not self._abort.value and time.monotonic() < settle:
             time.sleep(0.005)
+        if self._abort.value:  # p may be a survivor that gave up and left: the first to give up named the victim
+            self._fail_aborted(describe, p, None)
         if not alive(pid) or exc.errno == errno.ESRCH:
             doing, seq, bucket = describe()
             raise ShmTimeoutError(
                 f"fanfold shm transport: rank {self.rank} of {self.world_size} could not read rank {p}'s memory in "
                 f"{doing}: rank {p} died ({exc})", rank=self.rank, missing=[p], seq=seq, bucket=bucket,
                 kind=_kind(doing)) from exc
-        if self._abort.value:
-            self._fail_aborted(describe, p, None)
         raise RuntimeError(f"fanfold shm transport: rank {self.rank} could not read rank {p}'s memory in "
                            f"{describe()[0]}: {exc}") from exc
 
