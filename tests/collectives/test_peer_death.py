@@ -134,3 +134,53 @@ def test_a_read_of_a_dead_peer_names_it(tmp_path):
     assert "rank 0 of 3 could not read rank 2's memory in all_reduce" in reader["message"], reader["message"]
     assert "rank 2 died" in reader["message"], reader["message"]
     assert other.get("stall") is True and other["missing"] == [2], other
+
+
+def _read_after_the_first_to_give_up_left(path):
+    """Rank 0 arrives at the 3rd collective, gives up naming rank 2 (the abort word) and leaves before rank 1 reads
+    its memory: rank 1's failed read of rank 0 must report the abort's diagnosis (rank 2), not rank 0, which left."""
+    dist.init_process_group("gloo", timeout=timedelta(seconds=30))
+    r = dist.get_rank()
+    t = ShmTransport(timeout=TIMEOUT, chunk_bytes=CHUNK)
+    if not t.peer_read:
+        _report(path, r, {"skip": "the ranks may not read each other's memory here"})
+        return
+    reader, seg = t._worker.engine._peer, t._worker.engine.seg
+    real = reader.read
+
+    def leave(p, pieces, describe):  # rank 0, on the transport's thread: arrived, gives up before its first read
+        if t.issued == 3:
+            seg.abort("rank 0: gave up on rank 2", [2])
+            os._exit(0)
+        return real(p, pieces, describe)
+
+    def late(p, pieces, describe):  # rank 1: reads rank 0 only once rank 0 is gone
+        if p == 0 and t.issued == 3:
+            pid, end = seg.pid(0), time.monotonic() + 10
+            while alive(pid) and time.monotonic() < end:
+                time.sleep(0.001)
+        return real(p, pieces, describe)
+
+    if r == 0:
+        reader.read = leave
+    if r == 1:
+        reader.read = late
+    xs, result = _tensors(r), {}
+    try:
+        for _ in range(3):
+            t.reduce_tensors(xs).wait()
+        result["completed"] = True
+    except Exception as exc:  # noqa: BLE001 - the test asserts the type
+        result.update(_outcome(exc))
+    _report(path, r, result)
+
+
+def test_a_read_of_a_peer_that_gave_up_and_left_names_the_one_it_named(tmp_path):
+    path = str(tmp_path / "r")
+    codes = run_surviving(_read_after_the_first_to_give_up_left, (path,), NPROCS, timeout=60)
+    assert codes[0] == 0, codes
+    got = pickle.load(open(f"{path}.1", "rb"))
+    if "skip" in got:
+        pytest.skip(got["skip"])
+    assert got.get("stall") is True and got["missing"] == [2], got  # before the fix: [0], the rank that left
+    assert "rank 0 gave up first" in got["message"], got["message"]
