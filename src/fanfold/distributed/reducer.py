@@ -222,32 +222,11 @@ def all_reduce_sparse(transport: Transport, grad: torch.Tensor, divisor: float) 
 
 
 # ---- the reducer ----------------------------------------------------------------------------------------------------
-class Deferred:
-    """What the reducer shares with its hooks (which must not hold the reducer): whether this backward defers
-    (``on``), and the parameter indices whose hooks fired, in order. One bucket cannot be reduced before the last
-    gradient is in, so following readiness per parameter buys no overlap: the end of backward settles it at once."""
-
-    __slots__ = ("on", "order")
-
-    def __init__(self) -> None:
-        self.on = False
-        self.order: list[int] = []
-
-
-def gradient_hook(ref: weakref.ref, deferred: Deferred, i: int | None) -> Callable[[torch.Tensor], None]:
+def gradient_hook(ref: weakref.ref, i: int | None) -> Callable[[torch.Tensor], None]:
     """Parameter ``i``'s post-accumulate-grad hook (None: a delayed parameter's). A weak reference: the parameters
     must not keep a discarded reducer alive."""
 
     def hook(param: torch.Tensor) -> None:
-        if deferred.on:
-            order = deferred.order
-            order.append(i)
-            if len(order) > 1:
-                return
-            reducer = ref()
-            if reducer is not None:
-                reducer.backward_started()  # the end of backward must run, whatever reached the outputs
-            return
         reducer = ref()
         if reducer is not None:
             reducer._on_ready(i, param)
@@ -297,12 +276,11 @@ class Reducer:
         self.in_backward: list[int] | None = None
         # torch's error for the next forward with grad, once a backward could not finish its reduction (sticky)
         self.unfinished: str | None = None
-        self._deferred = Deferred()
         self.caps, self.reduce_dtype = list(caps), reduce_dtype
         self.rebuilt = False  # buckets rebuilt, once, in rank 0's gradient-ready order (_rebuild)
         self._build(None)
         self._reset()
-        self._handles = [p.register_post_accumulate_grad_hook(gradient_hook(weakref.ref(self), self._deferred, i))
+        self._handles = [p.register_post_accumulate_grad_hook(gradient_hook(weakref.ref(self), i))
                          for i, p in [*enumerate(self.params), *((None, p) for p in self.delayed)]]
         weakref.finalize(self, _remove_handles, self._handles)  # hooks leave with the reducer
 
@@ -318,7 +296,6 @@ class Reducer:
         self._touched = False  # a parameter's gradient hook fired in this backward
         self._announced = False  # begin_backward ran in this backward
         self._error: BaseException | None = None
-        self._deferred.order.clear()
 
     def prepare_for_forward(self, sync: bool) -> None:
         """Called by DDP.forward: whether the coming backward synchronises. A backward that raised midway never
@@ -327,10 +304,6 @@ class Reducer:
             self._reset()
         self._double = False
         self.expect_sync = sync and bool(self.params or self.delayed)
-        self._deferred.order.clear()
-        # deferred: nothing acts in the middle of this backward (static graph, join, sparse, delayed, a strategy)
-        self._deferred.on = self.expect_sync and len(self.buckets) == 1 and not self.readiness.static and \
-            self.on_first_ready is None and self._strategy is None and not self.delayed and not any(self.sparse)
 
     @property
     def strategy(self) -> GradientStrategy | None:
@@ -399,8 +372,6 @@ class Reducer:
             self._fail(exc)
 
     def _end_of_backward(self) -> None:
-        if self._deferred.on and self._deferred.order:
-            self._settle_deferred()  # before _queued is cleared: what it replays must not queue this again
         self._queued = self._announced = False
         if not self._touched:
             return  # no parameter reached: a later backward of the same forward still synchronises
@@ -411,27 +382,6 @@ class Reducer:
         finally:
             if self.params_back is not None:
                 self.params_back()
-
-    def _settle_deferred(self) -> None:
-        """The end of a deferred backward: if every parameter got exactly one dense, non-differentiable gradient, all
-        are ready and the bucket launches; otherwise the recorded hooks are replayed in order through the
-        per-parameter path (nothing was launched in between: the errors are the hooks' own)."""
-        d = self._deferred
-        order, d.on = list(d.order), False
-        d.order.clear()
-        params, n = self.params, len(self.params)
-        if len(order) != n or len(set(order)) != n or \
-                any(p.grad is None or p.grad.requires_grad or p.grad.is_sparse for p in params):
-            for i in order:
-                self._on_ready(i, params[i])
-            return
-        self._touched = True
-        self.begin_backward()  # queued already; no announcement to make (no join)
-        self._used = [True] * n
-        r = self.readiness
-        r.ready, r.counts, r.order = [True] * n, [1] * n, order
-        self._left[0] = 0
-        self._launch_ready()
 
     def _take(self, i: int, p: torch.Tensor) -> None:
         """Parameter ``i``'s gradient is final for this backward: its share of the bucket."""
