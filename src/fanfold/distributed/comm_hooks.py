@@ -32,22 +32,20 @@ class Future:
         return self._done
 
     def then(self, callback: Callable[[Future], Any]) -> Future:
-        return Future(lambda: callback(_completed(self)))
+        def chained() -> Any:
+            self.wait()
+            return callback(self)
 
-
-def _completed(fut: Future) -> Future:
-    fut.wait()
-    return fut
+        return Future(chained)
 
 
 class GradBucket:
     """One bucket as a comm hook sees it (torch's ``GradBucket`` methods, plus ``all_reduce`` and ``divisor``)."""
 
     def __init__(self, index: int, buffer: torch.Tensor, params: list, grads: list, is_last: bool,
-                 divisor: int, issue: Callable[..., Any],
-                 workspace: Callable[[int, torch.dtype], torch.Tensor] | None = None):
+                 divisor: int, issue: Callable[..., Any]):
         self._index, self._buffer, self._params, self._grads = index, buffer, params, grads
-        self._is_last, self.divisor, self._issue, self._workspace = is_last, divisor, issue, workspace
+        self._is_last, self.divisor, self._issue = is_last, divisor, issue
 
     def index(self) -> int:
         return self._index
@@ -68,13 +66,6 @@ class GradBucket:
         """Views of the buffer shaped like each parameter (a sparse bucket: the sparse gradient)."""
         return list(self._grads)
 
-    def workspace(self, dtype: torch.dtype) -> torch.Tensor:
-        """A 1-d tensor of ``dtype`` with the buffer's length, this bucket's own from one step to the next (in
-        memory that the transport all-reduces in place, where it has such memory); its contents are undefined."""
-        if self._workspace is None:
-            return torch.empty(self._buffer.numel(), dtype=dtype, device=self._buffer.device)
-        return self._workspace(self._index, dtype)
-
     def all_reduce(self, tensor: torch.Tensor, divisor: float | None = None) -> Future:
         """Start an in-place SUM of ``tensor`` over the ranks, divided by ``divisor`` if given (by the transport
         while the data is in cache, where it can); the future's value is ``tensor``."""
@@ -94,24 +85,17 @@ def _compress_hook(dtype: torch.dtype) -> Callable[[Any, GradBucket], Future]:
     divide_first = dtype == torch.float16
 
     def hook(state: Any, bucket: GradBucket) -> Future:
-        buffer = bucket.buffer()
-        if buffer.is_sparse:  # a sparse gradient's own bucket (reducer.py): cast the sparse tensor itself
-            if divide_first and buffer.device.type == "cpu":
-                # torch's hook fails here too: its all-reduce adds float16 sparse tensors, which the CPU cannot
-                raise RuntimeError(
-                    f"fp16_compress_hook: bucket {bucket.index()} holds a sparse gradient, which float16 cannot sum "
-                    "on the CPU (torch's hook fails alike: \"cadd_sparse\" not implemented for 'Half'); register "
-                    "another hook or use sparse=False.")
-            narrow = (buffer.div_(bucket.divisor) if divide_first else buffer).to(dtype)
-            fut = bucket.all_reduce(narrow, None if divide_first else bucket.divisor)
-        elif divide_first:
-            # In place, then cast: a division straight into the narrow type costs several times as much on CPU.
-            # The buffer is overwritten by the result anyway.
-            narrow = bucket.workspace(dtype).copy_(buffer.div_(bucket.divisor).view(-1))
-            fut = bucket.all_reduce(narrow)
-        else:
-            narrow = bucket.workspace(dtype).copy_(buffer.view(-1))
-            fut = bucket.all_reduce(narrow, bucket.divisor)
+        buffer = bucket.buffer()  # flat, or a sparse gradient's own bucket (reducer.py): cast the sparse tensor
+        if divide_first and buffer.is_sparse and buffer.device.type == "cpu":
+            # torch's hook fails here too: its all-reduce adds float16 sparse tensors, which the CPU cannot
+            raise RuntimeError(
+                f"fp16_compress_hook: bucket {bucket.index()} holds a sparse gradient, which float16 cannot sum "
+                "on the CPU (torch's hook fails alike: \"cadd_sparse\" not implemented for 'Half'); register "
+                "another hook or use sparse=False.")
+        # In place, then cast: a division straight into the narrow type costs several times as much on CPU. The
+        # buffer is overwritten by the result anyway.
+        narrow = (buffer.div_(bucket.divisor) if divide_first else buffer).to(dtype)
+        fut = bucket.all_reduce(narrow, None if divide_first else bucket.divisor)
 
         def decompress(fut: Future) -> torch.Tensor:
             return buffer.copy_(fut.value())
