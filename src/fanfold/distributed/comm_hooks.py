@@ -13,9 +13,8 @@ __all__ = ["Future", "GradBucket", "allreduce_hook", "fp16_compress_hook", "bf16
 
 
 class Future:
-    """A lazily completed result: ``wait()`` runs the wait function once and caches its value; ``then(fn)`` chains
-    ``fn(future)`` the way ``torch.futures.Future.then`` does. Transports whose handles only progress inside
-    ``wait()`` need no callback thread this way."""
+    """A lazily completed result (``wait()`` runs ``wait_fn`` once), shaped like ``torch.futures.Future``: transports
+    whose handles only progress inside ``wait()`` need no callback thread."""
 
     def __init__(self, wait_fn: Callable[[], Any]):
         self._wait_fn, self._done, self._value = wait_fn, False, None

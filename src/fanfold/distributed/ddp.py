@@ -167,14 +167,6 @@ def broadcast_tensors(t: Transport, tensors: list[torch.Tensor], src: int) -> No
                 offset += n
 
 
-def _in_backward_refusal(rank: int, names: Sequence[str], what: str) -> RuntimeError:
-    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-    return RuntimeError(
-        f"DistributedDataParallel (rank {rank}): {what}; it cannot be combined with optimizers applied in backward "
-        f"(torch.distributed.optim._apply_optimizer_in_backward), which DDP steps on the averaged gradient. "
-        f"Parameters with such optimizers: {shown}.")
-
-
 # ---- torch's mixed_precision=_MixedPrecision(param_dtype, reduce_dtype, buffer_dtype), on any device ---------------
 class MixedPrecision:
     """Low-precision copies of ``module``'s parameters during forward and backward; the masters otherwise."""
@@ -309,14 +301,15 @@ class DistributedDataParallel(nn.Module):
     # ---- construction ---------------------------------------------------------------------------------------
     def _build_reducer(self) -> None:
         params = dict(self.module.named_parameters())
-        names = [n for n in params if n not in self._delayed and n not in self.parameters_to_ignore]
+        names = [n for n, p in params.items() if p.requires_grad and n not in self._delayed and
+                 n not in self.parameters_to_ignore]
         # mixed precision: torch's buckets hold the low precision, and its hook hands back a full-precision .grad
         # (a copy, not a view, whatever gradient_as_bucket_view says): the reducer's copying path does just that
         self.reducer = Reducer(
             [params[n] for n in names], names, self.transport, self._caps, self.find_unused_parameters,
             self.gradient_as_bucket_view and self._mp is None, static_graph=self.static_graph,
             sparse=_sparse_flags(self.module, names), reduce_dtype=self._mp.reduce_dtype if self._mp else None,
-            skip_unused=self._skip_unused, delayed=[params[n] for n in self._delayed])
+            skip_unused=self._skip_unused, delayed=[params[n] for n in self._delayed if params[n].requires_grad])
         if self._comm_hook is not None:
             self.reducer.set_comm_hook(*self._comm_hook)
         if self._mp is not None:
@@ -402,8 +395,8 @@ class DistributedDataParallel(nn.Module):
         conflict = (_HOOK if self._comm_hook is not None else _MIXED if self._mp is not None else
                     _STAGE2 if r.strategy is not None else _JOIN if self._join is not None else None)
         found = [i for i, p in enumerate(r.params) if hasattr(p, "_in_backward_optimizers")]
-        if found and conflict is not None:
-            raise _in_backward_refusal(self.transport.rank, [r.names[i] for i in found], conflict)
+        if conflict is not None:
+            self._refuse_with_in_backward(conflict, found)
         # The handles live in torch's module, which the user imported to call _apply_optimizer_in_backward; a
         # parameter given the attribute some other way has no handle to remove.
         handles = getattr(sys.modules.get(_IN_BACKWARD_MODULE), "param_to_optim_hook_handle_map", {}) if found else {}
@@ -412,10 +405,14 @@ class DistributedDataParallel(nn.Module):
                 handle.remove()
         r.in_backward = found
 
-    def _refuse_with_in_backward(self, what: str) -> None:
-        if self.reducer.in_backward:
-            names = [self.reducer.names[i] for i in self.reducer.in_backward]
-            raise _in_backward_refusal(self.transport.rank, names, what)
+    def _refuse_with_in_backward(self, what: str, found: list[int] | None = None) -> None:
+        names = [self.reducer.names[i] for i in (self.reducer.in_backward if found is None else found) or ()]
+        if names:
+            shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+            raise RuntimeError(
+                f"DistributedDataParallel (rank {self.transport.rank}): {what}; it cannot be combined with optimizers "
+                "applied in backward (torch.distributed.optim._apply_optimizer_in_backward), which DDP steps on the "
+                f"averaged gradient. Parameters with such optimizers: {shown}.")
 
     def _hook_outputs(self, out: Any) -> None:
         """The backward starts where it reaches an output: the end-of-backward callbacks are queued there, in the

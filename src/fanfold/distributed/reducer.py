@@ -82,10 +82,9 @@ def bucket_caps(bucket_cap_mb: float | None = None, first_bucket_cap_mb: float |
 
 def assign_buckets(nbytes: Sequence[int], keys: Sequence[Hashable], caps: Sequence[int],
                    order: Sequence[int] | None = None) -> list[list[int]]:
-    """Group parameter indices ``0..n-1`` (``nbytes[i]`` bytes of gradient) into buckets that never mix ``keys``
-    ((dtype, device)), filled in ``order`` (the expected ready order; default: reverse parameter order): a key's
-    k-th bucket closes once it reaches ``caps[k]`` (the last cap after the list). In launch order: by the position
-    of each bucket's first member in ``order``."""
+    """Group parameter indices (``nbytes[i]`` bytes of gradient) into buckets that never mix ``keys`` ((dtype,
+    device)), filled in ``order`` (default: reverse): a key's k-th bucket closes at ``caps[k]`` (the last cap after).
+    In launch order: by the position of each bucket's first member in ``order``."""
     order = list(range(len(nbytes) - 1, -1, -1)) if order is None else list(order)
     open_: dict[Hashable, tuple[list[int], int]] = {}  # key -> (indices, bytes) of the bucket being filled
     closed: dict[Hashable, int] = {}  # key -> number of its buckets closed so far
@@ -137,8 +136,8 @@ def unfinished_message(rank: int, indices: list[int], names: list[str], static: 
 
 
 class Readiness:
-    """Readiness of ``len(names)`` parameters across one synchronised backward: each parameter once, or
-    (``static_graph``) as many times as in the first synchronised backward, which only counts."""
+    """Which parameters are ready in one synchronised backward: each once, or (``static_graph``) as many times as in
+    the first synchronised backward, which only counts."""
 
     def __init__(self, names: Sequence[str], rank: int, static_graph: bool = False):
         self.names, self.rank, self.static = list(names), rank, bool(static_graph)
@@ -152,8 +151,7 @@ class Readiness:
         self.order: list[int] = []
 
     @property
-    def counting(self) -> bool:
-        """The first synchronised backward of a static graph: count, reduce nothing until its end."""
+    def counting(self) -> bool:  # the first synchronised backward of a static graph: reduce nothing until its end
         return self.static and self.expected is None
 
     @property
@@ -161,8 +159,8 @@ class Readiness:
         return [] if self.expected is None else [i for i, c in enumerate(self.expected) if c == 0]
 
     def hook(self, i: int, loose: bool = False) -> bool:
-        """Parameter ``i``'s gradient hook fired: whether it became ready now; RuntimeError when it is one too many.
-        ``loose``: once, whatever the static graph says (the backward of a create_graph backward)."""
+        """Parameter ``i``'s hook fired: whether it became ready now (``loose``: once, whatever the static graph says);
+        RuntimeError when it is one too many."""
         self.counts[i] += 1
         if self.static and not loose:
             if self.expected is None:  # counting
@@ -188,12 +186,10 @@ class Readiness:
         self.ready[i] = True
         self.order.append(i)
 
-    def learn(self) -> None:
-        """End of the first synchronised backward of a static graph: its counts become the expected ones."""
+    def learn(self) -> None:  # the end of the first synchronised backward of a static graph
         self.expected = list(self.counts)
 
-    def short(self) -> list[int]:
-        """Parameters that reached fewer hooks than the static graph expects (after its first iteration)."""
+    def short(self) -> list[int]:  # fewer hooks than the static graph expects
         if self.expected is None or self.counting:
             return []
         return [i for i, (c, e) in enumerate(zip(self.counts, self.expected)) if 0 < e and c < e]
@@ -218,7 +214,7 @@ class Readiness:
 
 # ---- sparse gradients: no flat bucket; every rank's rows gathered, summed, the same tensor on every rank ------------
 def _all_gather_varlen(transport: Transport, tensor: torch.Tensor) -> list[torch.Tensor]:
-    """Every rank's ``tensor`` by rank (any length along dim 0): zero-padded tables only their owner fills, summed."""
+    """Every rank's ``tensor`` by rank (any length along dim 0): a zero-padded table each rank fills its row of."""
     lengths = all_gather_rows(transport, torch.tensor([tensor.shape[0]], device=tensor.device))[:, 0].long().tolist()
     table = torch.zeros((transport.world_size, max(lengths), *tensor.shape[1:]), dtype=tensor.dtype,
                         device=tensor.device)
@@ -234,8 +230,8 @@ def _empty_sparse_like(param: torch.Tensor) -> torch.Tensor:
 
 
 def all_reduce_sparse(transport: Transport, grad: torch.Tensor, divisor: float) -> torch.Tensor:
-    """The sum over ranks of the sparse ``grad`` (one sparse dimension), divided by ``divisor``, coalesced: rows
-    concatenated in rank order, so the result is bitwise the same on every rank."""
+    """The sum over ranks of the sparse ``grad`` (one sparse dimension) / ``divisor``, coalesced from the rows in
+    rank order: bitwise the same on every rank."""
     grad = grad.coalesce()
     indices = _all_gather_varlen(transport, grad.indices().t().contiguous())
     values = _all_gather_varlen(transport, grad.values().contiguous())
@@ -264,7 +260,7 @@ def _remove_handles(handles: list) -> None:
 
 
 class Reducer:
-    """Bucketed, overlapped gradient averaging for ``params`` (those requiring grad) over ``transport``. ``caps``:
+    """Bucketed, overlapped gradient averaging for ``params`` (requiring grad) over ``transport``. ``caps``:
     bytes per bucket (k-th bucket of a dtype: ``caps[k]``, the last after); ``sparse[i]``: parameter i's gradients are
     sparse; ``reduce_dtype``: the buckets' dtype; ``delayed``: averaged at the end of backward, outside the buckets."""
 
@@ -274,11 +270,8 @@ class Reducer:
         sparse: Sequence[bool] | None = None, reduce_dtype: torch.dtype | None = None, skip_unused: bool = False,
         delayed: Sequence[torch.nn.Parameter] = (),
     ):
-        keep = [k for k, p in enumerate(params) if p.requires_grad]
-        self.params = [params[k] for k in keep]
-        self.names = [names[k] for k in keep]
-        self.sparse = [bool(sparse[k]) if sparse is not None else False for k in keep]
-        self.delayed = [p for p in delayed if p.requires_grad]
+        self.params, self.names, self.delayed = list(params), list(names), list(delayed)
+        self.sparse = [False] * len(self.params) if sparse is None else list(sparse)
         self.transport = transport
         self.find_unused, self.as_view = bool(find_unused_parameters), bool(gradient_as_bucket_view)
         self.skip_unused = bool(skip_unused)
