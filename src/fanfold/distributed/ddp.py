@@ -505,8 +505,6 @@ class DistributedDataParallel(nn.Module):
                 m.set_join_state(state)
             self._join = state
             yield
-            self._join = None
-            self.reducer.on_first_ready = None
             buffers = self._module_buffers() if self.forward_sync_buffers else []
             src = state.shadow(lambda s: broadcast_tensors(self.transport, self._module_buffers(), s), shadow_backward)
             broadcast_tensors(self.transport, self._module_params() + buffers, src)

@@ -396,7 +396,7 @@ class Reducer:
         self._own_grad(i, p)
         if self.sparse[i]:
             return  # reduced at the end of backward
-        b = self._loc[i][0]
+        b = self._bucket_of[i]
         self._left[b] -= 1
         if self._left[b] == 0:
             self._launch_ready()
@@ -454,7 +454,7 @@ class Reducer:
             for i in missing:  # contribute what the parameter holds (no_sync accumulation) or zeros
                 self._own_grad(i, self.params[i])
                 if not self.sparse[i]:
-                    self._left[self._loc[i][0]] = 0
+                    self._left[self._bucket_of[i]] = 0
             self._launch_ready()
             used = self._used_everywhere(counting)
             delayed = self._reduce_delayed()
@@ -513,7 +513,7 @@ class Reducer:
         zeros (torch's hook has them from the bucket), but not under gradient_as_bucket_view or in a skipped bucket."""
         for i in self.in_backward:
             p = self.params[i]
-            if self.sparse[i] or self._futures[self._loc[i][0]] is not None:
+            if self.sparse[i] or self._futures[self._bucket_of[i]] is not None:
                 if p.grad is None and not self.as_view:
                     p.grad = torch.zeros_like(p)
                 for opt in p._in_backward_optimizers:
@@ -621,18 +621,15 @@ class Reducer:
                                 [position[i] for i in order if i in position], caps=self.caps)
         groups = [[dense[k] for k in members] for members in groups]
         old_views = getattr(self, "_views", None)
-        self.buckets, self._views, self._loc = groups, [None] * len(ps), [None] * len(ps)
+        self.buckets, self._views, self._bucket_of = groups, [None] * len(ps), [None] * len(ps)
         self.flats = [torch.empty(sum(ps[i].numel() for i in m), dtype=dtype(ps[m[0]]), device="meta") for m in groups]
         self._choose_path()
         for b, members in enumerate(groups):
             flat = self.flats[b] = self._bucket_memory(self.flats[b].numel(), self.flats[b].dtype,
                                                        ps[members[0]].device, not self._direct)
-            offset = 0
-            for i in members:
-                n = ps[i].numel()
-                self._views[i] = flat[offset: offset + n].view(ps[i].shape)
-                self._loc[i] = (b, offset, n)
-                offset += n
+            for i, view in zip(members, flat.split([ps[i].numel() for i in members])):
+                self._views[i] = view.view(ps[i].shape)
+                self._bucket_of[i] = b
         if self.as_view and old_views is not None:
             for i, p in enumerate(ps):  # keep .grad a view into the (new) bucket
                 if p.grad is not None and p.grad is old_views[i]:
