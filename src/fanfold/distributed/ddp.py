@@ -160,11 +160,8 @@ def broadcast_tensors(t: Transport, tensors: list[torch.Tensor], src: int) -> No
         for chunk in (c for chunks in groups.values() for c in chunks):
             flat = torch.cat([x.reshape(-1).view(torch.uint8) for x in chunk])
             t.broadcast(flat, src)
-            offset = 0
-            for x in chunk:
-                n = x.numel() * x.element_size()
-                x.copy_(flat[offset: offset + n].view(x.dtype).view_as(x))
-                offset += n
+            for x, part in zip(chunk, flat.split([x.numel() * x.element_size() for x in chunk])):
+                x.copy_(part.view(x.dtype).view_as(x))
 
 
 # ---- torch's mixed_precision=_MixedPrecision(param_dtype, reduce_dtype, buffer_dtype), on any device ---------------

@@ -546,12 +546,9 @@ class Reducer:
 
         def write_back() -> None:
             handle.wait()
-            offset = 0
-            for p in params:
-                avg = flat[offset: offset + p.numel()].view_as(p)
-                offset += p.numel()
-                if not shadow:
-                    p.grad = avg.to(p.dtype, copy=True) if p.grad is None else p.grad.detach().copy_(avg)
+            for p, avg in zip(() if shadow else params, flat.split([p.numel() for p in params])):
+                avg = avg.view_as(p)
+                p.grad = avg.to(p.dtype, copy=True) if p.grad is None else p.grad.detach().copy_(avg)
 
         return write_back
 
@@ -657,10 +654,8 @@ class Reducer:
 
     # ---- each bucket's path: the launch, the wait, the write-back into .grad ---------------------------------------
     def _choose_path(self) -> None:
-        # Chosen from settings and sizes only, so the same on every rank. A built-in hook (compression: on float32) is
-        # the transport's own reduction; any other gets a GradBucket. _direct: the buckets are reduced where .grad is
-        # (reduce_tensors), not under gradient_as_bucket_view (.grad is the bucket) nor mixed precision (gradients
-        # change dtype on their way); but a bucket of small gradients goes through its flat tensor (uncompressed).
+        # From settings and sizes only: the same on every rank (docs/ddp.md, "Each bucket's path"). _direct: reduced
+        # where .grad is, not under gradient_as_bucket_view nor mixed precision; small gradients go through the flat.
         compress = BUILT_IN.get(self.hook)
         self._builtin = self.hook in BUILT_IN and (compress is None or
                                                    all(f.dtype == torch.float32 for f in self.flats))
