@@ -77,36 +77,30 @@ def allreduce_hook(state: Any, bucket: GradBucket) -> Future:
     return bucket.all_reduce(bucket.buffer(), bucket.divisor)
 
 
-def _compress_hook(dtype: torch.dtype) -> Callable[[Any, GradBucket], Future]:
+def _compress(bucket: GradBucket, dtype: torch.dtype) -> Future:
     # float16 overflows at 65504: the sum of N gradients could, so divide first. bfloat16 has float32's range: the
-    # average is taken by the all-reduce itself (the shm transport divides while the shard is in cache), which
-    # saves a pass over the float32 buffer.
+    # average is taken by the all-reduce itself (the shm transport divides while the shard is in cache), which saves
+    # a pass over the float32 buffer.
     divide_first = dtype == torch.float16
-
-    def hook(state: Any, bucket: GradBucket) -> Future:
-        buffer = bucket.buffer()  # flat, or a sparse gradient's own bucket (reducer.py): cast the sparse tensor
-        if divide_first and buffer.is_sparse and buffer.device.type == "cpu":
-            # torch's hook fails here too: its all-reduce adds float16 sparse tensors, which the CPU cannot
-            raise RuntimeError(
-                f"fp16_compress_hook: bucket {bucket.index()} holds a sparse gradient, which float16 cannot sum "
-                "on the CPU (torch's hook fails alike: \"cadd_sparse\" not implemented for 'Half'); register "
-                "another hook or use sparse=False.")
-        # In place, then cast: a division straight into the narrow type costs several times as much on CPU. The
-        # buffer is overwritten by the result anyway.
-        narrow = (buffer.div_(bucket.divisor) if divide_first else buffer).to(dtype)
-        fut = bucket.all_reduce(narrow, None if divide_first else bucket.divisor)
-
-        def decompress(fut: Future) -> torch.Tensor:
-            return buffer.copy_(fut.value())
-
-        return fut.then(decompress)
-
-    return hook
+    buffer = bucket.buffer()  # flat, or a sparse gradient's own bucket (reducer.py): cast the sparse tensor
+    if divide_first and buffer.is_sparse and buffer.device.type == "cpu":
+        # torch's hook fails here too: its all-reduce adds float16 sparse tensors, which the CPU cannot
+        raise RuntimeError(
+            f"fp16_compress_hook: bucket {bucket.index()} holds a sparse gradient, which float16 cannot sum on the "
+            "CPU (torch's hook fails alike: \"cadd_sparse\" not implemented for 'Half'); register another hook or "
+            "use sparse=False.")
+    # In place, then cast: a division straight into the narrow type costs several times as much on CPU. The buffer
+    # is overwritten by the result anyway.
+    narrow = (buffer.div_(bucket.divisor) if divide_first else buffer).to(dtype)
+    fut = bucket.all_reduce(narrow, None if divide_first else bucket.divisor)
+    return fut.then(lambda done: buffer.copy_(done.value()))
 
 
-fp16_compress_hook = _compress_hook(torch.float16)
-fp16_compress_hook.__name__ = fp16_compress_hook.__qualname__ = "fp16_compress_hook"
-fp16_compress_hook.__doc__ = "Divide, cast to float16, all-reduce, cast back: half the bytes, ~1e-3 relative error."
-bf16_compress_hook = _compress_hook(torch.bfloat16)
-bf16_compress_hook.__name__ = bf16_compress_hook.__qualname__ = "bf16_compress_hook"
-bf16_compress_hook.__doc__ = "Cast to bfloat16, average, cast back: half the bytes, ~1e-2 relative error."
+def fp16_compress_hook(state: Any, bucket: GradBucket) -> Future:
+    """Divide, cast to float16, all-reduce, cast back: half the bytes, ~1e-3 relative error."""
+    return _compress(bucket, torch.float16)
+
+
+def bf16_compress_hook(state: Any, bucket: GradBucket) -> Future:
+    """Cast to bfloat16, average, cast back: half the bytes, ~1e-2 relative error."""
+    return _compress(bucket, torch.bfloat16)
