@@ -4,8 +4,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fanfold.distributed.ddp_options import MiB, bucket_caps
-from fanfold.distributed.reducer import assign_buckets, rebuild_order
+from fanfold.distributed.reducer import MiB, assign_buckets, bucket_caps, rebuild_order
 
 F32 = (torch.float32, "cpu")
 F16 = (torch.float16, "cpu")

@@ -13,9 +13,8 @@ __all__ = ["Future", "GradBucket", "allreduce_hook", "fp16_compress_hook", "bf16
 
 
 class Future:
-    """A lazily completed result: ``wait()`` runs the wait function once and caches its value; ``then(fn)`` chains
-    ``fn(future)`` the way ``torch.futures.Future.then`` does. Transports whose handles only progress inside
-    ``wait()`` need no callback thread this way."""
+    """A lazily completed result (``wait()`` runs ``wait_fn`` once), shaped like ``torch.futures.Future``: transports
+    whose handles only progress inside ``wait()`` need no callback thread."""
 
     def __init__(self, wait_fn: Callable[[], Any]):
         self._wait_fn, self._done, self._value = wait_fn, False, None
@@ -32,22 +31,20 @@ class Future:
         return self._done
 
     def then(self, callback: Callable[[Future], Any]) -> Future:
-        return Future(lambda: callback(_completed(self)))
+        def chained() -> Any:
+            self.wait()
+            return callback(self)
 
-
-def _completed(fut: Future) -> Future:
-    fut.wait()
-    return fut
+        return Future(chained)
 
 
 class GradBucket:
     """One bucket as a comm hook sees it (torch's ``GradBucket`` methods, plus ``all_reduce`` and ``divisor``)."""
 
     def __init__(self, index: int, buffer: torch.Tensor, params: list, grads: list, is_last: bool,
-                 divisor: int, issue: Callable[..., Any],
-                 workspace: Callable[[int, torch.dtype], torch.Tensor] | None = None):
+                 divisor: int, issue: Callable[..., Any]):
         self._index, self._buffer, self._params, self._grads = index, buffer, params, grads
-        self._is_last, self.divisor, self._issue, self._workspace = is_last, divisor, issue, workspace
+        self._is_last, self.divisor, self._issue = is_last, divisor, issue
 
     def index(self) -> int:
         return self._index
@@ -68,13 +65,6 @@ class GradBucket:
         """Views of the buffer shaped like each parameter (a sparse bucket: the sparse gradient)."""
         return list(self._grads)
 
-    def workspace(self, dtype: torch.dtype) -> torch.Tensor:
-        """A 1-d tensor of ``dtype`` with the buffer's length, this bucket's own from one step to the next (in
-        memory that the transport all-reduces in place, where it has such memory); its contents are undefined."""
-        if self._workspace is None:
-            return torch.empty(self._buffer.numel(), dtype=dtype, device=self._buffer.device)
-        return self._workspace(self._index, dtype)
-
     def all_reduce(self, tensor: torch.Tensor, divisor: float | None = None) -> Future:
         """Start an in-place SUM of ``tensor`` over the ranks, divided by ``divisor`` if given (by the transport
         while the data is in cache, where it can); the future's value is ``tensor``."""
@@ -87,43 +77,30 @@ def allreduce_hook(state: Any, bucket: GradBucket) -> Future:
     return bucket.all_reduce(bucket.buffer(), bucket.divisor)
 
 
-def _compress_hook(dtype: torch.dtype) -> Callable[[Any, GradBucket], Future]:
+def _compress(bucket: GradBucket, dtype: torch.dtype) -> Future:
     # float16 overflows at 65504: the sum of N gradients could, so divide first. bfloat16 has float32's range: the
-    # average is taken by the all-reduce itself (the shm transport divides while the shard is in cache), which
-    # saves a pass over the float32 buffer.
+    # average is taken by the all-reduce itself (the shm transport divides while the shard is in cache), which saves
+    # a pass over the float32 buffer.
     divide_first = dtype == torch.float16
-
-    def hook(state: Any, bucket: GradBucket) -> Future:
-        buffer = bucket.buffer()
-        if buffer.is_sparse:  # a sparse gradient's own bucket (reducer.py): cast the sparse tensor itself
-            if divide_first and buffer.device.type == "cpu":
-                # torch's hook fails here too: its all-reduce adds float16 sparse tensors, which the CPU cannot
-                raise RuntimeError(
-                    f"fp16_compress_hook: bucket {bucket.index()} holds a sparse gradient, which float16 cannot sum "
-                    "on the CPU (torch's hook fails alike: \"cadd_sparse\" not implemented for 'Half'); register "
-                    "another hook or use sparse=False.")
-            narrow = (buffer.div_(bucket.divisor) if divide_first else buffer).to(dtype)
-            fut = bucket.all_reduce(narrow, None if divide_first else bucket.divisor)
-        elif divide_first:
-            # In place, then cast: a division straight into the narrow type costs several times as much on CPU.
-            # The buffer is overwritten by the result anyway.
-            narrow = bucket.workspace(dtype).copy_(buffer.div_(bucket.divisor).view(-1))
-            fut = bucket.all_reduce(narrow)
-        else:
-            narrow = bucket.workspace(dtype).copy_(buffer.view(-1))
-            fut = bucket.all_reduce(narrow, bucket.divisor)
-
-        def decompress(fut: Future) -> torch.Tensor:
-            return buffer.copy_(fut.value())
-
-        return fut.then(decompress)
-
-    return hook
+    buffer = bucket.buffer()  # flat, or a sparse gradient's own bucket (reducer.py): cast the sparse tensor
+    if divide_first and buffer.is_sparse and buffer.device.type == "cpu":
+        # torch's hook fails here too: its all-reduce adds float16 sparse tensors, which the CPU cannot
+        raise RuntimeError(
+            f"fp16_compress_hook: bucket {bucket.index()} holds a sparse gradient, which float16 cannot sum on the "
+            "CPU (torch's hook fails alike: \"cadd_sparse\" not implemented for 'Half'); register another hook or "
+            "use sparse=False.")
+    # In place, then cast: a division straight into the narrow type costs several times as much on CPU. The buffer
+    # is overwritten by the result anyway.
+    narrow = (buffer.div_(bucket.divisor) if divide_first else buffer).to(dtype)
+    fut = bucket.all_reduce(narrow, None if divide_first else bucket.divisor)
+    return fut.then(lambda done: buffer.copy_(done.value()))
 
 
-fp16_compress_hook = _compress_hook(torch.float16)
-fp16_compress_hook.__name__ = fp16_compress_hook.__qualname__ = "fp16_compress_hook"
-fp16_compress_hook.__doc__ = "Divide, cast to float16, all-reduce, cast back: half the bytes, ~1e-3 relative error."
-bf16_compress_hook = _compress_hook(torch.bfloat16)
-bf16_compress_hook.__name__ = bf16_compress_hook.__qualname__ = "bf16_compress_hook"
-bf16_compress_hook.__doc__ = "Cast to bfloat16, average, cast back: half the bytes, ~1e-2 relative error."
+def fp16_compress_hook(state: Any, bucket: GradBucket) -> Future:
+    """Divide, cast to float16, all-reduce, cast back: half the bytes, ~1e-3 relative error."""
+    return _compress(bucket, torch.float16)
+
+
+def bf16_compress_hook(state: Any, bucket: GradBucket) -> Future:
+    """Cast to bfloat16, average, cast back: half the bytes, ~1e-2 relative error."""
+    return _compress(bucket, torch.bfloat16)

@@ -1,14 +1,13 @@
-"""DistributedDataParallel: one process per replica, gradients averaged by fanfold's reducer (``reducer.py``).
-
-Also the collectives of its construction (every rank holds the same model; parameters and buffers from rank 0) and
-the take-over of torch's optimizers in backward. Design and behaviour: docs/ddp.md; torch's keywords:
-docs/ddp-compat.md.
+"""DistributedDataParallel: one process per replica, gradients averaged by fanfold's reducer (``reducer.py``); torch's
+keywords checked and given torch's meaning (docs/ddp-compat.md), the construction's collectives, torch's optimizers
+in backward. Design: docs/ddp.md.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import sys
+import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -17,15 +16,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._core.devices import normalize_device
 from .._core.tree import flatten, unflatten
 from ..collectives.protocol import Transport
 from ..collectives.select import resolve_transport
 from ..collectives.stall import inspected
 from ..collectives.transport import all_gather_bytes, all_gather_rows
-from .ddp_options import check_devices, check_join, no_trainable_parameters, resolve_options, sparse_flags
 from .join import BACKWARD, FORWARD, DDPParticipant, JoinState
-from .mixed_precision import MixedPrecision
-from .reducer import Reducer, ShardsGradients
+from .reducer import Reducer, ShardsGradients, bucket_caps
 
 __all__ = ["DistributedDataParallel", "DDP"]
 
@@ -41,6 +39,88 @@ _STAGE2 = "shard_gradients() (ZeRO stage 2) keeps only this rank's part of each 
 _JOIN = "join() (uneven inputs): a rank that has joined has no backward to step the optimizers in"
 _IN_BACKWARD_MODULE = "torch.distributed.optim.apply_optimizer_in_backward"
 BROADCAST_BYTES = 64 * 1024 * 1024
+
+
+def _flag(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"DistributedDataParallel: {name} must be True or False, got {value!r}")
+    return value
+
+
+def _process_group(process_group: Any, device_mesh: Any) -> Any:
+    if device_mesh is None:
+        return process_group
+    if process_group is not None:
+        raise RuntimeError("DistributedDataParallel: Cannot specify both process_group and device_mesh arguments.")
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not isinstance(device_mesh, DeviceMesh):
+        raise TypeError(f"device_mesh must be a torch.distributed.device_mesh.DeviceMesh, got {device_mesh!r}")
+    if device_mesh.ndim != 1:
+        raise RuntimeError(f"DistributedDataParallel: Only 1D device mesh is supported, but got {device_mesh}.")
+    if device_mesh._get_root_mesh() != device_mesh:
+        raise NotImplementedError(
+            "DistributedDataParallel: device_mesh sliced out of a larger mesh (data parallel combined with tensor "
+            "parallel, DTensor parameters) is not supported by fanfold; pass a 1-D mesh of the data-parallel ranks")
+    return device_mesh.get_group(mesh_dim=0)
+
+
+def _buffer_sync(broadcast_buffers: bool | None, forward_sync_buffers: bool | None) -> tuple[bool, bool]:
+    """(buffers synced before every training forward, buffers in the broadcast at construction)."""
+    if broadcast_buffers is not None:
+        _flag("broadcast_buffers", broadcast_buffers)
+        warnings.warn("DistributedDataParallel: `broadcast_buffers` is deprecated (torch 2.13); use "
+                      "`forward_sync_buffers`. Unlike broadcast_buffers=False, forward_sync_buffers=False still syncs "
+                      "buffers at construction." + (" `forward_sync_buffers` takes precedence over it, as in torch."
+                                                    if forward_sync_buffers is not None else ""),
+                      FutureWarning, stacklevel=3)
+    if forward_sync_buffers is not None:
+        return _flag("forward_sync_buffers", forward_sync_buffers), True
+    return (True, True) if broadcast_buffers is None else (broadcast_buffers, broadcast_buffers)
+
+
+def _delayed(module: nn.Module, named: Any, hook_param: Any) -> list[str]:
+    if (named is None) != (hook_param is None):
+        raise ValueError("DistributedDataParallel: delay_all_reduce_named_params and param_to_hook_all_reduce need "
+                         "to be set at the same time.")
+    if named is None:
+        return []
+    params = dict(module.named_parameters())
+    names = []
+    for entry in named:
+        if not (isinstance(entry, (tuple, list)) and len(entry) == 2 and params.get(entry[0]) is entry[1]):
+            raise ValueError(f"delay_all_reduce_named_params must hold (name, parameter) pairs of the module, as "
+                             f"module.named_parameters() gives them; got {entry!r}")
+        names.append(entry[0])
+    if not any(hook_param is p for p in params.values()):
+        raise ValueError(f"param_to_hook_all_reduce must be a parameter of the module, got a tensor of shape "
+                         f"{tuple(getattr(hook_param, 'shape', ()))}")
+    return names
+
+
+def _devices(module: nn.Module, device_ids: list | None, output_device: Any) -> tuple:
+    """(device_ids, output_device): None for both, or this process's one device where every parameter is."""
+    if device_ids is None:
+        return None, None
+    if not isinstance(device_ids, (list, tuple)) or len(device_ids) != 1:
+        raise ValueError(f"device_ids must be None or one device (this process's), got {device_ids!r}: "
+                         "DistributedDataParallel runs one process per device")
+    dev = normalize_device(device_ids[0])
+    wrong = [n for n, p in module.named_parameters() if normalize_device(p.device) != dev]
+    if wrong:
+        raise ValueError(f"device_ids={device_ids!r} but parameter {wrong[0]!r} is on another device: move the "
+                         f"module to {dev} before wrapping it")
+    return [dev], normalize_device(output_device) if output_device is not None else dev
+
+
+def _sparse_flags(module: nn.Module, names: Sequence[str]) -> list[bool]:
+    """Whether each named parameter gets sparse gradients: the weight of an nn.Embedding or nn.EmbeddingBag built
+    with sparse=True (the modules torch's DDP treats as sparse)."""
+    sparse = set()
+    for prefix, sub in module.named_modules():
+        if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse:
+            sparse.update(f"{prefix}.{n}" if prefix else n for n, _ in sub.named_parameters(recurse=False))
+    return [n in sparse for n in names]
 
 
 def check_same_model(t: Transport, module: nn.Module, ignored: frozenset = frozenset()) -> None:
@@ -80,19 +160,68 @@ def broadcast_tensors(t: Transport, tensors: list[torch.Tensor], src: int) -> No
         for chunk in (c for chunks in groups.values() for c in chunks):
             flat = torch.cat([x.reshape(-1).view(torch.uint8) for x in chunk])
             t.broadcast(flat, src)
-            offset = 0
-            for x in chunk:
-                n = x.numel() * x.element_size()
-                x.copy_(flat[offset: offset + n].view(x.dtype).view_as(x))
-                offset += n
+            for x, part in zip(chunk, flat.split([x.numel() * x.element_size() for x in chunk])):
+                x.copy_(part.view(x.dtype).view_as(x))
 
 
-def _in_backward_refusal(rank: int, names: Sequence[str], what: str) -> RuntimeError:
-    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-    return RuntimeError(
-        f"DistributedDataParallel (rank {rank}): {what}; it cannot be combined with optimizers applied in backward "
-        f"(torch.distributed.optim._apply_optimizer_in_backward), which DDP steps on the averaged gradient. "
-        f"Parameters with such optimizers: {shown}.")
+# ---- torch's mixed_precision=_MixedPrecision(param_dtype, reduce_dtype, buffer_dtype), on any device ---------------
+class MixedPrecision:
+    """Low-precision copies of ``module``'s parameters during forward and backward; the masters otherwise."""
+
+    def __init__(self, config: Any, module: nn.Module):
+        if not all(hasattr(config, a) for a in ("param_dtype", "reduce_dtype", "buffer_dtype")):
+            raise TypeError("mixed_precision must be torch.nn.parallel.distributed._MixedPrecision (or have "
+                            f"param_dtype, reduce_dtype and buffer_dtype), got {config!r}")
+        for name in ("param_dtype", "reduce_dtype", "buffer_dtype"):
+            value = getattr(config, name)
+            if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
+                raise TypeError(f"mixed_precision.{name} must be None or a floating-point torch.dtype, got {value!r}")
+        self.param_dtype, self.buffer_dtype = config.param_dtype, config.buffer_dtype
+        self.reduce_dtype = config.reduce_dtype or config.param_dtype
+        self.module = module
+        self._masters: list[tuple[nn.Parameter, torch.Tensor]] | None = None
+        self.graph = False  # a forward with grad ran on the copies: its backward needs them
+
+    def cast_buffers(self) -> None:
+        if self.buffer_dtype is None:
+            return
+        for buf in self.module.buffers():
+            if buf.is_floating_point():
+                buf.data = buf.data.to(self.buffer_dtype)
+
+    def cast_params(self) -> None:
+        """Before a forward: the parameters' data become low-precision copies of the masters (kept once); before one
+        with grad, an accumulated gradient is cast down too, as torch does (the backward accumulates into it)."""
+        if self.param_dtype is None:
+            return
+        grad = torch.is_grad_enabled()
+        self.graph = self.graph or grad
+        if self._masters is None:
+            self._masters = [(p, p.data) for p in self.module.parameters()]
+        with torch.no_grad():
+            for p, master in self._masters:
+                p.data = master.to(self.param_dtype)
+                if grad and p.grad is not None and p.grad.dtype != self.param_dtype:
+                    p.grad = p.grad.to(self.param_dtype)
+
+    def cast_inputs(self, inputs: Any) -> Any:
+        if self.param_dtype is None:
+            return inputs
+        leaves, spec = flatten(inputs)
+        return unflatten(spec, [x.to(self.param_dtype) if isinstance(x, torch.Tensor) and x.is_floating_point()
+                                else x for _, x in leaves])
+
+    def restore(self) -> None:
+        """The masters back; a low-precision gradient becomes full precision. Idempotent."""
+        self.graph = False
+        if self._masters is None:
+            return
+        with torch.no_grad():
+            for p, master in self._masters:
+                p.data = master
+                if p.grad is not None and p.grad.dtype != p.dtype:
+                    p.grad = p.grad.to(p.dtype)
+        self._masters = None
 
 
 class DistributedDataParallel(nn.Module):
@@ -118,25 +247,30 @@ class DistributedDataParallel(nn.Module):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
-        options = resolve_options(
-            module, process_group=process_group, device_mesh=device_mesh, broadcast_buffers=broadcast_buffers,
-            forward_sync_buffers=forward_sync_buffers, bucket_cap_mb=bucket_cap_mb,
-            first_bucket_cap_mb=first_bucket_cap_mb, bucket_cap_mb_list=bucket_cap_mb_list,
-            find_unused_parameters=find_unused_parameters, check_reduction=check_reduction,
-            gradient_as_bucket_view=gradient_as_bucket_view, static_graph=static_graph,
-            delay_all_reduce_named_params=delay_all_reduce_named_params,
-            param_to_hook_all_reduce=param_to_hook_all_reduce,
-            skip_all_reduce_unused_params=skip_all_reduce_unused_params, batched_grad_copy=batched_grad_copy,
-            mixed_precision=mixed_precision)
+        # torch's keywords, each checked before any collective
+        self.process_group = _process_group(process_group, device_mesh)
+        self.forward_sync_buffers, init_sync_buffers = _buffer_sync(broadcast_buffers, forward_sync_buffers)
+        if _flag("check_reduction", check_reduction):
+            warnings.warn("The `check_reduction` argument in `DistributedDataParallel` module is deprecated. Please "
+                          "avoid using it. (It has no effect in torch either: the reducer always completes the "
+                          "reduction.)", FutureWarning, stacklevel=2)
+        self._caps = bucket_caps(bucket_cap_mb, first_bucket_cap_mb, bucket_cap_mb_list)
+        self.static_graph = _flag("static_graph", static_graph)
+        self.find_unused_parameters = _flag("find_unused_parameters", find_unused_parameters)
+        if static_graph and find_unused_parameters:
+            warnings.warn("DistributedDataParallel: find_unused_parameters=True is not needed with static_graph=True, "
+                          "which finds the unused parameters in the first iteration (they must stay unused).",
+                          stacklevel=2)
+        # with mixed_precision .grad is a full-precision copy, as in torch
+        self.gradient_as_bucket_view = _flag("gradient_as_bucket_view", gradient_as_bucket_view)
+        _flag("batched_grad_copy", batched_grad_copy)  # what fanfold always does: a bucket's copies together
+        self._skip_unused = _flag("skip_all_reduce_unused_params", skip_all_reduce_unused_params)
+        self._delayed = _delayed(module, delay_all_reduce_named_params, param_to_hook_all_reduce)
         self.module = module
-        self.dim, self.device_mesh = dim, device_mesh
+        self.dim, self.device_mesh, self.mixed_precision = dim, device_mesh, mixed_precision
         # torch's: names set by _set_params_and_buffers_to_ignore_for_model, left out of every collective
         self.parameters_to_ignore = frozenset(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
-        self.device_ids, self.output_device = check_devices(module, device_ids, output_device)
-        self._options, self.process_group = options, options.process_group
-        self.forward_sync_buffers = options.forward_sync_buffers
-        self.find_unused_parameters, self.static_graph = options.find_unused, options.static_graph
-        self.gradient_as_bucket_view, self.mixed_precision = options.as_view, mixed_precision
+        self.device_ids, self.output_device = _devices(module, device_ids, output_device)
         # torch's: gradients synced in the next backward, buffers before the next forward
         self.require_backward_grad_sync = self.require_forward_param_sync = True
         self._transport_arg, self._stall_timeout, self._comm_hook = transport, stall_timeout, None
@@ -147,17 +281,15 @@ class DistributedDataParallel(nn.Module):
         self.transport = inspected(resolve_transport(transport, self.process_group, stall_timeout), stall_timeout)
         if init_sync:  # first, so that a model that differs between ranks is named as such on every rank
             check_same_model(self.transport, module, self.parameters_to_ignore)
-        if no_trainable_parameters(module, options.delayed):
+        if not self._delayed and not any(p.requires_grad for p in module.parameters()):
             raise RuntimeError(f"DistributedDataParallel is not needed when a module doesn't have any parameter that "
                                f"requires a gradient ({type(module).__name__} has none): there is nothing to average")
         if init_sync:
-            tensors = self._module_params() + (self._module_buffers() if options.init_sync_buffers else [])
+            tensors = self._module_params() + (self._module_buffers() if init_sync_buffers else [])
             broadcast_tensors(self.transport, tensors, 0)
         if self._mp is not None:
             self._mp.cast_buffers()
-        self.reducer: Reducer | None = None
         self._build_reducer()
-        self._share_transport()
 
     # torch's older name of forward_sync_buffers
     broadcast_buffers = property(lambda self: self.forward_sync_buffers,
@@ -165,19 +297,23 @@ class DistributedDataParallel(nn.Module):
 
     # ---- construction ---------------------------------------------------------------------------------------
     def _build_reducer(self) -> None:
-        o, params = self._options, dict(self.module.named_parameters())
-        names = [n for n in params if n not in o.delayed and n not in self.parameters_to_ignore]
+        params = dict(self.module.named_parameters())
+        names = [n for n, p in params.items() if p.requires_grad and n not in self._delayed and
+                 n not in self.parameters_to_ignore]
         # mixed precision: torch's buckets hold the low precision, and its hook hands back a full-precision .grad
         # (a copy, not a view, whatever gradient_as_bucket_view says): the reducer's copying path does just that
         self.reducer = Reducer(
-            [params[n] for n in names], names, self.transport, o.caps, o.find_unused, o.as_view and self._mp is None,
-            static_graph=o.static_graph, sparse=sparse_flags(self.module, names),
-            reduce_dtype=self._mp.reduce_dtype if self._mp is not None else None,
-            skip_unused=o.skip_unused, delayed=[params[n] for n in o.delayed])
+            [params[n] for n in names], names, self.transport, self._caps, self.find_unused_parameters,
+            self.gradient_as_bucket_view and self._mp is None, static_graph=self.static_graph,
+            sparse=_sparse_flags(self.module, names), reduce_dtype=self._mp.reduce_dtype if self._mp else None,
+            skip_unused=self._skip_unused, delayed=[params[n] for n in self._delayed if params[n].requires_grad])
         if self._comm_hook is not None:
             self.reducer.set_comm_hook(*self._comm_hook)
         if self._mp is not None:
             self.reducer.params_back = self._mp.restore
+        for m in self.module.modules():  # SyncBatchNorm: its collectives may share DDP's transport
+            if isinstance(m, DDPParticipant):
+                m.use_transport(self.transport, self.process_group)
 
     def _ensure_built(self) -> None:
         """After unpickling: the transport and the reducer, built by every rank at the copy's first forward."""
@@ -185,12 +321,6 @@ class DistributedDataParallel(nn.Module):
             self.transport = inspected(resolve_transport(self._transport_arg, self.process_group, self._stall_timeout),
                                        self._stall_timeout)
             self._build_reducer()
-            self._share_transport()
-
-    def _share_transport(self) -> None:
-        for m in self.module.modules():  # SyncBatchNorm: its collectives may share DDP's transport
-            if isinstance(m, DDPParticipant):
-                m.use_transport(self.transport, self.process_group)
 
     def _module_buffers(self) -> list[torch.Tensor]:
         # looked up each time: .to() or load_state_dict(assign=True) replace them
@@ -208,9 +338,6 @@ class DistributedDataParallel(nn.Module):
         for name, t in (*module.named_parameters(), *module.named_buffers()):
             if name in names:
                 t._ddp_ignored = True  # torch's mark, read by its FSDP and by torch.compile's DDP optimizer
-
-    def _broadcast(self, tensors: list[torch.Tensor], src: int) -> None:
-        broadcast_tensors(self.transport, tensors, src)
 
     # ---- training step --------------------------------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
@@ -238,7 +365,7 @@ class DistributedDataParallel(nn.Module):
         if buffers:
             # In place without a version bump, as torch does: a first forward's saved buffers stay usable.
             with torch.autograd._unsafe_preserve_version_counter(tuple(buffers)):
-                self._broadcast(buffers, src)
+                broadcast_tensors(self.transport, buffers, src)
         if grad:  # as torch: a forward without grad leaves a pending backward's synchronisation alone
             self.reducer.prepare_for_forward(sync)
         if self.device_ids and self.device_ids[0].type != "cpu":
@@ -254,8 +381,9 @@ class DistributedDataParallel(nn.Module):
         self.require_forward_param_sync = sync
         if grad and (sync or self._mp is not None):
             self._hook_outputs(out)
-        elif self._mp is not None:
-            self._mp.restore_unless_needed()  # no backward of this forward can follow
+        elif self._mp is not None and not self._mp.graph:
+            # no backward of this forward can follow, nor one of an earlier forward, which saved the copies
+            self._mp.restore()
 
     def _take_over_in_backward_optimizers(self) -> None:
         """torch's DDP at its first forward: optimizers that ``_apply_optimizer_in_backward`` gave its parameters
@@ -264,8 +392,8 @@ class DistributedDataParallel(nn.Module):
         conflict = (_HOOK if self._comm_hook is not None else _MIXED if self._mp is not None else
                     _STAGE2 if r.strategy is not None else _JOIN if self._join is not None else None)
         found = [i for i, p in enumerate(r.params) if hasattr(p, "_in_backward_optimizers")]
-        if found and conflict is not None:
-            raise _in_backward_refusal(self.transport.rank, [r.names[i] for i in found], conflict)
+        if conflict is not None:
+            self._refuse_with_in_backward(conflict, found)
         # The handles live in torch's module, which the user imported to call _apply_optimizer_in_backward; a
         # parameter given the attribute some other way has no handle to remove.
         handles = getattr(sys.modules.get(_IN_BACKWARD_MODULE), "param_to_optim_hook_handle_map", {}) if found else {}
@@ -274,10 +402,14 @@ class DistributedDataParallel(nn.Module):
                 handle.remove()
         r.in_backward = found
 
-    def _refuse_with_in_backward(self, what: str) -> None:
-        if self.reducer.in_backward:
-            names = [self.reducer.names[i] for i in self.reducer.in_backward]
-            raise _in_backward_refusal(self.transport.rank, names, what)
+    def _refuse_with_in_backward(self, what: str, found: list[int] | None = None) -> None:
+        names = [self.reducer.names[i] for i in (self.reducer.in_backward if found is None else found) or ()]
+        if names:
+            shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+            raise RuntimeError(
+                f"DistributedDataParallel (rank {self.transport.rank}): {what}; it cannot be combined with optimizers "
+                "applied in backward (torch.distributed.optim._apply_optimizer_in_backward), which DDP steps on the "
+                f"averaged gradient. Parameters with such optimizers: {shown}.")
 
     def _hook_outputs(self, out: Any) -> None:
         """The backward starts where it reaches an output: the end-of-backward callbacks are queued there, in the
@@ -310,7 +442,7 @@ class DistributedDataParallel(nn.Module):
         if not self.static_graph and self.reducer.rebuilt:
             raise RuntimeError("DistributedDataParallel._set_static_graph() must be called before the first "
                                "synchronised backward (the first iteration is the one that is observed)")
-        self.static_graph = self._options.static_graph = self.reducer.readiness.static = True
+        self.static_graph = self.reducer.readiness.static = True
 
     def register_comm_hook(self, state: Any, hook: Callable) -> None:
         """Reduce each bucket with ``hook(state, bucket) -> future`` (see ``comm_hooks``)."""
@@ -340,8 +472,14 @@ class DistributedDataParallel(nn.Module):
         if not enable:
             yield
             return
-        check_join(self._join is not None, self._options.skip_unused,
-                   self.reducer is not None and self.reducer.strategy is not None)
+        if self._join is not None:
+            raise RuntimeError("DistributedDataParallel.join() contexts cannot be nested")
+        if self._skip_unused:
+            raise NotImplementedError("DistributedDataParallel.join() with skip_all_reduce_unused_params=True: a rank "
+                                      "that has joined cannot tell which buckets the others skip")
+        if self.reducer is not None and self.reducer.strategy is not None:
+            raise NotImplementedError("DistributedDataParallel.join() with shard_gradients(): a joined rank would "
+                                      "have to step its part of the optimizer too")
         self._ensure_built()
         self._refuse_with_in_backward(_JOIN)
         state = JoinState(self.transport, divide_by_initial_world_size, throw_on_early_termination)
@@ -364,11 +502,9 @@ class DistributedDataParallel(nn.Module):
                 m.set_join_state(state)
             self._join = state
             yield
-            self._join = None
-            self.reducer.on_first_ready = None
             buffers = self._module_buffers() if self.forward_sync_buffers else []
-            src = state.shadow(lambda s: self._broadcast(self._module_buffers(), s), shadow_backward)
-            self._broadcast(self._module_params() + buffers, src)
+            src = state.shadow(lambda s: broadcast_tensors(self.transport, self._module_buffers(), s), shadow_backward)
+            broadcast_tensors(self.transport, self._module_params() + buffers, src)
         finally:
             for m in participants:
                 m.set_join_state(None)

@@ -28,13 +28,10 @@ def _env_int(name: str) -> int:
 
 
 def init_process_group(backend: str | None = None, timeout: timedelta | float = 600.0) -> torch.device:
-    """Join the process group described by the torchrun environment and return this process's device.
-
-    With a job secret in the environment (``FANFOLD_JOB_SECRET``/``FANFOLD_JOB_SECRET_FILE``; ``fanfold run`` and
-    ``fanfold.launch`` set one) the group's store admits only the job's processes (``fanfold._core.job``).
-    ``backend`` defaults to "nccl" when CUDA is available, "gloo" otherwise. ``timeout`` (seconds or a timedelta)
-    bounds every collective of the group. The local accelerator ``LOCAL_RANK`` becomes the current device.
-    """
+    """Join the process group the torchrun environment describes; the local accelerator ``LOCAL_RANK`` becomes the
+    current device, returned. ``backend``: "nccl" when CUDA is available, else "gloo"; ``timeout`` (seconds or a
+    timedelta) bounds every collective. A job secret in the environment (``fanfold run`` and ``fanfold.launch`` set
+    one) makes the group's store admit only the job's processes (``fanfold._core.job``)."""
     missing = [name for name in _REQUIRED if name not in os.environ]
     if missing:
         raise RuntimeError(

@@ -1,6 +1,5 @@
 """Uneven inputs for ``DistributedDataParallel.join()``: the join-state exchange, the shadow loop of ranks that ran out
-of data, and the protocol of submodules with collectives of their own (``DDPParticipant``: ``fanfold.SyncBatchNorm``).
-Every announced collective is issued by a rank that has left with zeros, so nobody waits. See docs/ddp.md.
+of data (issuing every announced collective with zeros), and ``DDPParticipant`` (``fanfold.SyncBatchNorm``).
 """
 from __future__ import annotations
 
@@ -44,8 +43,7 @@ class JoinState:
         return flag
 
     def announce(self, what: int, sync_buffers: bool = False) -> tuple[int, int]:
-        """An active rank is about to issue a forward's or a backward's collectives; returns (active ranks, the
-        rank buffers come from)."""
+        """Before an active rank's forward or backward: (active ranks, the rank buffers come from)."""
         flag = self._exchange(what, sync_buffers, active=True)
         self._replays[what] = []  # what participants issue from here on is this phase's new record
         alive = int(flag[_ALIVE])
@@ -84,13 +82,12 @@ class JoinState:
                 shadow_backward(alive)
 
     def record(self, phase: int, replay: Callable[[], None]) -> None:
-        """A participant issued a collective in this rank's forward (``FORWARD``) or synchronised backward
-        (``BACKWARD``); ``replay`` issues the same one contributing nothing."""
+        """A participant issued a collective in this rank's ``phase``; ``replay`` issues it contributing nothing."""
         self._replays[phase].append(replay)
 
     def expect(self, forward: Callable[[], None], backward: Callable[[], None]) -> None:
-        """A participant's replays for a rank that joins before recording a step: called in module order, so
-        forwards are appended and backwards put first (backward runs the other way)."""
+        """A participant's replays for a rank that joins before recording a step (called in module order: backwards
+        go first)."""
         self._replays[FORWARD].append(forward)
         self._replays[BACKWARD].insert(0, backward)
 

@@ -11,10 +11,11 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from ..collectives.protocol import Transport
+from ..collectives.transport import all_gather_rows
 from .comm_hooks import Future, GradBucket, allreduce_hook, bf16_compress_hook, fp16_compress_hook
 
-__all__ = ["GradientStrategy", "Reducer", "ShardsGradients", "BUILT_IN", "SMALL_TENSOR_BYTES", "assign_buckets",
-           "rebuild_order"]
+__all__ = ["GradientStrategy", "Reducer", "ShardsGradients", "BUILT_IN", "SMALL_TENSOR_BYTES", "MiB", "bucket_caps",
+           "assign_buckets", "rebuild_order"]
 
 # The hooks the transport runs itself, on .grad or on the flat bucket: hook -> compression dtype
 BUILT_IN = {allreduce_hook: None, bf16_compress_hook: torch.bfloat16, fp16_compress_hook: torch.float16}
@@ -52,12 +53,38 @@ class ShardsGradients(Protocol):
 
 
 # ---- buckets: which parameters share a flat tensor, in launch order ----------------------------------------------
+MiB = 1024 * 1024
+
+
+def _mib(name: str, value: Any, shown: Any) -> int:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+        raise ValueError(f"{name} must be a positive number of MiB, got {shown!r}")
+    return max(1, int(value * MiB))
+
+
+def bucket_caps(bucket_cap_mb: float | None = None, first_bucket_cap_mb: float | None = None,
+                bucket_cap_mb_list: Sequence[float] | None = None) -> list[int]:
+    """Bucket caps in bytes: the k-th bucket of a dtype takes ``caps[k]``, the last one after. torch's
+    ``bucket_cap_mb_list`` gives them all; else a small first bucket (1 MiB, never above the rest), then 25 MiB."""
+    if bucket_cap_mb_list is not None:
+        if first_bucket_cap_mb is not None:
+            raise ValueError("DistributedDataParallel: first_bucket_cap_mb and bucket_cap_mb_list both set the first "
+                             "bucket's cap; give one")
+        if isinstance(bucket_cap_mb_list, (str, bytes)) or not isinstance(bucket_cap_mb_list, Sequence) or \
+                not bucket_cap_mb_list:
+            raise ValueError(f"bucket_cap_mb_list must be a non-empty list of MiB figures, got {bucket_cap_mb_list!r}")
+        return [_mib("each of bucket_cap_mb_list", mb, bucket_cap_mb_list) for mb in bucket_cap_mb_list]
+    cap = _mib("bucket_cap_mb", 25.0 if bucket_cap_mb is None else bucket_cap_mb, bucket_cap_mb)
+    first = _mib("first_bucket_cap_mb", 1.0 if first_bucket_cap_mb is None else first_bucket_cap_mb,
+                 first_bucket_cap_mb)
+    return [min(first, cap), cap]
+
+
 def assign_buckets(nbytes: Sequence[int], keys: Sequence[Hashable], caps: Sequence[int],
                    order: Sequence[int] | None = None) -> list[list[int]]:
-    """Group parameter indices ``0..n-1`` (``nbytes[i]`` bytes of gradient) into buckets that never mix ``keys``
-    ((dtype, device)), filled in ``order`` (the expected ready order; default: reverse parameter order): a key's
-    k-th bucket closes once it reaches ``caps[k]`` (the last cap after the list). In launch order: by the position
-    of each bucket's first member in ``order``."""
+    """Group parameter indices (``nbytes[i]`` bytes of gradient) into buckets that never mix ``keys`` ((dtype,
+    device)), filled in ``order`` (default: reverse): a key's k-th bucket closes at ``caps[k]`` (the last cap after).
+    In launch order: by the position of each bucket's first member in ``order``."""
     order = list(range(len(nbytes) - 1, -1, -1)) if order is None else list(order)
     open_: dict[Hashable, tuple[list[int], int]] = {}  # key -> (indices, bytes) of the bucket being filled
     closed: dict[Hashable, int] = {}  # key -> number of its buckets closed so far
@@ -98,8 +125,7 @@ _STATIC = ("This error indicates that your training graph has changed in this it
 
 def unfinished_message(rank: int, indices: list[int], names: list[str], static: bool = False,
                        detail: str = "") -> str:
-    """The error of the forward after a backward whose reduction could not finish, in torch's words, naming the
-    parameters (which fanfold does whatever TORCH_DISTRIBUTED_DEBUG says)."""
+    """torch's error of the forward after a backward whose reduction could not finish, naming the parameters."""
     return (f"DistributedDataParallel (rank {rank}): {_UNFINISHED}{_STATIC if static else _UNUSED}\n"
             f"Parameter indices which did not receive grad for rank {rank}: {' '.join(map(str, indices))}\n"
             f"Parameters which did not receive grad for rank {rank}: {', '.join(names)}{detail}\n"
@@ -110,8 +136,8 @@ def unfinished_message(rank: int, indices: list[int], names: list[str], static: 
 
 
 class Readiness:
-    """Readiness of ``len(names)`` parameters across one synchronised backward: each parameter once, or
-    (``static_graph``) as many times as in the first synchronised backward, which only counts."""
+    """Which parameters are ready in one synchronised backward: each once, or (``static_graph``) as many times as in
+    the first synchronised backward, which only counts."""
 
     def __init__(self, names: Sequence[str], rank: int, static_graph: bool = False):
         self.names, self.rank, self.static = list(names), rank, bool(static_graph)
@@ -125,8 +151,7 @@ class Readiness:
         self.order: list[int] = []
 
     @property
-    def counting(self) -> bool:
-        """The first synchronised backward of a static graph: count, reduce nothing until its end."""
+    def counting(self) -> bool:  # the first synchronised backward of a static graph: reduce nothing until its end
         return self.static and self.expected is None
 
     @property
@@ -134,8 +159,8 @@ class Readiness:
         return [] if self.expected is None else [i for i, c in enumerate(self.expected) if c == 0]
 
     def hook(self, i: int, loose: bool = False) -> bool:
-        """Parameter ``i``'s gradient hook fired: whether it became ready now; RuntimeError when it is one too many.
-        ``loose``: once, whatever the static graph says (the backward of a create_graph backward)."""
+        """Parameter ``i``'s hook fired: whether it became ready now (``loose``: once, whatever the static graph says);
+        RuntimeError when it is one too many."""
         self.counts[i] += 1
         if self.static and not loose:
             if self.expected is None:  # counting
@@ -161,12 +186,10 @@ class Readiness:
         self.ready[i] = True
         self.order.append(i)
 
-    def learn(self) -> None:
-        """End of the first synchronised backward of a static graph: its counts become the expected ones."""
+    def learn(self) -> None:  # the end of the first synchronised backward of a static graph
         self.expected = list(self.counts)
 
-    def short(self) -> list[int]:
-        """Parameters that reached fewer hooks than the static graph expects (after its first iteration)."""
+    def short(self) -> list[int]:  # fewer hooks than the static graph expects
         if self.expected is None or self.counting:
             return []
         return [i for i, (c, e) in enumerate(zip(self.counts, self.expected)) if 0 < e and c < e]
@@ -191,11 +214,8 @@ class Readiness:
 
 # ---- sparse gradients: no flat bucket; every rank's rows gathered, summed, the same tensor on every rank ------------
 def _all_gather_varlen(transport: Transport, tensor: torch.Tensor) -> list[torch.Tensor]:
-    """Every rank's ``tensor`` by rank (any length along dim 0): zero-padded tables only their owner fills, summed."""
-    counts = torch.zeros(transport.world_size, dtype=torch.int64, device=tensor.device)
-    counts[transport.rank] = tensor.shape[0]
-    transport.all_reduce(counts).wait()
-    lengths = counts.tolist()
+    """Every rank's ``tensor`` by rank (any length along dim 0): a zero-padded table each rank fills its row of."""
+    lengths = all_gather_rows(transport, torch.tensor([tensor.shape[0]], device=tensor.device))[:, 0].long().tolist()
     table = torch.zeros((transport.world_size, max(lengths), *tensor.shape[1:]), dtype=tensor.dtype,
                         device=tensor.device)
     table[transport.rank, : tensor.shape[0]] = tensor
@@ -210,8 +230,8 @@ def _empty_sparse_like(param: torch.Tensor) -> torch.Tensor:
 
 
 def all_reduce_sparse(transport: Transport, grad: torch.Tensor, divisor: float) -> torch.Tensor:
-    """The sum over ranks of the sparse ``grad`` (one sparse dimension), divided by ``divisor``, coalesced: rows
-    concatenated in rank order, so the result is bitwise the same on every rank."""
+    """The sum over ranks of the sparse ``grad`` (one sparse dimension) / ``divisor``, coalesced from the rows in
+    rank order: bitwise the same on every rank."""
     grad = grad.coalesce()
     indices = _all_gather_varlen(transport, grad.indices().t().contiguous())
     values = _all_gather_varlen(transport, grad.values().contiguous())
@@ -222,32 +242,11 @@ def all_reduce_sparse(transport: Transport, grad: torch.Tensor, divisor: float) 
 
 
 # ---- the reducer ----------------------------------------------------------------------------------------------------
-class Deferred:
-    """What the reducer shares with its hooks (which must not hold the reducer): whether this backward defers
-    (``on``), and the parameter indices whose hooks fired, in order. One bucket cannot be reduced before the last
-    gradient is in, so following readiness per parameter buys no overlap: the end of backward settles it at once."""
-
-    __slots__ = ("on", "order")
-
-    def __init__(self) -> None:
-        self.on = False
-        self.order: list[int] = []
-
-
-def gradient_hook(ref: weakref.ref, deferred: Deferred, i: int | None) -> Callable[[torch.Tensor], None]:
+def gradient_hook(ref: weakref.ref, i: int | None) -> Callable[[torch.Tensor], None]:
     """Parameter ``i``'s post-accumulate-grad hook (None: a delayed parameter's). A weak reference: the parameters
     must not keep a discarded reducer alive."""
 
     def hook(param: torch.Tensor) -> None:
-        if deferred.on:
-            order = deferred.order
-            order.append(i)
-            if len(order) > 1:
-                return
-            reducer = ref()
-            if reducer is not None:
-                reducer.backward_started()  # the end of backward must run, whatever reached the outputs
-            return
         reducer = ref()
         if reducer is not None:
             reducer._on_ready(i, param)
@@ -261,7 +260,7 @@ def _remove_handles(handles: list) -> None:
 
 
 class Reducer:
-    """Bucketed, overlapped gradient averaging for ``params`` (those requiring grad) over ``transport``. ``caps``:
+    """Bucketed, overlapped gradient averaging for ``params`` (requiring grad) over ``transport``. ``caps``:
     bytes per bucket (k-th bucket of a dtype: ``caps[k]``, the last after); ``sparse[i]``: parameter i's gradients are
     sparse; ``reduce_dtype``: the buckets' dtype; ``delayed``: averaged at the end of backward, outside the buckets."""
 
@@ -271,11 +270,8 @@ class Reducer:
         sparse: Sequence[bool] | None = None, reduce_dtype: torch.dtype | None = None, skip_unused: bool = False,
         delayed: Sequence[torch.nn.Parameter] = (),
     ):
-        keep = [k for k, p in enumerate(params) if p.requires_grad]
-        self.params = [params[k] for k in keep]
-        self.names = [names[k] for k in keep]
-        self.sparse = [bool(sparse[k]) if sparse is not None else False for k in keep]
-        self.delayed = [p for p in delayed if p.requires_grad]
+        self.params, self.names, self.delayed = list(params), list(names), list(delayed)
+        self.sparse = [False] * len(self.params) if sparse is None else list(sparse)
         self.transport = transport
         self.find_unused, self.as_view = bool(find_unused_parameters), bool(gradient_as_bucket_view)
         self.skip_unused = bool(skip_unused)
@@ -291,18 +287,17 @@ class Reducer:
         self._double = False  # this backward differentiates the gradients of a create_graph one: averaged too
         self._used = [False] * len(self.params)  # got a gradient since the last synchronisation (no_sync included)
         self._device = (self.params or self.delayed or [torch.zeros(0)])[0].device
-        self._strategy: GradientStrategy | None = None  # where the averages go instead of .grad (use_strategy)
+        self.strategy: GradientStrategy | None = None  # where the averages go instead of .grad (use_strategy)
         # optimizers in backward: the parameters whose optimizers step on the average at the end of each synchronised
         # backward; None until DDP's first forward looks for them, as torch's does
         self.in_backward: list[int] | None = None
         # torch's error for the next forward with grad, once a backward could not finish its reduction (sticky)
         self.unfinished: str | None = None
-        self._deferred = Deferred()
         self.caps, self.reduce_dtype = list(caps), reduce_dtype
         self.rebuilt = False  # buckets rebuilt, once, in rank 0's gradient-ready order (_rebuild)
         self._build(None)
         self._reset()
-        self._handles = [p.register_post_accumulate_grad_hook(gradient_hook(weakref.ref(self), self._deferred, i))
+        self._handles = [p.register_post_accumulate_grad_hook(gradient_hook(weakref.ref(self), i))
                          for i, p in [*enumerate(self.params), *((None, p) for p in self.delayed)]]
         weakref.finalize(self, _remove_handles, self._handles)  # hooks leave with the reducer
 
@@ -318,29 +313,17 @@ class Reducer:
         self._touched = False  # a parameter's gradient hook fired in this backward
         self._announced = False  # begin_backward ran in this backward
         self._error: BaseException | None = None
-        self._deferred.order.clear()
 
     def prepare_for_forward(self, sync: bool) -> None:
-        """Called by DDP.forward: whether the coming backward synchronises. A backward that raised midway never
-        ran its end-of-backward callback; its half-filled state is dropped here so the next one starts clean."""
+        """Called by DDP.forward: whether the coming backward synchronises."""
         if self._queued or self._touched:
-            self._reset()
+            self._reset()  # a backward that raised midway never ran its end of backward
         self._double = False
         self.expect_sync = sync and bool(self.params or self.delayed)
-        self._deferred.order.clear()
-        # deferred: nothing acts in the middle of this backward (static graph, join, sparse, delayed, a strategy)
-        self._deferred.on = self.expect_sync and len(self.buckets) == 1 and not self.readiness.static and \
-            self.on_first_ready is None and self._strategy is None and not self.delayed and not any(self.sparse)
-
-    @property
-    def strategy(self) -> GradientStrategy | None:
-        """The gradient strategy in use (:meth:`use_strategy`), or None: the averages go into ``.grad``."""
-        return self._strategy
 
     def use_strategy(self, make: Callable[[Reducer], GradientStrategy], who: str) -> None:
-        """From now on the buckets go to the strategy that ``make(self)`` returns (collective; ``make`` may refuse by
-        raising, and the reducer stays as it was); ``who`` names the caller in the errors. The buckets are frozen and
-        the reducer's own full-size ones dropped."""
+        """From now on the buckets (frozen; the reducer's own dropped) go to the strategy ``make(self)`` returns
+        (collective; ``make`` may refuse by raising); ``who`` names the caller in the errors."""
         rank = self.transport.rank
         why = ("mixed_precision (the reduction dtype differs from the parameters')" if self.reduce_dtype else
                "gradient_as_bucket_view=True (there are no full buckets to view)" if self.as_view else
@@ -353,21 +336,20 @@ class Reducer:
         self.rebuilt = True
         self.flats = [torch.empty(f.numel(), dtype=f.dtype, device="meta") for f in self.flats]
         self._views = [None if v is None else torch.empty(v.shape, dtype=v.dtype, device="meta") for v in self._views]
-        self._workspaces = {}
-        self._strategy = strategy
+        self.strategy = strategy
 
     # ---- during backward -------------------------------------------------------------------------------------------
     def backward_started(self) -> None:
-        """The backward reached DDP's outputs (or, failing that, a parameter): queue the end-of-backward callback in
-        this autograd pass, the outermost one. A pass that reaches no parameter ends without any collective."""
+        """The backward reached DDP's outputs (or, failing that, a parameter): queue the end of backward in this
+        autograd pass, the outermost one."""
         if self._queued or not (self.expect_sync or self.params_back is not None):
             return
         self._queued = True
         torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def begin_backward(self) -> bool:
-        """Queue the end of backward and make join's announcement, once per backward: from the first gradient hook,
-        or earlier from a module with collectives of its own (SyncBatchNorm). Whether this backward synchronises."""
+        """Queue the end of backward and make join's announcement, once per backward (from the first gradient hook, or
+        earlier from SyncBatchNorm); whether this backward synchronises."""
         self.backward_started()
         if self.expect_sync and self._error is None and not self._announced:
             self._announced = True
@@ -376,7 +358,7 @@ class Reducer:
         return self.expect_sync
 
     def _on_ready(self, i: int | None, p: torch.Tensor) -> None:
-        """Parameter ``i``'s gradient hook (None: a delayed parameter's, which only says the backward reached it)."""
+        """Parameter ``i``'s gradient hook (None: a delayed parameter's)."""
         if i is not None and p.grad is not None:
             # the hook also fires for an undefined gradient: a parameter no rank has a gradient for keeps grad=None
             self._used[i] = True
@@ -399,8 +381,6 @@ class Reducer:
             self._fail(exc)
 
     def _end_of_backward(self) -> None:
-        if self._deferred.on and self._deferred.order:
-            self._settle_deferred()  # before _queued is cleared: what it replays must not queue this again
         self._queued = self._announced = False
         if not self._touched:
             return  # no parameter reached: a later backward of the same forward still synchronises
@@ -412,33 +392,11 @@ class Reducer:
             if self.params_back is not None:
                 self.params_back()
 
-    def _settle_deferred(self) -> None:
-        """The end of a deferred backward: if every parameter got exactly one dense, non-differentiable gradient, all
-        are ready and the bucket launches; otherwise the recorded hooks are replayed in order through the
-        per-parameter path (nothing was launched in between: the errors are the hooks' own)."""
-        d = self._deferred
-        order, d.on = list(d.order), False
-        d.order.clear()
-        params, n = self.params, len(self.params)
-        if len(order) != n or len(set(order)) != n or \
-                any(p.grad is None or p.grad.requires_grad or p.grad.is_sparse for p in params):
-            for i in order:
-                self._on_ready(i, params[i])
-            return
-        self._touched = True
-        self.begin_backward()  # queued already; no announcement to make (no join)
-        self._used = [True] * n
-        r = self.readiness
-        r.ready, r.counts, r.order = [True] * n, [1] * n, order
-        self._left[0] = 0
-        self._launch_ready()
-
     def _take(self, i: int, p: torch.Tensor) -> None:
-        """Parameter ``i``'s gradient is final for this backward: its share of the bucket."""
         self._own_grad(i, p)
         if self.sparse[i]:
             return  # reduced at the end of backward
-        b = self._loc[i][0]
+        b = self._bucket_of[i]
         self._left[b] -= 1
         if self._left[b] == 0:
             self._launch_ready()
@@ -464,7 +422,7 @@ class Reducer:
     def _launch_ready(self) -> None:
         while self._next < len(self.buckets) and self._left[self._next] == 0:
             if not self._skipped(self._next):
-                (self._launch if self._strategy is None else self._strategy.launch)(self._next)
+                (self._launch if self.strategy is None else self.strategy.launch)(self._next)
             self._next += 1
 
     def _skipped(self, b: int) -> bool:
@@ -496,24 +454,24 @@ class Reducer:
             for i in missing:  # contribute what the parameter holds (no_sync accumulation) or zeros
                 self._own_grad(i, self.params[i])
                 if not self.sparse[i]:
-                    self._left[self._loc[i][0]] = 0
+                    self._left[self._bucket_of[i]] = 0
             self._launch_ready()
             used = self._used_everywhere(counting)
             delayed = self._reduce_delayed()
             sparse = {i: self._reduce_sparse(k, i) for k, i in enumerate(self._sparse_ids())}
-            (self._wait_all if self._strategy is None else self._strategy.finish)()
+            (self._wait_all if self.strategy is None else self.strategy.finish)()
             delayed()
             if self.params_back is not None:
                 self.params_back()
-            if self._strategy is not None and self._graph_grads:
+            if self.strategy is not None and self._graph_grads:
                 self._fail(RuntimeError(
                     f"DistributedDataParallel (rank {self.transport.rank}): backward(create_graph=True) is not "
                     "supported with sharded gradients (shard_gradients): the full gradients are freed"))
             if keep is not None:
-                if self._error is None and self._strategy is None:
+                if self._error is None and self.strategy is None:
                     self._restore_local(keep)
             elif self._error is None:  # the strategy seam: ZeRO stage 2 keeps this rank's parts, .grad stays None
-                self._write_back(used, sparse) if self._strategy is None else self._strategy.write_back(used)
+                self._write_back(used, sparse) if self.strategy is None else self.strategy.write_back(used)
                 if self.in_backward:
                     self._step_in_backward()
         finally:
@@ -526,9 +484,8 @@ class Reducer:
             raise error
 
     def _keep_local(self) -> dict[int, torch.Tensor]:
-        """This rank's own gradients, where torch's unfinished reduction leaves them: every one but those of buckets
-        already reduced where ``.grad`` is (under gradient_as_bucket_view torch's are averaged too; the transport's
-        in-place path averages them where torch's are not). Taken before the buckets left are launched."""
+        """This rank's own gradients, taken before the buckets left are launched, but those already reduced where
+        ``.grad`` is (under gradient_as_bucket_view torch's are averaged too)."""
         keep = {}
         for b, members in enumerate(self.buckets):
             if b < self._next and (self.as_view or self._in_grad[b]):
@@ -540,8 +497,8 @@ class Reducer:
         return keep
 
     def _restore_local(self, keep: dict[int, torch.Tensor]) -> None:
-        """``.grad`` as torch's unfinished reduction leaves it: this rank's own; under gradient_as_bucket_view a
-        parameter that was ready is its bucket view, divided by the world size (unless a comm hook is registered)."""
+        """``.grad`` as torch's unfinished reduction leaves it: this rank's own (gradient_as_bucket_view: a ready
+        parameter's is its bucket view, divided by the world size unless a comm hook is registered)."""
         for i, g in keep.items():
             p = self.params[i]
             if self.as_view and self.readiness.ready[i]:
@@ -552,12 +509,11 @@ class Reducer:
                 p.grad.detach().copy_(g)
 
     def _step_in_backward(self) -> None:
-        """torch's DDP with optimizers in backward: each such parameter's optimizers step on its averaged gradient,
-        then its ``.grad`` is None. One no rank used steps on zeros, as torch's hook has them from the bucket -- but
-        under gradient_as_bucket_view, where torch leaves .grad None; nothing steps for a skipped bucket."""
+        """Optimizers in backward step on the averaged gradient, then ``.grad`` is None. One no rank used steps on
+        zeros (torch's hook has them from the bucket), but not under gradient_as_bucket_view or in a skipped bucket."""
         for i in self.in_backward:
             p = self.params[i]
-            if self.sparse[i] or self._futures[self._loc[i][0]] is not None:
+            if self.sparse[i] or self._futures[self._bucket_of[i]] is not None:
                 if p.grad is None and not self.as_view:
                     p.grad = torch.zeros_like(p)
                 for opt in p._in_backward_optimizers:
@@ -578,9 +534,8 @@ class Reducer:
         return used
 
     def _reduce_delayed(self) -> Callable[[], None]:
-        """torch's ``delay_all_reduce_named_params``: one flat all-reduce of the delayed gradients (zeros where
-        missing or shadowing), issued here, at a point every rank reaches in the same order; returns the wait and
-        write-back. Divided by the world size, inside join() too, as torch's."""
+        """torch's ``delay_all_reduce_named_params``: issue one flat all-reduce of the delayed gradients (zeros where
+        missing or shadowing; divided by the world size, in join() too, as torch's); returns the wait and write-back."""
         params, shadow = self.delayed, self._shadowing
         if not params:
             return lambda: None
@@ -591,12 +546,9 @@ class Reducer:
 
         def write_back() -> None:
             handle.wait()
-            offset = 0
-            for p in params:
-                avg = flat[offset: offset + p.numel()].view_as(p)
-                offset += p.numel()
-                if not shadow:
-                    p.grad = avg.to(p.dtype, copy=True) if p.grad is None else p.grad.detach().copy_(avg)
+            for p, avg in zip(() if shadow else params, flat.split([p.numel() for p in params])):
+                avg = avg.view_as(p)
+                p.grad = avg.to(p.dtype, copy=True) if p.grad is None else p.grad.detach().copy_(avg)
 
         return write_back
 
@@ -604,9 +556,8 @@ class Reducer:
         return [i for i, s in enumerate(self.sparse) if s]
 
     def _reduce_sparse(self, k: int, i: int) -> torch.Tensor | None:
-        """The average of sparse parameter ``i`` (the ``k``-th), or None where a registered hook raised (raised once
-        the step's collectives are all issued). As torch's, a sparse gradient is a bucket of its own, after the dense
-        ones, handed to a registered hook with the gradient itself as ``buffer()``."""
+        """The average of sparse parameter ``i`` (the ``k``-th; None where a hook raised). As torch's, a bucket of its
+        own after the dense ones, handed to a registered hook with the gradient itself as ``buffer()``."""
         p = self.params[i]
         grad = p.grad if p.grad is not None and not self._shadowing else _empty_sparse_like(p)
         grad = grad.to(self.reduce_dtype or grad.dtype)
@@ -621,8 +572,7 @@ class Reducer:
         return result[0] if isinstance(result, (list, tuple)) else result  # a torch future yields [tensor]
 
     def _issue_sparse(self, tensor: torch.Tensor, bucket: int, divisor: float | None) -> Future:
-        """``GradBucket.all_reduce`` of a sparse bucket: the sum written into ``tensor`` in place, as torch's
-        all-reduce of a sparse tensor does; a dense tensor the hook made goes the usual way."""
+        """``GradBucket.all_reduce`` of a sparse bucket: the sum into ``tensor`` in place, as torch's does."""
         if not tensor.is_sparse:
             return self.all_reduce(tensor, bucket, divisor)
         tensor.copy_(all_reduce_sparse(self.transport, tensor, 1 if divisor is None else divisor))
@@ -668,19 +618,15 @@ class Reducer:
                                 [position[i] for i in order if i in position], caps=self.caps)
         groups = [[dense[k] for k in members] for members in groups]
         old_views = getattr(self, "_views", None)
-        self.buckets, self._views, self._loc = groups, [None] * len(ps), [None] * len(ps)
+        self.buckets, self._views, self._bucket_of = groups, [None] * len(ps), [None] * len(ps)
         self.flats = [torch.empty(sum(ps[i].numel() for i in m), dtype=dtype(ps[m[0]]), device="meta") for m in groups]
         self._choose_path()
-        self._workspaces: dict[tuple, torch.Tensor] = {}
         for b, members in enumerate(groups):
             flat = self.flats[b] = self._bucket_memory(self.flats[b].numel(), self.flats[b].dtype,
                                                        ps[members[0]].device, not self._direct)
-            offset = 0
-            for i in members:
-                n = ps[i].numel()
-                self._views[i] = flat[offset: offset + n].view(ps[i].shape)
-                self._loc[i] = (b, offset, n)
-                offset += n
+            for i, view in zip(members, flat.split([ps[i].numel() for i in members])):
+                self._views[i] = view.view(ps[i].shape)
+                self._bucket_of[i] = b
         if self.as_view and old_views is not None:
             for i, p in enumerate(ps):  # keep .grad a view into the (new) bucket
                 if p.grad is not None and p.grad is old_views[i]:
@@ -693,15 +639,6 @@ class Reducer:
         if self.rebuilt and shared:
             return self.transport.allocate(numel, dtype, device)
         return torch.zeros(numel, dtype=dtype, device=device)
-
-    def _workspace(self, b: int, dtype: torch.dtype) -> torch.Tensor:
-        """Bucket ``b``'s scratch tensor of ``dtype`` for a comm hook, kept across steps. Every rank's hooks ask for
-        the same ones in bucket order, so taking it from the transport stays collective."""
-        key = (b, dtype)
-        if key not in self._workspaces:
-            flat = self.flats[b]
-            self._workspaces[key] = self._bucket_memory(flat.numel(), dtype, flat.device, True)
-        return self._workspaces[key]
 
     def _rebuild(self, ready_order: list[int]) -> None:
         """Adopt rank 0's observed gradient-ready order, once, so that every rank builds the same buckets."""
@@ -717,10 +654,8 @@ class Reducer:
 
     # ---- each bucket's path: the launch, the wait, the write-back into .grad ---------------------------------------
     def _choose_path(self) -> None:
-        # Chosen from settings and sizes only, so the same on every rank. A built-in hook (compression: on float32) is
-        # the transport's own reduction; any other gets a GradBucket. _direct: the buckets are reduced where .grad is
-        # (reduce_tensors), not under gradient_as_bucket_view (.grad is the bucket) nor mixed precision (gradients
-        # change dtype on their way); but a bucket of small gradients goes through its flat tensor (uncompressed).
+        # From settings and sizes only: the same on every rank (docs/ddp.md, "Each bucket's path"). _direct: reduced
+        # where .grad is, not under gradient_as_bucket_view nor mixed precision; small gradients go through the flat.
         compress = BUILT_IN.get(self.hook)
         self._builtin = self.hook in BUILT_IN and (compress is None or
                                                    all(f.dtype == torch.float32 for f in self.flats))
@@ -730,7 +665,6 @@ class Reducer:
                          for f, m in zip(self.flats, self.buckets)]
 
     def all_reduce(self, tensor: torch.Tensor, bucket: int | None = None, divisor: float | None = None) -> Any:
-        """Every all-reduce of the reducer but the gradients' (hooks, delayed parameters, the used-bitmap)."""
         return self.transport.all_reduce(tensor, bucket, divisor)
 
     def set_comm_hook(self, state: Any, hook: Callable) -> None:
@@ -741,13 +675,12 @@ class Reducer:
 
     @property
     def hook_divisor(self) -> int:
-        """What a bucket's reduction divides by: torch's hooks by ``process_group.size()``, whoever has joined; DDP's
-        own reduction (no hook registered) by the ranks still active in ``join(divide_by_initial_world_size=False)``."""
+        """torch's hooks divide by ``process_group.size()``; DDP's own reduction by the ranks still active in
+        ``join(divide_by_initial_world_size=False)``."""
         return self.transport.world_size if self.hook_registered else self.divisor
 
     def _grads(self, b: int) -> list[torch.Tensor]:
-        """Bucket ``b``'s .grad tensors where the transport can work on them in place (contiguous, the bucket's
-        dtype); else a temporary (zeros for a missing one) that the write-back hands back."""
+        """Bucket ``b``'s .grad tensors, or a temporary where unusable in place (the write-back hands it back)."""
         out = []
         for i in self.buckets[b]:
             g, view = None if self._shadowing else self.params[i].grad, self._views[i]  # joined: its .grad stays
@@ -757,8 +690,8 @@ class Reducer:
         return out
 
     def _launch(self, b: int) -> None:
-        """Start bucket ``b``'s reduction: the built-in hooks by the transport (on .grad, or on the flat bucket), any
-        other hook on a :class:`GradBucket` of the flat bucket."""
+        """Start bucket ``b``'s reduction: built-in hooks by the transport (on .grad or the flat bucket), any other
+        on a :class:`GradBucket`."""
         last, flat, members = b == len(self.buckets) - 1, self.flats[b], self.buckets[b]
         compress = BUILT_IN.get(self.hook)
         if self._in_grad[b]:
@@ -784,7 +717,7 @@ class Reducer:
                     self._copied.append((grads, views))  # the averages go back into these .grad tensors
         if not self._builtin:
             bucket = GradBucket(b, flat, [self.params[i] for i in members], [self._views[i] for i in members],
-                                last, self.hook_divisor, self.all_reduce, self._workspace)
+                                last, self.hook_divisor, self.all_reduce)
             self._futures[b] = self.hook(self.hook_state, bucket)
         elif compress is None:
             self._futures[b] = self.transport.all_reduce(flat, b, self.hook_divisor)
@@ -804,8 +737,7 @@ class Reducer:
                 self.flats[b].copy_(result.reshape(-1))
 
     def _write_back(self, used: list[float] | None, sparse: dict[int, torch.Tensor]) -> None:
-        """The averages into ``.grad``: ``used[i]`` ranks used parameter i (None: all); ``sparse``: the averaged
-        sparse gradients by parameter."""
+        """The averages into ``.grad``: ``used[i]`` ranks used parameter i (None: all)."""
         for grads, views in self._copied:
             torch._foreach_copy_(grads, views)
         if used is None and not sparse and not self._temps and not self._graph_grads and not self.as_view and \
