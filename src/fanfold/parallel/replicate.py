@@ -83,8 +83,7 @@ def replicate(network: M, devices: Sequence[DeviceLike], detach: bool = False) -
                 if p is None:
                     r._parameters[key] = None
                     continue
-                # through setattr, so that modules caching their weights (nn.LSTM's _flat_weights) see the copy;
-                # a Parameter is registered as one, a copy (not a leaf) becomes a plain attribute, as in torch
+                # setattr: nn.LSTM's _flat_weights see the copy; a copy (not a leaf) is a plain attribute, as in torch
                 setattr(r, key, param_copies[j][param_index[id(p)]])
             for key, b in m._buffers.items():
                 r._buffers[key] = None if b is None else buffer_copies[j][buffer_index[id(b)]]
