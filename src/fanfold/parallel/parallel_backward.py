@@ -3,7 +3,9 @@ Function (``_Replicas``); a double backward re-runs their forward on the caller'
 """
 from __future__ import annotations
 
+import functools
 import warnings
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -153,11 +155,8 @@ class _Replicas(Function):
         # replica 0's gradient of a shared tensor becomes the sum if nothing else holds its memory: autograd may
         # pass an incoming gradient through unchanged, or give two leaves the same tensor
         foreign = {g.untyped_storage().data_ptr() for g in grads if g is not None and g.layout == torch.strided}
-        counts: dict[int, int] = {}
-        for g in per_replica[0]:
-            if g is not None and g.layout == torch.strided:
-                p = g.untyped_storage().data_ptr()
-                counts[p] = counts.get(p, 0) + 1
+        counts = Counter(g.untyped_storage().data_ptr() for g in per_replica[0]
+                         if g is not None and g.layout == torch.strided)
 
         def owned(g: torch.Tensor) -> bool:
             # dense and contiguous over its whole storage (a weight's gradient comes back as a .t().t() view of
@@ -172,18 +171,16 @@ class _Replicas(Function):
         shared_tensors = plan["shared_tensors"]
         sums: list = [None] * len(shared_tensors)
         order = sorted(range(len(shared_tensors)), key=lambda k: -shared_tensors[k].numel())
-        groups = [order[w::n] for w in range(n)]  # the biggest tensors spread over the workers
 
-        def add(group):
-            def run():
-                for k in group:
-                    gs = [per_replica[i][k] for i in range(n)]
-                    sums[k] = _sum_into_first(gs, gs[0] is not None and owned(gs[0]))
-            return run
-        if sum(t.numel() for t in shared_tensors) >= _SPREAD_SUM_NUMEL:
-            _run(plan["pool"], [add(g) for g in groups], plan["devices"])
+        def add(group: list[int]) -> None:
+            for k in group:
+                gs = [per_replica[i][k] for i in range(n)]
+                sums[k] = _sum_into_first(gs, gs[0] is not None and owned(gs[0]))
+
+        if sum(t.numel() for t in shared_tensors) >= _SPREAD_SUM_NUMEL:  # the biggest tensors spread over the workers
+            _run(plan["pool"], [functools.partial(add, order[w::n]) for w in range(n)], plan["devices"])
         else:  # small: waking the workers again would cost more than the additions
-            add(order)()
+            add(order)
 
         result = [None] * len(plan["originals"]) + sums
         for i in range(n):
