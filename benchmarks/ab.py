@@ -24,7 +24,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROWS = ("ddp-mlp", "ddp-lm", "small-params", "allreduce-16k", "allreduce-64m", "zero2", "process-cnn-64",
-        "process-cnn-256", "cnn-64", "cnn-256")
+        "process-cnn-256", "cnn-64", "cnn-256", "thread-cnn-64", "thread-cnn-256")
 
 
 def measure(row: str, quick: bool) -> dict[str, float]:
@@ -62,14 +62,15 @@ def measure(row: str, quick: bool) -> dict[str, float]:
         per_rank = fanfold.launch(zero.one_run, quick, 1, 3, 2 if quick else 6, nprocs=2, threads=1, timeout=600)
         zero.check(per_rank[0], 0)
         return {"fanfold": statistics.median(per_rank[0].blocks[zero.STAGE2])}
-    if row.startswith("process-cnn") or row.startswith("cnn"):
+    if row.startswith(("process-cnn", "thread-cnn", "cnn")):
         import dp_engines
 
         batch = int(row.rsplit("-", 1)[1])
         warmup, steps = (1, 3) if quick else (5, 30)
-        if row.startswith("process"):
-            per_rank = fanfold.launch(dp_engines.one_row, "DataParallel process, 2 replicas", "cnn", batch, warmup,
-                                      steps, nprocs=1, threads=2, timeout=600)
+        if row.startswith(("process", "thread")):
+            name = "DataParallel " + ("process, 2 replicas" if row.startswith("process") else "thread, 2 CPU replicas")
+            per_rank = fanfold.launch(dp_engines.one_row, name, "cnn", batch, warmup, steps, nprocs=1, threads=2,
+                                      timeout=600)
             return {"fanfold": statistics.median(per_rank[0][0])}
         out = {}
         for who, name in (("fanfold", "fanfold DDP 2x1"), ("torch", "torch DDP 2x1")):

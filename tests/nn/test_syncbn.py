@@ -13,7 +13,7 @@ import fanfold
 from fanfold import SyncBatchNorm, revert_sync_batchnorm
 from fanfold.collectives.stall import InspectedTransport
 from fanfold.distributed.join import FORWARD, DDPParticipant
-from fanfold.nn.group_sum import GroupSum
+from fanfold.nn.syncbn import GroupSum
 from fanfold.parallel.replicate import LinkedReplicas
 
 OPTIONS = [dict(), dict(affine=False), dict(track_running_stats=False), dict(momentum=None), dict(bias=False),

@@ -20,7 +20,6 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import fanfold
 import fanfold.training.checkpoint as ckpt
-import fanfold.training.safe_file as safe_file
 from fanfold import CheckpointError
 from fanfold.training.data import DistributedSampler
 
@@ -224,7 +223,7 @@ def test_pickled_code_is_refused_and_never_runs(tmp_path):
     marker = tmp_path / "pwned"
     torch.save({"model": {"w": torch.ones(1)}, "step": _Evil(str(marker))}, tmp_path / "foreign.pt")
     # The same payload with a valid fanfold footer: an attacker can compute a checksum too.
-    safe_file.write_atomic(tmp_path / "footed.pt", {"model": {"w": torch.ones(1)}, "__fanfold__": _Evil(str(marker))})
+    ckpt.write_atomic(tmp_path / "footed.pt", {"model": {"w": torch.ones(1)}, "__fanfold__": _Evil(str(marker))})
     for name in ("foreign.pt", "footed.pt"):
         with pytest.raises(CheckpointError, match=rf"{name}: refused: .*weights_only=True.*(posix|os)\.mkdir"):
             fanfold.load(tmp_path / name, {"model": nn.Linear(1, 1)})

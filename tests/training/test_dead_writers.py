@@ -14,7 +14,7 @@ import fanfold
 WRITER = r"""
 import sys, time
 from pathlib import Path
-from fanfold.training.safe_file import write_atomic
+from fanfold.training.checkpoint import write_atomic
 
 class Blocker:  # pickled inside the save, after the temporary file exists: the writer is caught mid-save
     def __reduce__(self):

@@ -1,16 +1,22 @@
 """``SyncBatchNorm``: BatchNorm whose training statistics are the whole batch's, over ranks and DataParallel replicas,
-and the conversion of a model's BatchNorm layers to it and back. Semantics: docs/syncbn.md.
+and the conversion of a model's BatchNorm layers to it and back. Each part's moments travel as one packed vector
+``[n*mean | n*(var + mean^2) | n]``; replicas (threads of one process) meet at a ``Rendezvous``, ranks in one
+all-reduce per forward and per backward through a transport (``GroupSum``). Formulas and numerics: docs/syncbn.md.
 """
 from __future__ import annotations
 
 import functools
+import threading
 import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd import Function
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
 
@@ -18,13 +24,327 @@ from .._core.job import rank_world
 from ..collectives.stall import InspectedTransport, group_transport
 from ..collectives.timeouts import resolve_stall_timeout
 from ..distributed.join import BACKWARD, FORWARD, JoinState
-from .functions import BatchStats, Normalize, StatsPlan, SyncNormalize, pack_moments, stats_dtype, unpack_moments
-from .group_sum import GroupSum, Rendezvous, ReplicaLink, check_channel, expect_in_join
 
 __all__ = ["SyncBatchNorm", "revert_sync_batchnorm"]
 
 _UNLINKED = "unlinked"  # a replica made by a DataParallel that does not link them (torch.nn.DataParallel)
 _TORCH_CLASSES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+_EMPTY = object()
+
+
+def stats_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype of the mean and variance handed to the normalisation: float32 for half-precision inputs."""
+    return x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
+
+
+def wide_dtype(device: torch.device) -> torch.dtype:
+    """The dtype of the packed vectors: float64, except where the device has none (MPS)."""
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
+def pack_moments(x: torch.Tensor) -> torch.Tensor:
+    """This part's packed vector (float64, on ``x``'s device); all zeros for an empty part."""
+    # detached: a graph here would join the replicas' graphs behind the Functions' backs (and detach() is cheaper
+    # than a no_grad context in every training forward)
+    x = x.detach()
+    c = x.shape[1]
+    n = x.numel() // c if c else 0
+    wide = wide_dtype(x.device)
+    if n == 0:
+        return torch.zeros(2 * c + 1, dtype=wide, device=x.device)
+    data = x if x.dtype == stats_dtype(x) else x.to(stats_dtype(x))
+    if data.is_contiguous() and data.device.type == "cpu":
+        # plain BatchNorm's own statistics kernel, in one call: exact on contiguous CPU inputs (variance to 2e-7 at
+        # |mean|/std = 1e4); not its channels-last path (89x the variance there), nor elsewhere untested
+        mean, var = torch.batch_norm_update_stats(data, None, None, 0.0)
+    else:
+        mean, var = _two_pass(data, n, wide)
+    # five small operations (addcmul widens var, exactly, by type promotion): each costs microseconds, every forward
+    mean = mean.to(wide)
+    return torch.cat((mean, torch.addcmul(var, mean, mean), mean.new_ones(1))).mul_(n)
+
+
+def _two_pass(data: torch.Tensor, n: int, wide: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and biased variance per channel (``wide``) by the corrected two-pass algorithm."""
+    c = data.shape[1]
+    guess = data.sum([0, *range(2, data.dim())]).div_(n)  # a float32 sum: off by its own rounding when |mean| >> std
+    d = data - guess.view([1, c] + [1] * (data.dim() - 2))
+    # sum(d^2) and sum(d) in one pass: the BatchNorm-backward kernel's sum(dy * (x - mean) * invstd) and sum(dy) with
+    # dy = x = d, mean 0, invstd 1 (var 0, eps 1); the weight ones, not None (see _part_sums)
+    zeros, ones, saved = guess.new_zeros(c), guess.new_ones(c), guess.new_empty(0)
+    _, s2, s1 = torch.ops.aten.native_batch_norm_backward(d, d, ones, zeros, zeros, saved, saved, False, 1.0,
+                                                          [False, True, True])
+    g, s1, s2 = torch.stack([guess, s1, s2]).to(wide).unbind()
+    return g + s1 / n, (s2 - s1.square() / n) / n  # the guess corrected by the mean deviation
+
+
+@dataclass
+class Moments:
+    """The whole batch's per-channel ``count`` (batch x spatial), ``mean`` and biased ``var``."""
+
+    count: int
+    mean: torch.Tensor
+    var: torch.Tensor
+
+
+def unpack_moments(total: torch.Tensor, dtype: torch.dtype) -> Moments:
+    c = (total.numel() - 1) // 2
+    count = int(total[2 * c])
+    if count == 0:
+        zeros = total.new_zeros(c, dtype=dtype)
+        return Moments(0, zeros, zeros)
+    # [E[x] | E[x^2] | 1] in float64, then E[x^2] - E[x]^2 in place: few small ops, every training step
+    both = total / count
+    mean, var, _ = both.split_with_sizes((c, c, 1))
+    var.addcmul_(mean, mean, value=-1).clamp_(min=0)
+    if dtype != both.dtype:
+        mean, var, _ = both.to(dtype).split_with_sizes((c, c, 1))
+    return Moments(count, mean, var)
+
+
+@dataclass
+class StatsPlan:
+    """The Functions' non-tensor inputs; ``reduce`` sums the backward's packed vector (2C) with every other part's."""
+
+    moments: Moments
+    eps: float
+    reduce: Callable[[torch.Tensor], torch.Tensor]
+
+
+def _channels(v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return v.view([1, -1] + [1] * (x.dim() - 2))
+
+
+def _part_sums(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, var: torch.Tensor, weight: torch.Tensor | None,
+               eps: float, need_dx: bool) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """``(w * invstd * dy if need_dx, sum(dy * xhat), sum(dy))`` over this part, by torch's kernel."""
+    if x.numel() == 0:  # the kernel divides by the element count: an empty part contributes nothing
+        zeros = var.new_zeros(var.shape)
+        return (torch.zeros_like(x) if need_dx else None), zeros, zeros
+    # evaluation mode on the given statistics. CUDA's kernel wants every optional tensor defined (on an H100 it failed
+    # on None): the saved statistics are empty (it then takes the given ones), a missing weight is ones
+    saved = mean.new_empty(0)
+    if weight is None:
+        weight = torch.ones(x.shape[1], dtype=mean.dtype, device=x.device)
+    return torch.ops.aten.native_batch_norm_backward(dy, x, weight, mean, var, saved, saved, False, eps,
+                                                     [need_dx, True, True])
+
+
+def _affine_grads(gw: torch.Tensor, gb: torch.Tensor, weight: torch.Tensor | None, need_w: bool,
+                  need_b: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    # weight and bias exist together, or the bias alone is absent (bias=False): both take the weight's dtype
+    if (need_w or need_b) and gw.dtype != weight.dtype:
+        gw, gb = gw.to(weight.dtype), gb.to(weight.dtype)
+    return (gw if need_w else None), (gb if need_b else None)
+
+
+class Normalize(Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, mean: torch.Tensor, var: torch.Tensor, weight: torch.Tensor | None,
+                bias: torch.Tensor | None, plan: StatsPlan) -> torch.Tensor:
+        ctx.plan = plan
+        ctx.save_for_backward(x, mean, var, weight)
+        return F.batch_norm(x, mean, var, weight, bias, False, 0.0, plan.eps)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, mean, var, weight = ctx.saved_tensors
+        need_x, need_mean, need_var, need_w, need_b = ctx.needs_input_grad[:5]
+        eps = ctx.plan.eps
+        dx, gw, gb = _part_sums(dy, x, mean, var, weight, eps, need_x)
+        dmean = dvar = None
+        if need_mean or need_var:
+            wide = wide_dtype(var.device)
+            invstd = (var.to(wide) + eps).rsqrt()
+            scale = invstd if weight is None else invstd * weight.to(wide)
+            dmean = (-scale * gb.to(wide)).to(mean.dtype)
+            dvar = (scale * invstd * gw.to(wide) * -0.5).to(var.dtype)
+        return (dx, dmean, dvar, *_affine_grads(gw, gb, weight, need_w, need_b), None)
+
+
+class BatchStats(Function):
+    @staticmethod
+    def forward(ctx: Any, plan: StatsPlan, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        m = plan.moments
+        outs: list[torch.Tensor] = []
+        for x in xs:
+            dtype = stats_dtype(x)
+            outs += [m.mean.to(x.device, dtype), m.var.to(x.device, dtype)]
+        ctx.plan = plan
+        ctx.save_for_backward(*xs, *outs[0::2])
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        saved = ctx.saved_tensors
+        n = len(saved) // 2
+        xs, means = saved[:n], saved[n:]
+        plan: StatsPlan = ctx.plan
+        c, home = means[0].numel(), means[0].device
+        packed = torch.cat([torch.stack([g.to(home) for g in grads[0::2]]).sum(0),
+                            torch.stack([g.to(home) for g in grads[1::2]]).sum(0)]).to(wide_dtype(home))
+        total = plan.reduce(packed)  # the backward's one collective: over the ranks, if any
+        count = plan.moments.count
+        out: list[torch.Tensor | None] = [None]
+        for i, (x, mean) in enumerate(zip(xs, means)):
+            if not ctx.needs_input_grad[1 + i]:
+                out.append(None)
+            elif count == 0 or x.numel() == 0:
+                out.append(torch.zeros_like(x))
+            else:
+                a = (total[:c] / count).to(x.device, mean.dtype)
+                b = (total[c:] * (2.0 / count)).to(x.device, mean.dtype)
+                out.append((x - _channels(mean, x)).mul_(_channels(b, x)).add_(_channels(a, x)).to(x.dtype))
+        return tuple(out)
+
+
+class SyncNormalize(Normalize):
+    """``Normalize`` with constant statistics: the backward computes the whole gradient, with one collective."""
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, mean, var, weight = ctx.saved_tensors
+        plan: StatsPlan = ctx.plan
+        need_x, _, _, need_w, need_b = ctx.needs_input_grad[:5]
+        _, gw, gb = _part_sums(dy, x, mean, var, weight, plan.eps, False)
+        dx = None
+        if need_x:
+            total = plan.reduce(torch.cat((gb, gw)).to(wide_dtype(x.device)))  # the backward's one collective
+            dx = torch.zeros_like(x) if x.numel() == 0 else _whole_batch_dx(dy, x, mean, var, weight, total, plan)
+        return (dx, None, None, *_affine_grads(gw, gb, weight, need_w, need_b), None)
+
+
+def _whole_batch_dx(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, var: torch.Tensor,
+                    weight: torch.Tensor | None, total: torch.Tensor, plan: StatsPlan) -> torch.Tensor:
+    """``dx = a * dy + (x - mean) * k1 + k0`` per channel, with ``a = w * invstd``, ``k0 = -a * sum(dy) / M`` and
+    ``k1 = -a * invstd * sum(dy * xhat) / M`` from ``total`` = ``[sum(dy) | sum(dy * xhat)]`` over the whole batch."""
+    invstd = torch.rsqrt(var + plan.eps)
+    a = invstd if weight is None else invstd * weight
+    coef = torch.cat((a, a * invstd)).div_(-plan.moments.count)
+    k0, k1 = total.to(coef.dtype).mul_(coef).view((2, -1) + (1,) * (x.dim() - 2)).unbind(0)
+    # in place after x - mean (not x * k1 - mean * k1, which cancels when |mean| >> std); not addcmul(k0, x - mean,
+    # k1): its broadcast first operand takes a slow kernel on CPU (5x one in-place pass)
+    dx = (x - mean.view(k0.shape)).mul_(k1).addcmul_(dy, a.view(k0.shape)).add_(k0)
+    return dx if dx.dtype == x.dtype else dx.to(x.dtype)
+
+
+def _zeros_all_reduce(numel: int, dtype: torch.dtype, device: torch.device, transport: InspectedTransport) -> None:
+    transport.all_reduce_now(torch.zeros(numel, dtype=dtype, device=device))
+
+
+@dataclass
+class GroupSum:
+    """Sums one layer's packed vectors over the ranks: through ``shared`` (DDP's transport on the layer's group, if
+    any) outside ``join``, else through ``own()`` (the layer's own transport, made at first use)."""
+
+    own: Any
+    join: JoinState | None
+    name: str
+    shared: InspectedTransport | None = None
+
+    def __call__(self, vec: torch.Tensor, phase: int) -> torch.Tensor:
+        join = self.join
+        if join is not None and phase == BACKWARD and not join.begin_backward():
+            # a backward DDP does not synchronise (no_sync()): a rank that has joined would never hear of it
+            if join.alive < join.transport.world_size:
+                raise RuntimeError(
+                    f"{self.name}: a backward under no_sync() inside DistributedDataParallel.join() while rank(s) "
+                    f"{sorted(set(range(join.transport.world_size)) - set(join.last_active))} have run out of "
+                    "inputs: they cannot take part in SyncBatchNorm's backward. Synchronise every backward inside "
+                    "join(), or accumulate gradients outside it.")
+            join = None  # all ranks are here; nothing to record (a shadow replays synchronised backwards only)
+        transport = self.shared if self.shared is not None and self.join is None else self.own()
+        transport.all_reduce_now(vec)
+        if join is not None:
+            join.record(phase, functools.partial(_zeros_all_reduce, vec.numel(), vec.dtype, vec.device, transport))
+        return vec
+
+
+def check_channel(state: JoinState, group: Any, name: str) -> None:
+    """Refuse a join context whose DDP collectives go over the same torch.distributed group as this layer's."""
+    if state.transport.on_group(group):  # the shared-memory transport, or a user's, is a channel of its own
+        raise RuntimeError(
+            f"{name}: DistributedDataParallel.join() cannot shadow SyncBatchNorm when DDP's collectives and "
+            "SyncBatchNorm's share one process group (transport='torch' on the same group): a rank that has joined "
+            "could not reproduce how the two interleave in backward. Give SyncBatchNorm a group of its own "
+            "(convert_sync_batchnorm(model, process_group=torch.distributed.new_group()), on every rank), or use "
+            "the shared-memory transport (transport='shm') where every rank shares a host.")
+
+
+def expect_in_join(state: JoinState, channels: int, device: torch.device, transport: InspectedTransport) -> None:
+    """What a rank that joins before its first step inside the context replays: this layer's forward collective
+    (2C+1 numbers) and its backward collective (2C)."""
+    dtype = wide_dtype(device)
+    state.expect(functools.partial(_zeros_all_reduce, 2 * channels + 1, dtype, device, transport),
+                 functools.partial(_zeros_all_reduce, 2 * channels, dtype, device, transport))
+
+
+class Rendezvous:
+    """A barrier with one slot per replica, one meeting after another: the last to arrive combines the payloads in
+    replica order (every replica sees the same bits); a replica that never comes, within ``timeout`` seconds, makes
+    the others raise naming it, after which the rendezvous stays broken."""
+
+    def __init__(self, parties: int, name: str, timeout: float):
+        self.parties, self.name, self.timeout = parties, name, timeout
+        self._cond = threading.Condition()
+        self._slots: list[Any] = [_EMPTY] * parties
+        self._round = 0
+        self._result: Any = None
+        self._error: BaseException | None = None
+
+    def meet(self, index: int, payload: Any, combine: Callable[[list[Any]], Any], what: str) -> Any:
+        """Deposit ``payload`` as replica ``index``; once all have, ``combine(payloads)`` runs once (in the last
+        replica's thread) and every replica returns its result. ``what`` names the meeting in errors."""
+        with self._cond:
+            if self._error is not None:
+                raise self._failed(what)
+            if self._slots[index] is not _EMPTY:
+                raise RuntimeError(f"{self.name}: replica {index} reached the {what} twice before replicas "
+                                   f"{self._missing()} reached it once")
+            self._slots[index] = payload
+            if not self._missing():
+                payloads, self._slots = self._slots, [_EMPTY] * self.parties
+                try:
+                    self._result = combine(payloads)
+                except BaseException as exc:
+                    self._error = exc
+                    self._cond.notify_all()
+                    raise
+                self._round += 1
+                self._cond.notify_all()
+                return self._result
+            # the result of this round stays until all have read it: the next round cannot complete without them
+            mine = self._round
+            self._cond.wait_for(lambda: self._round != mine or self._error is not None, self.timeout)
+            if self._round != mine:
+                return self._result
+            if self._error is not None:
+                raise self._failed(what)
+            self._error = RuntimeError(
+                f"{self.name}: replica(s) {self._missing()} of {self.parties} did not reach the {what} within "
+                f"{self.timeout:g} s (replica {index} waited). A replica that raised earlier, a backward that "
+                "reached only some replicas, or replicas run one after another instead of concurrently "
+                "(fanfold.DataParallel runs them concurrently); the timeout is $FANFOLD_STALL_TIMEOUT")
+            self._cond.notify_all()
+            raise self._error
+
+    def _missing(self) -> list[int]:
+        return [i for i, s in enumerate(self._slots) if s is _EMPTY]
+
+    def _failed(self, what: str) -> RuntimeError:
+        err = RuntimeError(f"{self.name}: the replicas cannot meet at the {what}: a meeting failed "
+                           f"({type(self._error).__name__}: {self._error})")
+        err.__cause__ = self._error
+        return err
+
+
+@dataclass(frozen=True)
+class ReplicaLink:
+    """What one replica of a SyncBatchNorm knows about its siblings for one forward (and its backward)."""
+
+    rendezvous: Rendezvous
+    index: int
+    concurrent_backward: bool  # True: each replica runs its backward in its own thread (parallel_backward)
 
 
 def _sum_parts(vecs: list[torch.Tensor], outer: GroupSum | None, phase: int) -> torch.Tensor:
@@ -42,9 +362,7 @@ class SyncBatchNorm(_BatchNorm):
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
                  track_running_stats: bool = True, process_group: Any = None, device: Any = None,
                  dtype: torch.dtype | None = None, *, bias: bool = True) -> None:
-        # bias=False is passed only when asked for: torch versions before it existed take no such keyword
-        super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype,
-                         **({} if bias else {"bias": False}))
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype, bias=bias)
         self.process_group = process_group
         self.converted_from: type[nn.Module] | None = None  # set by convert_sync_batchnorm; used to revert
         self._join: JoinState | None = None
@@ -230,9 +548,8 @@ def _rebuild(old: _BatchNorm, cls: type, name: str, **extra: Any) -> _BatchNorm:
     if isinstance(old, LazyModuleMixin) and old.has_uninitialized_params():
         raise ValueError(f"{name or 'the module'} is a lazy BatchNorm that has not seen an input yet: run one "
                          "forward before converting it")
-    bias = old.bias is not None or not old.affine
     new = cls(old.num_features, old.eps, old.momentum, old.affine, old.track_running_stats, device="meta",
-              **({} if bias else {"bias": False}), **extra)
+              bias=old.bias is not None or not old.affine, **extra)
     for key in new._parameters:
         new._parameters[key] = old._parameters[key]
     for key in new._buffers:

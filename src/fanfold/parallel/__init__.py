@@ -1,7 +1,5 @@
-"""fanfold.parallel: one process, several devices (CPU replicas included).
-
-DataParallel and its four verbs (scatter, replicate, parallel_apply, gather), the primitives below them, and the
-process engine (``engine="process"``). How the modules fit together: docs/data-parallel.md, "Design notes".
+"""fanfold.parallel: one process, several devices (CPU replicas included): DataParallel, its four verbs (scatter,
+replicate, parallel_apply, gather) and the process engine. docs/data-parallel.md.
 """
 from .data_parallel import DataParallel, data_parallel, unwrap
 from .parallel_apply import WorkerPool, parallel_apply

@@ -29,7 +29,6 @@ def _accept_unprefixed(module: DataParallel, state_dict: dict, prefix: str, *_: 
 
 
 def _on_device(inputs: tuple, kwargs: dict, device: torch.device) -> bool:
-    """True when every argument is a plain tensor already on ``device`` (the one-device fast path)."""
     return all(type(x) is torch.Tensor and x.device == device for x in chain(inputs, kwargs.values()))
 
 
@@ -37,14 +36,13 @@ class DataParallel(nn.Module):
     """Run ``module`` on several devices of one process, splitting each batch along ``dim``.
 
     ``device_ids``: accelerator indices, strings or ``torch.device`` objects, repeats allowed (``["cpu"] * 4`` is four
-    CPU replicas); default: every accelerator, or none on a CPU-only machine (then the module simply runs).
-    ``output_device``: where outputs are gathered (default ``device_ids[0]``). The module's parameters and buffers
-    must be on ``device_ids[0]``. ``parallel_backward``: with several CPU replicas, run their backward in the
-    worker threads (default) rather than serially on the caller's thread. ``engine``: ``"thread"`` (default) runs
-    the replicas in threads of this process; ``"process"`` (CPU replicas only) runs replica 0 in the caller and the
-    others in persistent worker processes whose parameters alias the module's, moved to shared memory
-    (``process_engine.py``; every replica then runs ``threads // replicas`` intra-op threads, the caller's count
-    given back by ``close()``); ``close()`` stops either.
+    CPU replicas); default: every accelerator, or none on a CPU-only machine (then the module simply runs). The
+    module's parameters and buffers must be on ``device_ids[0]``; outputs are gathered on ``output_device`` (default
+    ``device_ids[0]``). ``weights`` or ``chunk_sizes``: how the batch is split. ``parallel_backward``: run several CPU
+    replicas' backward in the worker threads (default), not serially on the caller's thread. ``engine``: ``"thread"``
+    (default), or ``"process"`` (CPU replicas only: replica 0 in the caller, the others in persistent worker
+    processes whose parameters alias the module's in shared memory, each running ``threads // replicas`` intra-op
+    threads). ``close()`` stops either.
     """
 
     def __init__(
@@ -131,8 +129,7 @@ class DataParallel(nn.Module):
             self._processes = None
 
     def _check_placement(self) -> None:
-        # every forward (the module may have been moved since): the dicts walked directly cost a third of
-        # parameters() + buffers(); names are looked up only on failure
+        # every forward (the module may have moved); the dicts walked directly cost a third of parameters() + buffers()
         src = self.src_device_obj
         for m in self.module.modules():
             for t in chain(m._parameters.values(), m._buffers.values()):
@@ -167,9 +164,8 @@ class DataParallel(nn.Module):
         return gather(outputs, output_device, dim=self.dim)
 
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
-        # A parent module calls child.state_dict(destination=, prefix=, keep_vars=) on each child, so answering
-        # for the wrapped module here drops "module." at any nesting depth (the version metadata recorded under
-        # this prefix is then the wrapped module's own).
+        # a parent calls child.state_dict(destination=, prefix=, keep_vars=): answering for the wrapped module drops
+        # "module." at any nesting depth (the version metadata under this prefix is then the wrapped module's)
         return self.module.state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
 
     def __getattr__(self, name: str) -> Any:
@@ -199,11 +195,8 @@ def data_parallel(
     dim: int = 0,
     module_kwargs: dict[str, Any] | None = None,
 ) -> Any:
-    """One data-parallel forward of ``module`` on ``inputs`` (a tuple of positional arguments, or one argument).
-
-    The same as ``DataParallel(module, device_ids, output_device, dim)(*inputs, **module_kwargs)``: replica threads
-    live for this call only; keep a ``DataParallel`` to reuse them.
-    """
+    """``DataParallel(module, device_ids, output_device, dim)(*inputs, **module_kwargs)`` for one call; ``inputs``: a
+    tuple of positional arguments, or one argument."""
     if not isinstance(inputs, tuple):
         inputs = () if inputs is None else (inputs,)
     return DataParallel(module, device_ids, output_device, dim)(*inputs, **(module_kwargs or {}))

@@ -19,7 +19,6 @@ from .._core.tree import flatten
 
 
 def _work(tasks: queue.SimpleQueue) -> None:
-    """A worker thread's loop: run ``(index, fn, threads, done)`` items until a None arrives."""
     while True:
         item = tasks.get()
         if item is None:
@@ -27,8 +26,7 @@ def _work(tasks: queue.SimpleQueue) -> None:
         index, fn, threads, done = item
         del item  # hold no reference to a replica or its output while idle
         changed = False
-        # get_num_threads first: it runs torch's lazy per-thread initialisation, which would otherwise later
-        # overwrite the count set here with the process-wide default
+        # get_num_threads first: torch's lazy per-thread initialisation would later overwrite the count set here
         if threads and torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
             changed = True
@@ -101,7 +99,6 @@ class WorkerPool:
 
 
 def _infer_device(module: nn.Module, args: tuple, kwargs: dict) -> torch.device:
-    """The device of the first tensor of the arguments, else of the module's parameters, else the CPU."""
     for _, leaf in flatten((args, kwargs))[0]:
         if isinstance(leaf, PackedSequence):
             leaf = leaf.data
@@ -120,7 +117,7 @@ def _autocast_state(device_type: str) -> tuple | None:
 
 
 def _caller_state(devices: list[torch.device]) -> dict:
-    """The caller's thread-local state a worker must reproduce."""
+    """The caller's thread-local state that a worker reproduces."""
     state = {
         "grad": torch.is_grad_enabled(),
         "inference": torch.is_inference_mode_enabled(),
@@ -162,7 +159,7 @@ def reraise(where: str, exc: BaseException) -> None:
 
 
 def _run(pool: WorkerPool, fns: list, devices: list) -> list:
-    """The results of ``fns`` run by ``pool``, or the first failure raised naming its replica and device."""
+    """The results of ``fns`` run by ``pool``; the first failure raised naming its replica and device."""
     results = pool.run(fns)
     for i, (ok, value) in enumerate(results):
         if not ok:

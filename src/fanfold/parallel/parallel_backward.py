@@ -1,10 +1,11 @@
-"""parallel_apply_backward: CPU replicas' forward AND backward run concurrently by the worker pool, one autograd
-Function (``_Replicas``) spanning all replicas; a double backward re-runs their forward on the caller's thread.
-Design notes: docs/data-parallel.md.
+"""parallel_apply_backward: CPU replicas' forward and backward run concurrently by the worker pool, under one autograd
+Function (``_Replicas``); a double backward re-runs their forward on the caller's thread. docs/data-parallel.md.
 """
 from __future__ import annotations
 
+import functools
 import warnings
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -50,9 +51,8 @@ def _leaves_of(outputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _alias_parameters(replicas: Sequence[nn.Module]) -> tuple[list[torch.Tensor], list[list[torch.Tensor]], list]:
-    """Give each replica its own leaf for every parameter that requires grad (one for tied weights), sharing its
-    memory, so that hooks on a parameter run once, on the summed gradient, never in a worker. Returns the parameters,
-    per replica its leaves in that order, and per replica the ``(module, name, parameter)`` swapped."""
+    """Give each replica its own leaf sharing the memory of every parameter that requires grad (so that hooks on a
+    parameter run once, on the summed gradient): the parameters, per replica its leaves, and what was swapped."""
     params: dict[int, torch.Tensor] = {}
     for r in replicas:
         for p in r.parameters():
@@ -65,8 +65,7 @@ def _alias_parameters(replicas: Sequence[nn.Module]) -> tuple[list[torch.Tensor]
         for m in r.modules():
             for key, p in list(m._parameters.items()):
                 if p is not None and id(p) in alias:
-                    # a replica's parameters are its own dict (_replicate_for_data_parallel); as a plain attribute,
-                    # set through setattr so that modules caching their weights (nn.LSTM) see the leaf
+                    # a replica's own dict (_replicate_for_data_parallel); setattr, so that nn.LSTM sees the leaf
                     del m._parameters[key]
                     setattr(m, key, alias[id(p)])
                     restore[-1].append((m, key, p))
@@ -86,8 +85,7 @@ def _sum_into_first(grads: list, owned: bool) -> torch.Tensor | None:
 
 def _recompute_backward(plan: dict, outs: Sequence[torch.Tensor], grads: Sequence) -> list:
     """The Function's gradients as a differentiable graph (double backward): each replica's forward run again on the
-    caller's thread on the real parameters, its buffers left as they were, its outputs checked against the first
-    forward's (a random op drawing again would give the gradient of another function)."""
+    caller's thread, its buffers left as they were, its outputs checked against the first forward's."""
     warnings.warn("DataParallel: double backward (create_graph=True) through CPU replicas: their forward is run "
                   "again on the caller's thread to build a differentiable graph (slower; parallel_backward=False "
                   "avoids the recomputation)", stacklevel=3)
@@ -96,8 +94,7 @@ def _recompute_backward(plan: dict, outs: Sequence[torch.Tensor], grads: Sequenc
                                                             plan["devices"])):
         for m, key, p in plan["restore"][i]:
             setattr(m, key, p)
-        # the run writes into copies of the buffers (BatchNorm's statistics were updated by the first forward);
-        # swapped, not restored in place, because its graph may save them
+        # into copies of the buffers (the first forward updated them), swapped back: its graph may save them
         kept = [(m, key, b) for m in module.modules() for key, b in m._buffers.items() if b is not None]
         for m, key, b in kept:
             m._buffers[key] = b.clone()
@@ -124,8 +121,6 @@ def _recompute_backward(plan: dict, outs: Sequence[torch.Tensor], grads: Sequenc
 
 
 class _Replicas(Function):
-    """``_Replicas.apply(plan, *tensors)``: see the module docstring; ``plan`` carries everything but tensors."""
-
     @staticmethod
     def forward(ctx, plan: dict, *tensors: torch.Tensor) -> tuple:
         ctx.set_materialize_grads(False)
@@ -160,11 +155,8 @@ class _Replicas(Function):
         # replica 0's gradient of a shared tensor becomes the sum if nothing else holds its memory: autograd may
         # pass an incoming gradient through unchanged, or give two leaves the same tensor
         foreign = {g.untyped_storage().data_ptr() for g in grads if g is not None and g.layout == torch.strided}
-        counts: dict[int, int] = {}
-        for g in per_replica[0]:
-            if g is not None and g.layout == torch.strided:
-                p = g.untyped_storage().data_ptr()
-                counts[p] = counts.get(p, 0) + 1
+        counts = Counter(g.untyped_storage().data_ptr() for g in per_replica[0]
+                         if g is not None and g.layout == torch.strided)
 
         def owned(g: torch.Tensor) -> bool:
             # dense and contiguous over its whole storage (a weight's gradient comes back as a .t().t() view of
@@ -179,18 +171,16 @@ class _Replicas(Function):
         shared_tensors = plan["shared_tensors"]
         sums: list = [None] * len(shared_tensors)
         order = sorted(range(len(shared_tensors)), key=lambda k: -shared_tensors[k].numel())
-        groups = [order[w::n] for w in range(n)]  # the biggest tensors spread over the workers
 
-        def add(group):
-            def run():
-                for k in group:
-                    gs = [per_replica[i][k] for i in range(n)]
-                    sums[k] = _sum_into_first(gs, gs[0] is not None and owned(gs[0]))
-            return run
-        if sum(t.numel() for t in shared_tensors) >= _SPREAD_SUM_NUMEL:
-            _run(plan["pool"], [add(g) for g in groups], plan["devices"])
+        def add(group: list[int]) -> None:
+            for k in group:
+                gs = [per_replica[i][k] for i in range(n)]
+                sums[k] = _sum_into_first(gs, gs[0] is not None and owned(gs[0]))
+
+        if sum(t.numel() for t in shared_tensors) >= _SPREAD_SUM_NUMEL:  # the biggest tensors spread over the workers
+            _run(plan["pool"], [functools.partial(add, order[w::n]) for w in range(n)], plan["devices"])
         else:  # small: waking the workers again would cost more than the additions
-            add(order)()
+            add(order)
 
         result = [None] * len(plan["originals"]) + sums
         for i in range(n):
@@ -206,8 +196,8 @@ def parallel_apply_backward(
     devices: Sequence[torch.device],
     pool: WorkerPool,
 ) -> list[Any]:
-    """Like ``parallel_apply`` (same arguments, already normalised), with the replicas' backward also run by the
-    workers, concurrently. For CPU replicas sharing their parameters (``replicate`` onto the module's own device)."""
+    """``parallel_apply`` (arguments normalised) whose replicas' backward the workers run too: CPU replicas sharing
+    their parameters (``replicate`` onto the module's own device)."""
     devices = list(devices)
     n = len(modules)
     params, aliases, restore = _alias_parameters(modules)

@@ -24,36 +24,29 @@ def _check_replicable(network: nn.Module) -> None:
             raise RuntimeError(f"replicate: cannot replicate {name}: a ScriptModule with Python submodules")
 
 
-def _param_copies(params: list[torch.Tensor], devices: list[torch.device], detach: bool) -> list[list[torch.Tensor]]:
-    """``out[j][k]``: what replica j uses for ``params[k]``: the parameter itself on its own device, else a copy."""
-    out: list[list] = [list(params) if not detach else [p.detach() for p in params] for _ in devices]
+def _copies(tensors: list[torch.Tensor], devices: list[torch.device], detach: bool, shared: bool) -> list[list]:
+    """``out[j][k]``: what replica j uses for ``tensors[k]``: on its own device the tensor itself (parameters,
+    ``shared``: for every replica there; buffers: for the first one only), else a copy (parameters: one per device;
+    buffers: one per replica, which it may modify in place)."""
+    out = [[t.detach() if detach and shared else t for t in tensors] for _ in devices]
     by_source: dict[torch.device, list[int]] = {}
-    for k, p in enumerate(params):
-        by_source.setdefault(p.device, []).append(k)
+    for k, t in enumerate(tensors):
+        by_source.setdefault(t.device, []).append(k)
     for source, ks in by_source.items():
-        targets = list(dict.fromkeys(d for d in devices if d != source))  # distinct, in order
+        if shared:
+            targets = list(dict.fromkeys(d for d in devices if d != source))  # distinct, in order
+            slot = {j: targets.index(d) for j, d in enumerate(devices) if d != source}
+        else:
+            owner = devices.index(source) if source in devices else None
+            slot = {j: i for i, j in enumerate(j for j in range(len(devices)) if j != owner)}
+            targets = [devices[j] for j in slot]
         if not targets:
             continue
         with torch.set_grad_enabled(torch.is_grad_enabled() and not detach):
-            flat = Broadcast.apply(targets, *[params[k] for k in ks])  # device-major: flat[i * len(ks) + k]
-        where = {d: i for i, d in enumerate(targets)}
-        for j, d in enumerate(devices):
-            if d in where:
-                for n, k in enumerate(ks):
-                    out[j][k] = flat[where[d] * len(ks) + n]
-    return out
-
-
-def _buffer_copies(buffers: list[torch.Tensor], devices: list[torch.device], detach: bool) -> list[list[torch.Tensor]]:
-    """``out[j][k]``: replica j's own copy of ``buffers[k]`` (the original for the first replica on its device)."""
-    out: list[list] = [[None] * len(buffers) for _ in devices]
-    for k, b in enumerate(buffers):
-        owner = next((j for j, d in enumerate(devices) if d == b.device), None)
-        others = [d for j, d in enumerate(devices) if j != owner]
-        with torch.set_grad_enabled(torch.is_grad_enabled() and not detach):
-            it = iter(Broadcast.apply(others, b) if others else ())
-        for j in range(len(devices)):
-            out[j][k] = b if j == owner else next(it)
+            flat = Broadcast.apply(targets, *[tensors[k] for k in ks])  # device-major: flat[i * len(ks) + n]
+        for j, i in slot.items():
+            for n, k in enumerate(ks):
+                out[j][k] = flat[i * len(ks) + n]
     return out
 
 
@@ -67,8 +60,8 @@ def replicate(network: M, devices: Sequence[DeviceLike], detach: bool = False) -
     modules = list(network.modules())
     params = list(network.parameters())
     buffers = list(network.buffers())
-    param_copies = _param_copies(params, devs, detach)
-    buffer_copies = _buffer_copies(buffers, devs, detach)
+    param_copies = _copies(params, devs, detach, shared=True)
+    buffer_copies = _copies(buffers, devs, detach, shared=False)
     param_index = {id(p): k for k, p in enumerate(params)}
     buffer_index = {id(b): k for k, b in enumerate(buffers)}
     module_index = {id(m): i for i, m in enumerate(modules)}
@@ -83,8 +76,7 @@ def replicate(network: M, devices: Sequence[DeviceLike], detach: bool = False) -
                 if p is None:
                     r._parameters[key] = None
                     continue
-                # through setattr, so that modules caching their weights (nn.LSTM's _flat_weights) see the copy;
-                # a Parameter is registered as one, a copy (not a leaf) becomes a plain attribute, as in torch
+                # setattr: nn.LSTM's _flat_weights see the copy; a copy (not a leaf) is a plain attribute, as in torch
                 setattr(r, key, param_copies[j][param_index[id(p)]])
             for key, b in m._buffers.items():
                 r._buffers[key] = None if b is None else buffer_copies[j][buffer_index[id(b)]]

@@ -1,5 +1,5 @@
 """scatter / scatter_kwargs / gather over nested data, with torch's signatures, differentiable; a ``PackedSequence``
-is split by sequences. ``split_sizes``: how many rows each replica gets. Semantics: docs/data-parallel.md.
+is split by sequences. Semantics: docs/data-parallel.md.
 """
 from __future__ import annotations
 
@@ -17,13 +17,9 @@ from .functions import Gather, Scatter
 
 
 def split_sizes(total: int, n: int, weights: Sequence[float] | None = None) -> list[int]:
-    """How many of ``total`` rows each of up to ``n`` replicas gets; the list drops replicas that get nothing.
-
-    Without weights: ``torch.chunk`` semantics (chunks of ``ceil(total / n)``, the last one smaller), so 30 rows on 8
-    devices give seven 4s and a 2, and 10 rows on 8 devices give five 2s. With weights (one positive number per
-    device): proportional shares rounded by largest remainder (ties to the lower index), then every replica in use
-    gets at least one row, so 1 row with weights [1, 3] goes to device 0 alone. An empty batch gives ``[0]``.
-    """
+    """How many of ``total`` rows each of up to ``n`` replicas gets (replicas that get nothing dropped): ``torch.chunk``
+    sizes, or shares of ``weights`` rounded by largest remainder (ties to the lower index), every replica in use
+    getting a row. An empty batch gives ``[0]``."""
     if isinstance(total, bool) or not isinstance(total, int) or total < 0:
         raise ValueError(f"split_sizes: total must be an int >= 0, got {total!r}")
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
@@ -55,7 +51,7 @@ def split_sizes(total: int, n: int, weights: Sequence[float] | None = None) -> l
 
 
 def _batch_size(path: str, leaf: Any, dim: int) -> int | None:
-    """The size of ``leaf`` along ``dim`` (its number of sequences for a PackedSequence); None if not scattered."""
+    """The size of ``leaf`` along ``dim`` (a PackedSequence's number of sequences); None if not scattered."""
     if isinstance(leaf, PackedSequence):
         return int(leaf.batch_sizes[0]) if len(leaf.batch_sizes) else 0
     if not isinstance(leaf, torch.Tensor):
@@ -115,8 +111,7 @@ def _on(leaf: Any, device: torch.device) -> bool:
 def _scatter_leaves(leaves: list, devices: list, dim: int, sizes: list[int] | None) -> list[list]:
     n = len(devices) if sizes is None else len(sizes)
     if n == 1 and all(_on(leaf, devices[0]) for _, leaf in leaves):
-        # one replica on the caller's device: it gets the caller's own tensors, exactly like the bare module (no
-        # copy is needed, since no other replica shares them)
+        # one replica on the caller's device gets the caller's own tensors, exactly like the bare module
         return [[leaf for _, leaf in leaves]]
     per_leaf = []
     for path, leaf in leaves:
@@ -135,7 +130,6 @@ def _check_dim(dim: Any) -> None:
 
 
 def _split(leaves: list, target_gpus: Sequence[DeviceLike], dim: int, chunk_sizes, weights) -> list[list]:
-    """Per replica used, the list of its leaves."""
     devices = usable_devices(target_gpus, "target_gpus")
     return _scatter_leaves(leaves, devices, dim, _plan(leaves, devices, dim, chunk_sizes, weights))
 

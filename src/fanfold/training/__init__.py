@@ -1,6 +1,4 @@
-"""fanfold.training: checkpoints (``checkpoint`` over ``safe_file``), the resumable ``DistributedSampler`` and exact
-evaluation (``data``), and the main job's worker (``job``).
-"""
+"""fanfold.training: checkpoints, the resumable ``DistributedSampler`` and exact evaluation, the main job's worker."""
 from . import data
 from .checkpoint import CheckpointError, latest, load, save
 from .data import DistributedSampler, gather_evaluation

@@ -1,37 +1,203 @@
 """Portable, safe, atomic checkpoints: ``save(path, state)`` / ``load(path, state)`` with exact resume (every rank's
-RNG states, wrapper prefixes reconciled). The file format is ``safe_file``'s; format and guarantees:
-docs/checkpoints.md.
+RNG states, wrapper prefixes reconciled); the file is ``torch.save`` bytes and a sha256 footer, written atomically and
+unpickled weights-only. Format and guarantees: docs/checkpoints.md.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
+import glob
+import hashlib
 import os
+import pickle
 import random
+import secrets
+import struct
 import sys
 import warnings
 from collections import OrderedDict
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 from torch import nn
 
 from .._core.job import rank_world
+from .._core.shm import alive
 from ..collectives.objects import all_gather_object, broadcast_object, gather_object
 from ..collectives.stall import group_transport
 from ..parallel.data_parallel import unwrap
-from .safe_file import META, CheckpointError, has_footer, read_verified, write_atomic
 
 __all__ = ["save", "load", "latest", "unwrap_state_dict", "CheckpointError"]
+
+META = "__fanfold__"  # the payload's own entry (format version, kinds, RNG): also tells a footless file apart
+MAGIC = b"FANFOLD\x01"
+FOOTER = struct.Struct("<8s32sQ")
+_CHUNK = 1 << 20
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint was refused (corrupted, truncated, unsafe, or does not fit); nothing live was changed."""
+
+
+class _HashingWriter:
+    """Hashes and counts what torch.save writes through it, so that saving reads nothing back."""
+
+    def __init__(self, file: BinaryIO):
+        self.file, self.sha, self.size = file, hashlib.sha256(), 0
+
+    def write(self, data) -> int:
+        self.sha.update(data)
+        self.size += len(data)
+        return self.file.write(data)
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
+def _fsync_dir(directory: Path) -> None:
+    # The rename is durable only once the directory entry is on disk; some systems cannot open a directory.
+    with contextlib.suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _boot_id() -> str:
+    """This boot's identity (Linux), or "" where the system does not say: then no writer is ever judged dead."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip().replace("-", "")[:16]
+    except OSError:
+        return ""
+
+
+def remove_dead_writers_files(path: Path, boot: str) -> list[Path]:
+    """Remove (and return) the temporary files of ``path`` whose writer died mid-save: named with this boot and a pid
+    that no longer exists; a live writer's, or another boot's or host's (a shared filesystem), are never touched."""
+    removed = []
+    if not boot:
+        return removed
+    for tmp in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
+        parts = tmp.name[len(path.name) + 2:].split(".")  # boot, pid, token, "tmp"
+        if len(parts) != 4 or parts[0] != boot or not parts[1].isdigit() or alive(int(parts[1])):
+            continue
+        with contextlib.suppress(FileNotFoundError):  # another rank's save may have removed it first
+            tmp.unlink()
+            removed.append(tmp)
+    return removed
+
+
+def write_atomic(path: Path, payload: Any) -> None:
+    """Write ``payload`` to ``path`` so that a reader sees the old file or the whole new one, never a part."""
+    directory = path.parent
+    directory.mkdir(parents=True, exist_ok=True)
+    boot = _boot_id()
+    remove_dead_writers_files(path, boot)
+    # beside the target (os.replace is atomic within one filesystem), named by boot and pid (remove_dead_writers_files)
+    tmp = directory / f".{path.name}.{boot or 'noboot'}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            writer = _HashingWriter(f)
+            torch.save(payload, writer)
+            f.write(FOOTER.pack(MAGIC, writer.sha.digest(), writer.size))
+            f.flush()
+            os.fsync(f.fileno())  # the bytes are on disk before the name points at them
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(directory)
+
+
+def _footer(f: BinaryIO, size: int) -> tuple[bytes, int] | None:
+    """(sha256, length) when the file ends in a well-formed footer that matches its size, else None."""
+    if size < FOOTER.size:
+        return None
+    f.seek(size - FOOTER.size)
+    magic, digest, length = FOOTER.unpack(f.read(FOOTER.size))
+    if magic != MAGIC or length != size - FOOTER.size:
+        return None
+    return digest, length
+
+
+def has_footer(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return _footer(f, os.fstat(f.fileno()).st_size) is not None
+    except OSError:
+        return False
+
+
+def _unpickle(path: Path, f: BinaryIO) -> Any:
+    f.seek(0)
+    try:
+        with warnings.catch_warnings():
+            # torch warns about a pickle protocol it did not write just before refusing the file: ours says it once
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.load(f, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        # weights_only refuses any global outside torch's allowlist before calling it: the payload never ran.
+        lines = [line.strip() for line in str(exc).splitlines()]
+        reason = next((line for line in lines if "GLOBAL" in line or "nsupported" in line), lines[0] if lines else "")
+        raise CheckpointError(
+            f"{path}: refused: it holds pickled objects that are not tensors or plain containers, and fanfold loads "
+            f"only with torch.load(weights_only=True), which never runs their code ({reason})") from None
+    except Exception as exc:
+        # torch's whole first line: cut short, its reason ended mid-sentence
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        f.seek(0)
+        if f.read(4) == b"PK\x03\x04":  # torch.save's zip archive, whose directory at the end is missing or bad
+            raise CheckpointError(f"{path}: truncated or corrupted: it begins as a torch checkpoint (a zip archive) "
+                                  f"but torch cannot read its end; nothing was loaded ({type(exc).__name__}: "
+                                  f"{first})") from None
+        raise CheckpointError(f"{path}: not a readable torch checkpoint: truncated, corrupted or another format "
+                              f"({type(exc).__name__}: {first})") from None
+
+
+def read_verified(path: Path) -> Any:
+    """Unpickle ``path`` (weights only, tensors on CPU) after checking its checksum; a file without a footer (plain
+    ``torch.save``) is read unverified. CheckpointError naming the file for a mismatch, a damaged footer, or content
+    the weights-only unpickler refuses."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        footer = _footer(f, size)
+        if footer is None:
+            f.seek(max(0, size - 2 * FOOTER.size))
+            if MAGIC[:7] in f.read():
+                raise CheckpointError(f"{path}: damaged or truncated: its fanfold footer does not match the file "
+                                      f"size ({size} bytes); nothing was loaded")
+            payload = _unpickle(path, f)
+            if isinstance(payload, dict) and META in payload:
+                # Written by fanfold, so it had a footer: it lost it (cut short) or the footer itself is damaged.
+                raise CheckpointError(f"{path}: damaged or truncated: a fanfold checkpoint without its checksum "
+                                      f"footer; nothing was loaded")
+            return payload
+        digest, length = footer
+        f.seek(0)
+        sha, left = hashlib.sha256(), length
+        while left:
+            chunk = f.read(min(_CHUNK, left))
+            if not chunk:
+                raise CheckpointError(f"{path}: the file shrank while being read; nothing was loaded")
+            sha.update(chunk)
+            left -= len(chunk)
+        if sha.digest() != digest:
+            raise CheckpointError(f"{path}: corrupted: sha256 of its {length} payload bytes is "
+                                  f"{sha.hexdigest()[:16]}..., the footer says {digest.hex()[:16]}...; "
+                                  "nothing was loaded")
+        return _unpickle(path, f)
 
 VERSION = 1
 _LEAVES = (bool, int, float, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
 
 
 def get_rng_state() -> dict[str, Any]:
-    """This process's generators, as weights-only-loadable values: ``torch``, ``python``, ``cuda`` and ``numpy``
-    when in use."""
+    """This process's generators (``torch``, ``python``; ``cuda`` and ``numpy`` when in use), weights-only-loadable."""
     version, words, gauss_next = random.getstate()
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": [version, list(words), gauss_next]}
     # Only touch CUDA if the program already did: initialising it here would create a context on every device.
@@ -45,7 +211,7 @@ def get_rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore what :func:`get_rng_state` captured; generators it did not capture are left as they are."""
+    """Restore what ``get_rng_state`` captured; the generators it did not capture are left as they are."""
     torch.set_rng_state(state["torch"])
     version, words, gauss_next = state["python"]
     random.setstate((version, tuple(words), gauss_next))
@@ -148,8 +314,7 @@ def _payload(state: Mapping[str, Any], rngs: list, world: int) -> dict:
     kinds = {}
     for name, obj in state.items():
         if isinstance(obj, nn.Module):
-            # Known wrappers are gone; a compiled submodule's `_orig_mod` goes too. Other prefixes are the model's
-            # own names (a user's container with a `module` attribute) and stay, for a plain load_state_dict.
+            # wrappers and a compiled submodule's `_orig_mod` go; other prefixes are the model's own names and stay
             sd = unwrap(obj).state_dict()
             kinds[name], data = "module", OrderedDict(zip(drop_orig_mod(list(sd)), sd.values()))
         elif _stateful(obj):
@@ -253,8 +418,8 @@ def _plan(path: Path, payload: Any, state: Mapping[str, Any], strict: bool):
 
 def _apply(path: Path, loads: list, rng_state: dict | None) -> None:
     before = get_rng_state()
-    # Modules and optimizers were checked in full; other objects (schedulers, samplers) can only be tried, so they
-    # go first and, with the generators, are rolled back if one of them refuses its state.
+    # modules and optimizers were checked in full; other objects can only be tried: they go first, and are rolled
+    # back with the generators if one of them refuses its state
     others = [(n, o, d) for n, o, d in loads if not isinstance(o, (nn.Module, torch.optim.Optimizer))]
     done: list = []
     try:

@@ -17,15 +17,12 @@ __all__ = ["DistributedSampler", "gather_evaluation"]
 
 
 class DistributedSampler(Sampler[int]):
-    """Each rank's share of a seeded per-epoch order; every new ``iter()`` is the next epoch.
+    """Each rank's share of a seeded per-epoch order; every new ``iter()`` is the next epoch (``set_epoch`` works too).
 
     ``even=True`` (training) pads with the epoch's first samples so every rank gets the same count, or with
-    ``drop_last=True`` drops the tail; ``even=False`` (evaluation) pads nothing, so ranks may differ by one.
-    ``set_epoch(e)`` still works (the next ``iter()`` is epoch ``e``). ``state_dict()`` records the epoch and the
-    global positions consumed: this rank's consumed count times ``num_replicas``, which assumes the ranks step
-    together, as data-parallel training does. The consumed count is the number of indices this rank's iterator has
-    handed out, exact for a ``DataLoader`` with ``num_workers=0``; a loader with workers fetches ahead, so then call
-    ``set_consumed(batches_done * batch_size)`` before ``state_dict()``.
+    ``drop_last=True`` drops the tail; ``even=False`` (evaluation) pads nothing. ``state_dict()`` records the epoch and
+    this rank's handed-out count times ``num_replicas`` (the ranks step together); a ``DataLoader`` with workers
+    fetches ahead, so then call ``set_consumed(batches_done * batch_size)`` before ``state_dict()``.
     """
 
     def __init__(self, dataset: Sized, num_replicas: int | None = None, rank: int | None = None,
@@ -72,7 +69,7 @@ class DistributedSampler(Sampler[int]):
         return rest
 
     def _share(self, start: int, rank: int) -> int:
-        """How many indices ``rank`` gets from an order resumed at ``start`` (arithmetic: no permutation drawn)."""
+        """How many indices ``rank`` gets from an order resumed at ``start`` (no permutation drawn)."""
         left, r = len(self.dataset) - start, self.num_replicas
         if self.drop_last:
             return left // r
@@ -115,7 +112,6 @@ class DistributedSampler(Sampler[int]):
         self._told = samples
 
     def state_dict(self) -> dict[str, Any]:
-        """``epoch`` and ``consumed`` (global positions of that epoch's order), plus what must match on load."""
         if self._pending:
             epoch, consumed = self._next
         else:
@@ -146,12 +142,9 @@ class DistributedSampler(Sampler[int]):
 
 
 def gather_evaluation(values: torch.Tensor, sampler: DistributedSampler) -> torch.Tensor:
-    """Every rank's evaluation results, one row per distinct sample, in dataset order (collective).
-
-    ``values[i]`` is this rank's result for the ``i``-th index its ``sampler`` handed out in its last ``iter()``
-    (how a ``DataLoader`` over that sampler delivers them). Padding duplicates collapse into one row, so with
-    ``even=False`` or ``even=True`` 1,000 samples give 1,000 rows; samples dropped by ``drop_last`` give none.
-    """
+    """Every rank's evaluation results, one row per distinct sample, in dataset order (collective). ``values[i]``: this
+    rank's result for the ``i``-th index its ``sampler`` handed out in its last ``iter()``; padding duplicates collapse
+    into one row, samples dropped by ``drop_last`` give none."""
     if not isinstance(values, torch.Tensor):
         raise TypeError(f"values must be a tensor with one row per sample, got {type(values).__name__}")
     if not isinstance(sampler, DistributedSampler):

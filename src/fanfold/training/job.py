@@ -11,12 +11,12 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from tqdm import tqdm
 
+from ..collectives.stall import group_transport
 from ..distributed.ddp import DistributedDataParallel
 from ..distributed.env import destroy_process_group, init_process_group
 from ..nn import SyncBatchNorm
@@ -28,9 +28,8 @@ CHECKPOINT = "checkpoint.pt"
 # padding (every sample once an epoch), while 357 is odd and shows the exact evaluation count.
 TEST_SIZE = 357
 SPLIT_SEED = 0  # the split never depends on --seed: runs with different seeds are evaluated on the same samples
-# Hyperparameters a checkpoint is bound to: resuming with other values would not continue the same run.
+# hyperparameters a checkpoint is bound to; on/off switches (--sync-bn) are recorded only when on
 RUN_KEYS = ("epochs", "batch_size", "lr", "seed")
-# On/off switches (``--sync-bn``): recorded only when on, so a checkpoint without one ran with it off.
 RUN_FLAGS = ("sync_bn",)
 RUN_DEFAULTS = {"epochs": 10, "batch_size": 64, "lr": 1e-2, "seed": 0, "sync_bn": False}
 
@@ -43,8 +42,7 @@ def run_settings(args: argparse.Namespace) -> dict:
 
 
 def draws_bars(stream) -> bool:
-    """True when ``stream`` is a terminal a progress bar can be drawn on: not a file or pipe, nor a terminal of zero
-    columns (a pseudo-terminal nobody sized, as under ``script``), where tqdm would draw empty lines."""
+    """True when ``stream`` is a terminal of some width (not a pseudo-terminal nobody sized, as under ``script``)."""
     if not stream.isatty():
         return False
     try:
@@ -94,7 +92,8 @@ def run_worker(args: argparse.Namespace) -> int:
     dev = init_process_group(timeout=120.0)  # the local accelerator when there is one, else the CPU
     if dev.type == "cuda":
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
-    rank, world = dist.get_rank(), dist.get_world_size()
+    transport = group_transport(None, "fanfold train")  # the loss curve's all-reduce and the final barrier
+    rank, world = transport.rank, transport.world_size
     out = Path(args.out)
     ckpt = out / CHECKPOINT
     if args.batch_size % world:
@@ -107,8 +106,7 @@ def run_worker(args: argparse.Namespace) -> int:
         net = SyncBatchNorm.convert_sync_batchnorm(net)
     model = DistributedDataParallel(net.to(dev))
     sampler = DistributedSampler(train_set, shuffle=True, seed=args.seed)
-    # Its own generator: a DataLoader draws a seed at every iter(), and a resumed epoch is one iter() more, so
-    # drawing from the global generator would shift the dropout masks after a resume.
+    # its own generator: a DataLoader draws a seed at every iter(), and a resumed epoch is one iter() more
     loader = DataLoader(train_set, batch_size=args.batch_size // world, sampler=sampler, generator=torch.Generator())
     steps_per_epoch = len(loader)
     total = args.epochs * steps_per_epoch
@@ -117,8 +115,7 @@ def run_worker(args: argparse.Namespace) -> int:
     run = run_settings(args)
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "sampler": sampler,
              "step": 0, "losses": [], "run": run}
-    # After a restart by the launcher the workers start afresh: the checkpoint, if any, is where they left off.
-    # (The parent refused a --out that already held one unless --resume was given, and checked its settings.)
+    # after a restart by the launcher the workers start afresh: the checkpoint, if any, is where they left off
     resumed = ckpt.exists()
     if resumed:
         if saved_settings(ckpt) != run:  # only if the file changed under us: the parent checked it
@@ -146,9 +143,8 @@ def run_worker(args: argparse.Namespace) -> int:
             optimizer.step()
             scheduler.step()
             step += 1
-            mean = loss.detach().clone()
-            dist.all_reduce(mean)  # the curve shows the global batch's loss, not rank 0's share
-            losses.append(mean.item() / world)
+            # the curve shows the global batch's loss, not rank 0's share
+            losses.append(transport.all_reduce_now(loss.detach().clone()).item() / world)
             if step % steps_per_epoch == 0 or (args.checkpoint_every and step % args.checkpoint_every == 0):
                 checkpoint()
             seen += len(ids) * world
@@ -159,9 +155,6 @@ def run_worker(args: argparse.Namespace) -> int:
         if plain:
             print(f"epoch {epoch + 1}/{args.epochs}: step {step}/{total}, loss {losses[-1]:.4f}, "
                   f"{seen / (time.perf_counter() - start):.0f} samples/s", file=sys.stderr, flush=True)
-        if step % steps_per_epoch:
-            raise RuntimeError(f"rank {rank}: the sampler ended epoch {epoch} after step {step}, "
-                               f"not on a multiple of {steps_per_epoch} steps")
 
     correct, count = _evaluate(model, test_set, dev)
     if rank == 0:
@@ -170,7 +163,7 @@ def run_worker(args: argparse.Namespace) -> int:
         (out / "metrics.json").write_text(json.dumps({"test_accuracy": accuracy, "test_samples": count,
                                                       "steps": step, "world_size": world}) + "\n")
         _plot(losses, steps_per_epoch, accuracy, out / "loss.png")
-    dist.barrier()
+    transport.barrier()
     destroy_process_group()
     return 0
 
@@ -184,8 +177,6 @@ def _evaluate(model, test_set, dev) -> tuple[int, int]:
         for x, y, _ in DataLoader(test_set, batch_size=256, sampler=sampler):
             hits.append(model(x.to(dev)).argmax(1) == y.to(dev))
     results = gather_evaluation(torch.cat(hits), sampler)
-    if len(results) != len(test_set):
-        raise RuntimeError(f"evaluation counted {len(results)} samples, the held-out split has {len(test_set)}")
     return int(results.sum()), len(results)
 
 
