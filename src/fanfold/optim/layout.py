@@ -14,9 +14,7 @@ import torch
 __all__ = ["PIECE_BYTES", "PIECEWISE", "Piece", "PieceState", "Space", "plan_spaces", "pieces_of", "split_pieces",
            "cache_batches", "inner_groups", "check_elementwise", "steps_in_pieces", "assemble", "cut"]
 
-# The most bytes of parameter one piece of the step covers: Adam's passes over a piece (parameter, gradient, two
-# state tensors) stay in cache. Alike from 512 KiB to 4 MiB; below 256 KiB the Python overhead of one parameter group
-# per piece costs more than the cache saves (benchmarks/zero_step.py).
+# The most bytes of parameter one piece of the step covers, so that Adam's passes over it stay in cache (docs/zero.md)
 PIECE_BYTES = 512 * 1024
 
 
@@ -51,8 +49,7 @@ class Space:
     world: int
 
     @property
-    def shard(self) -> int:
-        """Elements per slice (the padded size every rank sends in the all-gather)."""
+    def shard(self) -> int:  # elements per slice: the padded size every rank sends in the all-gather
         return -(-self.total // self.world)
 
     def slice(self, rank: int) -> tuple[int, int]:
@@ -139,13 +136,11 @@ def inner_groups(pieces: list[Piece], params: list[torch.Tensor],
     return out, batches
 
 
-# torch optimizers whose update of one element depends on other elements of the same parameter (matrix
-# factorisations, line searches, sparse rows): a slice would not step as the whole parameter does. Every other class
-# is taken at its word, as torch's ZeroRedundancyOptimizer does.
+# torch optimizers whose update of one element depends on other elements of the same parameter: a slice would not
+# step as the whole parameter does. Every other class is taken at its word, as torch's ZeroRedundancyOptimizer does.
 NOT_ELEMENTWISE = ("LBFGS", "SparseAdam", "Adafactor", "Muon")
-# torch optimizers that also step cache-sized pieces: elementwise, and every per-parameter scalar (``step``, ASGD's
-# ``eta`` and ``mu``, NAdam's ``mu_product``) advances alike for every piece. Matched by exact type: a subclass may
-# override ``step``, so it steps whole.
+# torch optimizers that also step cache-sized pieces: elementwise, with every per-parameter scalar advancing alike
+# for every piece. Matched by exact type: a subclass may override ``step``, so it steps whole.
 PIECEWISE = ("SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adamax", "NAdam", "RAdam", "Adadelta", "Rprop", "ASGD")
 
 
@@ -157,16 +152,12 @@ def check_elementwise(optimizer_class: type) -> None:
 
 
 def steps_in_pieces(optimizer_class: type, options: Mapping[str, Any]) -> bool:
-    """Whether ``optimizer_class`` steps a group with these ``options`` in cache-sized pieces: one of ``PIECEWISE``
-    exactly, not fused."""
     known = any(getattr(torch.optim, n, None) is optimizer_class for n in PIECEWISE)
     return known and not options.get("fused")
 
 
 @dataclass
-class PieceState:
-    """One piece's optimizer state, as it travels to the rank that consolidates."""
-
+class PieceState:  # one piece's optimizer state, as it travels to the rank that consolidates
     index: int
     start: int
     stop: int

@@ -148,7 +148,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if self._stage2 is not None:
-            self._stage2.settle()  # the last step's gather, still in flight if no forward read the parameters
+            self._stage2.gather.wait_all()  # the last step's gather, still in flight if no forward read the parameters
         self._sync_hyper()
         self._shard_grads()
         try:
@@ -156,7 +156,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         finally:
             for v in self._views:  # a view would keep the whole gradient alive after zero_grad
                 v.grad = None
-        self._gather_params() if self._stage2 is None else self._stage2.gather_params()
+        self._gather_params() if self._stage2 is None else self._stage2.gather.issue()
         self._consolidated = None
         return loss
 
