@@ -56,7 +56,10 @@ class DistributedPipeline(nn.Module):
         self.chunks = check_chunks(chunks)
         self.checkpoint = check_checkpoint(checkpoint)
         layers = layers_of(module)
-        self.balance = self._agree(resolve_balance(balance, layers, stages, sample_input))
+        agreed = torch.tensor(resolve_balance(balance, layers, stages, sample_input), dtype=torch.int64)
+        # rank 0's on every rank: a timing profile differs from process to process
+        group_transport(None, "DistributedPipeline").broadcast(agreed, 0)
+        self.balance = agreed.tolist()
         self.stage = rank % stages
         self.num_stages = stages
         self.data_parallel_rank, self.data_parallel_size = rank // stages, world // stages
@@ -77,12 +80,6 @@ class DistributedPipeline(nn.Module):
         if self.data_parallel_group is not None:
             broadcast_state(itertools.chain(self.parameters(), self.buffers()), self.data_parallel_group)
         self.last_timeline: list[StepTime] = []
-
-    def _agree(self, balance: list[int]) -> list[int]:
-        """Rank 0's balance on every rank (a timing profile differs from process to process)."""
-        t = torch.tensor(balance, dtype=torch.int64)
-        group_transport(None, "DistributedPipeline").broadcast(t, 0)
-        return t.tolist()
 
     @property
     def is_first(self) -> bool:
