@@ -82,7 +82,9 @@ def broadcast_state(tensors: Iterable[torch.Tensor], group: Any) -> None:
     """Copy ``tensors`` (parameters, buffers) from the group's rank 0 to every rank of ``group``, in place."""
     transport = group_transport(group, "Pipeline data parallelism")
     for t in tensors:
-        transport.broadcast(t.detach(), 0)
+        flat = t.detach().reshape(-1)  # 1-d (a 0-d buffer too); a copy where t is not contiguous, hence the copy back
+        transport.broadcast(flat, 0)
+        t.copy_(flat.view_as(t))
 
 
 @torch.no_grad()
