@@ -14,6 +14,7 @@ from torch import nn
 
 from .._core.devices import DeviceLike, normalize_device
 from ..collectives.stall import group_transport
+from ..collectives.transport import split_into
 from ..parallel.parallel_apply import WorkerPool, _caller_state, in_caller_state, reraise
 from .channel import Channel, StageAborted, ThreadChannel
 from .partition import batch_size, chunk_sizes, join, layers_of, loss_weights, resolve_balance, split, stage_modules
@@ -97,7 +98,9 @@ def average_gradients(parameters: Iterable[nn.Parameter], group: Any) -> None:
             p.grad = torch.zeros_like(p)
     transport = group_transport(group, "Pipeline data parallelism")
     for bucket in _buckets([p.grad for p in params]):
-        transport.reduce_tensors(bucket, divisor=transport.world_size).wait()
+        flat = torch.cat([g.reshape(-1) for g in bucket])  # any layout: a channels_last gradient keeps its own
+        transport.all_reduce(flat, divisor=transport.world_size).wait()
+        split_into(flat, bucket)
 
 
 def check_chunks(chunks: Any) -> int:
