@@ -10,7 +10,7 @@ Rows, for each implementation (``foreach=False``, torch's default on CPU; ``fore
 - whole: the inner optimizer over the 4 views, as before pieces;
 - pieces, one group: the views cut into pieces of at most ``--piece-kib`` KiB, all in one parameter group;
 - pieces, group each: one parameter group per piece, so each of the implementation's passes runs over one piece
-  while it is in cache (what ``ZeroRedundancyOptimizer`` does);
+  while it is in cache (what ``ZeroRedundancyOptimizer`` did until issue 25);
 - pieces, step each: one parameter group, ``step()`` called once per piece with only that piece carrying ``.grad``.
 
 Each row has its own parameters and state (same values); the table shows the median step time over every step of

@@ -5,9 +5,12 @@ micro-batch; a backward needs its own forward and the next stage's backward), no
 """
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
 
+from fanfold._core.tree import flatten
 from fanfold.pipeline import Step, gpipe, one_f_one_b
 from fanfold.pipeline.channel import decode, encode
 from fanfold.pipeline.schedule import clocked, stage_orders
@@ -78,14 +81,18 @@ def test_deadlocks_and_incomplete_schedules_are_refused():
         list(gpipe(2, 0))
 
 
-@pytest.mark.parametrize("kind,value", [
-    ("activation", torch.randn(3, 4)),
-    ("activation", (torch.randn(2, 5, 3), torch.zeros(2, 5, dtype=torch.bool))),
-    ("activation", [torch.arange(6).reshape(2, 3)] * 9),  # a header longer than the first message
-    ("grad", [torch.randn(2, 3, 4, 5, 6, 7), None, torch.randn(1, dtype=torch.float64)] * 4),
-], ids=["tensor", "tuple", "long-list", "grads-with-none"])
-def test_messages_between_processes_round_trip(kind, value):
-    header, payload = encode(kind, value)
+Pair = collections.namedtuple("Pair", "x mask")
+
+
+@pytest.mark.parametrize("value", [
+    torch.randn(3, 4),
+    (torch.randn(2, 5, 3), torch.zeros(2, 5, dtype=torch.bool)),
+    [torch.arange(6).reshape(2, 3)] * 40,  # a header longer than the first message
+    [torch.randn(2, 3, 4, 5, 6, 7), None, torch.randn(1, dtype=torch.float64)] * 4,  # gradients, some missing
+    {"x": torch.randn(2, 3), "pair": Pair(torch.randn(2), torch.ones(2, dtype=torch.bool)), "scale": 0.5},
+], ids=["tensor", "tuple", "long-list", "grads-with-none", "dict-namedtuple-float"])
+def test_messages_between_processes_round_trip(value):
+    header, payload = encode(value)
     sent = iter(payload)
 
     def receive(shape, dtype):  # what the receiver allocates must be what was sent
@@ -93,11 +100,13 @@ def test_messages_between_processes_round_trip(kind, value):
         assert (t.shape, t.dtype) == (shape, dtype)
         return t.clone()
 
-    got = decode(kind, header, receive)
-    items = value if isinstance(value, (tuple, list)) else [value]
-    assert type(got) is (type(value) if kind == "activation" else list)
-    assert len(header) == max(header[0], 32)  # the first message has 32 slots; a longer header follows it
-    for a, b in zip(got if isinstance(got, (tuple, list)) else [got], items):
-        assert (a is None and b is None) or (torch.equal(a, b) and a.dtype == b.dtype)
-    with pytest.raises(TypeError, match="flat tuple/list of tensors"):
-        encode("activation", (torch.ones(1), "mask"))
+    got = decode(header, receive)
+    assert next(sent, None) is None
+    want, _ = flatten(value)
+    leaves, _ = flatten(got)
+    assert type(got) is type(value) and [p for p, _ in leaves] == [p for p, _ in want]
+    for (_, a), (_, b) in zip(leaves, want):
+        if isinstance(b, torch.Tensor):
+            assert torch.equal(a, b) and a.dtype == b.dtype
+        else:
+            assert a == b

@@ -1,23 +1,16 @@
 """Where each rank's shard lies: members laid end to end in flat spaces cut into equal slices, the pieces of a rank's
-slices (cut cache-sized for torch's elementwise optimizers), and the optimizer state per piece, cut and glued back.
+slices (one per parameter it touches), and the optimizer state per piece, cut and glued back.
 Pure arithmetic, no collective; design and figures: docs/zero.md.
 """
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["PIECE_BYTES", "PIECEWISE", "Piece", "PieceState", "Space", "plan_spaces", "pieces_of", "split_pieces",
-           "cache_batches", "inner_groups", "check_elementwise", "steps_in_pieces", "assemble", "cut"]
-
-# The most bytes of parameter one piece of the step covers: Adam's passes over a piece (parameter, gradient, two
-# state tensors) stay in cache. Alike from 512 KiB to 4 MiB; below 256 KiB the Python overhead of one parameter group
-# per piece costs more than the cache saves (benchmarks/zero_step.py).
-PIECE_BYTES = 512 * 1024
+__all__ = ["Piece", "PieceState", "Space", "plan_spaces", "pieces_of", "check_elementwise", "assemble", "cut"]
 
 
 @dataclass(frozen=True)
@@ -51,8 +44,7 @@ class Space:
     world: int
 
     @property
-    def shard(self) -> int:
-        """Elements per slice (the padded size every rank sends in the all-gather)."""
+    def shard(self) -> int:  # elements per slice: the padded size every rank sends in the all-gather
         return -(-self.total // self.world)
 
     def slice(self, rank: int) -> tuple[int, int]:
@@ -93,60 +85,9 @@ def pieces_of(spaces: list[Space], groups: list[int], rank: int) -> list[Piece]:
             space.spans(*space.slice(rank))]
 
 
-def split_pieces(pieces: list[Piece], params: list[torch.Tensor], limit: int = PIECE_BYTES) -> list[Piece]:
-    """Each piece cut into pieces of at most ``limit`` bytes (at least one element), in order. The cuts lie at the
-    parameter's flat elements that are multiples of ``limit // element size``: the same at any world size."""
-    out = []
-    for pc in pieces:
-        width = max(1, limit // params[pc.index].element_size())
-        a = pc.start
-        while a < pc.stop:
-            b = min(pc.stop, (a // width + 1) * width)
-            out.append(Piece(pc.index, pc.group, pc.space, a, b, pc.offset + a - pc.start))
-            a = b
-    return out
-
-
-def cache_batches(pieces: list[Piece], params: list[torch.Tensor], limit: int = PIECE_BYTES) -> list[list[int]]:
-    """Positions in ``pieces`` in runs of consecutive pieces of at most ``limit`` bytes (a larger piece alone)."""
-    out: list[list[int]] = []
-    used = 0
-    for k, pc in enumerate(pieces):
-        size = pc.numel * params[pc.index].element_size()
-        if not out or used + size > limit:
-            out.append([])
-            used = 0
-        out[-1].append(k)
-        used += size
-    return out
-
-
-def inner_groups(pieces: list[Piece], params: list[torch.Tensor],
-                 cut: list[bool]) -> tuple[list[Piece], list[tuple[int, list[int]]]]:
-    """The inner optimizer's parameters (``pieces`` in group order, group ``g``'s cut by ``split_pieces`` where
-    ``cut[g]``) and its groups as (outer group, positions): one per cache batch of a cut group, one per other group.
-    A group with no piece here gets one empty inner group, which takes the class's defaults as on the other ranks."""
-    out: list[Piece] = []
-    batches: list[tuple[int, list[int]]] = []
-    for g, pieced in enumerate(cut):
-        mine = [pc for pc in pieces if pc.group == g]
-        runs = [list(range(len(mine)))]
-        if pieced:
-            mine = split_pieces(mine, params)
-            runs = cache_batches(mine, params) or [[]]
-        batches += [(g, [len(out) + k for k in run]) for run in runs]
-        out += mine
-    return out, batches
-
-
-# torch optimizers whose update of one element depends on other elements of the same parameter (matrix
-# factorisations, line searches, sparse rows): a slice would not step as the whole parameter does. Every other class
-# is taken at its word, as torch's ZeroRedundancyOptimizer does.
+# torch optimizers whose update of one element depends on other elements of the same parameter: a slice would not
+# step as the whole parameter does. Every other class is taken at its word, as torch's ZeroRedundancyOptimizer does.
 NOT_ELEMENTWISE = ("LBFGS", "SparseAdam", "Adafactor", "Muon")
-# torch optimizers that also step cache-sized pieces: elementwise, and every per-parameter scalar (``step``, ASGD's
-# ``eta`` and ``mu``, NAdam's ``mu_product``) advances alike for every piece. Matched by exact type: a subclass may
-# override ``step``, so it steps whole.
-PIECEWISE = ("SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adamax", "NAdam", "RAdam", "Adadelta", "Rprop", "ASGD")
 
 
 def check_elementwise(optimizer_class: type) -> None:
@@ -156,17 +97,8 @@ def check_elementwise(optimizer_class: type) -> None:
                          f"it cannot step slices of parameters")
 
 
-def steps_in_pieces(optimizer_class: type, options: Mapping[str, Any]) -> bool:
-    """Whether ``optimizer_class`` steps a group with these ``options`` in cache-sized pieces: one of ``PIECEWISE``
-    exactly, not fused."""
-    known = any(getattr(torch.optim, n, None) is optimizer_class for n in PIECEWISE)
-    return known and not options.get("fused")
-
-
 @dataclass
-class PieceState:
-    """One piece's optimizer state, as it travels to the rank that consolidates."""
-
+class PieceState:  # one piece's optimizer state, as it travels to the rank that consolidates
     index: int
     start: int
     stop: int

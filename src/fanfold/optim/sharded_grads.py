@@ -49,7 +49,7 @@ class GradientShards:
         self._staging: dict[tuple, torch.Tensor] = {}  # one buffer per (dtype, device): the largest bucket
         self._flight: _Flight | None = None
         self._launched: list[int] = []
-        self.gather: ParamGather | None = None  # the parameters laid flat (lay_flat) and their gather
+        self.gather: ParamGather | None = None  # the parameters laid flat (lay_flat) and their gather after a step
 
     # ---- the reducer's side (GradientStrategy): launch, finish, write-back --------------------------------------
     def _stage(self, s: Space, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -137,18 +137,7 @@ class GradientShards:
 
     def lay_flat(self) -> None:
         """The parameters become views of one flat tensor per bucket (their gathers write straight into them)."""
-        if self.gather is None:
-            self.gather = ParamGather(self.layout, self.params, self.reducer.transport, self.module)
-
-    def gather_params(self) -> None:
-        """Every rank's part of every parameter to every rank (collective); returns with the gathers in flight."""
-        self.lay_flat()
-        self.gather.issue()
-
-    def settle(self) -> None:
-        """Wait for the gathers in flight (before the optimizer steps the parameters again)."""
-        if self.gather is not None:
-            self.gather.wait_all()
+        self.gather = ParamGather(self.layout, self.params, self.reducer.transport, self.module)
 
 
 class _HookPart:

@@ -19,10 +19,8 @@ from .layout import (
     assemble,
     check_elementwise,
     cut,
-    inner_groups,
     pieces_of,
     plan_spaces,
-    steps_in_pieces,
 )
 from .sharded_grads import GradientShards, check_shards
 
@@ -95,7 +93,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                                  f"same parameters")
 
     def _build(self) -> None:
-        """(Re)compute this rank's pieces and a fresh inner optimizer over 1-D views of them (``inner_groups``)."""
+        """(Re)compute this rank's pieces and a fresh inner optimizer over 1-D views of them, group for group."""
         self._params = [p for g in self.param_groups for p in g["params"]]
         groups = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
         for i, p in enumerate(self._params):
@@ -107,20 +105,19 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         spaces = self._spaces if self._stage2 is None else \
             [replace(s, indices=tuple(self._opt_index[i] for i in s.indices)) for s in self._stage2.layout]
         pieces = pieces_of(spaces, groups, self.rank)
-        cut = [steps_in_pieces(self.optimizer_class, {**self._user_defaults, **g}) for g in self.param_groups]
-        self._pieces, batches = inner_groups(pieces, self._params, cut)  # inner parameter k: self._pieces[k]
+        # inner group g steps this rank's pieces of group g (maybe none: the group stays, as on the other ranks)
+        self._pieces = [pc for g in range(len(self.param_groups)) for pc in pieces if pc.group == g]
         self._views = [self._params[pc.index].detach().view(-1)[pc.start:pc.stop] for pc in self._pieces]
-        self._outer = [gi for gi, _ in batches]  # inner group j steps (part of) group self._outer[j]
-        options = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
-        self.optim = self.optimizer_class([{**options[gi], "params": [self._views[k] for k in run]}
-                                           for gi, run in batches], **self._user_defaults)
-        for gi, ig in zip(self._outer, self.optim.param_groups):
+        self.optim = self.optimizer_class([{**{k: v for k, v in g.items() if k != "params"},
+                                            "params": [v for pc, v in zip(self._pieces, self._views) if pc.group == gi]}
+                                           for gi, g in enumerate(self.param_groups)], **self._user_defaults)
+        for g, ig in zip(self.param_groups, self.optim.param_groups):
             for k, v in ig.items():
-                self.param_groups[gi].setdefault(k, v)
+                g.setdefault(k, v)
 
     def _sync_hyper(self) -> None:  # schedulers and users change self.param_groups: the inner optimizer follows
-        for gi, ig in zip(self._outer, self.optim.param_groups):
-            ig.update({k: v for k, v in self.param_groups[gi].items() if k != "params"})
+        for g, ig in zip(self.param_groups, self.optim.param_groups):
+            ig.update({k: v for k, v in g.items() if k != "params"})
 
     def _shard_grads(self) -> list[torch.Tensor]:
         """Point each piece's view's ``.grad`` at its slice of the parameter's gradient; return the views that got
@@ -148,7 +145,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if self._stage2 is not None:
-            self._stage2.settle()  # the last step's gather, still in flight if no forward read the parameters
+            self._stage2.gather.wait_all()  # the last step's gather, still in flight if no forward read the parameters
         self._sync_hyper()
         self._shard_grads()
         try:
@@ -156,7 +153,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         finally:
             for v in self._views:  # a view would keep the whole gradient alive after zero_grad
                 v.grad = None
-        self._gather_params() if self._stage2 is None else self._stage2.gather_params()
+        self._gather_params() if self._stage2 is None else self._stage2.gather.issue()
         self._consolidated = None
         return loss
 

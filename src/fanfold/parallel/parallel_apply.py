@@ -7,7 +7,7 @@ import contextlib
 import queue
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -116,11 +116,11 @@ def _autocast_state(device_type: str) -> tuple | None:
         return None
 
 
-def _caller_state(devices: list[torch.device]) -> dict:
-    """The caller's thread-local state that a worker reproduces."""
+def _caller_state(devices: list[torch.device], grad: bool | None = None) -> dict:
+    """The caller's thread-local state a worker must reproduce; ``grad`` overrides its grad and inference modes."""
     state = {
-        "grad": torch.is_grad_enabled(),
-        "inference": torch.is_inference_mode_enabled(),
+        "grad": torch.is_grad_enabled() if grad is None else grad,
+        "inference": torch.is_inference_mode_enabled() and grad is None,
         "autocast": {d.type: _autocast_state(d.type) for d in devices},
         "streams": {},
     }
@@ -131,7 +131,9 @@ def _caller_state(devices: list[torch.device]) -> dict:
     return state
 
 
-def _call(module: nn.Module, args: tuple, kwargs: dict, device: torch.device, state: dict) -> Any:
+@contextlib.contextmanager
+def in_caller_state(state: dict, device: torch.device) -> Iterator[None]:
+    """The current thread in ``state`` (from ``_caller_state``) for work on ``device``."""
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.set_grad_enabled(state["grad"]))
         if state["inference"]:
@@ -142,6 +144,11 @@ def _call(module: nn.Module, args: tuple, kwargs: dict, device: torch.device, st
         if device in state["streams"]:  # an accelerator: its current device and stream, as in the caller
             stack.enter_context(torch.accelerator.device_index(device.index))
             stack.enter_context(state["streams"][device])
+        yield
+
+
+def _call(module: nn.Module, args: tuple, kwargs: dict, device: torch.device, state: dict) -> Any:
+    with in_caller_state(state, device):
         return module(*args, **kwargs)
 
 

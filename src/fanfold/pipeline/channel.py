@@ -1,9 +1,9 @@
-"""How stages hand each other activations and gradients: the ``Channel`` interface, ``ThreadChannel`` for stages on
-threads of one process (an inbox per stage; a failing stage's ``abort`` makes the others' receives raise
-:class:`StageAborted`) and ``ProcessChannel`` over torch.distributed point-to-point messages. Design: docs/pipeline.md.
+"""How stages hand each other activations and gradients: the ``Channel`` interface, ``ThreadChannel`` between
+threads of one process and ``ProcessChannel`` over torch.distributed point-to-point messages.
 """
 from __future__ import annotations
 
+import pickle
 import queue
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -11,6 +11,8 @@ from typing import Any, Literal, Protocol
 
 import torch
 import torch.distributed as dist
+
+from .._core.tree import flatten, unflatten
 
 __all__ = ["Channel", "ThreadChannel", "ProcessChannel", "Message", "StageAborted", "encode", "decode"]
 
@@ -69,60 +71,32 @@ class ThreadChannel:
                 inbox.put(Message(src, "abort", -1))
 
 
-# ---- between processes: a header (its length, structure, dtypes, shapes), then the tensors, one tag per (kind,
-# micro-batch); sends are asynchronous and completed at the end of the pass (``finish``) ----------------------------
-_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
-           torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128]
-_CODE = {d: i for i, d in enumerate(_DTYPES)}
-_TENSOR, _TUPLE, _LIST = 0, 1, 2
-_HEADER = 32  # int64 slots in the first message
+# ---- between processes: a header (the structure, each tensor's dtype and shape: the receiver does not know them, the
+# last micro-batch is smaller), then the tensors, one tag per (kind, micro-batch); sends are asynchronous and completed
+# at the end of the pass (``finish``) ------------------------------------------------------------------------------
+_FIRST = 512  # bytes in the first message: the header's length, then the header; a longer one follows in a second
 
 
-def _items(kind: Kind, value: Any) -> tuple[int, list[torch.Tensor | None]]:
-    if kind == "grad":
-        return _LIST, list(value)
-    if isinstance(value, torch.Tensor):
-        return _TENSOR, [value]
-    if isinstance(value, (tuple, list)) and all(isinstance(x, torch.Tensor) for x in value):
-        return (_TUPLE if isinstance(value, tuple) else _LIST), list(value)
-    what = [type(x).__name__ for x in value] if isinstance(value, (tuple, list)) else type(value).__name__
-    raise TypeError(f"between processes a stage may hand on a tensor or a flat tuple/list of tensors, got {what}")
+@dataclass(frozen=True)
+class _Slot:
+    """A tensor's place in a message's structure: what the receiver allocates for it."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
 
 
-def encode(kind: Kind, value: Any) -> tuple[list[int], list[torch.Tensor]]:
-    """The header (its own length first, at least ``_HEADER`` slots) and the tensors to send for ``value``."""
-    structure, items = _items(kind, value)
-    header = [structure, len(items)]
-    payload = []
-    for t in items:
-        if t is None:
-            header.append(0)
-            continue
-        if t.dtype not in _CODE:
-            raise TypeError(f"a stage's output of dtype {t.dtype} cannot be sent between processes")
-        header += [1, _CODE[t.dtype], t.dim(), *t.shape]
-        payload.append(t)
-    header.insert(0, len(header) + 1)
-    return header + [0] * (_HEADER - len(header)), payload
+def encode(value: Any) -> tuple[bytes, list[torch.Tensor]]:
+    """The header of ``value`` (its structure, a :class:`_Slot` per tensor, the other leaves as they are), pickled,
+    and the tensors to send after it."""
+    leaves, spec = flatten(value)
+    slots = [_Slot(x.dtype, tuple(x.shape)) if isinstance(x, torch.Tensor) else x for _, x in leaves]
+    return pickle.dumps((spec, slots)), [x for _, x in leaves if isinstance(x, torch.Tensor)]
 
 
-def decode(kind: Kind, header: list[int], receive: Callable[[torch.Size, torch.dtype], torch.Tensor]) -> Any:
-    """The value of ``header`` (all of it: ``header[0]`` slots), its tensors filled in by ``receive(shape, dtype)``
-    in the order they were sent."""
-    structure, count, pos = header[1], header[2], 3
-    items: list[torch.Tensor | None] = []
-    for _ in range(count):
-        present = header[pos]
-        pos += 1
-        if not present:
-            items.append(None)
-            continue
-        dtype, ndim = _DTYPES[header[pos]], header[pos + 1]
-        items.append(receive(torch.Size(header[pos + 2:pos + 2 + ndim]), dtype))
-        pos += 2 + ndim
-    if kind == "grad":
-        return items
-    return items[0] if structure == _TENSOR else tuple(items) if structure == _TUPLE else items
+def decode(header: bytes, receive: Callable[[torch.Size, torch.dtype], torch.Tensor]) -> Any:
+    """The value of ``header``, its tensors filled in by ``receive(shape, dtype)`` in the order they were sent."""
+    spec, slots = pickle.loads(header)
+    return unflatten(spec, [receive(torch.Size(x.shape), x.dtype) if isinstance(x, _Slot) else x for x in slots])
 
 
 class ProcessChannel:
@@ -138,10 +112,11 @@ class ProcessChannel:
         return 2 * microbatch + (0 if kind == "activation" else 1)
 
     def send(self, src: int, dst: int, kind: Kind, microbatch: int, value: Any) -> None:
-        header, payload = encode(kind, value)
-        heads = [torch.tensor(header[:_HEADER], dtype=torch.int64, device=self.wire)]
-        if len(header) > _HEADER:
-            heads.append(torch.tensor(header[_HEADER:], dtype=torch.int64, device=self.wire))
+        header, payload = encode(value)
+        data = bytearray(len(header).to_bytes(8, "little") + header)
+        data += bytes(max(0, _FIRST - len(data)))
+        raw = torch.frombuffer(data, dtype=torch.uint8).to(self.wire)
+        heads = [raw[:_FIRST], raw[_FIRST:]] if len(data) > _FIRST else [raw]
         tag, peer = self._tag(kind, microbatch), self.ranks[dst]
         for t in (*heads, *(p.detach().to(self.wire).contiguous() for p in payload)):
             # each tensor stays referenced until its send completes
@@ -156,10 +131,11 @@ class ProcessChannel:
             dist.recv(t, peer, tag=tag)
             return t
 
-        header = receive(torch.Size([_HEADER]), torch.int64).tolist()
-        if header[0] > _HEADER:
-            header += receive(torch.Size([header[0] - _HEADER]), torch.int64).tolist()
-        return decode(kind, header, receive)
+        data = receive(torch.Size([_FIRST]), torch.uint8).cpu().numpy().tobytes()
+        size = int.from_bytes(data[:8], "little")
+        if 8 + size > _FIRST:
+            data += receive(torch.Size([8 + size - _FIRST]), torch.uint8).cpu().numpy().tobytes()
+        return decode(data[8:8 + size], receive)
 
     def abort(self, src: int) -> None:
         # another process cannot be woken from here: its receive ends at the group's timeout, or the launcher

@@ -13,9 +13,10 @@ from torch import nn
 
 from .._core.devices import DeviceLike, normalize_device
 from .._core.job import require_initialized
+from ..collectives.stall import group_transport
 from .channel import ProcessChannel
 from .partition import batch_size, chunk_sizes, join, layers_of, loss_weights, resolve_balance, split, stage_modules
-from .pipe import average_gradients, broadcast_state, capture, check_checkpoint, check_chunks
+from .pipe import average_gradients, broadcast_state, check_checkpoint, check_chunks
 from .rng import StageRandom, draws_random_numbers, pass_seed, stage_randoms
 from .schedule import ScheduleFn, Step, resolve, stage_orders
 from .stage import StageRun, StepTime
@@ -55,7 +56,10 @@ class DistributedPipeline(nn.Module):
         self.chunks = check_chunks(chunks)
         self.checkpoint = check_checkpoint(checkpoint)
         layers = layers_of(module)
-        self.balance = self._agree(resolve_balance(balance, layers, stages, sample_input))
+        agreed = torch.tensor(resolve_balance(balance, layers, stages, sample_input), dtype=torch.int64)
+        # rank 0's on every rank: a timing profile differs from process to process
+        group_transport(None, "DistributedPipeline").broadcast(agreed, 0)
+        self.balance = agreed.tolist()
         self.stage = rank % stages
         self.num_stages = stages
         self.data_parallel_rank, self.data_parallel_size = rank // stages, world // stages
@@ -77,14 +81,6 @@ class DistributedPipeline(nn.Module):
             broadcast_state(itertools.chain(self.parameters(), self.buffers()), self.data_parallel_group)
         self.last_timeline: list[StepTime] = []
 
-    def _agree(self, balance: list[int]) -> list[int]:
-        """Rank 0's balance on every rank (a timing profile differs from process to process)."""
-        t = torch.tensor(balance, dtype=torch.int64)
-        if dist.get_backend() != "gloo":
-            t = t.to(torch.accelerator.current_accelerator())
-        dist.broadcast(t, 0)
-        return t.tolist()
-
     @property
     def is_first(self) -> bool:
         return self.stage == 0
@@ -96,24 +92,23 @@ class DistributedPipeline(nn.Module):
     def _start_pass(self, input: Any, checkpointing: bool) -> tuple[list[int], StageRandom | None]:
         """The micro-batch sizes and this stage's random numbers for a pass: the first stage's batch size and seed
         (the masks of a one-process Pipeline seeded alike), and whether any stage holds a known random layer, in one
-        all-reduce (max) over the pipeline."""
-        head = [-1, -1, int(draws_random_numbers(self._local[0]))]
+        all-reduce (sum; only the first stage gives the first two) over the pipeline."""
+        head = [0, 0, int(draws_random_numbers(self._local[0]))]
         if self.is_first:
             if input is None:
                 raise ValueError(f"rank {dist.get_rank()} runs the first stage: give it the input (the others may "
                                  "pass None)")
             head[:2] = batch_size(input, "input"), pass_seed()
-        t = torch.tensor(head, dtype=torch.int64, device=self._wire)
+        t = torch.tensor(head, dtype=torch.int64)
         if self.num_stages > 1:
-            dist.all_reduce(t, dist.ReduceOp.MAX, group=self.pipeline_group)
+            group_transport(self.pipeline_group, "DistributedPipeline").all_reduce(t).wait()
         rows, seed, random = t.tolist()
         randoms = stage_randoms(seed, [self.device], self.stage, checkpointing or random > 0)
         return chunk_sizes(rows, self.chunks), randoms[0]
 
     def _run(self, run: StageRun, order: list[Step], grad: bool) -> None:
-        state = capture([self.device], grad=grad)
         try:
-            with state.applied(self.device):
+            with torch.set_grad_enabled(grad), torch.accelerator.device_index(self.device.index):
                 for step in order:
                     run.run(step)
         finally:
@@ -126,8 +121,7 @@ class DistributedPipeline(nn.Module):
         microbatches = split(input, sizes, self.device) if self.is_first else None
         run = StageRun(self.stage, self.num_stages, self._local[0], self.device, "never", self._channel, len(sizes),
                        train=False, inputs=microbatches, random=random)
-        with torch.no_grad():
-            self._run(run, [Step(self.stage, m, "F") for m in range(len(sizes))], grad=False)
+        self._run(run, [Step(self.stage, m, "F") for m in range(len(sizes))], grad=False)
         return join([run.outputs[m] for m in range(len(sizes))], self.device) if self.is_last else None
 
     def train_step(self, input: Any = None, target: Any = None, loss_fn: Callable[..., torch.Tensor] | None = None,
@@ -151,9 +145,9 @@ class DistributedPipeline(nn.Module):
                        loss_fn, loss_weights(sizes, reduction), random)
         orders = stage_orders(resolve(schedule)(self.num_stages, len(sizes)), self.num_stages, len(sizes))
         self._run(run, orders[self.stage], grad=True)
-        loss = torch.tensor([run.loss.item() if self.is_last else 0.0], dtype=torch.float64, device=self._wire)
-        if self.num_stages > 1:  # the last stage's loss to the whole pipeline
-            dist.broadcast(loss, self.ranks[-1], group=self.pipeline_group)
+        loss = torch.tensor([run.loss.item() if self.is_last else 0.0], dtype=torch.float64)
+        if self.num_stages > 1:  # the last stage's loss to the whole pipeline (src: its rank in the pipeline group)
+            group_transport(self.pipeline_group, "DistributedPipeline").broadcast(loss, self.num_stages - 1)
         if self.data_parallel_group is not None:
             average_gradients(self.parameters(), self.data_parallel_group)
         return loss[0]

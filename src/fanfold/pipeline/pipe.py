@@ -1,14 +1,11 @@
-"""``Pipeline``: a sequential model cut into stages on devices of one process, each stage on a persistent worker
-thread that carries the caller's thread-local torch state; and the data parallelism over pipelines that
-``DistributedPipeline`` shares (``broadcast_state``, ``average_gradients``: through the group's Transport).
+"""``Pipeline``: a sequential model cut into stages on devices of one process, each stage on a worker thread in the
+caller's thread-local torch state; and the data parallelism over pipelines that ``DistributedPipeline`` shares.
 """
 from __future__ import annotations
 
-import contextlib
 import itertools
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -17,67 +14,32 @@ from torch import nn
 
 from .._core.devices import DeviceLike, normalize_device
 from ..collectives.stall import group_transport
-from ..parallel.parallel_apply import WorkerPool, _autocast_state, reraise
+from ..collectives.transport import split_into
+from ..parallel.parallel_apply import WorkerPool, _caller_state, in_caller_state, reraise
 from .channel import Channel, StageAborted, ThreadChannel
 from .partition import batch_size, chunk_sizes, join, layers_of, loss_weights, resolve_balance, split, stage_modules
 from .rng import draws_random_numbers, pass_seed, stage_randoms
 from .schedule import ScheduleFn, Step, clocked, resolve, stage_orders
 from .stage import CHECKPOINT_MODES, StageRun, StepTime
 
-__all__ = ["Pipeline", "ThreadState", "capture", "check_chunks", "check_checkpoint", "broadcast_state",
-           "average_gradients"]
-
-
-@dataclass(frozen=True)
-class ThreadState:
-    """The caller's thread-local torch state, carried into the threads that run the stages: a fresh thread would
-    otherwise build a graph under the caller's ``torch.no_grad()`` or run in float32 under its ``autocast``."""
-
-    grad: bool
-    inference: bool
-    # per device type: (dtype, cache enabled) when autocast is on for it
-    autocast: dict[str, tuple[torch.dtype, bool]] = field(default_factory=dict)
-
-    @contextlib.contextmanager
-    def applied(self, device: torch.device) -> Iterator[None]:
-        """This state in the current thread, with ``device`` current if it is an accelerator."""
-        with contextlib.ExitStack() as stack:
-            if self.inference:
-                stack.enter_context(torch.inference_mode())
-            stack.enter_context(torch.set_grad_enabled(self.grad))
-            cast = self.autocast.get(device.type)
-            if cast is not None:
-                stack.enter_context(torch.autocast(device.type, dtype=cast[0], cache_enabled=cast[1]))
-            if device.type != "cpu" and device.index is not None:
-                stack.enter_context(torch.accelerator.device_index(device.index))
-            yield
-
-
-def capture(devices: Sequence[torch.device], grad: bool | None = None) -> ThreadState:
-    """The calling thread's state for stages on ``devices``; ``grad`` overrides its grad mode."""
-    casts = {d.type: _autocast_state(d.type) for d in devices}
-    return ThreadState(
-        grad=torch.is_grad_enabled() if grad is None else grad,
-        inference=torch.is_inference_mode_enabled() and grad is None,
-        autocast={k: v for k, v in casts.items() if v is not None},
-    )
+__all__ = ["Pipeline", "check_chunks", "check_checkpoint", "broadcast_state", "average_gradients"]
 
 
 # ---- driving the stages: serially on the caller's thread, or each stage on its own worker -------------------------
-def _run_serial(runs: Sequence[StageRun], orders: list[list[Step]], state: ThreadState) -> None:
+def _run_serial(runs: Sequence[StageRun], orders: list[list[Step]], state: dict) -> None:
     for cycle in clocked(orders):
         for step in cycle:
             run = runs[step.stage]
             try:
-                with state.applied(run.device):
+                with in_caller_state(state, run.device):
                     run.run(step)
             except BaseException as exc:
                 reraise(f"in pipeline stage {step.stage} on {run.device}", exc)
 
 
-def _work(run: StageRun, order: list[Step], channel: Channel, state: ThreadState) -> None:
+def _work(run: StageRun, order: list[Step], channel: Channel, state: dict) -> None:
     try:
-        with state.applied(run.device):
+        with in_caller_state(state, run.device):
             for step in order:
                 run.run(step)
     except BaseException:
@@ -85,7 +47,7 @@ def _work(run: StageRun, order: list[Step], channel: Channel, state: ThreadState
         raise
 
 
-def _run_threads(runs: Sequence[StageRun], orders: list[list[Step]], channel: Channel, state: ThreadState,
+def _run_threads(runs: Sequence[StageRun], orders: list[list[Step]], channel: Channel, state: dict,
                  pool: WorkerPool) -> None:
     """Stage s's steps on worker s, all at once. Each follows only its own order (checked by ``stage_orders``: it
     cannot deadlock); an error aborts the channel and is raised here once every worker has returned."""
@@ -106,7 +68,7 @@ _BUCKET_BYTES = 32 * 1024 * 1024
 
 
 def _buckets(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """Consecutive tensors of one (dtype, device), at most ~32 MiB per bucket, so a big model is not copied whole."""
+    """Consecutive tensors of one (dtype, device), at most ~32 MiB per bucket: a big model is not copied whole."""
     groups: dict[tuple, list[list[torch.Tensor]]] = {}
     for t in tensors:
         chunks = groups.setdefault((t.dtype, t.device), [[]])
@@ -117,23 +79,16 @@ def _buckets(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
 
 
 @torch.no_grad()
-def _bucketed(tensors: list[torch.Tensor], group: Any, collective: Callable[[torch.Tensor], None]) -> None:
-    """``collective`` on each bucket of ``tensors`` laid flat, its result copied back into them."""
-    for bucket in _buckets(tensors):
-        flat = torch.cat([t.detach().reshape(-1) for t in bucket])
-        if flat.device.type != "cpu" and dist.get_backend(group) == "gloo":
-            flat = flat.cpu()  # gloo reduces CPU tensors only: an accelerator tensor makes the trip through host memory
-        collective(flat)
-        for t, part in zip(bucket, flat.split([t.numel() for t in bucket])):
-            t.copy_(part.view_as(t))
-
-
 def broadcast_state(tensors: Iterable[torch.Tensor], group: Any) -> None:
     """Copy ``tensors`` (parameters, buffers) from the group's rank 0 to every rank of ``group``, in place."""
     transport = group_transport(group, "Pipeline data parallelism")
-    _bucketed(list(tensors), group, lambda flat: transport.broadcast(flat, 0))
+    for t in tensors:
+        flat = t.detach().reshape(-1)  # 1-d (a 0-d buffer too); a copy where t is not contiguous, hence the copy back
+        transport.broadcast(flat, 0)
+        t.copy_(flat.view_as(t))
 
 
+@torch.no_grad()
 def average_gradients(parameters: Iterable[nn.Parameter], group: Any) -> None:
     """Replace each parameter's ``.grad`` by its mean over ``group``. A missing ``.grad`` counts as zeros, so every
     rank issues the same all-reduces whatever its batch touched."""
@@ -142,8 +97,10 @@ def average_gradients(parameters: Iterable[nn.Parameter], group: Any) -> None:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     transport = group_transport(group, "Pipeline data parallelism")
-    _bucketed([p.grad for p in params], group,
-              lambda flat: transport.all_reduce(flat, divisor=transport.world_size).wait())
+    for bucket in _buckets([p.grad for p in params]):
+        flat = torch.cat([g.reshape(-1) for g in bucket])  # any layout: a channels_last gradient keeps its own
+        transport.all_reduce(flat, divisor=transport.world_size).wait()
+        split_into(flat, bucket)
 
 
 def check_chunks(chunks: Any) -> int:
@@ -243,8 +200,7 @@ class Pipeline(nn.Module):
             if run.random is not None:
                 (self._quiet.discard if run.random.drew else self._quiet.add)(self._quiet_key(s))
 
-    def _execute(self, runs: list[StageRun], orders: list[list[Step]], channel: ThreadChannel,
-                 state: ThreadState) -> None:
+    def _execute(self, runs: list[StageRun], orders: list[list[Step]], channel: ThreadChannel, state: dict) -> None:
         if len(runs) > 1 and runs[0].microbatches > 1:
             if self._pool is None:
                 self._pool = WorkerPool(threads_per_worker=self.threads_per_stage)
@@ -263,8 +219,8 @@ class Pipeline(nn.Module):
         """The sequential model's output for ``input`` (a tensor or a tuple of them), on the last stage's device."""
         microbatches = self.split(input)
         channel = ThreadChannel(len(self._stages))
-        state = capture(self.devices)
-        runs = self._runs(channel, microbatches, train=False, seed=pass_seed(), grad=state.grad)
+        state = _caller_state(self.devices)
+        runs = self._runs(channel, microbatches, train=False, seed=pass_seed(), grad=state["grad"])
         orders = [[Step(s, m, "F") for m in range(len(microbatches))] for s in range(len(runs))]
         self._execute(runs, orders, channel, state)
         return self.join([runs[-1].outputs[m] for m in range(len(microbatches))])
@@ -293,7 +249,7 @@ class Pipeline(nn.Module):
         runs = self._runs(channel, microbatches, train=True, seed=pass_seed(), grad=True, targets=targets,
                           loss_fn=loss_fn, weights=loss_weights(sizes, reduction))
         orders = stage_orders(resolve(schedule)(len(runs), len(sizes)), len(runs), len(sizes))
-        self._execute(runs, orders, channel, capture(self.devices, grad=True))
+        self._execute(runs, orders, channel, _caller_state(self.devices, grad=True))
         if self.data_parallel_group is not None:
             average_gradients(self.parameters(), self.data_parallel_group)
         return runs[-1].loss

@@ -82,10 +82,9 @@ class StageRandom:
 
 def stage_randoms(seed: int, devices: Sequence[torch.device], first: int, controlled: bool,
                   may_draw: Sequence[bool] | None = None) -> list[StageRandom | None]:
-    """Each stage's ``StageRandom`` for a pass (None: the pass leaves the stage alone). ``devices``: those of the
-    stages this process runs, the first of them stage ``first``. ``controlled``: a stage recomputes or holds a known
-    random layer. ``may_draw`` (default: all): the stages that need a state. Stages that may draw and share a device
-    share a lock."""
+    """Each stage's ``StageRandom`` for a pass (None: left alone), for the stages from ``first`` on ``devices``.
+    ``controlled``: a stage recomputes or holds a known random layer; ``may_draw`` (default: all): the stages that need
+    a state. Stages that may draw and share a device share a lock."""
     may_draw = [controlled] * len(devices) if may_draw is None else [controlled and d for d in may_draw]
     drawing = [d for d, m in zip(devices, may_draw) if m]
     locks = {d: threading.RLock() for d in set(drawing) if drawing.count(d) > 1}

@@ -1,6 +1,6 @@
-"""One stage's share of a pass (:class:`StageRun`), whichever thread or process runs it: its forward and backward
-steps, activation checkpointing with its buffer and random-number replay, and in training the deferred weight
-gradients of its ``nn.Linear`` layers (:class:`WeightGradAccumulator`). Design: docs/pipeline.md.
+"""One stage's share of a pass (:class:`StageRun`), whichever thread or process runs it: forward and backward steps,
+activation checkpointing, and in training the deferred weight gradients of its ``nn.Linear`` layers. Design:
+docs/pipeline.md.
 """
 from __future__ import annotations
 
@@ -63,8 +63,7 @@ class _Rows:
 
 
 class _DeferredLinear(torch.autograd.Function):
-    """``F.linear(x, weight, bias)`` whose backward hands the parameter gradients' rows to ``sink`` and autograd
-    none for them (so ``AccumulateGrad`` has nothing to add)."""
+    """``F.linear(x, weight, bias)`` whose backward hands the parameter gradients' rows to ``sink``, not autograd."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: nn.Parameter, bias: nn.Parameter | None,
@@ -90,8 +89,7 @@ class WeightGradAccumulator:
 
     @contextlib.contextmanager
     def linears(self, module: nn.Module) -> Iterator[None]:
-        """While inside, the eligible ``nn.Linear`` layers of ``module`` send their parameter gradients here; their
-        ``forward`` is restored on the way out, whatever happens."""
+        """While inside, the eligible ``nn.Linear`` layers of ``module`` send their parameter gradients here."""
         patched = [m for m in module.modules() if _eligible(m) and "forward" not in vars(m)]
         for m in patched:
             m.forward = self._forward(m, m.forward)
@@ -115,8 +113,7 @@ class WeightGradAccumulator:
         pending.inputs.append(x)
 
     def step(self) -> None:
-        """Every pending product into ``.grad``: called after a backward step has sent its input gradients on, so
-        that these products do not delay the previous stage."""
+        """Every pending product into ``.grad``."""
         while self._pending:
             self._apply(self._pending.popitem()[1])
 
@@ -142,8 +139,7 @@ class WeightGradAccumulator:
 
 @dataclass(frozen=True)
 class StepTime:
-    """When a step ran (``time.perf_counter()`` seconds), from the arrival of its inputs to its end: the time a
-    stage worked. For timelines and the measured bubble."""
+    """When a step ran (``time.perf_counter()`` seconds), from the arrival of its inputs to its end."""
 
     stage: int
     microbatch: int
