@@ -134,9 +134,8 @@ def _launch(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # Ctrl-C before the agent took over the signals (no worker had started)
         code = 128 + signal.SIGINT
     advice = f"fanfold train --out {shlex.quote(str(out))} --resume"
-    interrupted = code in (128 + signal.SIGINT, 128 + signal.SIGTERM)
-    what = "interrupted (Ctrl-C)" if code == 128 + signal.SIGINT else (
-        "stopped (SIGTERM)" if interrupted else f"workers failed (exit code {code})")
+    what = {128 + signal.SIGINT: "interrupted (Ctrl-C)", 128 + signal.SIGTERM: "stopped (SIGTERM)"}.get(
+        code, f"workers failed (exit code {code})")
     if code == 0:
         tidy = "" if args.out else " (runs/ keeps every run: `rm -r runs` removes them all)"
         print(f"fanfold train: wrote {ckpt} and {out / 'loss.png'}{tidy}")
