@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.nn.utils.rnn import pack_sequence
 
-from fanfold._core.devices import default_device_ids, normalize_device, normalize_devices
+from fanfold._core.devices import default_device_ids, normalize_device, usable_devices
 from fanfold._core.tree import first_difference, flatten, unflatten
 
 Pair = collections.namedtuple("Pair", "a b")
@@ -24,16 +24,16 @@ class Frozen:
 def test_normalize_device():
     assert normalize_device("cpu:0") == normalize_device(torch.device("cpu")) == torch.device("cpu")
     assert normalize_device(1).index == 1 and normalize_device(1).type in ("cuda", "xpu", "mps", "mtia", "hpu")
-    assert normalize_devices(["cpu", "cpu"]) == [torch.device("cpu")] * 2
+    assert usable_devices(["cpu", "cpu"]) == [torch.device("cpu")] * 2
     assert normalize_device(torch.device("cpu", 0)) == normalize_device(torch.device("cpu"))
     with pytest.raises(ValueError, match="device_ids is empty"):
-        normalize_devices([])
+        usable_devices([])
     with pytest.raises(TypeError, match="device_ids must be a list of devices, got a single device 'cpu'"):
-        normalize_devices("cpu")
+        usable_devices("cpu")
     with pytest.raises(TypeError, match=r"device_ids\[1\]: a device must be an int, a str or a torch.device"):
-        normalize_devices(["cpu", 1.0])
+        usable_devices(["cpu", 1.0])
     with pytest.raises(ValueError, match=r"device_ids\[0\]: a device index must be >= 0, got -1"):
-        normalize_devices([-1])
+        usable_devices([-1])
     with pytest.raises(ValueError, match="not a device: 'gpu0'"):
         normalize_device("gpu0")
 
@@ -48,7 +48,7 @@ def test_flatten_paths_and_round_trip():
     packed = pack_sequence([torch.zeros(2, 1)])
     obj = (t, {"mask": t, "p": Pair(1, [None, packed])}, Frozen(t), torch.zeros(3, 2).max(0))
     leaves, spec = flatten(obj, "inputs")
-    paths = [p for p, _ in leaves]
+    paths = [str(p) for p, _ in leaves]
     assert paths == ["inputs[0]", "inputs[1]['mask']", "inputs[1]['p'].a", "inputs[1]['p'].b[0]",
                      "inputs[1]['p'].b[1]", "inputs[2].x", "inputs[2].n", "inputs[3][0]", "inputs[3][1]"]
     assert leaves[4][1] is packed  # a PackedSequence is one leaf

@@ -40,21 +40,6 @@ def normalize_device(device: DeviceLike) -> torch.device:
     return dev
 
 
-def normalize_devices(devices: Iterable[DeviceLike], name: str = "device_ids") -> list[torch.device]:
-    """Normalise every device of ``devices``; ``name`` is the argument named in error messages."""
-    if isinstance(devices, (int, str, torch.device)):
-        raise TypeError(f"{name} must be a list of devices, got a single device {devices!r}")
-    out = []
-    for i, d in enumerate(devices):
-        try:
-            out.append(normalize_device(d))
-        except (TypeError, ValueError) as e:
-            raise type(e)(f"{name}[{i}]: {e}") from None
-    if not out:
-        raise ValueError(f"{name} is empty: give at least one device (e.g. [0] or ['cpu'])")
-    return out
-
-
 def default_device_ids() -> list[int]:
     """Every accelerator index of this machine, or [] on a CPU-only machine."""
     if accelerator_type() is None:
@@ -85,9 +70,17 @@ def usable_device(device: DeviceLike, name: str) -> torch.device:
 
 
 def usable_devices(devices: Iterable[DeviceLike], name: str = "device_ids") -> list[torch.device]:
-    """``normalize_devices(devices, name)``, refused with a ValueError naming ``name[i]`` unless this machine has
-    every one of them."""
-    out = normalize_devices(devices, name)
+    """Every device of ``devices`` normalised, refused with an error naming ``name[i]`` unless this machine has it."""
+    if isinstance(devices, (int, str, torch.device)):
+        raise TypeError(f"{name} must be a list of devices, got a single device {devices!r}")
+    out = []
+    for i, d in enumerate(devices):
+        try:
+            out.append(normalize_device(d))
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"{name}[{i}]: {e}") from None
+    if not out:
+        raise ValueError(f"{name} is empty: give at least one device (e.g. [0] or ['cpu'])")
     for i, dev in enumerate(out):
         _check_present(dev, f"{name}[{i}]", f"for CPU replicas give {name}=['cpu'] * {len(out)}")
     return out

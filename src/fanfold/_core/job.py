@@ -1,9 +1,6 @@
-"""The job this process belongs to: its rank and world size, and its rendezvous store, closed to strangers.
-
-The store is a key-value server that admits only processes proving the job's secret (HMAC-SHA256 challenge and
-response, both ways), and its client, a ``torch.distributed.Store`` that torch, gloo and fanfold use like a
-TCPStore. The secret: ``FANFOLD_JOB_SECRET``, or a 0600 file named by ``FANFOLD_JOB_SECRET_FILE``. Design and
-threat model: docs/reliability.md.
+"""The job this process belongs to: its rank and world size, and its rendezvous store: a key-value server admitting
+only processes that prove the job's secret (HMAC-SHA256 both ways; ``FANFOLD_JOB_SECRET`` or a 0600 file named by
+``FANFOLD_JOB_SECRET_FILE``) and its client, a ``torch.distributed.Store``. Threat model: docs/reliability.md.
 """
 from __future__ import annotations
 
@@ -72,9 +69,9 @@ def new_secret() -> str:
 
 
 def job_secret(environ: dict | None = None) -> bytes | None:
-    """The job's secret from ``FANFOLD_JOB_SECRET`` or else the file named by ``FANFOLD_JOB_SECRET_FILE`` (its
-    content, surrounding whitespace removed); None when neither is set. The file must be a regular file of this
-    process's user that no one else may read or write (e.g. mode 0600); otherwise PermissionError naming it."""
+    """The job's secret from ``FANFOLD_JOB_SECRET``, else the stripped content of the file named by
+    ``FANFOLD_JOB_SECRET_FILE``, which must be a regular file of this user closed to others (PermissionError
+    otherwise); None when neither is set."""
     env = os.environ if environ is None else environ
     value = env.get(SECRET_ENV)
     if value:
@@ -143,7 +140,7 @@ def _recv(sock: socket.socket) -> list[bytes]:
 
 class StoreServer:
     """Serves one job's keys on ``host`` (a free port) to clients that prove ``secret``; ``refused`` counts the
-    connections turned away. Threads: one accepting, one per connection; :meth:`close` drops them all."""
+    connections turned away. One thread accepting, one per connection."""
 
     def __init__(self, secret: bytes, host: str = "127.0.0.1"):
         if not secret:
@@ -153,8 +150,7 @@ class StoreServer:
                                           backlog=128)
         self.host, self.port = self._sock.getsockname()[:2]
         self.refused = 0
-        self._data: dict[str, bytes] = {}
-        self._cond = threading.Condition()
+        self._store = dist.HashStore()  # a TCPStore's semantics; its waits release the GIL
         self._conns: set[socket.socket] = set()
         self._closed = False
         threading.Thread(target=self._accept, name=f"fanfold-store-{self.port}", daemon=True).start()
@@ -167,14 +163,6 @@ class StoreServer:
             except OSError:
                 pass
             s.close()
-        with self._cond:
-            self._cond.notify_all()
-
-    def __enter__(self) -> StoreServer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def _accept(self) -> None:
         while not self._closed:
@@ -217,46 +205,35 @@ class StoreServer:
             conn.close()
 
     def _answer(self, op: str, args: list[bytes]) -> list[bytes]:
-        data = self._data
-        with self._cond:
-            if op in ("get", "wait"):  # args: timeout in ms, then the keys
-                keys = [k.decode() for k in args[1:]]
-                if not self._cond.wait_for(lambda: self._closed or all(k in data for k in keys),
-                                           int(args[0]) / 1000):
-                    missing = [k for k in keys if k not in data]
-                    return [_TIMEOUT, f"keys {missing} not set within {int(args[0]) / 1000:g} s".encode()]
-                if self._closed:
-                    return [_ERROR, b"the store is closing"]
-                return [_OK, *([data[k] for k in keys] if op == "get" else [])]
-            if op == "check":
-                return [_OK, b"1" if all(k.decode() in data for k in args) else b"0"]
-            if op == "delete_key":
-                return [_OK, b"1" if data.pop(args[0].decode(), None) is not None else b"0"]
-            if op == "num_keys":
-                return [_OK, str(len(data)).encode()]
-            answer = [_OK]  # the rest write: wake the waiting gets
-            if op == "set":
-                data[args[0].decode()] = args[1]
-            elif op == "add":
-                value = int(data.get(args[0].decode(), b"0")) + int(args[1])
-                data[args[0].decode()] = str(value).encode()
-                answer.append(str(value).encode())
-            elif op == "compare_set":  # TCPStore's semantics: a missing key is set only when expected is empty
-                key, expected, desired = args[0].decode(), args[1], args[2]
-                if key not in data and expected:
-                    return [_OK, expected]
-                if key not in data or data[key] == expected:
-                    data[key] = desired
-                answer.append(data[key])
-            elif op == "append":
-                data[args[0].decode()] = data.get(args[0].decode(), b"") + args[1]
-            elif op == "multi_set":
-                half = len(args) // 2
-                data.update((k.decode(), v) for k, v in zip(args[:half], args[half:]))
-            else:
-                return [_ERROR, f"unknown store request {op!r}".encode()]
-            self._cond.notify_all()
-            return answer
+        store = self._store
+        if op in ("get", "wait"):  # args: timeout in ms, then the keys
+            keys = [k.decode() for k in args[1:]]
+            try:
+                store.wait(keys, timedelta(milliseconds=int(args[0])))
+            except dist.DistStoreError:
+                missing = [k for k in keys if not store.check([k])]
+                return [_TIMEOUT, f"keys {missing} not set within {int(args[0]) / 1000:g} s".encode()]
+            return [_OK, *(store.multi_get(keys) if op == "get" else [])]
+        if op == "check":
+            return [_OK, b"1" if store.check([k.decode() for k in args]) else b"0"]
+        if op == "delete_key":
+            return [_OK, b"1" if store.delete_key(args[0].decode()) else b"0"]
+        if op == "num_keys":
+            return [_OK, str(store.num_keys()).encode()]
+        if op == "add":
+            return [_OK, str(store.add(args[0].decode(), int(args[1]))).encode()]
+        if op == "compare_set":
+            return [_OK, store.compare_set(args[0].decode(), args[1], args[2])]
+        if op == "set":
+            store.set(args[0].decode(), args[1])
+        elif op == "append":
+            store.append(args[0].decode(), args[1])
+        elif op == "multi_set":
+            half = len(args) // 2
+            store.multi_set([k.decode() for k in args[:half]], args[half:])
+        else:
+            return [_ERROR, f"unknown store request {op!r}".encode()]
+        return [_OK]
 
 
 def _as_bytes(value: bytes | str) -> bytes:
@@ -264,10 +241,10 @@ def _as_bytes(value: bytes | str) -> bytes:
 
 
 class JobStore(dist.Store):
-    """A client of a :class:`StoreServer` at ``host:port``, used by torch, gloo and ``PrefixStore`` as a TCPStore.
-    Connecting retries until ``timeout`` while nothing listens; a server that cannot prove ``secret``, or refuses
-    ours, is an :class:`AuthenticationError` at once. get and wait last at most the store's timeout. torch holds
-    a store through its C++ half only: whoever hands one to torch keeps this object alive while torch uses it."""
+    """A client of a :class:`StoreServer` at ``host:port``, used by torch as a TCPStore. Connecting retries until
+    ``timeout`` while nothing listens; a server that cannot prove ``secret``, or refuses ours, is an
+    :class:`AuthenticationError` at once. torch holds a store through its C++ half only: whoever hands one to
+    torch keeps this object alive while torch uses it."""
 
     def __init__(self, host: str, port: int, secret: bytes, timeout: timedelta = timedelta(seconds=300)):
         super().__init__()
@@ -411,13 +388,10 @@ def _rank0_hosted(addr: str, port: int, rank: int, world_size: int, secret: byte
 
 
 def install_env_rendezvous() -> None:
-    """Make torch's default rendezvous (``env://``, what ``dist.init_process_group`` uses without a store) join
-    the job's authenticated store when the environment holds a job secret; torch's own handler otherwise. Under
-    fanfold's launchers (``FANFOLD_JOB_STORE=1``) the store is the launcher's server at MASTER_ADDR:MASTER_PORT;
-    otherwise (torchrun, a secret supplied by the user) rank 0 serves it.
-
-    torch offers no way to replace a registered rendezvous scheme, so the entry in its registry is swapped; the
-    new handler delegates to the one it replaced. Idempotent."""
+    """Make torch's ``env://`` rendezvous join the job's authenticated store when the environment holds a job
+    secret: under fanfold's launchers (``FANFOLD_JOB_STORE=1``) the launcher's server at MASTER_ADDR:MASTER_PORT,
+    else (torchrun) one rank 0 serves. torch cannot replace a registered scheme, so its registry entry is swapped
+    for a handler that delegates to the one it replaced. Idempotent."""
     rdzv = importlib.import_module("torch.distributed.rendezvous")  # the module: the package exports a function
     torch_env = rdzv._rendezvous_handlers["env"]
     if getattr(torch_env, "fanfold_job_store", False):

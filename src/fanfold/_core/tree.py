@@ -13,16 +13,14 @@ from torch.nn.utils.rnn import PackedSequence
 
 
 class Node(NamedTuple):
-    """One container or leaf of a structure. ``kind`` is "leaf" or the container kind."""
-
-    kind: str
+    kind: str  # "leaf" or the container kind
     template: Any = None  # the container type, or an instance to copy (dict subclasses, dataclasses)
     keys: tuple = ()  # indices, field names or dict keys, in order: one child each
 
 
 class Spec(NamedTuple):
-    """The shape of a structure without its leaves: its nodes in preorder. Flat, so that neither a walk over it nor
-    pickling it (the process engine sends specs) recurses: nesting depth is limited by memory only."""
+    """A structure's nodes in preorder, without its leaves. Flat, so that neither a walk over it nor pickling it
+    recurses: nesting depth is limited by memory only."""
 
     nodes: tuple
 
@@ -31,8 +29,8 @@ _LEAF_NODE = Node("leaf")
 
 
 class Path:
-    """A leaf's place in a structure, e.g. ``inputs[1]['mask']``, made into text only when printed: built eagerly,
-    the paths of a structure nested n deep would cost n^2 characters."""
+    """A leaf's place, e.g. ``inputs[1]['mask']``, made into text only when printed (eager paths of a structure
+    nested n deep would cost n^2 characters)."""
 
     __slots__ = ("parent", "part")
 
@@ -49,12 +47,6 @@ class Path:
 
     def __repr__(self) -> str:
         return repr(str(self))
-
-    def __eq__(self, other: object) -> bool:
-        return str(self) == str(other)
-
-    def __hash__(self) -> int:
-        return hash(str(self))
 
 
 _EXACT = {tuple: "tuple", list: "list", dict: "dict"}
@@ -126,8 +118,7 @@ def flatten(obj: Any, path: str = "") -> tuple[list[tuple[Path | str, Any]], Spe
 
 
 def _template(obj: Any, kind: str, keys: tuple) -> Any:
-    """What ``unflatten`` copies to rebuild ``obj``: its type, or for dict subclasses and dataclasses an empty copy
-    (a spec holds no leaf: it is pickled across processes, and should not keep the batch alive)."""
+    # its type, or an empty copy (dict subclasses, dataclasses): a spec holds no leaf, it must not keep a batch alive
     if kind == "dict" and type(obj) is not dict:
         out = copy.copy(obj)
         out.clear()

@@ -9,24 +9,11 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from .._core.devices import default_device_ids, normalize_device
 from ..parallel.data_parallel import DataParallel
-
-
-class RandomDataset(Dataset):
-    """``length`` random vectors of ``size`` features."""
-
-    def __init__(self, size: int, length: int) -> None:
-        self.data = torch.randn(length, size)
-
-    def __getitem__(self, index: int) -> torch.Tensor:
-        return self.data[index]
-
-    def __len__(self) -> int:
-        return len(self.data)
 
 
 class Model(nn.Module):
@@ -67,7 +54,7 @@ def main(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     device_ids = _device_ids(args.devices)
     device = normalize_device(device_ids[0])
-    loader = DataLoader(RandomDataset(5, args.data_size), batch_size=args.batch_size, shuffle=True)
+    loader = DataLoader(torch.randn(args.data_size, 5), batch_size=args.batch_size, shuffle=True)  # RandomDataset(5, N)
     tqdm.write(f"Let's use {len(device_ids)} device(s): {', '.join(map(str, device_ids))}")
     model = DataParallel(Model(5, 2, write=tqdm.write).to(device), device_ids=device_ids)
     for data in tqdm(loader, desc="demo", unit="batch", disable=None):  # None: no bar unless stderr is a terminal

@@ -1,6 +1,5 @@
-"""``fanfold doctor``: what fanfold will do on this machine, and why: torch's build, CPUs and threads, accelerators,
-backends, ``/dev/shm``, and from two real workers whether the shared-memory collectives and their peer reads work,
-with the reason for each "no". Exits 1 when something fanfold needs is missing."""
+"""``fanfold doctor``: what fanfold will do on this machine and why (torch's build, CPUs, accelerators, backends,
+``/dev/shm``, and from two real workers whether shared memory and peer reads work); exit 1 if something is missing."""
 from __future__ import annotations
 
 import argparse
@@ -21,8 +20,6 @@ from ..launcher.spawn import WorkerError, launch
 
 @dataclass(frozen=True)
 class ProbeResult:
-    """What one worker saw: the transport fanfold would choose, and whether its shared-memory path worked."""
-
     chosen: str
     shm_sum: float | None  # the all-reduce's result through /dev/shm, or None when it could not be built
     shm_error: str
@@ -30,7 +27,6 @@ class ProbeResult:
 
 
 def _probe() -> ProbeResult:
-    """Runs in each of two workers: the transport choice, a real all-reduce through /dev/shm, the peer-read probe."""
     init_process_group(backend="gloo", timeout=60.0)
     chosen = select_transport()
     total, error, peer = None, "", False

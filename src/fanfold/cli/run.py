@@ -39,10 +39,6 @@ def main(args: argparse.Namespace) -> int:
     parser = args._run_parser
     if args.script is None:
         parser.error("no script given: fanfold run [options] SCRIPT [ARGS...]")
-    if args.nproc_per_node is not None and args.nproc_per_node < 1:
-        parser.error(f"-n/--nproc-per-node must be >= 1, got {args.nproc_per_node}")
-    if args.max_restarts < 0:
-        parser.error(f"--max-restarts must be >= 0, got {args.max_restarts}")
     try:
         return launch_script(
             [args.script, *args.script_args], nproc_per_node=args.nproc_per_node, nnodes=args.nnodes,
@@ -61,8 +57,8 @@ def main(args: argparse.Namespace) -> int:
 
 
 # launch_script's messages name its Python arguments; the command line names the flags the user typed.
-_FLAGS = {"nnodes": "--nnodes", "rdzv_endpoint": "--rdzv-endpoint", "rdzv_backend": "--rdzv-backend",
-          "node_rank": "--node-rank"}
+_FLAGS = {"nproc_per_node": "-n/--nproc-per-node", "max_restarts": "--max-restarts", "nnodes": "--nnodes",
+          "rdzv_endpoint": "--rdzv-endpoint", "rdzv_backend": "--rdzv-backend", "node_rank": "--node-rank"}
 
 
 def _as_flags(message: str) -> str:

@@ -1,10 +1,6 @@
-"""``fanfold train``: the main job's command. A small CNN learns scikit-learn's digits, data-parallel over N processes.
-The parent checks the flags and the run directory and starts N workers (``fanfold.launcher.launch_script``); each
-runs this module with ``--worker`` and calls ``fanfold.training.job.run_worker``. Every flag: docs/main-job.md.
-
-    fanfold train                                   # 2 processes on a CPU-only machine, runs/<timestamp>/
-    fanfold train --out runs/a --resume             # continue mid-epoch, exactly, with the settings it was trained with
-    fanfold train --max-restarts 2                  # a killed worker costs at most --checkpoint-every steps
+"""``fanfold train``: the main job, a small CNN learning scikit-learn's digits over N processes. The parent checks the
+flags and the run directory and starts N workers (``launch_script``), each running this module with ``--worker``
+(``fanfold.training.job.run_worker``). Every flag: docs/main-job.md.
 """
 from __future__ import annotations
 
@@ -50,8 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     try:
-        if args.worker:
-            _check(args)
+        if args.worker:  # the parent checked the flags
             return run_worker(args)
         return _launch(args)
     except (ValueError, CheckpointError) as exc:
@@ -85,8 +80,8 @@ def _setting(key: str, value: object) -> str:
 
 
 def _settings(args: argparse.Namespace, ckpt: Path) -> None:
-    """Fill the run settings not given: the defaults, or with --resume the checkpoint's; refuse changed ones here,
-    in the parent, before any worker starts (a changed setting would not continue the same run)."""
+    """Fill the run settings not given: the defaults, or with --resume the checkpoint's; refuse changed ones before
+    any worker starts (they would not continue the same run)."""
     keys = RUN_KEYS + RUN_FLAGS
     if not args.resume:
         for key in keys:
@@ -106,7 +101,6 @@ def _settings(args: argparse.Namespace, ckpt: Path) -> None:
 
 
 def _launch(args: argparse.Namespace) -> int:
-    """The parent: check the run directory and settings, then start the workers through the launcher; wait."""
     # scikit-learn (the digits) and matplotlib (the plot) are the train extra, not fanfold's dependencies: say so
     # here rather than in a traceback from every worker
     missing = [pip for module, pip in (("sklearn", "scikit-learn"), ("matplotlib", "matplotlib"))
@@ -140,9 +134,8 @@ def _launch(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # Ctrl-C before the agent took over the signals (no worker had started)
         code = 128 + signal.SIGINT
     advice = f"fanfold train --out {shlex.quote(str(out))} --resume"
-    interrupted = code in (128 + signal.SIGINT, 128 + signal.SIGTERM)
-    what = "interrupted (Ctrl-C)" if code == 128 + signal.SIGINT else (
-        "stopped (SIGTERM)" if interrupted else f"workers failed (exit code {code})")
+    what = {128 + signal.SIGINT: "interrupted (Ctrl-C)", 128 + signal.SIGTERM: "stopped (SIGTERM)"}.get(
+        code, f"workers failed (exit code {code})")
     if code == 0:
         tidy = "" if args.out else " (runs/ keeps every run: `rm -r runs` removes them all)"
         print(f"fanfold train: wrote {ckpt} and {out / 'loss.png'}{tidy}")

@@ -1,7 +1,5 @@
-"""fanfold.launcher: starting worker processes. ``spawn`` runs a Python function on N local workers
-(``fanfold.launch``); ``agent`` runs a script on torch's elastic agent (``fanfold run``, ``launch_script``);
-``worker_shim`` is what each of those workers executes. May import ``fanfold._core`` only.
-"""
+"""Starting worker processes: ``spawn`` runs a function on N local workers (``fanfold.launch``), ``agent`` a script on
+torch's elastic agent (``fanfold run``, ``launch_script``), each of whose workers runs ``worker_shim``."""
 from .agent import launch_script
 from .spawn import WorkerError, free_port, launch
 

@@ -1,7 +1,6 @@
-"""``fanfold run`` and ``launch_script``: N worker processes of a script on torch's elastic agent (what torchrun runs:
-its environment, rendezvous and restarts). Adds: the script or module checked before any worker starts, a single
-node's rendezvous on 127.0.0.1 behind the job's secret (``fanfold._core.job``), and one report of the rank that
-failed first with its traceback. Flags and behaviour: docs/launching.md.
+"""``fanfold run`` and ``launch_script``: N workers of a script on torch's elastic agent (torchrun's environment,
+rendezvous and restarts), plus: the target checked before any worker starts, a single node's rendezvous on
+127.0.0.1 behind the job's secret, and one report of the rank that failed first. docs/launching.md.
 """
 from __future__ import annotations
 
@@ -60,7 +59,7 @@ def _compiles(path: str, what: str) -> None:
 
 def check_script(script: str) -> None:
     """ValueError unless ``python script`` could start: a Python file that compiles, or a directory or zip file
-    with a ``__main__.py`` (as ``python`` itself accepts)."""
+    with a ``__main__.py``."""
     if not os.path.exists(script):
         raise ValueError(f"script not found: {script!r}")
     if os.path.isdir(script):
@@ -79,8 +78,7 @@ def check_script(script: str) -> None:
 
 
 def _find(name: str, path: list[str] | None):
-    """The spec of ``name`` without importing anything: the path finder over ``path``, then (a top-level name)
-    any other finder on ``sys.meta_path`` (an editable install's, for example)."""
+    # without importing anything: the path finder, then (a top-level name) the other finders (an editable install's)
     spec = importlib.machinery.PathFinder.find_spec(name, path)
     if spec is not None or "." in name:
         return spec
@@ -97,8 +95,8 @@ def _find(name: str, path: list[str] | None):
 
 
 def check_module(module: str) -> None:
-    """ValueError unless ``python -m module`` could start from this directory: every part of the dotted name is
-    found (no package's ``__init__`` is run), a package has a ``__main__``, and a source file compiles."""
+    """ValueError unless ``python -m module`` could start from this directory, found without running any package's
+    ``__init__``; a source file must compile."""
     parts = module.split(".")
     if not all(p.isidentifier() for p in parts):
         raise ValueError(f"module {module!r} is not a dotted Python name (to run a file, leave -m out)")
@@ -194,14 +192,12 @@ def launch_script(
 ) -> int:
     """Run ``python cmd[0] cmd[1:]`` (``python -m`` with ``module=True``) in ``nproc_per_node`` processes; wait.
 
-    Returns the exit code: 0 when every worker succeeded, else non-zero after printing the failed rank and its
-    traceback to stderr; no worker is left running. A single node (``nnodes="1"``, no ``rdzv_endpoint``) uses a
-    rendezvous on 127.0.0.1; otherwise torch's ``rdzv_backend`` at ``rdzv_endpoint`` (``nnodes`` is "N" or
-    "MIN:MAX", ``node_rank`` is read by the static backend only). ``extra_env`` is added to the workers' environment.
-    ``verbose`` shows torch's agent log lines and every failed rank's traceback as it happens; without it, one
-    report at the end: the rank that failed first, its traceback, the ranks stopped, the exit code. The workers'
-    output arrives as whole lines (never two workers within one line); ``rank_prefix`` starts each with
-    ``[rank R] ``.
+    Returns 0 when every worker succeeded; else prints the rank that failed first and its traceback to stderr and
+    returns its exit code; no worker is left running. ``nnodes`` ("N" or "MIN:MAX") of 1 without ``rdzv_endpoint``
+    is a rendezvous on 127.0.0.1; more use torch's ``rdzv_backend`` at ``rdzv_endpoint`` (``node_rank``: read by
+    the static backend only). ``extra_env`` is added to the workers' environment. ``verbose`` shows torch's agent
+    log and every failed rank's traceback as it happens. Output arrives in whole lines; ``rank_prefix`` starts each
+    with ``[rank R] ``.
     """
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -213,12 +209,10 @@ def launch_script(
     cmd = [str(c) for c in cmd]
     if not cmd:
         raise ValueError("no script given; expected a script path and its arguments")
-    # before anything starts: a typo or a syntax error costs no worker start-up and reads as one line
-    check_module(cmd[0]) if module else check_script(cmd[0])
     if nproc_per_node is None:
         nproc_per_node = default_nproc_per_node()
     if not isinstance(nproc_per_node, int) or nproc_per_node < 1:
-        raise ValueError(f"nproc_per_node must be a positive int, got {nproc_per_node!r}")
+        raise ValueError(f"nproc_per_node must be >= 1, got {nproc_per_node!r}")
     if max_restarts < 0:
         raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
     try:
@@ -227,6 +221,8 @@ def launch_script(
         raise ValueError(f"nnodes must be 'N' or 'MIN:MAX', got {nnodes!r}") from exc
     if not 0 < min_nodes <= max_nodes:
         raise ValueError(f"nnodes must satisfy 0 < MIN <= MAX, got {nnodes!r}")
+    # before anything starts: a typo or a syntax error costs no worker start-up and reads as one line
+    check_module(cmd[0]) if module else check_script(cmd[0])
 
     env = {"OMP_NUM_THREADS": str(threads_per_worker(nproc_per_node))} if "OMP_NUM_THREADS" not in os.environ else {}
     single = max_nodes == 1 and not rdzv_endpoint
@@ -293,9 +289,8 @@ _AGENT_LOGGER = "torch.distributed.elastic.agent.server.api"  # logs "... attemp
 
 
 class _RestartNotice(logging.Handler):
-    """One line on stderr when the agent restarts the workers: which worker failed, how, and the attempt starting,
-    e.g. ``fanfold run: local rank 1 (pid 41) was killed by signal SIGKILL; restarting (attempt 1 of 2)``. torch's
-    agent says so only in two log records of its own (the failure, then the restart)."""
+    """One line on stderr per restart, from torch's two records (the failure, then the restart), e.g. ``fanfold run:
+    local rank 1 (pid 41) was killed by signal SIGKILL; restarting (attempt 1 of 2)``."""
 
     def __init__(self) -> None:
         super().__init__(logging.INFO)
@@ -311,9 +306,7 @@ class _RestartNotice(logging.Handler):
             what = ""
             if self._failure is not None:
                 code, local_rank, pid = self._failure
-                how = (f"was killed by signal {signal.Signals(-code).name}" if code < 0
-                       else f"failed with exit code {code}")
-                what = f"local rank {local_rank} (pid {pid}) {how}; "
+                what = f"local rank {local_rank} (pid {pid}) {_how(code)}; "
             self._failure = None
             print(f"fanfold run: {what}restarting (attempt {total - left + 1} of {total})", file=sys.stderr,
                   flush=True)
@@ -345,6 +338,12 @@ def _torch_logs(quiet: bool) -> Iterator[None]:
             lg.propagate = propagate
 
 
+def _how(exitcode: int) -> str:
+    if exitcode < 0:
+        return f"was killed by signal {signal.Signals(-exitcode).name}"
+    return f"failed with exit code {exitcode}"
+
+
 def _time_ns(failure) -> float:
     info = failure.error_file_data.get("message")
     if isinstance(info, dict) and "time_ns" in info.get("extraInfo", {}):
@@ -356,19 +355,12 @@ def _root_cause(err) -> tuple[int, object]:
     return min(err.failures.items(), key=lambda kv: (_time_ns(kv[1]), kv[0]))
 
 
-def _describe(rank: int, failure) -> str:
-    how = (f"was killed by signal {failure.signal_name()}" if failure.exitcode < 0
-           else f"failed with exit code {failure.exitcode}")
-    return f"rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) {how}"
-
-
 def format_failure(err, verbose: bool = False) -> str:
-    """The report of a failed run, once: the rank that failed first and its full traceback, the ranks stopped, the
-    ranks that failed after it (their error type only: usually the first failure's consequence, such as gloo's
-    "Connection closed by peer"; ``verbose`` adds their message), and the exit code."""
+    """The report of a failed run (a ``ChildFailedError``): the rank that failed first with its traceback, the
+    ranks stopped, the ranks that failed after it (their error type; ``verbose``: their message), the exit code."""
     rank, first = _root_cause(err)
     info = first.error_file_data.get("message")
-    lines = [f"fanfold run: {_describe(rank, first)}"]
+    lines = [f"fanfold run: rank {rank} (local rank {first.local_rank}, pid {first.pid}) {_how(first.exitcode)}"]
     if isinstance(info, dict):
         lines += [f"Traceback of rank {rank}:", info["extraInfo"]["py_callstack"].rstrip()]
     elif first.exitcode < 0:
@@ -384,7 +376,7 @@ def format_failure(err, verbose: bool = False) -> str:
             stopped.append(other)  # the agent's own SIGTERM, sent when the first rank failed
         else:
             text = msg["message"] if isinstance(msg, dict) else ""
-            what = (text if verbose else text.split(":", 1)[0]) or _describe(other, failure).split(") ", 1)[1]
+            what = (text if verbose else text.split(":", 1)[0]) or _how(failure.exitcode)
             after.append(f"fanfold run: rank {other} also failed, after rank {rank} ({what})")
     if stopped:
         lines.append(f"fanfold run: stopped the other workers (ranks {stopped})")

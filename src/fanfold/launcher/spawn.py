@@ -1,8 +1,6 @@
-"""``fanfold.launch(fn, *args, nprocs=N)``: run a Python function on N local worker processes, with torchrun's
-environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), so ``fn`` calls
-``init_process_group()`` as a script under ``fanfold run`` would. Everything listens on 127.0.0.1 only: the job's
-store (hosted here, open only to processes proving the launch's secret) and gloo. Notebooks, fork and the failure
-report: docs/launching.md, docs/notebooks.md.
+"""``fanfold.launch(fn, *args, nprocs=N)``: run a Python function on N local worker processes with torchrun's
+environment, so ``fn`` calls ``init_process_group()`` as a script under ``fanfold run`` would. Everything listens on
+127.0.0.1 only: the job's store (hosted here, behind the launch's secret) and gloo. docs/launching.md, notebooks.md.
 """
 from __future__ import annotations
 
@@ -56,13 +54,14 @@ class WorkerError(RuntimeError):
 
 @dataclass(frozen=True)
 class _Report:
-    """What a worker sends back: its result, or its failure with the moment it happened (to find the first)."""
+    """A worker's result, or its failure and when it happened (to find the first); ``died``: it never reported."""
 
     ok: bool
     value: Any = None
     error: str = ""
     traceback: str = ""
     time_ns: int = 0
+    died: bool = False
 
 
 def _pickled(report: _Report, rank: int) -> bytes:
@@ -164,24 +163,13 @@ def _kill(procs: Sequence) -> None:
 _GRACE_S = 2.0  # after a first failure, how long the other ranks' reports are awaited to find the earliest
 
 
-@dataclass(frozen=True)
-class _Failure:
-    rank: int
-    report: _Report | None  # None: the process died without reporting
-    exitcode: int | None
-    seen_ns: int  # when the parent noticed it
-
-
 def _collect(procs: Sequence, conns: Sequence, timeout: float) -> list:
-    """Every rank's result; on a failure, :class:`WorkerError` naming the rank that failed first.
-
-    A rank's failure usually makes its peers fail too (gloo: "Connection closed by peer"), and the parent may read
-    those reports in any order; so after the first failure the others are awaited for a moment, and the one that
-    happened first (the worker's own clock, taken before it tore its process group down) is the one reported.
-    A rank that died without reporting is taken as the cause: nothing its peers do makes a process vanish.
-    """
+    # A rank's failure usually makes its peers fail too (gloo: "Connection closed by peer"), read here in any
+    # order: after the first failure the others are awaited a moment, and the earliest by the worker's own clock
+    # (taken before it tore its process group down) is reported. A rank that died without reporting is taken as
+    # the cause: nothing its peers do makes a process vanish.
     results: dict[int, Any] = {}
-    failures: dict[int, _Failure] = {}
+    failures: dict[int, _Report] = {}
     pending = dict(enumerate(conns))  # rank -> its pipe, until read
     end = time.monotonic() + timeout
     while pending and time.monotonic() < end:
@@ -198,7 +186,9 @@ def _collect(procs: Sequence, conns: Sequence, timeout: float) -> list:
                 continue
             if report is None:
                 procs[rank].join(5.0)
-            failures[rank] = _Failure(rank, report, procs[rank].exitcode, time.time_ns())
+                report = _Report(False, error=f"died with exit code {procs[rank].exitcode}", time_ns=time.time_ns(),
+                                 died=True)
+            failures[rank] = report
             end = min(end, time.monotonic() + _GRACE_S)
     if failures:
         raise _first_failure(failures, sorted(pending), len(procs))
@@ -207,20 +197,20 @@ def _collect(procs: Sequence, conns: Sequence, timeout: float) -> list:
     return [results[r] for r in range(len(procs))]
 
 
-def _first_failure(failures: dict[int, _Failure], running: list[int], nprocs: int) -> WorkerError:
-    first = min(failures.values(), key=lambda f: (f.report is not None, f.report.time_ns if f.report else f.seen_ns,
-                                                  f.rank))
-    if first.report is None:
-        lines = [f"rank {first.rank} of {nprocs} died with exit code {first.exitcode} before reporting"]
+def _first_failure(failures: dict[int, _Report], running: list[int], nprocs: int) -> WorkerError:
+    rank = min(failures, key=lambda r: (not failures[r].died, failures[r].time_ns, r))
+    first = failures[rank]
+    if first.died:
+        lines = [f"rank {rank} of {nprocs} {first.error} before reporting"]
     else:
-        lines = [f"rank {first.rank} of {nprocs} failed: {first.report.error}\n{first.report.traceback.rstrip()}"]
+        lines = [f"rank {rank} of {nprocs} failed: {first.error}\n{first.traceback.rstrip()}"]
     if running:
         lines.append(f"fanfold.launch: stopped the other workers (ranks {running})")
-    for f in sorted(failures.values(), key=lambda f: f.rank):
-        if f is not first:
-            what = f.report.error.split(":", 1)[0] if f.report else f"died with exit code {f.exitcode}"
-            lines.append(f"fanfold.launch: rank {f.rank} also failed, after rank {first.rank} ({what})")
-    return WorkerError("\n".join(lines), first.rank)
+    for other, f in sorted(failures.items()):
+        if other != rank:
+            what = f.error if f.died else f.error.split(":", 1)[0]
+            lines.append(f"fanfold.launch: rank {other} also failed, after rank {rank} ({what})")
+    return WorkerError("\n".join(lines), rank)
 
 
 def launch(
@@ -235,14 +225,12 @@ def launch(
 ) -> list:
     """Run ``fn(*args)`` in ``nprocs`` local processes with the torchrun environment; return the results by rank.
 
-    A module-level function of an importable module starts from a forkserver that has imported torch. A function
-    the workers cannot import by name (defined in a notebook cell or in ``__main__``, a lambda, a closure) is run
-    in forked workers instead, which is how it works from Jupyter: the parent must not have initialised CUDA (a
-    clear ``RuntimeError`` says so) and the workers initialise the device themselves. Each worker uses
-    ``threads`` intra-op threads. ``env`` adds environment variables. The workers' ``print`` output arrives as
-    whole lines (never two ranks within one line); ``rank_prefix=True`` starts each with ``[rank R] ``.
-    Raises :class:`WorkerError` naming the first rank that failed, with its traceback, or :class:`TimeoutError`
-    naming the ranks still running after ``timeout`` seconds; in every case no worker is left running.
+    An importable module-level ``fn`` starts from a forkserver; one defined in a notebook or ``__main__`` (or a
+    lambda, a closure) runs in forked workers, so the parent must not have initialised CUDA (a ``RuntimeError``
+    says so). Each worker uses ``threads`` intra-op threads; ``env`` adds environment variables; output arrives
+    in whole lines, ``rank_prefix=True`` starts each with ``[rank R] ``. Raises :class:`WorkerError` naming the
+    first rank that failed, with its traceback, or :class:`TimeoutError` naming the ranks still running after
+    ``timeout`` seconds; either way no worker is left running.
     """
     if not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"nprocs must be a positive int, got {nprocs!r}")

@@ -1,8 +1,6 @@
-"""What each worker of ``fanfold run`` executes: ``python -u worker_shim.py [-m] target args...`` runs the script (or
-module) as ``python`` would, and adds: its uncaught exception recorded for the launcher's report (torch's error
-file); ``faulthandler``; no worker outliving the launcher, nor its own helpers outliving it; ``env://`` routed to
-the job's authenticated store; output in whole lines, optionally prefixed ``[rank R] ``. Imports neither torch nor
-fanfold, so that a script that needs neither starts in milliseconds.
+"""Each ``fanfold run`` worker: ``python -u worker_shim.py [-m] target args...`` runs the target as ``python`` would,
+plus: its uncaught exception in torch's error file, ``faulthandler``, no worker (nor its helpers) outliving the
+launcher, ``env://`` routed to the job's store, output in whole lines. Imports neither torch nor fanfold.
 """
 from __future__ import annotations
 
@@ -23,10 +21,9 @@ _LINE_ENDS = re.compile(r"(?<=\n)|(?<=\r)(?!\n)")  # splits after each \n, and a
 
 
 class WholeLines:
-    """A text stream over ``target`` that passes on whole lines only (ended by ``\\n``, or by a ``\\r`` redrawing a
-    progress bar), each with one ``write`` and a ``flush``, each started with ``prefix``; other attributes are
-    ``target``'s. ``flush`` keeps an unfinished line back (two ranks' ``print(..., end="", flush=True)`` is what
-    interleaves); :meth:`close_line` writes it when the worker ends."""
+    """A text stream over ``target`` that writes whole lines only (ended by ``\\n``, or ``\\r`` redrawing a progress
+    bar), each started with ``prefix``; ``flush`` keeps an unfinished line back (two ranks' ``print(end="")`` would
+    interleave) until :meth:`close_line`. Other attributes are ``target``'s."""
 
     def __init__(self, target, prefix: str = ""):
         self._target, self._prefix = target, prefix
@@ -52,7 +49,6 @@ class WholeLines:
         self._target.flush()
 
     def close_line(self) -> None:
-        """Write what is left of an unfinished line, ended with a newline."""
         with self._lock:
             if self._pending:
                 self._emit(self._pending + "\n")
@@ -71,8 +67,8 @@ def whole_lines(prefix: str = "") -> tuple[WholeLines, WholeLines]:
 
 
 class _RouteEnvRendezvous:
-    """An import hook: once ``torch.distributed.rendezvous`` has run, its ``env://`` handler is wrapped so that its
-    first use installs fanfold's (``fanfold._core.job.install_env_rendezvous``); fanfold is imported only then."""
+    """An import hook: once ``torch.distributed.rendezvous`` is imported, the first use of its ``env://`` handler
+    installs ``fanfold._core.job.install_env_rendezvous`` (fanfold is imported only then)."""
 
     _NAME = "torch.distributed.rendezvous"
 
@@ -158,8 +154,8 @@ _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken p
 
 
 def _own_report(exc: BaseException, text: str) -> str:
-    """What this worker prints of its failure. The launcher shows the traceback of the rank that failed first once
-    the run has failed; a failure the agent restarts from is labelled here; --verbose shows every rank's."""
+    # The launcher shows the traceback of the rank that failed first once the run has failed; a failure the agent
+    # restarts from is labelled here; --verbose shows every rank's.
     verbose = os.environ.get("FANFOLD_VERBOSE") == "1"
     try:
         done, allowed = int(os.environ["TORCHELASTIC_RESTART_COUNT"]), int(os.environ["TORCHELASTIC_MAX_RESTARTS"])
