@@ -50,20 +50,15 @@ def reduce_code(op: str, divisor: float | None = None, what: str = "all_reduce")
 
 @dataclass(frozen=True, eq=False)
 class Collective:
-    """One collective as :meth:`Engine.run` runs it. ``flat``: the contiguous 1-d tensor it works on (the input of
-    all_gather, reduce_scatter, all_to_all; None for a barrier); ``seq``: its number, the same on every rank;
-    ``bucket`` labels errors; ``src``: a broadcast's root; ``shards``: the ring's all_reduce sums by shards (each rank
-    one) rather than every rank summing everything; ``divisor``: sums are divided by it; ``outs``: REDUCE_TENSORS'
-    and SCATTER_TENSORS' tensors; ``settle``, ``compress`` (dtype, pre_divisor): see ``PeerReader.run``; ``out``:
-    the output of all_gather, reduce_scatter and all_to_all; ``splits``: all_to_all's element counts (sent, received);
-    ``reduce``: the reduction's code; ``timeout``: seconds any of its waits may take (None: the segment's)."""
+    """One collective as :meth:`Engine.run` runs it. ``flat``: the 1-d tensor it works on (the input of the exchanges;
+    None for a barrier); ``seq``: its number, the same on every rank; ``outs``: the peer reads' tensors; ``out``: the
+    exchanges' output; ``splits``: all_to_all's (sent, received) counts; ``timeout``: None keeps the segment's."""
 
     op: int
     seq: int
     flat: torch.Tensor | None = None
     bucket: int | None = None
     src: int = 0
-    shards: bool = False
     divisor: float | None = None
     outs: list[torch.Tensor] | None = None
     settle: bool = True
@@ -185,17 +180,13 @@ def _differs(theirs: Header, mine: Header) -> str:
 class Engine:
     """The algorithms over one segment, run on one thread at a time. Step g (``Segment.arrive``) writes area
     g % ``areas``; a rank finishes reading step x before it publishes x + 2 (one chunk of look-ahead), so step g may
-    rewrite its area once every peer's count reached g - areas + 3."""
+    rewrite its area once every peer's count reached g - areas + 3. ``tables``: the peer reads' tables (or None)."""
 
     def __init__(self, segment: Segment, rank: int, world_size: int, chunk_bytes: int, areas: int,
                  tables: torch.Tensor | None = None):
-        """``tables``: the peer reads' tables in the segment where every rank may read its peers (else None)."""
         self.seg, self.rank, self.n = segment, rank, world_size
         self.chunk_bytes, self.areas = chunk_bytes, areas
         self._views: dict[torch.dtype, list] = {}
-        self.written: list[Header | None] = [None, None]  # the latency path's header in place, by seq parity
-        self._small: dict[tuple, tuple] = {}  # the latency path's (area, dtype, shape) -> (slot views, header)
-        self._seen = 0  # every peer's count had reached this at the last small all_reduce
         self._scratch = torch.empty(chunk_bytes // 2, dtype=torch.float32)  # a chunk of half values, widened
         self._divisor = None  # of the collective being run: its sums are divided while the chunk is in cache
         self._reduce = SUM  # of the collective being run: what sum_into computes
@@ -207,26 +198,20 @@ class Engine:
                       for r in range(world_size)]
 
     def close(self) -> None:
-        """Drop this engine's views of the segment (they would keep it mapped: ``Segment.close``); the peer reader
-        goes too, which also breaks its reference cycle through ``sum_into``. The engine runs nothing after this."""
+        # the views would keep the segment mapped (Segment.close); dropping the peer reader breaks its cycle
         self._views.clear()
-        self._small.clear()
         self._peer = None
 
     def step(self, dtype: torch.dtype, describe: Callable) -> tuple[int, list[torch.Tensor]]:
-        """The next step's number, and its area (slots 0..N-1, then the result) as ``dtype`` views, once reusable."""
+        """The next step's number, and its area (one slot per rank) as ``dtype`` views, once reusable."""
         g = self.seg.arrived
         if g + 3 > self.areas:
             self.seg.wait_all(g + 3 - self.areas, describe)
-        return g, self.area(dtype, g)
-
-    def area(self, dtype: torch.dtype, g: int) -> list[torch.Tensor]:
-        # step g's area: slots 0..N-1 and the result, as ``dtype`` views (made once per dtype)
         if dtype not in self._views:
             cap, data = self.chunk_bytes, self.seg.data
-            self._views[dtype] = [[data[(b * (self.n + 1) + a) * cap:][:cap].view(dtype) for a in range(self.n + 1)]
+            self._views[dtype] = [[data[(b * self.n + a) * cap:][:cap].view(dtype) for a in range(self.n)]
                                   for b in range(self.areas)]
-        return self._views[dtype][g % self.areas]
+        return g, self._views[dtype][g % self.areas]
 
     def sum_into(self, parts: list[torch.Tensor], out: torch.Tensor) -> None:
         combine(parts, out, self._reduce, self._scratch, self._divisor)
@@ -241,10 +226,9 @@ class Engine:
             theirs = Header.read(self._desc[p][seq & 1])
             if theirs != mine:
                 what = theirs.describe()
-                same = replace(theirs, place=mine.place) == mine
                 if theirs.reduce != mine.reduce:
                     what += f" (op {theirs.reduce_name()}; rank {self.rank}'s: {mine.reduce_name()})"
-                elif same:  # REDUCE_TENSORS, SCATTER_TENSORS: as many tensors
+                elif replace(theirs, place=mine.place) == mine:  # REDUCE_TENSORS, SCATTER_TENSORS: as many tensors
                     what += f" as {theirs.place} tensors (rank {self.rank}: {mine.place})"
                 doing = describe()[0]
                 raise ShmMismatchError(
@@ -254,7 +238,6 @@ class Engine:
                     field=_differs(theirs, mine), detail=f"rank {p} is in {what}")
 
     def run(self, c: Collective) -> None:
-        """Run collective ``c`` (:class:`Collective`)."""
         op, flat, seq = c.op, c.flat, c.seq
         self._divisor, self._reduce = c.divisor, c.reduce
         if c.timeout is not None:
@@ -262,114 +245,24 @@ class Engine:
         # all_to_all's lengths may differ by rank: its first step checks every pair of splits instead
         peer = op in (REDUCE_TENSORS, SCATTER_TENSORS)  # c.outs: the tensors, read where they lie
         numel = (sum(t.numel() for t in c.outs) if peer else 0 if flat is None or op == ALL_TO_ALL else flat.numel())
-        place = len(c.outs) if peer else 0
-        header = Header.of(c, numel, place)
+        header = Header.of(c, numel, len(c.outs) if peer else 0)
         header.write(self._desc[self.rank][seq & 1])
-        self.written[seq & 1] = None
-        cap = self.chunk_bytes // (flat.element_size() if flat is not None else 1)
-        count = max(1, -(-numel // cap))
         where = f"#{seq}" + ("" if c.bucket is None else f" (bucket {c.bucket})")
-        if op in (ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL):
-            _EXCHANGES[op](self, c, header, where)
+        if op in _RING:
+            _RING[op](self, c, header, where)
             return
-        describe = _describe(header, where, count, c.bucket, seq)
-        if op == GATHER_PEERS:
-            self._peer.all_gather(flat, c.out, describe, lambda: self.check(seq, header, describe(0)))
-            return
+        cap = self.chunk_bytes // (flat.element_size() if flat is not None else 1)
+        describe = _describe(header, where, max(1, -(-numel // cap)), c.bucket, seq)
+        check = lambda: self.check(seq, header, describe(0))  # noqa: E731
         if op == BARRIER:
             self.seg.wait_all(self.seg.arrive(), describe(0))
-            self.check(seq, header, describe(0))
-            return
-        if peer:
-            check = lambda: self.check(seq, header, describe(0))  # noqa: E731
-            if op == REDUCE_TENSORS:
-                self._peer.all_reduce(c.outs, describe, check, c.settle, *(c.compress or ()))
-            else:
-                self._peer.reduce_scatter(c.outs, c.out, describe, check, c.settle, *(c.compress or ()))
-            return
-        chunks = [flat[i * cap:][:cap] for i in range(count)]
-        if op == ALL_REDUCE and c.shards:
-            for i, chunk in enumerate(chunks):
-                self._reduce_scatter_gather(chunk, describe(i), i == 0 and (seq, header))
-            return
-        # Direct all-reduce into every rank's slot, or broadcast from the root into the result: chunk i + 1 is
-        # written before chunk i is read (look-ahead of one).
-        at = self.rank if op == ALL_REDUCE else self.n if self.rank == c.src else None
-        ahead = self._write(chunks[0], at, describe(0))
-        for i, chunk in enumerate(chunks):
-            g, area = ahead
-            if i + 1 < count:
-                ahead = self._write(chunks[i + 1], at, describe(i + 1))
-            self.seg.wait_all(g + 1, describe(i))
-            if i == 0:
-                self.check(seq, header, describe(0))
-            m = chunk.numel()
-            if op == ALL_REDUCE:
-                self.sum_into([s[:m] for s in area[: self.n]], chunk)
-            elif self.rank != c.src:
-                chunk.copy_(area[self.n][:m])
-
-    def _write(self, chunk: torch.Tensor, at: int | None, describe: Callable) -> tuple[int, list[torch.Tensor]]:
-        # the next step, ``chunk`` in its area's place ``at`` (a slot, N: the result, None: nothing), published
-        g, area = self.step(chunk.dtype, describe)
-        if at is not None:
-            area[at][: chunk.numel()].copy_(chunk)
-        self.seg.arrive()
-        return g, area
-
-    def _reduce_scatter_gather(self, chunk: torch.Tensor, describe: Callable, check: Any) -> None:
-        # Two steps, no look-ahead: the second step publishes this rank's reduced shard.
-        c = chunk.numel()
-        g, slots = self._write(chunk, self.rank, describe)
-        self.seg.wait_all(g + 1, describe)
-        if check:
-            self.check(*check, describe)
-        align = max(1, 64 // chunk.element_size())  # shard edges on cache lines: no two writers share one
-        per = -(-c // self.n // align) * align if c >= self.n * align else -(-c // self.n)
-        lo, hi = min(c, self.rank * per), min(c, (self.rank + 1) * per)
-        g, area = self.step(chunk.dtype, describe)
-        result = area[self.n]
-        if hi > lo:
-            self.sum_into([s[lo:hi] for s in slots[: self.n]], result[lo:hi])
-        self.seg.arrive()
-        self.seg.wait_all(g + 1, describe)
-        chunk.copy_(result[:c])
-
-    def run_small(self, t: torch.Tensor, divisor: float | None, seq: int, bucket: int | None) -> None:
-        """The latency path: collective number ``seq``, an all_reduce of contiguous ``t`` (at most a quarter chunk;
-        the ring's direct sum of one chunk, step for step, so a peer running ``run`` meets it) on the calling
-        thread, with nothing made per call but a closure: the slot views and the header are made once per area,
-        dtype and shape."""
-        seg, g = self.seg, self.seg.arrived
-        key = (g % self.areas, t.dtype, t.shape)
-        views = self._small.get(key)
-        if views is None:
-            if len(self._small) > 512:
-                self._small.clear()
-            m = t.numel()
-            views = self._small[key] = ([s[:m].view(t.shape) for s in self.area(t.dtype, g)[: self.n]],
-                                        Header(ALL_REDUCE, DTYPES.index(t.dtype) + 1, 0, 0, m, 0))
-        slots, header = views
-        describe = lambda: self._describe_small(header, seq, bucket)  # noqa: E731 - only called on an error
-        if g + 3 - self.areas > self._seen:  # the area's last readers (see Engine.step): seen done last time
-            seg.wait_all(g + 3 - self.areas, describe)
-        if self.written[seq & 1] is not header:  # the same small collective again: its words are in place
-            header.write(self._desc[self.rank][seq & 1])
-            self.written[seq & 1] = header
-        slots[self.rank].copy_(t)
-        seg.arrive()
-        seg.wait_all(g + 1, describe)
-        self._seen = g + 1
-        self.check(seq, header, describe)
-        if self.n == 2 and divisor is None:
-            torch.add(slots[0], slots[1], out=t)  # Engine.sum_into's two-part case, without its checks
+            check()
+        elif op == GATHER_PEERS:
+            self._peer.all_gather(flat, c.out, describe, check)
+        elif op == REDUCE_TENSORS:
+            self._peer.all_reduce(c.outs, describe, check, c.settle, *(c.compress or ()))
         else:
-            combine(slots, t, SUM, self._scratch, divisor)
-
-    @staticmethod
-    def _describe_small(header: Header, seq: int, bucket: int | None) -> tuple:
-        where = f"#{seq}" + ("" if bucket is None else f" (bucket {bucket})")
-        return f"{header.describe()} {where}, chunk 1 of 1", seq, bucket
+            self._peer.reduce_scatter(c.outs, c.out, describe, check, c.settle, *(c.compress or ()))
 
 
 def _describe(header: Header, where: str, count: int, bucket: int | None, seq: int) -> Callable:
@@ -380,13 +273,13 @@ def _describe(header: Header, where: str, count: int, bucket: int | None, seq: i
 
 def _pipeline(engine: Any, dtype: torch.dtype, count: int, write: Callable, read: Callable, describe: Callable,
               check: Callable[[], None]) -> None:
-    # Step i + 1 is written before step i is read (look-ahead of one), as the direct all-reduce does: a rank
-    # finishes reading step x before it publishes step x + 2, the engine's rule for reusing an area.
+    # Step i + 1 is written before step i is read (look-ahead of one): a rank finishes reading step x before it
+    # publishes step x + 2, the engine's rule for reusing an area.
     def post(i: int) -> tuple[int, list[torch.Tensor]]:
         g, area = engine.step(dtype, describe(i))
         write(i, area[engine.rank])
         engine.seg.arrive()
-        return g, area[: engine.n]
+        return g, area
 
     ahead = post(0)
     for i in range(count):
@@ -399,27 +292,48 @@ def _pipeline(engine: Any, dtype: torch.dtype, count: int, write: Callable, read
         read(i, slots)
 
 
-def _all_gather(engine: Any, c: Collective, header: Header, where: str) -> None:
-    flat, out, n = c.flat, c.out, engine.n
+def _by_chunks(engine: Any, c: Collective, header: Header, where: str, read: Callable, writes: bool = True) -> None:
+    # all_reduce, broadcast and all_gather: chunk i of ``flat`` into this rank's slot (if it ``writes``), then
+    # ``read(chunk, its offset, every rank's slot)``
+    flat = c.flat
     m, cap = flat.numel(), engine.chunk_bytes // flat.element_size()
     count = max(1, -(-m // cap))
     describe = _describe(header, where, count, c.bucket, c.seq)
 
     def write(i: int, slot: torch.Tensor) -> None:
-        part = flat[i * cap:][:cap]
-        slot[: part.numel()].copy_(part)
+        if writes:
+            part = flat[i * cap:][:cap]
+            slot[: part.numel()].copy_(part)
 
+    _pipeline(engine, flat.dtype, count, write, lambda i, slots: read(flat[i * cap:][:cap], i * cap, slots),
+              describe, lambda: engine.check(c.seq, header, describe(0)))
+
+
+def _all_reduce(engine: Any, c: Collective, header: Header, where: str) -> None:
+    # every rank sums every slot into its own chunk, in rank order
+    _by_chunks(engine, c, header, where, lambda part, lo, slots: engine.sum_into([s[: part.numel()] for s in slots],
+                                                                                  part))
+
+
+def _broadcast(engine: Any, c: Collective, header: Header, where: str) -> None:
+    def read(part: torch.Tensor, lo: int, slots: list[torch.Tensor]) -> None:
+        if engine.rank != c.src:
+            part.copy_(slots[c.src][: part.numel()])
+
+    _by_chunks(engine, c, header, where, read, writes=engine.rank == c.src)
+
+
+def _all_gather(engine: Any, c: Collective, header: Header, where: str) -> None:
+    flat, out, m = c.flat, c.out, c.flat.numel()
     # in place (flat is this rank's part of out): that part already holds what its slot would give back
     own = flat.data_ptr() == out.data_ptr() + engine.rank * m * flat.element_size() if m else False
 
-    def read(i: int, slots: list[torch.Tensor]) -> None:
-        lo = i * cap
-        size = max(0, min(cap, m - lo))
-        for p in range(n):
+    def read(part: torch.Tensor, lo: int, slots: list[torch.Tensor]) -> None:
+        for p in range(engine.n):
             if not (own and p == engine.rank):
-                out[p * m + lo:][:size].copy_(slots[p][:size])
+                out[p * m + lo:][: part.numel()].copy_(slots[p][: part.numel()])
 
-    _pipeline(engine, flat.dtype, count, write, read, describe, lambda: engine.check(c.seq, header, describe(0)))
+    _by_chunks(engine, c, header, where, read)
 
 
 def _reduce_scatter(engine: Any, c: Collective, header: Header, where: str) -> None:
@@ -484,4 +398,5 @@ def _all_to_all(engine: Any, c: Collective, header: Header, where: str) -> None:
     _pipeline(engine, flat.dtype, count, write, read, describe, lambda: None)
 
 
-_EXCHANGES = {ALL_GATHER: _all_gather, REDUCE_SCATTER: _reduce_scatter, ALL_TO_ALL: _all_to_all}
+_RING = {ALL_REDUCE: _all_reduce, BROADCAST: _broadcast, ALL_GATHER: _all_gather, REDUCE_SCATTER: _reduce_scatter,
+         ALL_TO_ALL: _all_to_all}

@@ -136,12 +136,12 @@ class Request:
 
 
 class Worker:
-    """Numbers the collectives of one transport and runs them on ``engine``: queued for its thread, or a small
-    all_reduce on the caller's thread when nothing is queued or running. After a failure the transport is unusable (the
-    peers were told through the abort word); later collectives get the same error."""
+    """Numbers the collectives of one transport and runs them on ``engine``, one at a time in number order: queued
+    for its thread, or on the caller's thread when nothing is queued or running (``run_now``). After a failure the
+    transport is unusable (the peers were told through the abort word); later collectives get the same error.
+    ``timeout()``: the bound of a collective numbered now (read on the caller's thread)."""
 
     def __init__(self, engine: Engine, name: str, timeout: Callable[[], float]):
-        """``timeout()``: the bound of a collective numbered now (read on the caller's thread)."""
         self.engine, self._timeout = engine, timeout
         self.seq = 0  # the collectives numbered so far
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
@@ -161,20 +161,18 @@ class Worker:
             self._requests.put(Request(fut, finish, replace(c, seq=self.seq, timeout=self._timeout())))
         return fut
 
-    def run_small(self, t: torch.Tensor, divisor: float | None, bucket: int | None) -> bool:
-        """An all_reduce of contiguous ``t`` (at most a quarter chunk) on this thread, if nothing is queued or
-        running: True once done (raising the transport's error, as its handle would). False, with nothing done, when
-        it must queue."""
+    def run_now(self, c: Collective) -> bool:
+        """Run ``c`` on this thread if nothing is queued or running: True once done (raising the transport's error,
+        as its handle would). False, with nothing done, when it must queue."""
         with self._lock:
             if self._pending or self._error is not None:
                 return False
             self.seq += 1
-            seq = self.seq
+            c = replace(c, seq=self.seq, timeout=self._timeout())
             self._pending = 1
             self._running.acquire()  # nothing unfinished: the thread is idle (it releases the engine, then counts down)
         try:
-            self.engine.seg.timeout = self._timeout()
-            self.engine.run_small(t, divisor, seq, bucket)
+            self.engine.run(c)
         except BaseException as exc:  # noqa: BLE001 - every peer must learn of the failure, as in _execute
             self._error = exc
             self._abort(exc)
@@ -247,12 +245,11 @@ class ShmTransport:
     process group's timeout; a ``stall_timeout`` block replaces it for the collectives started in it) bounds every
     wait for a peer: a peer that never arrives, dies or fails makes the waiting rank raise :class:`ShmTimeoutError`
     naming both ranks and the collective. ``chunk_bytes``: the pipelining unit (smaller ones, down to
-    :data:`SMALLEST_CHUNK`, where /dev/shm has no room; then :class:`SegmentSpaceError`). ``direct_bytes`` (default:
-    no limit up to 3 ranks, else 64 KiB): the largest ring all_reduce every rank sums whole instead of by shards.
-    ``peer_read`` (None: where the probe allows): whether ranks read their peers' memory. :meth:`close` when done."""
+    :data:`SMALLEST_CHUNK`, where /dev/shm has no room; then :class:`SegmentSpaceError`). ``peer_read`` (None: where
+    the probe allows): whether ranks read their peers' memory. :meth:`close` when done."""
 
     def __init__(self, group: Any = None, timeout: float | timedelta | None = None, *, chunk_bytes: int = 1 << 20,
-                 direct_bytes: int | None = None, peer_read: bool | None = None):
+                 peer_read: bool | None = None):
         own = isinstance(group, StoreGroup)  # a group under construction (the fanfold backend's)
         if not own:
             require_initialized("ShmTransport")
@@ -263,9 +260,6 @@ class ShmTransport:
                                                                                  dist.get_world_size(group))
         self._base, self._limit = resolve_stall_timeout(timeout), group_timeout(group)
         self.timeout = bound(self._base, self._limit)
-        if direct_bytes is None:  # up to 3 ranks, summing everything on every rank moves fewer bytes
-            direct_bytes = 1 << 62 if self.world_size <= 3 else 64 << 10
-        self._direct_bytes = direct_bytes
         self._worker = self._segment = None
         self.peer_read = False  # every rank may read its peers' memory (probed below)
         self._regions: list[Segment] = []  # allocate()'s, closed with the transport
@@ -275,7 +269,7 @@ class ShmTransport:
             store.set(f"pidns/{self.rank}", pid_namespace())
             areas = 8 if self.world_size <= 3 else 4
             self._segment, chunk_bytes = self._map_segment(store, areas, chunk_bytes)
-            ring = areas * (self.world_size + 1) * chunk_bytes
+            ring = areas * self.world_size * chunk_bytes
             # Collective whatever this rank's peer_read: every rank takes the probe's steps.
             self.peer_read, why = probe(self._segment, self.rank, self.world_size, peer_read is not False)
             if peer_read is None and not self.peer_read:
@@ -295,15 +289,15 @@ class ShmTransport:
         else:
             self._finalizer = weakref.finalize(self, lambda: None)
         self._chunk_bytes = chunk_bytes
-        # the caller's-thread path: the ring's direct sum of one chunk (see _submit)
-        self._small_bytes = min(INLINE_BYTES, chunk_bytes // 4, direct_bytes) if self.world_size > 1 else -1
+        # the caller's-thread path: the ring's sum of one chunk (see _reads_peers)
+        self._small_bytes = min(INLINE_BYTES, chunk_bytes // 4) if self.world_size > 1 else -1
 
     def _map_segment(self, store: Any, areas: int, chunk_bytes: int) -> tuple[Segment, int]:
         """The segment, with ``chunk_bytes`` chunks or, where /dev/shm has no room (Docker's 64 MB), the largest of a
         quarter, a sixteenth... down to SMALLEST_CHUNK that fits. Every rank sees the same failures: all agree."""
         asked, tried = chunk_bytes, 0
         while True:
-            size = areas * (self.world_size + 1) * chunk_bytes + self.world_size * TABLE_BYTES
+            size = areas * self.world_size * chunk_bytes + self.world_size * TABLE_BYTES
             try:
                 # each try meets under its own keys: the failed one's are spent
                 seg = Segment(store if tried == 0 else dist.PrefixStore(f"retry{tried}/", store), self.rank,
@@ -344,8 +338,8 @@ class ShmTransport:
         nbytes = 0 if flat is None else flat.numel() * flat.element_size()
         if op == ALL_REDUCE and back is None and self._reads_peers(nbytes):
             c = Collective(REDUCE_TENSORS, 0, flat, bucket, divisor=divisor, outs=[flat], reduce=reduce)
-        else:  # the ring; an all_reduce above direct_bytes is summed by shards (engine.py)
-            c = Collective(op, 0, flat, bucket, src, nbytes > self._direct_bytes, divisor, reduce=reduce)
+        else:
+            c = Collective(op, 0, flat, bucket, src, divisor, reduce=reduce)
         if back is not None:
             finish = back if finish is None else (lambda first=back, then=finish: (first(), then()))
         return self._enqueue(c, tensor, finish)
@@ -407,7 +401,8 @@ class ShmTransport:
                 and tensor.nbytes <= self._small_bytes and tensor.is_contiguous() and self._finalizer.alive):
             return False
         # detach: the sum is written into the tensor whatever autograd thinks of it (a Parameter), as gloo does
-        return self._worker.run_small(tensor.detach() if tensor.requires_grad else tensor, divisor, bucket)
+        flat = (tensor.detach() if tensor.requires_grad else tensor).view(-1)
+        return self._worker.run_now(Collective(ALL_REDUCE, 0, flat, bucket, divisor=divisor))
 
     def reduce_tensors(self, tensors: list[torch.Tensor], bucket: int | None = None, *,
                        divisor: float | None = None, settle: bool = True,
