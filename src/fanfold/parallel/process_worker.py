@@ -1,7 +1,7 @@
 """One replica of ``DataParallel(..., engine="process")`` in its own process, and the wire to it: the shared-memory
-slots that carry a message's tensors, the messages (small dataclasses), the mailbox (one message each way in a
-block of shared memory woken through ``_core.shm.Futex``; a step's repeated messages cross as a few bytes), the
-worker's loop, and the forward and backward steps that the caller also runs for replica 0.
+slots that carry a message's tensors, the messages (small dataclasses), the mailbox (one pickled message each way in
+a block of shared memory, woken through ``_core.shm.Futex``), the worker's loop, and the forward and backward steps
+that the caller also runs for replica 0.
 """
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import math
 import os
 import pickle
 import signal
-import struct
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -83,36 +82,24 @@ def view(buffer: torch.Tensor, slot: Slot) -> torch.Tensor:
 
 
 class Arena:
-    """One direction's buffer for one worker; it grows, and must then be sent again, only when a step needs more.
-    The slots and their views are kept per structure (the shapes and dtypes of one pack's tensors), so that a loop
-    alternating forward and backward messages gets the same ``Slot`` objects each step (the mailbox sends
-    a message whose slots are the last one's in compact form). Every layout starts at offset 0: only one message
-    per direction is in flight, and its receiver reads (or copies) it before answering."""
-
-    _KEEP = 8  # layouts kept; more distinct structures than this are laid out again
+    """One direction's slot buffer for one worker; it grows, and must then be sent again, only when a step needs
+    more. Every message is laid out from offset 0: only one message per direction is in flight, and its receiver
+    reads (or copies) it before answering."""
 
     def __init__(self) -> None:
         self.buffer = torch.empty(0, dtype=torch.uint8)
-        self._layouts: dict[tuple, tuple[list[Slot], list[torch.Tensor]]] = {}
 
     def pack(self, leaves: Sequence[Any]) -> tuple[list, torch.Tensor | None]:
         """``leaves`` with each plain tensor copied into the buffer and replaced by its Slot; the new buffer if the
         old one was too small, else None."""
         found = [(k, v) for k, v in enumerate(leaves) if _plain(v)]
-        key = tuple((t.shape, t.dtype, dense_stride(t)) for _, t in found)
+        slots, size = layout([t for _, t in found])
         grown = None
-        known = self._layouts.get(key)
-        if known is None:
-            slots, size = layout([t for _, t in found])
-            if size > self.buffer.numel():
-                self.buffer = grown = shared_bytes(max(size, 2 * self.buffer.numel()))
-                self._layouts.clear()  # their views are of the old buffer
-            if len(self._layouts) >= self._KEEP:
-                self._layouts.clear()
-            known = self._layouts[key] = (slots, [view(self.buffer, slot) for slot in slots])
+        if size > self.buffer.numel():
+            self.buffer = grown = shared_bytes(max(size, 2 * self.buffer.numel()))
         packed = list(leaves)
-        for (k, t), slot, target in zip(found, *known):
-            target.copy_(t.detach() if t.requires_grad else t)
+        for (k, t), slot in zip(found, slots):
+            view(self.buffer, slot).copy_(t.detach() if t.requires_grad else t)
             packed[k] = slot
         return packed, grown
 
@@ -171,103 +158,12 @@ class Failure:
     traceback: str
 
 
-_TAGS = {Forward: 1, Backward: 2, Outputs: 3, Gradients: 4}
-_FORWARD = struct.Struct("<BqBI")  # tag, step, grad, number of released steps (then one int64 each)
-_BACKWARD = struct.Struct("<Bq")  # tag, step
-_RELEASED = struct.Struct("<q")
-_SCALARS = (Slot, type(None), bool, int, float, str)  # leaves that are the same value when they are the same object
-
-
-def _plain_spec(spec: Spec) -> bool:
-    """Whether ``spec`` compares by value: no instance kept as a template (a dataclass, a dict subclass)."""
-    return all(node.template is None or isinstance(node.template, type) for node in spec.nodes)
-
-
-def _scalars(leaves: list) -> bool:
-    return all(type(v) in _SCALARS for v in leaves)
-
-
-def _same(leaves: list, last: list) -> bool:
-    return len(leaves) == len(last) and all(a is b for a, b in zip(leaves, last))
-
-
-def _repeats(msg: Any, last: Any) -> bool:
-    """Whether ``msg`` has the structure of ``last`` (a template: checked by ``_template``), its numbers aside."""
-    if msg.arena is not None:
-        return False
-    if type(msg) is Forward:
-        return (_same(msg.leaves, last.leaves) and msg.training == last.training
-                and msg.differentiable == last.differentiable and msg.spec == last.spec)
-    if type(msg) is Outputs:
-        return _same(msg.leaves, last.leaves) and msg.spec == last.spec
-    if type(msg) is Backward:
-        return _same(msg.grads, last.grads)
-    return _same(msg.inputs, last.inputs) and msg.parameters == last.parameters
-
-
-def _template(msg: Any) -> bool:
-    """Whether later messages may repeat ``msg``: its leaves and spec compare by identity and value."""
-    if type(msg) in (Forward, Outputs):
-        return _scalars(msg.leaves) and _plain_spec(msg.spec)
-    if type(msg) is Backward:
-        return _scalars(msg.grads)
-    return _scalars(msg.inputs) and all(p is True or p is None for p in msg.parameters)
-
-
-class Codec:
-    """One mailbox side's memory of the last full message of each kind, sent and received."""
-
-    def __init__(self) -> None:
-        self._sent: dict[type, Any] = {}
-        self._got: dict[type, Any] = {}
-
-    def encode(self, msg: Any) -> bytes | None:
-        """``msg`` in compact form when it repeats the last one of its kind sent, else None (pickle it)."""
-        last = self._sent.get(type(msg))
-        if last is None or not _repeats(msg, last):
-            return None
-        if type(msg) is Forward:
-            return _FORWARD.pack(1, msg.step, msg.grad, len(msg.release)) + b"".join(
-                _RELEASED.pack(s) for s in msg.release)
-        if type(msg) is Backward:
-            return _BACKWARD.pack(2, msg.step)
-        return bytes((_TAGS[type(msg)],))
-
-    def sent(self, msg: Any) -> None:
-        """``msg`` was posted in full: it is the template of its kind from now on (or none, if it cannot be one)."""
-        if type(msg) in _TAGS:
-            self._sent[type(msg)] = msg if _template(msg) else None
-
-    def got(self, msg: Any) -> None:
-        """``msg`` was received in full: the receiver's template of its kind."""
-        if type(msg) in _TAGS:
-            self._got[type(msg)] = msg
-
-    def decode(self, data: bytes) -> Any:
-        """The message a compact ``data`` stands for."""
-        tag = data[0]
-        if tag == 1:
-            _, step, grad, n = _FORWARD.unpack_from(data)
-            t = self._got[Forward]
-            release = [_RELEASED.unpack_from(data, _FORWARD.size + 8 * k)[0] for k in range(n)]
-            return Forward(step, t.leaves, t.spec, t.differentiable, bool(grad), t.training, release)
-        if tag == 2:
-            t = self._got[Backward]
-            return Backward(_BACKWARD.unpack_from(data)[1], t.grads)
-        if tag == 3:
-            t = self._got[Outputs]
-            return Outputs(t.leaves, t.spec)
-        t = self._got[Gradients]
-        return Gradients(t.parameters, t.inputs)
-
-
 CALLER, WORKER = 0, 1
 _COUNTER = (0, 64)  # byte offset of each side's counter: cache lines of their own
 _STOP = 128
 _LENGTH = (192, 200)  # int64: the length of each side's current message
 _HEADER = 4096
 _AREA = 1 << 16  # bytes per side's message area; bigger messages are spilled
-_PICKLE = pickle.PROTO[0]  # the first byte of every pickle this side makes (protocol 2 and up)
 
 
 @dataclass
@@ -297,19 +193,15 @@ class Mailbox:
         # one pickler for every message: ForkingPickler.dumps would copy its dispatch table each time
         self._buffer = io.BytesIO()
         self._pickler = ForkingPickler(self._buffer, pickle.HIGHEST_PROTOCOL)
-        self._codec = Codec()  # a training loop's repeated step messages cross as a few bytes, unpickled
         self._mine_address = ctypes.addressof(self._mine)
         self.posted = 0  # messages this side has posted
         self.read = 0  # messages of the other side this side has read
 
     def send(self, message: Any) -> None:
         """Post ``message`` (the other side must have read the previous one: the protocol alternates)."""
-        data = self._codec.encode(message)
-        if data is None:
-            data = self._pickle(message)
-            if len(data) > _AREA:
-                data = self._pickle(_Spill(torch.frombuffer(bytearray(data), dtype=torch.uint8).share_memory_()))
-            self._codec.sent(message)  # pickled: the receiver will have it
+        data = self._pickle(message)
+        if len(data) > _AREA:
+            data = self._pickle(_Spill(torch.frombuffer(bytearray(data), dtype=torch.uint8).share_memory_()))
         ctypes.memmove(self._base + _HEADER + self.side * _AREA, data, len(data))
         self._lengths[self.side].value = len(data)
         self.posted += 1
@@ -334,13 +226,9 @@ class Mailbox:
         self.wait(check, deadline)
         self.read += 1
         n = self._lengths[1 - self.side].value
-        data = ctypes.string_at(self._base + _HEADER + (1 - self.side) * _AREA, n)
-        if data[0] != _PICKLE:
-            return self._codec.decode(data)
-        message = pickle.loads(data)
+        message = pickle.loads(ctypes.string_at(self._base + _HEADER + (1 - self.side) * _AREA, n))
         if isinstance(message, _Spill):
             message = pickle.loads(ctypes.string_at(message.data.data_ptr(), message.data.numel()))
-        self._codec.got(message)
         return message
 
     def wait(self, check: Callable[[], None], deadline: float | None = None) -> None:
