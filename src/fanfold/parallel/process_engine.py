@@ -35,6 +35,7 @@ from .process_worker import (
     Outputs,
     Ready,
     Replica,
+    detached,
     layout,
     replica_of,
     run_backward,
@@ -113,22 +114,12 @@ class _Token:
 
 def _sum(local: list, replies: list[Gradients], views: list[list[torch.Tensor]]) -> list:
     """Per parameter, replica 0's gradient plus the workers', in replica order; a new tensor, or None if unused."""
-    if all(g is not None and g.layout == torch.strided for g in local) and all(
-            all(p is True for p in r.parameters) for r in replies):
-        if not replies:
-            return [g.clone() for g in local]  # autograd may hand a tensor it holds elsewhere: not ours to give away
-        total = torch._foreach_add(local, views[0])
-        for w in range(1, len(replies)):
-            torch._foreach_add_(total, views[w])
-        return total
     sums = []
-    for k, g in enumerate(local):  # some replica did not use a parameter, or a gradient is sparse
+    for k, g in enumerate(local):  # a worker's gradient: in its slot (True), unused (None), or sparse (itself)
         parts = [g] + [views[w][k] if r.parameters[k] is True else r.parameters[k] for w, r in enumerate(replies)]
         parts = [p for p in parts if p is not None]
-        total = parts[0].clone() if len(parts) == 1 else torch.add(parts[0], parts[1]) if parts else None
-        for p in parts[2:]:
-            total = total + p
-        sums.append(total)
+        # a clone: autograd may hand a tensor it holds elsewhere, not ours to give away
+        sums.append(sum(parts[1:], parts[0].clone()) if parts else None)
     return sums
 
 
@@ -348,7 +339,7 @@ class ProcessEngine:
             wanted = [k for k, v in enumerate(values) if _tensor(v) is not None and _tensor(v).requires_grad]
             positions.append(list(range(len(chunks), len(chunks) + len(wanted))))
             chunks.extend(_tensor(values[k]) for k in wanted)
-            sent = [v if _tensor(v) is None else _with_tensor(v, _tensor(v).detach()) for v in values]
+            sent = [detached(v) for v in values]
             flat_inputs.append((sent, spec, wanted if grad else []))
         steps = list(range(self._step + 1, self._step + len(inputs)))
         self._step += len(steps)
@@ -364,8 +355,7 @@ class ProcessEngine:
             return run_forward(self._local, sent, spec, wanted, grad, training)
 
         (values, spec, graph), replies = self.exchange(len(steps), post, local, "forward")
-        outputs: list[tuple[list, Any]] = [([v if _tensor(v) is None else _with_tensor(v, _tensor(v).detach())
-                                             for v in values], spec)]
+        outputs: list[tuple[list, Any]] = [([detached(v) for v in values], spec)]
         reply: Outputs
         for w, reply in enumerate(replies):
             outputs.append((unpack(self.outboxes[w], reply.leaves, copy=True), reply.spec))

@@ -215,28 +215,11 @@ class Mailbox:
         self._pickler.dump(message)
         return self._buffer.getvalue()
 
-    def ready(self) -> bool:
-        """Whether the other side has posted a message this side has not read (no waiting)."""
-        return (self._theirs.value - ((self.read + 1) & 0xFFFFFFFF)) & 0x80000000 == 0
-
     def receive(self, check: Callable[[], None], deadline: float | None = None) -> Any:
-        """The other side's next message. Waits for it; ``check()`` runs every 50 ms while waiting (it raises to give
-        up, e.g. when the peer's process is gone). Raises ``TimeoutError`` after ``deadline`` (``time.monotonic()``)
-        and, in the worker, ``Stopped`` once the caller has set the stop word."""
-        self.wait(check, deadline)
-        self.read += 1
-        n = self._lengths[1 - self.side].value
-        message = pickle.loads(ctypes.string_at(self._base + _HEADER + (1 - self.side) * _AREA, n))
-        if isinstance(message, _Spill):
-            message = pickle.loads(ctypes.string_at(message.data.data_ptr(), message.data.numel()))
-        return message
-
-    def wait(self, check: Callable[[], None], deadline: float | None = None) -> None:
-        """Wait until ``ready()``; see ``receive``. Polls without yielding the core (on a busy machine a yield gives
-        away a whole time slice), then sleeps on the other side's counter."""
-        if self.ready():
-            return
-        target = (self.read + 1) & 0xFFFFFFFF
+        """The other side's next message. While waiting, ``check()`` runs every 50 ms (it raises to give up, e.g.
+        when the peer's process is gone); ``TimeoutError`` after ``deadline`` (``time.monotonic()``) and, in the
+        worker, ``Stopped`` once the caller has set the stop word. The poll does not yield the core (on a busy
+        machine a yield gives away a whole time slice)."""
         slept = []  # check() runs only once a sleep has ended without the message: a peer gone is rare
 
         def between() -> None:
@@ -248,7 +231,13 @@ class Mailbox:
                     raise TimeoutError
             slept.append(True)
 
-        self._futex.wait(self._theirs, lambda v: (v - target) & 0x80000000 == 0, between, yield_core=False)
+        self._futex.wait(self._theirs, self.read + 1, between, yield_core=False)
+        self.read += 1
+        n = self._lengths[1 - self.side].value
+        message = pickle.loads(ctypes.string_at(self._base + _HEADER + (1 - self.side) * _AREA, n))
+        if isinstance(message, _Spill):
+            message = pickle.loads(ctypes.string_at(message.data.data_ptr(), message.data.numel()))
+        return message
 
     def stop(self) -> None:
         """(Caller) set the stop word and wake the worker: it leaves its wait for the next request."""
@@ -276,7 +265,7 @@ class _Buffers:
     grads: list[torch.Tensor]  # per parameter that requires grad, its gradient slot (a view of one shared buffer)
 
 
-def _detach(leaf: Any) -> Any:
+def detached(leaf: Any) -> Any:
     t = _tensor(leaf)
     return leaf if t is None else _with_tensor(leaf, t.detach())
 
@@ -347,7 +336,7 @@ def _forward(replica: Replica, msg: Forward, graphs: dict, io: _Buffers) -> Outp
     values, spec, graph = run_forward(replica, leaves, msg.spec, msg.differentiable, msg.grad, msg.training)
     if graph is not None:
         graphs[msg.step] = graph
-    packed, grown = io.outbox.pack([_detach(v) for v in values])
+    packed, grown = io.outbox.pack([detached(v) for v in values])
     return Outputs(packed, spec, grown)
 
 

@@ -17,7 +17,6 @@ from typing import Any
 
 from ..._core.shm import (
     SHM_DIR,
-    SPIN_S,
     FileId,
     Futex,
     alive,
@@ -214,29 +213,16 @@ class Segment:
         self._wake(self.rank)
         return self.arrived
 
-    def reached(self, target: int) -> bool:
-        """Whether every rank's count has reached ``target`` (no waiting)."""
-        k = target & 0xFFFFFFFF
-        return all((c.value - k) & 0x80000000 == 0 for c in self._counters)
-
     def wait_all(self, target: int, describe: Any) -> None:
         """Wait until every peer's count reached ``target``, at most ``timeout`` seconds; ``describe()`` gives
-        (what this rank is doing, seq, bucket) for the error. Polls a few microseconds, then sleeps on the peer's
-        counter, checking the deadline, the abort word and whether the peer's process still exists between sleeps."""
+        (what this rank is doing, seq, bucket) for the error. Between sleeps: the deadline, the abort word, and
+        whether the peer's process still exists."""
         k = target & 0xFFFFFFFF
-        deadline = None
+        deadline = time.monotonic() + self.timeout
         for p in range(self.world_size):
             c = self._counters[p]
-            if p == self.rank or (c.value - k) & 0x80000000 == 0:
-                continue
-            # The poll inline, not through Futex.wait: on the latency path a function call per poll shows.
-            spin_end = time.perf_counter() + SPIN_S
-            while (c.value - k) & 0x80000000 and time.perf_counter() < spin_end:
-                os.sched_yield()  # runnable threads (the computing one) get the core; otherwise returns at once
-            if (c.value - k) & 0x80000000:
-                deadline = deadline or time.monotonic() + self.timeout
-                self._futex.sleep_until(c, lambda v: (v - k) & 0x80000000 == 0,
-                                        lambda p=p: self._check(p, k, deadline, describe))
+            if p != self.rank and (c.value - k) & 0x80000000:
+                self._futex.wait(c, k, lambda p=p: self._check(p, k, deadline, describe), yield_core=True)
 
     def _check(self, p: int, k: int, deadline: float, describe: Any) -> float:
         # between sleeps on peer p's counter: give up on an abort, the deadline or a dead peer; else sleep on

@@ -1,7 +1,6 @@
-"""``ShmTransport``: collectives through one shared-memory segment for ranks that share a host, the one rule that
-chooses between its two algorithms (``_reads_peers``: the ring through the segment's slots, ``engine.py``; direct
-reads of the peers' tensors, ``peer.py``), the argument checks, and the worker thread that runs the collectives in
-the order they were numbered (a small all_reduce runs on the caller's thread when nothing is queued).
+"""``ShmTransport``: collectives through shared memory for ranks on one host; ``_reads_peers``, the one rule choosing
+between the ring (``engine.py``) and the peer reads (``peer.py``); the argument checks; the worker that runs the
+collectives in number order (a small all_reduce on the caller's thread when nothing is queued).
 """
 from __future__ import annotations
 
@@ -22,6 +21,7 @@ import torch.distributed as dist
 from ..._core.job import require_initialized
 from ..._core.shm import SHM_DIR, pid_namespace
 from ..timeouts import StoreGroup, bound, group_store, group_timeout, resolve_stall_timeout
+from ..transport import split_into
 from ..work import FanfoldWork, completed_work
 from .engine import (
     ALL_GATHER,
@@ -65,19 +65,10 @@ def flat_view(tensor: torch.Tensor, what: str) -> tuple[torch.Tensor, Callable[[
     return flat, lambda: t.copy_(flat.view_as(t))
 
 
-def split_into(flat: torch.Tensor, outs: list[torch.Tensor]) -> None:
-    """Copy consecutive pieces of ``flat`` into ``outs``, in order."""
-    offset = 0
-    for out in outs:
-        out.copy_(flat[offset: offset + out.numel()])
-        offset += out.numel()
-
-
 def exchange_tensors(what: str, tensor: torch.Tensor, out: torch.Tensor, times: int = 1, per: int = 1
                      ) -> tuple[torch.Tensor, torch.Tensor, Callable[[], None] | None]:
-    """The flat input and output of all_gather, reduce_scatter or all_to_all, and what to run once the engine has
-    written the output (the copy back into a non-contiguous ``out``); ``out`` must hold ``times`` / ``per`` times
-    the input's elements (``times=0``: any number, all_to_all's counts say)."""
+    """The flat input and output of an exchange and the copy back into a non-contiguous ``out`` (or None); ``out``
+    holds ``times`` / ``per`` times the input's elements (``times=0``: any number)."""
     flat, _ = flat_view(tensor, f"{what} (input)")  # the engine only reads the input: a copy is all it needs
     out_flat, back = flat_view(out, f"{what} (output)")
     if out.dtype != tensor.dtype:
@@ -88,25 +79,10 @@ def exchange_tensors(what: str, tensor: torch.Tensor, out: torch.Tensor, times: 
     return flat, out_flat, back
 
 
-def exchange_counts(tensor: torch.Tensor, out: torch.Tensor, send: list[int], recv: list[int], n: int) -> tuple:
-    """all_to_all's flat input and output, the copy back (or None) and the element counts (sent to each rank,
-    received from each rank) in the flat views' elements."""
-    for name, counts in (("send", send), ("recv", recv)):
-        if len(counts) != n or any(not isinstance(k, int) or k < 0 for k in counts):
-            raise ValueError(f"all_to_all: {name} must be {n} non-negative element counts, got {counts!r}")
-    flat, out_flat, back = exchange_tensors("all_to_all", tensor, out, times=0)
-    for name, counts, t in (("send", send, tensor), ("recv", recv, out)):
-        if sum(counts) != t.numel():
-            raise ValueError(f"all_to_all: {name} counts {counts} add up to {sum(counts)}, not the {t.numel()} "
-                             f"elements of the {'input' if t is tensor else 'output'}")
-    scale = flat.numel() // tensor.numel() if tensor.numel() else 1  # complex: pairs of reals
-    return flat, out_flat, back, (tuple(k * scale for k in send), tuple(k * scale for k in recv))
-
-
 def check_reduce_tensors(tensors: list[torch.Tensor], compress: torch.dtype | None, what: str = "reduce_tensors"
                          ) -> list[torch.Tensor]:
-    """``ShmTransport.reduce_tensors``' (or ``what``'s) tensors, checked: contiguous real CPU tensors of one dtype,
-    not overlapping; ``compress`` only to bfloat16 or float16, of float32 tensors."""
+    """``what``'s tensors, checked: contiguous real CPU tensors of one dtype, not overlapping; ``compress`` only to
+    bfloat16 or float16, of float32 tensors."""
     tensors = list(tensors)
     for k, t in enumerate(tensors):
         flat_view(t, f"{what} (tensor {k})")
@@ -127,8 +103,7 @@ def check_reduce_tensors(tensors: list[torch.Tensor], compress: torch.dtype | No
 
 @dataclass(frozen=True, eq=False)
 class Request:
-    """A collective queued for the transport's thread: once it (and ``finish``, if any) has run, ``future``
-    completes, or gets the error."""
+    """A collective queued for the transport's thread; ``future`` completes once it and ``finish`` ran."""
 
     future: torch.futures.Future
     finish: Callable[[], None] | None
@@ -172,19 +147,23 @@ class Worker:
             self._pending = 1
             self._running.acquire()  # nothing unfinished: the thread is idle (it releases the engine, then counts down)
         try:
-            self.engine.run(c)
-        except BaseException as exc:  # noqa: BLE001 - every peer must learn of the failure, as in _execute
-            self._error = exc
-            self._abort(exc)
-            raise
+            self._run(c, None)
         finally:
             self._running.release()
             self._done()
         return True
 
-    def _abort(self, exc: BaseException) -> None:
-        # the peers raise at once, naming the ranks this one found missing (a StallError's), if any
-        self.engine.seg.abort(f"rank {self.engine.rank}: {type(exc).__name__}: {exc}", getattr(exc, "missing", None))
+    def _run(self, c: Collective, finish: Callable[[], None] | None) -> None:
+        try:
+            self.engine.run(c)
+            if finish is not None:
+                finish()
+        except BaseException as exc:  # noqa: BLE001 - every peer must learn of the failure
+            self._error = exc
+            # the peers raise at once, naming the ranks this one found missing (a StallError's), if any
+            self.engine.seg.abort(f"rank {self.engine.rank}: {type(exc).__name__}: {exc}",
+                                  getattr(exc, "missing", None))
+            raise
 
     def _serve(self) -> None:
         while True:
@@ -192,33 +171,24 @@ class Worker:
             if request is None:
                 return
             with self._running:  # behind a collective running on a caller's thread, numbered before this one
-                self._execute(request)
+                if self._error is not None:
+                    error = RuntimeError(f"the shm transport failed earlier and cannot be used: {self._error}")
+                    error.__cause__ = self._error  # what failed, for the stall inspector's diagnosis
+                    request.future.set_exception(error)
+                else:
+                    try:
+                        self._run(request.collective, request.finish)
+                        request.future.set_result(None)
+                    except BaseException as exc:  # noqa: BLE001 - every failure must reach the waiting caller
+                        request.future.set_exception(exc)
             self._done()
 
     def _done(self) -> None:
         with self._lock:
             self._pending -= 1
 
-    def _execute(self, request: Request) -> None:
-        if self._error is not None:
-            error = RuntimeError(f"the shm transport failed earlier and cannot be used: {self._error}")
-            error.__cause__ = self._error  # what failed, for the stall inspector's diagnosis
-            request.future.set_exception(error)
-            return
-        try:
-            self.engine.run(request.collective)
-            if request.finish is not None:
-                request.finish()
-        except BaseException as exc:  # noqa: BLE001 - every failure must reach the waiting caller
-            self._error = exc
-            self._abort(exc)
-            request.future.set_exception(exc)
-            return
-        request.future.set_result(None)
-
     def stop(self, segment: Segment, regions: list[Segment]) -> None:
-        """Finish the queued collectives, stop the thread, let go of the segment and the regions: each is unmapped
-        now, or when the last tensor viewing it dies (``Segment.close``)."""
+        """Finish the queued collectives, stop the thread, let go of the segment and the regions (``Segment.close``)."""
         if self._thread.is_alive():
             self._requests.put(None)
             self._thread.join(5.0)
@@ -538,7 +508,17 @@ class ShmTransport:
         """Send ``send[q]`` consecutive elements of ``tensor`` to rank q and receive ``recv[p]`` from rank p into
         ``out`` (in rank order), asynchronously. Every rank's ``recv[p]`` must equal rank p's ``send`` to it:
         checked on every rank before anything moves."""
-        flat, out_flat, finish, splits = exchange_counts(tensor, out, send, recv, self.world_size)
+        n = self.world_size
+        for name, counts in (("send", send), ("recv", recv)):
+            if len(counts) != n or any(not isinstance(k, int) or k < 0 for k in counts):
+                raise ValueError(f"all_to_all: {name} must be {n} non-negative element counts, got {counts!r}")
+        flat, out_flat, finish = exchange_tensors("all_to_all", tensor, out, times=0)
+        for name, counts, t in (("send", send, tensor), ("recv", recv, out)):
+            if sum(counts) != t.numel():
+                raise ValueError(f"all_to_all: {name} counts {counts} add up to {sum(counts)}, not the {t.numel()} "
+                                 f"elements of the {'input' if t is tensor else 'output'}")
+        scale = flat.numel() // tensor.numel() if tensor.numel() else 1  # complex: pairs of reals
+        splits = (tuple(k * scale for k in send), tuple(k * scale for k in recv))
         return self._exchange(Collective(ALL_TO_ALL, 0, flat, out=out_flat, splits=splits), out, finish)
 
     def _exchange(self, c: Collective, out: torch.Tensor, finish: Callable[[], None] | None) -> FanfoldWork:
