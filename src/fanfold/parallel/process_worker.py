@@ -39,28 +39,6 @@ class Slot:
     stride: tuple[int, ...]
 
 
-def dense_stride(t: torch.Tensor) -> tuple[int, ...]:
-    """``t``'s strides where they describe a dense layout in some order of the dims (contiguous, channels_last, a
-    transpose): the layout the receiver gets, as ``torch.empty_like`` keeps it; else the contiguous strides."""
-    if t.is_contiguous():  # the common case, first: this runs for every tensor of every message
-        return tuple(t.stride())
-    order = sorted((i for i in range(t.dim()) if t.shape[i] != 1), key=lambda i: t.stride(i))
-    expected = 1
-    for i in order:  # dense: the strides, smallest first, are the running products of the sizes
-        if t.stride(i) != expected:
-            return _contiguous(t.shape)
-        expected *= t.shape[i]
-    return tuple(t.stride())  # size-1 dims' strides read nothing else, whatever they are
-
-
-def _contiguous(shape: Sequence[int]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
-
-
 def _plain(value: Any) -> bool:
     return (type(value) is torch.Tensor and value.layout == torch.strided and value.device.type == "cpu"
             and not value.is_quantized)
@@ -70,7 +48,9 @@ def layout(tensors: Sequence[torch.Tensor]) -> tuple[list[Slot], int]:
     """One slot per tensor, packed in order; and the bytes they take in all."""
     slots, size = [], 0
     for t in tensors:
-        slots.append(Slot(size, tuple(t.shape), t.dtype, dense_stride(t)))
+        # a dense layout in some order of the dims (channels_last, a transpose) is kept, as torch.empty_like does
+        stride = t.stride() if t.is_contiguous() else torch.empty_like(t, device="meta").stride()
+        slots.append(Slot(size, tuple(t.shape), t.dtype, tuple(stride)))
         size += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
     return slots, size
 

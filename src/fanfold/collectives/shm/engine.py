@@ -1,14 +1,13 @@
-"""The shared-memory transport's engine: the codes of its collectives and reductions, a collective's description
-(:class:`Collective`) and the :class:`Header` each rank publishes so that its peers can check it, the ring (numbered
-steps over the segment's areas: each rank writes its slot, then reads its peers') and the rank-ordered fold that
-every algorithm sums with. :meth:`Engine.run` dispatches the peer reads (``peer.py``) too.
+"""The shared-memory transport's engine: the codes of its collectives and reductions, the :class:`Header` each rank
+publishes for its peers to check, the ring (numbered steps over the segment's areas: each rank writes its slot, then
+reads its peers') and the rank-ordered fold every algorithm sums with; :meth:`Engine.run` also starts the peer reads.
 """
 from __future__ import annotations
 
 import ctypes
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -69,19 +68,6 @@ class Collective:
     timeout: float | None = None
 
 
-class HeaderWords(ctypes.Structure):
-    """A :class:`Header` in a rank's segment line (``Segment.line(rank, HeaderWords, offset)``)."""
-
-    # Each field in its own word: a peer reads them one by one, and a mismatch names the field that differs.
-    # dtype and reduce share what was dtype's word: the header stays 24 bytes (the line's bytes 64.. are peer.py's)
-    _fields_ = [("op", ctypes.c_uint16), ("dtype", ctypes.c_uint8), ("reduce", ctypes.c_uint8),
-                ("src", ctypes.c_uint16), ("narrow", ctypes.c_uint16), ("numel", ctypes.c_uint64),
-                ("place", ctypes.c_uint64)]
-
-
-HEADER_BYTES = ctypes.sizeof(HeaderWords)
-
-
 def _dtype_code(dtype: torch.dtype | None) -> int:
     return 0 if dtype is None else DTYPES.index(dtype) + 1
 
@@ -90,32 +76,17 @@ def _dtype_name(code: int) -> str:
     return str(DTYPES[code - 1]).replace("torch.", "") if 0 < code <= len(DTYPES) else f"dtype #{code}"
 
 
-@dataclass(frozen=True)
-class Header:
-    """What a rank announces of its current collective: ``dtype`` (index + 1 in DTYPES, 0: none), ``src`` (a
-    broadcast's root), ``narrow`` (the dtype a compressed all-reduce rounds to, 0: none), ``place`` (how many tensors
-    REDUCE_TENSORS or SCATTER_TENSORS sums), ``reduce`` (the reduction's code)."""
+class Header(ctypes.Structure):
+    """What a rank announces of its current collective, in its segment line: ``dtype`` and ``narrow`` (the dtype a
+    compressed all-reduce rounds to) as index + 1 in DTYPES (0: none), ``src`` a broadcast's root, ``place`` how many
+    tensors the peer reads sum. Each field in its own word: a mismatch names the field that differs."""
 
-    op: int
-    dtype: int = 0
-    src: int = 0
-    narrow: int = 0
-    numel: int = 0
-    place: int = 0
-    reduce: int = SUM
+    _fields_ = [("op", ctypes.c_uint16), ("dtype", ctypes.c_uint8), ("reduce", ctypes.c_uint8),
+                ("src", ctypes.c_uint16), ("narrow", ctypes.c_uint16), ("numel", ctypes.c_uint64),
+                ("place", ctypes.c_uint64)]  # 24 bytes: the line's bytes 64.. are peer.py's
 
-    @staticmethod
-    def of(c: Collective, numel: int, place: int) -> Header:
-        return Header(c.op, _dtype_code(None if c.flat is None else c.flat.dtype), c.src,
-                      _dtype_code(None if c.compress is None else c.compress[0]), numel, place, c.reduce)
-
-    def write(self, words: Any) -> None:
-        words.op, words.dtype, words.src, words.narrow = self.op, self.dtype, self.src, self.narrow
-        words.numel, words.place, words.reduce = self.numel, self.place, self.reduce
-
-    @staticmethod
-    def read(words: Any) -> Header:
-        return Header(words.op, words.dtype, words.src, words.narrow, words.numel, words.place, words.reduce)
+    def fields(self) -> tuple:
+        return tuple(getattr(self, name) for name, _ in self._fields_)
 
     def reduce_name(self) -> str:
         return REDUCE_OPS.get(self.reduce, f"reduction #{self.reduce}").upper()  # torch's ReduceOp names
@@ -194,7 +165,7 @@ class Engine:
                                                             self.sum_into)
         # Parity: a rank rewrites descriptor seq % 2 only after the first step of seq + 1 completed, which its peers
         # publish only once they have checked collective seq.
-        self._desc = [[segment.line(r, HeaderWords, _DESC + HEADER_BYTES * b) for b in (0, 1)]
+        self._desc = [[segment.line(r, Header, _DESC + ctypes.sizeof(Header) * b) for b in (0, 1)]
                       for r in range(world_size)]
 
     def close(self) -> None:
@@ -219,16 +190,14 @@ class Engine:
     def check(self, seq: int, mine: Header, describe: Callable) -> None:
         # After the first step of a collective every peer has announced it: catch a mismatch instead of summing
         # unrelated memory.
-        own = bytes(self._desc[self.rank][seq & 1])  # what this rank published: ``mine``
+        own = bytes(mine)
         for p in range(self.n):
-            if bytes(self._desc[p][seq & 1]) == own:  # one compare of the words, no objects: the common case
-                continue
-            theirs = Header.read(self._desc[p][seq & 1])
-            if theirs != mine:
+            theirs = self._desc[p][seq & 1]
+            if bytes(theirs) != own:
                 what = theirs.describe()
                 if theirs.reduce != mine.reduce:
                     what += f" (op {theirs.reduce_name()}; rank {self.rank}'s: {mine.reduce_name()})"
-                elif replace(theirs, place=mine.place) == mine:  # REDUCE_TENSORS, SCATTER_TENSORS: as many tensors
+                elif theirs.fields()[:-1] == mine.fields()[:-1]:  # the peer reads': as many tensors
                     what += f" as {theirs.place} tensors (rank {self.rank}: {mine.place})"
                 doing = describe()[0]
                 raise ShmMismatchError(
@@ -245,8 +214,12 @@ class Engine:
         # all_to_all's lengths may differ by rank: its first step checks every pair of splits instead
         peer = op in (REDUCE_TENSORS, SCATTER_TENSORS)  # c.outs: the tensors, read where they lie
         numel = (sum(t.numel() for t in c.outs) if peer else 0 if flat is None or op == ALL_TO_ALL else flat.numel())
-        header = Header.of(c, numel, len(c.outs) if peer else 0)
-        header.write(self._desc[self.rank][seq & 1])
+        # this rank's words, rewritten only at seq + 2: the peers have checked them by then
+        header = self._desc[self.rank][seq & 1]
+        header.op, header.reduce, header.src, header.numel = op, c.reduce, c.src, numel
+        header.dtype = _dtype_code(flat.dtype if flat is not None else None)
+        header.narrow = _dtype_code(c.compress[0] if c.compress else None)
+        header.place = len(c.outs) if peer else 0
         where = f"#{seq}" + ("" if c.bucket is None else f" (bucket {c.bucket})")
         if op in _RING:
             _RING[op](self, c, header, where)
@@ -271,12 +244,15 @@ def _describe(header: Header, where: str, count: int, bucket: int | None, seq: i
     return describe
 
 
-def _pipeline(engine: Any, dtype: torch.dtype, count: int, write: Callable, read: Callable, describe: Callable,
-              check: Callable[[], None]) -> None:
-    # Step i + 1 is written before step i is read (look-ahead of one): a rank finishes reading step x before it
-    # publishes step x + 2, the engine's rule for reusing an area.
+def _pipeline(engine: Any, c: Collective, header: Header, where: str, count: int, write: Callable, read: Callable,
+              checked: bool = True) -> None:
+    # ``count`` steps, each rank ``write(i, its slot)``, then ``read(i, every rank's slot)``. Step i + 1 is written
+    # before step i is read (look-ahead of one): a rank finishes reading step x before it publishes step x + 2, the
+    # engine's rule for reusing an area.
+    describe = _describe(header, where, count, c.bucket, c.seq)
+
     def post(i: int) -> tuple[int, list[torch.Tensor]]:
-        g, area = engine.step(dtype, describe(i))
+        g, area = engine.step(c.flat.dtype, describe(i))
         write(i, area[engine.rank])
         engine.seg.arrive()
         return g, area
@@ -287,8 +263,8 @@ def _pipeline(engine: Any, dtype: torch.dtype, count: int, write: Callable, read
         if i + 1 < count:
             ahead = post(i + 1)
         engine.seg.wait_all(g + 1, describe(i))
-        if i == 0:
-            check()
+        if i == 0 and checked:
+            engine.check(c.seq, header, describe(0))
         read(i, slots)
 
 
@@ -296,17 +272,15 @@ def _by_chunks(engine: Any, c: Collective, header: Header, where: str, read: Cal
     # all_reduce, broadcast and all_gather: chunk i of ``flat`` into this rank's slot (if it ``writes``), then
     # ``read(chunk, its offset, every rank's slot)``
     flat = c.flat
-    m, cap = flat.numel(), engine.chunk_bytes // flat.element_size()
-    count = max(1, -(-m // cap))
-    describe = _describe(header, where, count, c.bucket, c.seq)
+    cap = engine.chunk_bytes // flat.element_size()
 
     def write(i: int, slot: torch.Tensor) -> None:
         if writes:
             part = flat[i * cap:][:cap]
             slot[: part.numel()].copy_(part)
 
-    _pipeline(engine, flat.dtype, count, write, lambda i, slots: read(flat[i * cap:][:cap], i * cap, slots),
-              describe, lambda: engine.check(c.seq, header, describe(0)))
+    _pipeline(engine, c, header, where, max(1, -(-flat.numel() // cap)), write,
+              lambda i, slots: read(flat[i * cap:][:cap], i * cap, slots))
 
 
 def _all_reduce(engine: Any, c: Collective, header: Header, where: str) -> None:
@@ -340,8 +314,6 @@ def _reduce_scatter(engine: Any, c: Collective, header: Header, where: str) -> N
     flat, out, n, rank = c.flat, c.out, engine.n, engine.rank
     m = out.numel()
     k = engine.chunk_bytes // flat.element_size() // n  # a step carries k elements of each destination's shard
-    count = max(1, -(-m // k))
-    describe = _describe(header, where, count, c.bucket, c.seq)
 
     def write(i: int, slot: torch.Tensor) -> None:
         lo = i * k
@@ -355,7 +327,7 @@ def _reduce_scatter(engine: Any, c: Collective, header: Header, where: str) -> N
         if size:  # rank order, as an all_reduce sums this shard
             engine.sum_into([s[rank * k:][:size] for s in slots], out[lo:][:size])
 
-    _pipeline(engine, flat.dtype, count, write, read, describe, lambda: engine.check(c.seq, header, describe(0)))
+    _pipeline(engine, c, header, where, max(1, -(-m // k)), write, read)
 
 
 def _all_to_all(engine: Any, c: Collective, header: Header, where: str) -> None:
@@ -383,7 +355,6 @@ def _all_to_all(engine: Any, c: Collective, header: Header, where: str) -> None:
         return
     send_at = [sum(send[:q]) for q in range(n)]
     recv_at = [sum(recv[:p]) for p in range(n)]
-    describe = _describe(header, where, count, c.bucket, c.seq)
 
     def write(i: int, slot: torch.Tensor) -> None:
         for q in range(n):
@@ -395,7 +366,7 @@ def _all_to_all(engine: Any, c: Collective, header: Header, where: str) -> None:
             size = max(0, min(k, recv[p] - i * k))
             out[recv_at[p] + i * k:][:size].copy_(slots[p][rank * k:][:size])
 
-    _pipeline(engine, flat.dtype, count, write, read, describe, lambda: None)
+    _pipeline(engine, c, header, where, count, write, read, checked=False)
 
 
 _RING = {ALL_REDUCE: _all_reduce, BROADCAST: _broadcast, ALL_GATHER: _all_gather, REDUCE_SCATTER: _reduce_scatter,
