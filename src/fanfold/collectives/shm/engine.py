@@ -163,8 +163,6 @@ class Engine:
         self._reduce = SUM  # of the collective being run: what sum_into computes
         self._peer = None if tables is None else PeerReader(segment, rank, world_size, tables, chunk_bytes,
                                                             self.sum_into)
-        # Parity: a rank rewrites descriptor seq % 2 only after the first step of seq + 1 completed, which its peers
-        # publish only once they have checked collective seq.
         self._desc = [[segment.line(r, Header, _DESC + ctypes.sizeof(Header) * b) for b in (0, 1)]
                       for r in range(world_size)]
 
@@ -214,7 +212,8 @@ class Engine:
         # all_to_all's lengths may differ by rank: its first step checks every pair of splits instead
         peer = op in (REDUCE_TENSORS, SCATTER_TENSORS)  # c.outs: the tensors, read where they lie
         numel = (sum(t.numel() for t in c.outs) if peer else 0 if flat is None or op == ALL_TO_ALL else flat.numel())
-        # this rank's words, rewritten only at seq + 2: the peers have checked them by then
+        # by seq parity: rewritten at seq + 2, after the first step of seq + 1, which a peer reaches only once it
+        # has checked collective seq
         header = self._desc[self.rank][seq & 1]
         header.op, header.reduce, header.src, header.numel = op, c.reduce, c.src, numel
         header.dtype = _dtype_code(flat.dtype if flat is not None else None)

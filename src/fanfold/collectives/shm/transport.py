@@ -321,9 +321,8 @@ class ShmTransport:
         return FanfoldWork(self._worker.submit(c, finish), value)
 
     def allocate(self, numel: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
-        """A zeroed 1-d tensor of ``numel`` ``dtype`` in a shared-memory region of its own (ordinary memory for one
-        rank, an unsupported dtype, not CPU). Collective: every rank allocates the same sizes in the same order. The
-        region lives until close() and the last tensor viewing it, whichever comes last."""
+        """The Protocol's ``allocate``: in a shared-memory region of its own (ordinary memory for one rank, an
+        unsupported dtype, not CPU), which lives until close() and the last tensor viewing it, whichever is last."""
         if self.world_size == 1 or dtype not in DTYPES or numel <= 0 or torch.device(device).type != "cpu":
             return torch.zeros(numel, dtype=dtype, device=device)
         if not self._finalizer.alive:
@@ -355,18 +354,16 @@ class ShmTransport:
 
     def all_reduce(self, tensor: torch.Tensor, bucket: int | None = None, divisor: float | None = None, *,
                    inline: bool = False, op: str = "sum") -> FanfoldWork:
-        """Sum ``tensor`` over the group, in place, asynchronously; ``bucket`` labels errors; ``divisor``: the sum
-        divided by it (bitwise what dividing afterwards gives); ``op``: "sum", "min", "max" or "product" (no divisor).
-        ``inline``: a sum of at most :data:`INLINE_BYTES` runs on this thread when nothing is queued or running."""
+        """The Protocol's ``all_reduce``; ``op``: "sum", "min", "max" or "product" (no divisor). ``inline``: a sum of
+        at most :data:`INLINE_BYTES` runs on this thread when nothing is queued or running."""
         reduce = reduce_code(op, divisor, "all_reduce")
         if inline and reduce == SUM and self.run_small(tensor, divisor, bucket):
             return completed_work(tensor)
         return self._submit(ALL_REDUCE, tensor, bucket, divisor=divisor, reduce=reduce)
 
     def run_small(self, tensor: torch.Tensor, divisor: float | None = None, bucket: int | None = None) -> bool:
-        """The latency path: sum a contiguous CPU ``tensor`` of at most :data:`INLINE_BYTES` in place on this thread,
-        now, if nothing is queued or running: True once done; False, nothing done, for anything else (the caller
-        queues it). ``divisor`` is checked by the caller."""
+        """Sum a contiguous CPU ``tensor`` of at most :data:`INLINE_BYTES` on this thread if nothing is queued or
+        running: True once done; False, nothing done, otherwise. ``divisor`` is checked by the caller."""
         if not (tensor.is_cpu and tensor.layout is torch.strided and tensor.dtype in _SMALL_DTYPES
                 and tensor.nbytes <= self._small_bytes and tensor.is_contiguous() and self._finalizer.alive):
             return False
@@ -377,10 +374,8 @@ class ShmTransport:
     def reduce_tensors(self, tensors: list[torch.Tensor], bucket: int | None = None, *,
                        divisor: float | None = None, settle: bool = True,
                        compress: torch.dtype | None = None) -> FanfoldWork:
-        """The Protocol's ``reduce_tensors`` (CPU tensors): by peer reads where ``_reads_peers`` allows (then
-        ``settle=False`` completes the handle while peers may still read the tensors), else laid end to end in one
-        buffer through the ring. ``compress``: bitwise fanfold's compression hooks (cast, float16 after dividing by
-        ``divisor``; all-reduce; cast back)."""
+        """The Protocol's ``reduce_tensors``: by peer reads where ``_reads_peers`` allows, else through the ring in
+        one buffer."""
         reduce_code("sum", divisor, "reduce_tensors")
         tensors = check_reduce_tensors(tensors, compress)
         if not tensors:
@@ -401,24 +396,20 @@ class ShmTransport:
                             finish=lambda: split_into(flat, [t.view(-1) for t in tensors]))
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
-        """Copy rank ``src``'s ``tensor`` into every rank's, in place (after the collectives queued before it)."""
         if not isinstance(src, int) or not 0 <= src < self.world_size:
             raise ValueError(f"broadcast: src must be a rank of the group (0..{self.world_size - 1}), got {src!r}")
         self._submit(BROADCAST, tensor, src=src).wait()
 
     def barrier(self) -> None:
-        """Return once every rank has reached this barrier (and finished the collectives queued before it)."""
         self._submit(BARRIER, None).wait()
 
     def abort(self, message: str) -> None:
-        """End every rank's waits in this transport at once (they raise, naming this rank and ``message``): the
-        answer to a stall alarm or a failure in a layer above. The transport is unusable after."""
+        """End every rank's waits at once (they raise, naming this rank and ``message``); unusable after."""
         if self._segment is not None and self._finalizer.alive:
             self._segment.abort(f"rank {self.rank}: {message}")
 
     @property
     def issued(self) -> int:
-        """How many collectives this rank has issued on the transport (run or queued)."""
         return 0 if self._worker is None else self._worker.seq
 
     def close(self) -> None:
@@ -435,9 +426,6 @@ class ShmTransport:
         return f"ShmTransport(rank={self.rank}, world_size={self.world_size}, timeout={self.timeout:g})"
 
     def all_gather(self, tensor: torch.Tensor, out: torch.Tensor, bucket: int | None = None) -> FanfoldWork:
-        """Every rank's ``tensor`` (same numel and dtype on every rank) into ``out`` (world_size times as many
-        elements: rank r's at r * numel), asynchronously; ``bucket`` labels errors. Where the peers' memory is read
-        (``_reads_peers``), every rank copies the peers' parts straight from their outputs."""
         if tensor.numel() and out.numel() and _overlaps(tensor, out) and not _own_part(tensor, out, self.rank):
             tensor = tensor.clone()  # overlapping other ranks' places in out: the engine would overwrite it
         flat, out_flat, finish = exchange_tensors("all_gather", tensor, out, times=self.world_size)
@@ -447,15 +435,11 @@ class ShmTransport:
 
     def reduce_scatter(self, tensor: torch.Tensor, out: torch.Tensor, bucket: int | None = None, *,
                        divisor: float | None = None, op: str = "sum") -> FanfoldWork:
-        """Sum ``tensor`` (world_size x ``out``'s elements) over the group and keep this rank's shard in ``out``
-        (rank r: elements r * numel .. (r + 1) * numel), asynchronously; with ``divisor``, divided by it. Summed in
-        rank order: bitwise what :meth:`all_reduce` gives that shard. ``op``: "sum", "min", "max" or "product"."""
+        """The Protocol's ``reduce_scatter``; ``op``: "sum", "min", "max" or "product"."""
         reduce = reduce_code(op, divisor, "reduce_scatter")
         flat, out_flat, finish = exchange_tensors("reduce_scatter", tensor, out, per=self.world_size)
         if reduce == SUM and self.world_size > 1 and self._reads_peers(flat.nbytes) and flat.numel() and \
                 not (_overlaps(flat, out_flat) or _overlaps(out_flat, flat)):
-            # Where ranks read each other's memory, each reads only its part of the peers' tensors (peer.py): no
-            # copy through the ring, the same bits (ZeRO stage 2's gradients)
             return self._enqueue(Collective(SCATTER_TENSORS, 0, flat, bucket, divisor=divisor, outs=[flat],
                                             out=out_flat), out, finish)
         return self._exchange(Collective(REDUCE_SCATTER, 0, flat, bucket, divisor=divisor, out=out_flat,
@@ -464,13 +448,9 @@ class ShmTransport:
     def reduce_scatter_tensors(self, tensors: list[torch.Tensor], out: torch.Tensor, bucket: int | None = None, *,
                                divisor: float | None = None, settle: bool = True,
                                compress: torch.dtype | None = None) -> FanfoldWork:
-        """Sum ``tensors`` (contiguous CPU tensors of one dtype, not overlapping; laid end to end, ``total`` elements
-        on every rank) over the group and keep this rank's part in ``out`` (``ceil(total / world_size)`` elements:
-        rank r's part is elements r * len(out) .. (r + 1) * len(out) of the concatenation; where it runs past
-        ``total``, ``out`` is zeroed), asynchronously; divided by ``divisor``: bitwise :meth:`reduce_scatter` of the
-        zero-padded concatenation. By peer reads where ``_reads_peers`` allows (``settle=False``: the tensors must
-        stay unchanged until a later collective has returned), else through the ring. ``compress``: as
-        :meth:`reduce_tensors`; ``out`` stays float32."""
+        """This rank's part of the sum of ``tensors`` laid end to end (``total`` elements) into ``out``
+        (``ceil(total / world_size)`` elements, zeroed past ``total``): bitwise :meth:`reduce_scatter` of the
+        zero-padded concatenation. ``settle``, ``compress``: as :meth:`reduce_tensors`; ``out`` stays float32."""
         reduce_code("sum", divisor, "reduce_scatter_tensors")
         tensors = check_reduce_tensors(tensors, compress, "reduce_scatter_tensors")
         total = sum(t.numel() for t in tensors)
@@ -506,8 +486,7 @@ class ShmTransport:
 
     def all_to_all(self, tensor: torch.Tensor, out: torch.Tensor, send: list[int], recv: list[int]) -> FanfoldWork:
         """Send ``send[q]`` consecutive elements of ``tensor`` to rank q and receive ``recv[p]`` from rank p into
-        ``out`` (in rank order), asynchronously. Every rank's ``recv[p]`` must equal rank p's ``send`` to it:
-        checked on every rank before anything moves."""
+        ``out`` (in rank order); every rank checks every pair of counts before anything moves."""
         n = self.world_size
         for name, counts in (("send", send), ("recv", recv)):
             if len(counts) != n or any(not isinstance(k, int) or k < 0 for k in counts):
@@ -536,8 +515,7 @@ class ShmTransport:
 
 
 def _own_part(tensor: torch.Tensor, out: torch.Tensor, rank: int) -> bool:
-    """Whether ``tensor`` is exactly this rank's place in ``out`` (an in-place all_gather, as ZeRO's): the engine
-    then leaves that place as it is."""
+    # whether ``tensor`` is exactly this rank's place in ``out`` (an in-place all_gather, as ZeRO's)
     size = tensor.numel() * tensor.element_size()
     return (tensor.is_contiguous() and out.is_contiguous() and tensor.dtype == out.dtype
             and tensor.data_ptr() == out.data_ptr() + rank * size)
