@@ -23,12 +23,16 @@ def _latency_path():
     dist.barrier()
     worker = dist.group.WORLD.transport._worker
     engine = worker.engine
-    threads, run = [], engine.run
+    threads, run, run_small = [], engine.run, engine.run_small
 
     def recording(c):
         threads.append(threading.current_thread() is threading.main_thread())
         run(c)
-    engine.run = recording
+
+    def recording_small(*args):
+        threads.append(threading.current_thread() is threading.main_thread())
+        run_small(*args)
+    engine.run, engine.run_small = recording, recording_small
     out = {"bad": []}
     # nothing queued: on this thread, done when the call returns
     for k, n in enumerate([1, 1000, 8192]):  # 8192 int64: 64 KiB, the largest inline size
@@ -51,7 +55,7 @@ def _latency_path():
     if not all(torch.equal(a, b) for a, b in zip((big, small, larger), wants)):
         out["bad"].append("queued")
     out["queued"] = list(threads)
-    engine.run = run
+    engine.run, engine.run_small = run, run_small
     dist.destroy_process_group()
     return out
 

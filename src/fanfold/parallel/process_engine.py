@@ -1,11 +1,13 @@
-"""``DataParallel(..., engine="process")``: replica 0 in the caller, one worker process per further CPU replica
-(``process_worker.py``) sharing the module's memory; ``Remote`` joins the workers' outputs to the caller's graph and
-sums their gradients in replica order. Every wait is bounded (docs/data-parallel.md).
+"""``DataParallel(..., engine="process")``: replica 0 in the caller and one persistent worker process per further CPU
+replica (``process_worker.py``), sharing the module's memory. Starts on first use, restarts after a structure change,
+a dead worker or Ctrl-C; ``Remote`` joins the workers' outputs to the caller's graph and sums their gradients in
+replica order. Every wait is bounded. How and why: docs/data-parallel.md.
 """
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import select
 import time
 import warnings
 import weakref
@@ -33,7 +35,6 @@ from .process_worker import (
     Outputs,
     Ready,
     Replica,
-    detached,
     layout,
     replica_of,
     run_backward,
@@ -46,7 +47,7 @@ from .replicate import replicate
 
 
 def start_context(module: nn.Module) -> tuple[Any, bool]:
-    # the multiprocessing context for ``module``'s workers, and whether it forks
+    """The multiprocessing context for ``module``'s workers, and whether it forks."""
     in_main = any(type(m).__module__ == "__main__" for m in module.modules())
     if in_main or "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("fork"), True
@@ -56,8 +57,8 @@ def start_context(module: nn.Module) -> tuple[Any, bool]:
 
 
 def structure(module: nn.Module) -> tuple[list, list[bool]]:
-    """What the workers' copy of ``module`` depends on (compared at every forward), and every submodule's
-    ``training`` flag."""
+    """What the workers' copy of ``module`` depends on (compared at every forward), and every submodule's ``training``
+    flag (sent at every forward): one walk over the dicts."""
     sig: list = []
     training = []
     for m in module.modules():
@@ -69,8 +70,8 @@ def structure(module: nn.Module) -> tuple[list, list[bool]]:
 
 
 def stop_workers(procs: list, mailboxes: list, caller_threads: int = 0, set_to: int = 0) -> None:
-    """Stop the workers (killing those that do not within seconds); give the caller ``caller_threads`` back if its
-    count is still the engine's ``set_to``."""
+    """Ask the workers to stop, kill those that do not within seconds; give the caller ``caller_threads`` back if its
+    count is still ``set_to`` (the one the engine set; the user may have set another since)."""
     for m in mailboxes:
         m.stop()
     deadline = time.monotonic() + 3.0
@@ -85,8 +86,8 @@ def stop_workers(procs: list, mailboxes: list, caller_threads: int = 0, set_to: 
 
 @dataclass
 class Step:
-    """What ``Remote`` needs: the engine and its generation, each worker's step number, each replica's outputs' range
-    and positions among the chunk inputs, replica 0's graph."""
+    """What ``_Remote`` needs: the engine (``ProcessEngine``) and its generation (its workers' start), each worker's
+    step number, each replica's outputs' range, each replica's positions among the chunk inputs, replica 0's graph."""
 
     engine: Any
     generation: int
@@ -112,16 +113,27 @@ class _Token:
 
 def _sum(local: list, replies: list[Gradients], views: list[list[torch.Tensor]]) -> list:
     """Per parameter, replica 0's gradient plus the workers', in replica order; a new tensor, or None if unused."""
+    if all(g is not None and g.layout == torch.strided for g in local) and all(
+            all(p is True for p in r.parameters) for r in replies):
+        if not replies:
+            return [g.clone() for g in local]  # autograd may hand a tensor it holds elsewhere: not ours to give away
+        total = torch._foreach_add(local, views[0])
+        for w in range(1, len(replies)):
+            torch._foreach_add_(total, views[w])
+        return total
     sums = []
-    for k, g in enumerate(local):  # a worker's gradient: in its slot (True), unused (None), or sparse (itself)
+    for k, g in enumerate(local):  # some replica did not use a parameter, or a gradient is sparse
         parts = [g] + [views[w][k] if r.parameters[k] is True else r.parameters[k] for w, r in enumerate(replies)]
         parts = [p for p in parts if p is not None]
-        # a clone: autograd may hand a tensor it holds elsewhere, not ours to give away
-        sums.append(sum(parts[1:], parts[0].clone()) if parts else None)
+        total = parts[0].clone() if len(parts) == 1 else torch.add(parts[0], parts[1]) if parts else None
+        for p in parts[2:]:
+            total = total + p
+        sums.append(total)
     return sums
 
 
 class Remote(Function):
+    """``Remote.apply(step, outputs, *chunks, *params)``: see the module docstring."""
 
     @staticmethod
     def forward(ctx, step: Step, outputs: list, *tensors: torch.Tensor) -> tuple:
@@ -191,6 +203,7 @@ class ProcessEngine:
         self._step = 0
         self.released: list[list[int]] = []  # per worker, the steps whose graph the caller has dropped
         self._finalizer: Any = None
+        self._exits: Any = None  # select.poll() over the workers' sentinels, readable once a worker has exited
         self._local: Replica | None = None  # replica 0, run by the caller
         self.params: list[torch.Tensor] = []  # the module's parameters that require grad
         self.inboxes: list[Arena] = []  # per worker, the caller's slot buffer (inputs, output gradients)
@@ -201,6 +214,7 @@ class ProcessEngine:
         if self._finalizer is not None:
             self._finalizer()  # runs stop_workers once
         self._procs, self._mailboxes, self._signature, self._finalizer, self._local = [], [], None, None, None
+        self._exits = None
         self.generation += 1
 
     def _start(self, module: nn.Module) -> None:
@@ -219,10 +233,7 @@ class ProcessEngine:
         self.inboxes = [Arena() for _ in range(workers)]
         self.outboxes = [torch.empty(0, dtype=torch.uint8) for _ in range(workers)]
         self.released = [[] for _ in range(workers)]
-        procs: list = []
-        mailboxes: list[Mailbox] = []
-        self._procs, self._mailboxes = procs, mailboxes
-        self._finalizer = weakref.finalize(self, stop_workers, procs, mailboxes, caller_threads, threads)
+        procs, mailboxes = [], []
         try:
             for w in range(workers):
                 mailbox = Mailbox()
@@ -239,18 +250,29 @@ class ProcessEngine:
                                            "be picklable, or use engine='thread'") from exc
                 procs.append(p)
                 mailboxes.append(mailbox)
-            torch.set_num_threads(threads)  # the replicas share the caller's cores
+            self._procs, self._mailboxes = procs, mailboxes
+            self._exits = select.poll()
+            for p in procs:
+                self._exits.register(p.sentinel, select.POLLIN)
+            self._finalizer = weakref.finalize(self, stop_workers, procs, mailboxes, caller_threads, threads)
+            torch.set_num_threads(threads)  # see the module docstring
             ready = self._collect(list(range(workers)), START_TIMEOUT, "start")
             if not all(isinstance(r, Ready) for r in ready):
                 raise RuntimeError(f"DataParallel(engine='process'): a worker failed to start: {ready}")
         except BaseException:
-            self.close()
+            if self._finalizer is not None:
+                self._finalizer()
+            else:
+                stop_workers(procs, mailboxes)
+            self._procs, self._mailboxes, self._finalizer, self._exits = [], [], None, None
             raise
         self._local = local
         self._signature = structure(module)[0]
         self.generation += 1
 
     def _check_alive(self, what: str) -> None:
+        if self._exits is not None and not self._exits.poll(0):
+            return  # no worker's sentinel has closed: one system call instead of one per worker
         for w, p in enumerate(self._procs):
             if not p.is_alive():
                 code = p.exitcode
@@ -263,6 +285,7 @@ class ProcessEngine:
                                  f"{hint}; its workers are restarted on the next call")
 
     def _collect(self, workers: list[int], timeout: float, what: str) -> list:
+        """One answer from each worker in ``workers``; bounded, and a dead worker is an error at once."""
         deadline = time.monotonic() + timeout
         replies = []
         for w in workers:
@@ -325,7 +348,7 @@ class ProcessEngine:
             wanted = [k for k, v in enumerate(values) if _tensor(v) is not None and _tensor(v).requires_grad]
             positions.append(list(range(len(chunks), len(chunks) + len(wanted))))
             chunks.extend(_tensor(values[k]) for k in wanted)
-            sent = [detached(v) for v in values]
+            sent = [v if _tensor(v) is None else _with_tensor(v, _tensor(v).detach()) for v in values]
             flat_inputs.append((sent, spec, wanted if grad else []))
         steps = list(range(self._step + 1, self._step + len(inputs)))
         self._step += len(steps)
@@ -341,7 +364,8 @@ class ProcessEngine:
             return run_forward(self._local, sent, spec, wanted, grad, training)
 
         (values, spec, graph), replies = self.exchange(len(steps), post, local, "forward")
-        outputs: list[tuple[list, Any]] = [([detached(v) for v in values], spec)]
+        outputs: list[tuple[list, Any]] = [([v if _tensor(v) is None else _with_tensor(v, _tensor(v).detach())
+                                             for v in values], spec)]
         reply: Outputs
         for w, reply in enumerate(replies):
             outputs.append((unpack(self.outboxes[w], reply.leaves, copy=True), reply.spec))

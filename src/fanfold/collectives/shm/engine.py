@@ -158,6 +158,9 @@ class Engine:
         self.seg, self.rank, self.n = segment, rank, world_size
         self.chunk_bytes, self.areas = chunk_bytes, areas
         self._views: dict[torch.dtype, list] = {}
+        self._small: dict[tuple, tuple] = {}  # the latency path's (area, dtype, shape) -> (slot views, header words)
+        self._written: list[bytes | None] = [None, None]  # the latency path's header words in place, by seq parity
+        self._seen = 0  # every peer's count had reached this at the last small all_reduce
         self._scratch = torch.empty(chunk_bytes // 2, dtype=torch.float32)  # a chunk of half values, widened
         self._divisor = None  # of the collective being run: its sums are divided while the chunk is in cache
         self._reduce = SUM  # of the collective being run: what sum_into computes
@@ -169,6 +172,7 @@ class Engine:
     def close(self) -> None:
         # the views would keep the segment mapped (Segment.close); dropping the peer reader breaks its cycle
         self._views.clear()
+        self._small.clear()
         self._peer = None
 
     def step(self, dtype: torch.dtype, describe: Callable) -> tuple[int, list[torch.Tensor]]:
@@ -176,11 +180,14 @@ class Engine:
         g = self.seg.arrived
         if g + 3 > self.areas:
             self.seg.wait_all(g + 3 - self.areas, describe)
+        return g, self._area(dtype, g)
+
+    def _area(self, dtype: torch.dtype, g: int) -> list[torch.Tensor]:
         if dtype not in self._views:
             cap, data = self.chunk_bytes, self.seg.data
             self._views[dtype] = [[data[(b * self.n + a) * cap:][:cap].view(dtype) for a in range(self.n)]
                                   for b in range(self.areas)]
-        return g, self._views[dtype][g % self.areas]
+        return self._views[dtype][g % self.areas]
 
     def sum_into(self, parts: list[torch.Tensor], out: torch.Tensor) -> None:
         combine(parts, out, self._reduce, self._scratch, self._divisor)
@@ -219,7 +226,8 @@ class Engine:
         header.dtype = _dtype_code(flat.dtype if flat is not None else None)
         header.narrow = _dtype_code(c.compress[0] if c.compress else None)
         header.place = len(c.outs) if peer else 0
-        where = f"#{seq}" + ("" if c.bucket is None else f" (bucket {c.bucket})")
+        self._written[seq & 1] = None
+        where = _where(seq, c.bucket)
         if op in _RING:
             _RING[op](self, c, header, where)
             return
@@ -235,6 +243,40 @@ class Engine:
             self._peer.all_reduce(c.outs, describe, check, c.settle, *(c.compress or ()))
         else:
             self._peer.reduce_scatter(c.outs, c.out, describe, check, c.settle, *(c.compress or ()))
+
+    def run_small(self, t: torch.Tensor, divisor: float | None, seq: int, bucket: int | None) -> None:
+        """The latency path: collective ``seq``, an all_reduce of contiguous ``t`` (at most a quarter chunk) on the
+        calling thread, step for step the ring's (a peer running ``run`` meets it), with nothing made per call but a
+        closure: the slot views and the header words are made once per area, dtype and shape."""
+        seg, g = self.seg, self.seg.arrived
+        key = (g % self.areas, t.dtype, t.shape)
+        views = self._small.get(key)
+        if views is None:
+            if len(self._small) > 512:
+                self._small.clear()
+            words = bytes(Header(op=ALL_REDUCE, dtype=_dtype_code(t.dtype), numel=t.numel()))
+            views = self._small[key] = ([s[: t.numel()].view(t.shape) for s in self._area(t.dtype, g)], words)
+        slots, words = views
+        mine = self._desc[self.rank][seq & 1]
+        describe = lambda: _describe(mine, _where(seq, bucket), 1, bucket, seq)(0)()  # noqa: E731 - on an error only
+        if g + 3 - self.areas > self._seen:  # the area's last readers (see Engine.step): seen done last time
+            seg.wait_all(g + 3 - self.areas, describe)
+        if self._written[seq & 1] is not words:  # the same small collective again: its words are in place
+            ctypes.memmove(ctypes.addressof(mine), words, len(words))
+            self._written[seq & 1] = words
+        slots[self.rank].copy_(t)
+        seg.arrive()
+        seg.wait_all(g + 1, describe)
+        self._seen = g + 1
+        self.check(seq, mine, describe)
+        if self.n == 2 and divisor is None:
+            torch.add(slots[0], slots[1], out=t)  # Engine.sum_into's two-part case, without its checks
+        else:
+            combine(slots, t, SUM, self._scratch, divisor)
+
+
+def _where(seq: int, bucket: int | None) -> str:
+    return f"#{seq}" + ("" if bucket is None else f" (bucket {bucket})")
 
 
 def _describe(header: Header, where: str, count: int, bucket: int | None, seq: int) -> Callable:

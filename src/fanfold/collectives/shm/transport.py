@@ -112,7 +112,7 @@ class Request:
 
 class Worker:
     """Numbers the collectives of one transport and runs them on ``engine``, one at a time in number order: queued
-    for its thread, or on the caller's thread when nothing is queued or running (``run_now``). After a failure the
+    for its thread, or on the caller's thread when nothing is queued or running (``run_small``). After a failure the
     transport is unusable (the peers were told through the abort word); later collectives get the same error.
     ``timeout()``: the bound of a collective numbered now (read on the caller's thread)."""
 
@@ -128,7 +128,6 @@ class Worker:
         self._thread.start()
 
     def submit(self, c: Collective, finish: Callable[[], None] | None = None) -> torch.futures.Future:
-        """Number ``c`` and queue it; the future completes once it (and ``finish``) ran."""
         fut = torch.futures.Future()
         with self._lock:  # numbering and queueing together: the FIFO order is the numbering order
             self.seq += 1
@@ -136,34 +135,39 @@ class Worker:
             self._requests.put(Request(fut, finish, replace(c, seq=self.seq, timeout=self._timeout())))
         return fut
 
-    def run_now(self, c: Collective) -> bool:
-        """Run ``c`` on this thread if nothing is queued or running: True once done (raising the transport's error,
-        as its handle would). False, with nothing done, when it must queue."""
+    def run_small(self, t: torch.Tensor, divisor: float | None, bucket: int | None) -> bool:
+        """An all_reduce of contiguous ``t`` (at most a quarter chunk) on this thread (``Engine.run_small``) if nothing
+        is queued or running: True once done (raising the transport's error, as its handle would). False, with
+        nothing done, when it must queue."""
         with self._lock:
             if self._pending or self._error is not None:
                 return False
             self.seq += 1
-            c = replace(c, seq=self.seq, timeout=self._timeout())
+            seq = self.seq
             self._pending = 1
             self._running.acquire()  # nothing unfinished: the thread is idle (it releases the engine, then counts down)
         try:
-            self._run(c, None)
+            self.engine.seg.timeout = self._timeout()
+            self._run(lambda: self.engine.run_small(t, divisor, seq, bucket))
         finally:
             self._running.release()
             self._done()
         return True
 
-    def _run(self, c: Collective, finish: Callable[[], None] | None) -> None:
+    def _run(self, work: Callable[[], None]) -> None:
         try:
-            self.engine.run(c)
-            if finish is not None:
-                finish()
+            work()
         except BaseException as exc:  # noqa: BLE001 - every peer must learn of the failure
             self._error = exc
             # the peers raise at once, naming the ranks this one found missing (a StallError's), if any
             self.engine.seg.abort(f"rank {self.engine.rank}: {type(exc).__name__}: {exc}",
                                   getattr(exc, "missing", None))
             raise
+
+    def _execute(self, request: Request) -> None:
+        self.engine.run(request.collective)
+        if request.finish is not None:
+            request.finish()
 
     def _serve(self) -> None:
         while True:
@@ -177,7 +181,7 @@ class Worker:
                     request.future.set_exception(error)
                 else:
                     try:
-                        self._run(request.collective, request.finish)
+                        self._run(lambda: self._execute(request))
                         request.future.set_result(None)
                     except BaseException as exc:  # noqa: BLE001 - every failure must reach the waiting caller
                         request.future.set_exception(exc)
@@ -263,8 +267,8 @@ class ShmTransport:
         self._small_bytes = min(INLINE_BYTES, chunk_bytes // 4) if self.world_size > 1 else -1
 
     def _map_segment(self, store: Any, areas: int, chunk_bytes: int) -> tuple[Segment, int]:
-        """The segment, with ``chunk_bytes`` chunks or, where /dev/shm has no room (Docker's 64 MB), the largest of a
-        quarter, a sixteenth... down to SMALLEST_CHUNK that fits. Every rank sees the same failures: all agree."""
+        # the segment with ``chunk_bytes`` chunks or, where /dev/shm has no room, the largest of a quarter, a
+        # sixteenth... down to SMALLEST_CHUNK that fits; every rank sees the same failures
         asked, tried = chunk_bytes, 0
         while True:
             size = areas * self.world_size * chunk_bytes + self.world_size * TABLE_BYTES
@@ -315,7 +319,6 @@ class ShmTransport:
         return self._enqueue(c, tensor, finish)
 
     def _enqueue(self, c: Collective, value: Any, finish: Callable[[], None] | None) -> FanfoldWork:
-        """Number ``c`` and run it (``Worker.submit``); the handle's future yields ``value``."""
         if not self._finalizer.alive:
             raise RuntimeError(f"rank {self.rank}: {OPS[c.op]} on a closed ShmTransport")
         return FanfoldWork(self._worker.submit(c, finish), value)
@@ -368,8 +371,7 @@ class ShmTransport:
                 and tensor.nbytes <= self._small_bytes and tensor.is_contiguous() and self._finalizer.alive):
             return False
         # detach: the sum is written into the tensor whatever autograd thinks of it (a Parameter), as gloo does
-        flat = (tensor.detach() if tensor.requires_grad else tensor).view(-1)
-        return self._worker.run_now(Collective(ALL_REDUCE, 0, flat, bucket, divisor=divisor))
+        return self._worker.run_small(tensor.detach() if tensor.requires_grad else tensor, divisor, bucket)
 
     def reduce_tensors(self, tensors: list[torch.Tensor], bucket: int | None = None, *,
                        divisor: float | None = None, settle: bool = True,
@@ -413,7 +415,7 @@ class ShmTransport:
         return 0 if self._worker is None else self._worker.seq
 
     def close(self) -> None:
-        """Finish queued collectives, stop the thread and unmap the segment. Idempotent."""
+        """Finish queued collectives, stop the thread, unmap the segment. Idempotent."""
         self._finalizer()
 
     def __enter__(self) -> ShmTransport:
