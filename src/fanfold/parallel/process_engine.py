@@ -1,7 +1,6 @@
-"""``DataParallel(..., engine="process")``: replica 0 in the caller and one persistent worker process per further CPU
-replica (``process_worker.py``), sharing the module's memory. Starts on first use, restarts after a structure change,
-a dead worker or Ctrl-C; ``Remote`` joins the workers' outputs to the caller's graph and sums their gradients in
-replica order. Every wait is bounded. How and why: docs/data-parallel.md.
+"""``DataParallel(..., engine="process")``: replica 0 in the caller, one worker process per further CPU replica
+(``process_worker.py``) sharing the module's memory; ``Remote`` joins the workers' outputs to the caller's graph and
+sums their gradients in replica order. Every wait is bounded (docs/data-parallel.md).
 """
 from __future__ import annotations
 
@@ -47,7 +46,7 @@ from .replicate import replicate
 
 
 def start_context(module: nn.Module) -> tuple[Any, bool]:
-    """The multiprocessing context for ``module``'s workers, and whether it forks."""
+    # the multiprocessing context for ``module``'s workers, and whether it forks
     in_main = any(type(m).__module__ == "__main__" for m in module.modules())
     if in_main or "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("fork"), True
@@ -57,8 +56,8 @@ def start_context(module: nn.Module) -> tuple[Any, bool]:
 
 
 def structure(module: nn.Module) -> tuple[list, list[bool]]:
-    """What the workers' copy of ``module`` depends on (compared at every forward), and every submodule's ``training``
-    flag (sent at every forward): one walk over the dicts."""
+    """What the workers' copy of ``module`` depends on (compared at every forward), and every submodule's
+    ``training`` flag."""
     sig: list = []
     training = []
     for m in module.modules():
@@ -70,8 +69,8 @@ def structure(module: nn.Module) -> tuple[list, list[bool]]:
 
 
 def stop_workers(procs: list, mailboxes: list, caller_threads: int = 0, set_to: int = 0) -> None:
-    """Ask the workers to stop, kill those that do not within seconds; give the caller ``caller_threads`` back if its
-    count is still ``set_to`` (the one the engine set; the user may have set another since)."""
+    """Stop the workers (killing those that do not within seconds); give the caller ``caller_threads`` back if its
+    count is still the engine's ``set_to``."""
     for m in mailboxes:
         m.stop()
     deadline = time.monotonic() + 3.0
@@ -86,8 +85,8 @@ def stop_workers(procs: list, mailboxes: list, caller_threads: int = 0, set_to: 
 
 @dataclass
 class Step:
-    """What ``_Remote`` needs: the engine (``ProcessEngine``) and its generation (its workers' start), each worker's
-    step number, each replica's outputs' range, each replica's positions among the chunk inputs, replica 0's graph."""
+    """What ``Remote`` needs: the engine and its generation, each worker's step number, each replica's outputs' range
+    and positions among the chunk inputs, replica 0's graph."""
 
     engine: Any
     generation: int
@@ -285,7 +284,6 @@ class ProcessEngine:
                                  f"{hint}; its workers are restarted on the next call")
 
     def _collect(self, workers: list[int], timeout: float, what: str) -> list:
-        """One answer from each worker in ``workers``; bounded, and a dead worker is an error at once."""
         deadline = time.monotonic() + timeout
         replies = []
         for w in workers:
