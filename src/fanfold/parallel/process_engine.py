@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import select
 import time
 import warnings
 import weakref
@@ -202,7 +201,6 @@ class ProcessEngine:
         self._step = 0
         self.released: list[list[int]] = []  # per worker, the steps whose graph the caller has dropped
         self._finalizer: Any = None
-        self._exits: Any = None  # select.poll() over the workers' sentinels, readable once a worker has exited
         self._local: Replica | None = None  # replica 0, run by the caller
         self.params: list[torch.Tensor] = []  # the module's parameters that require grad
         self.inboxes: list[Arena] = []  # per worker, the caller's slot buffer (inputs, output gradients)
@@ -213,7 +211,6 @@ class ProcessEngine:
         if self._finalizer is not None:
             self._finalizer()  # runs stop_workers once
         self._procs, self._mailboxes, self._signature, self._finalizer, self._local = [], [], None, None, None
-        self._exits = None
         self.generation += 1
 
     def _start(self, module: nn.Module) -> None:
@@ -232,7 +229,10 @@ class ProcessEngine:
         self.inboxes = [Arena() for _ in range(workers)]
         self.outboxes = [torch.empty(0, dtype=torch.uint8) for _ in range(workers)]
         self.released = [[] for _ in range(workers)]
-        procs, mailboxes = [], []
+        procs: list = []
+        mailboxes: list[Mailbox] = []
+        self._procs, self._mailboxes = procs, mailboxes
+        self._finalizer = weakref.finalize(self, stop_workers, procs, mailboxes, caller_threads, threads)
         try:
             for w in range(workers):
                 mailbox = Mailbox()
@@ -249,29 +249,18 @@ class ProcessEngine:
                                            "be picklable, or use engine='thread'") from exc
                 procs.append(p)
                 mailboxes.append(mailbox)
-            self._procs, self._mailboxes = procs, mailboxes
-            self._exits = select.poll()
-            for p in procs:
-                self._exits.register(p.sentinel, select.POLLIN)
-            self._finalizer = weakref.finalize(self, stop_workers, procs, mailboxes, caller_threads, threads)
-            torch.set_num_threads(threads)  # see the module docstring
+            torch.set_num_threads(threads)  # the replicas share the caller's cores
             ready = self._collect(list(range(workers)), START_TIMEOUT, "start")
             if not all(isinstance(r, Ready) for r in ready):
                 raise RuntimeError(f"DataParallel(engine='process'): a worker failed to start: {ready}")
         except BaseException:
-            if self._finalizer is not None:
-                self._finalizer()
-            else:
-                stop_workers(procs, mailboxes)
-            self._procs, self._mailboxes, self._finalizer, self._exits = [], [], None, None
+            self.close()
             raise
         self._local = local
         self._signature = structure(module)[0]
         self.generation += 1
 
     def _check_alive(self, what: str) -> None:
-        if self._exits is not None and not self._exits.poll(0):
-            return  # no worker's sentinel has closed: one system call instead of one per worker
         for w, p in enumerate(self._procs):
             if not p.is_alive():
                 code = p.exitcode

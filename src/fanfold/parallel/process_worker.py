@@ -41,25 +41,9 @@ class Slot:
 
 
 def dense_stride(t: torch.Tensor) -> tuple[int, ...]:
-    """``t``'s strides where they describe a dense layout in some order of the dims (contiguous, channels_last, a
-    transpose): the layout the receiver gets, as ``torch.empty_like`` keeps it; else the contiguous strides."""
-    if t.is_contiguous():  # the common case, first: this runs for every tensor of every message
-        return tuple(t.stride())
-    order = sorted((i for i in range(t.dim()) if t.shape[i] != 1), key=lambda i: t.stride(i))
-    expected = 1
-    for i in order:  # dense: the strides, smallest first, are the running products of the sizes
-        if t.stride(i) != expected:
-            return _contiguous(t.shape)
-        expected *= t.shape[i]
-    return tuple(t.stride())  # size-1 dims' strides read nothing else, whatever they are
-
-
-def _contiguous(shape: Sequence[int]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
+    """The strides the receiver gets: ``t``'s where its layout is dense in some order of the dims (channels_last, a
+    transpose), else the dense layout ``torch.empty_like`` gives it."""
+    return tuple(t.stride()) if t.is_contiguous() else tuple(torch.empty_like(t, device="meta").stride())
 
 
 def _plain(value: Any) -> bool:
