@@ -128,7 +128,7 @@ def main():
         result["ranks"] = fanfold.launch(full, nprocs=2, timeout=180)
         result["backend"] = fanfold.launch(backend, nprocs=2, timeout=120)
     else:
-        ballast(44)  # 20 MB left: the 2-rank segment of 1 MB chunks (24 MB) does not fit
+        ballast(48)  # 16 MiB left: the 2-rank segment of 1 MiB chunks (16.1 MiB) does not fit
         fn, args = {"backend": (backend, ()), "ddp": (ddp, (None,)), "ddp ring": (ddp, (False,))}[scenario]
         warnings.simplefilter("default")  # Python's own rule (once per place and text): what users see
         result["ranks"] = fanfold.launch(fn, *args, nprocs=2, timeout=180)

@@ -25,7 +25,7 @@ from fanfold.collectives.shm.segment import host_key
 from fanfold.collectives.shm.transport import ShmTimeoutError, ShmTransport
 from fanfold.distributed.reducer import SMALL_TENSOR_BYTES
 
-CHUNK = 64 << 10  # small chunks: many chunk edges and both algorithms (direct below 16 KB) at cheap sizes
+CHUNK = 64 << 10  # small chunks: many chunk edges at cheap sizes
 # elements: 1 .. 64 MB of float32, odd lengths, each side of the 16 KB / 64 KB edges
 SIZES = [1, 2, 3, 7, 4095, 4096, 4097, 16383, 16384, 16385, 100003, 1 << 20, (4 << 20) + 5, 16 << 20]
 
@@ -52,7 +52,7 @@ def _sums():
     out = {"host": host_key(), "sizes": {}, "dtypes": {}}
     # t and big: the ring and the shared-memory algorithms (no peer reads); peer: private tensors above a quarter
     # chunk are summed from the peers' own memory (process_vm_readv)
-    with ShmTransport(timeout=60, chunk_bytes=CHUNK, direct_bytes=16 << 10, peer_read=False) as t, \
+    with ShmTransport(timeout=60, chunk_bytes=CHUNK, peer_read=False) as t, \
             ShmTransport(timeout=60, peer_read=False) as big, ShmTransport(timeout=60, chunk_bytes=CHUNK) as peer:
         out["peer read"] = peer.peer_read
         out["peer sizes"] = []

@@ -1,7 +1,6 @@
-"""Shared memory between the processes of one host, written once for the collectives and the process engine: named
-segments in /dev/shm (safe names only, never following or reusing an entry, unlinked only while the name is still
-the file this process made or opened), fd-backed buffers, and bounded futex waits on 32-bit words in that memory.
-Linux only; the ordering across processes relies on x86-64's total store order (docs/shm.md).
+"""Shared memory between the processes of one host, for the collectives and the process engine: named segments in
+/dev/shm (safe names only, never following or reusing an entry), fd-backed buffers, and bounded futex waits on
+32-bit counters in that memory. Linux only; the ordering relies on x86-64's total store order (docs/shm.md).
 """
 from __future__ import annotations
 
@@ -33,7 +32,7 @@ class _Timespec(ctypes.Structure):
 
 
 class Futex:
-    """``futex(2)`` wait and wake on 32-bit words in shared memory, through ``ctypes`` (which releases the
+    """``futex(2)`` wait and wake on 32-bit counters in shared memory, through ``ctypes`` (which releases the
     interpreter lock during the call); ``what`` names the feature in errors. One object per thread (its timespec)."""
 
     def __init__(self, what: str = "fanfold's shared memory"):
@@ -48,42 +47,32 @@ class Futex:
         self._ts = ctypes.addressof(self._timespec)
 
     def wake(self, address: int, count: int = 0x7FFFFFFF) -> None:
-        """Wake up to ``count`` sleepers on the word at ``address``."""
         self._call(_SYS_FUTEX, address, _FUTEX_WAKE, count, None, None, 0)
 
-    def sleep(self, address: int, seen: int, seconds: float) -> None:
-        """Sleep while the word at ``address`` still holds ``seen``, at most ``seconds`` (a wake-up, a signal or a
-        changed word return earlier)."""
-        s = max(0.0, seconds)
-        self._timespec.tv_sec, self._timespec.tv_nsec = int(s), int((s % 1) * 1e9)
-        self._call(_SYS_FUTEX, address, _FUTEX_WAIT, seen, self._ts, None, 0)
-
-    def wait(self, word: Any, reached: Callable[[int], bool], check: Callable[[], float | None], *,
-             yield_core: bool) -> None:
-        """Return once ``reached(word.value)`` (``word``: a ``ctypes.c_uint32`` in shared memory): polls for a few
-        microseconds (``yield_core``: giving the core away on each poll), then :meth:`sleep_until`."""
+    def wait(self, word: Any, target: int, check: Callable[[], float | None], *, yield_core: bool) -> None:
+        """Return once the counter ``word`` (a ``ctypes.c_uint32``) has reached ``target`` (modulo 2**32). Polls for
+        100 us (``yield_core``: giving the core away on each poll), then sleeps in the kernel; ``check()`` runs
+        before each sleep: it raises to give up and returns the most seconds the sleep may last (None: 50 ms)."""
+        k = target & 0xFFFFFFFF
         spin_end = time.perf_counter() + SPIN_S
-        while time.perf_counter() < spin_end:
-            if reached(word.value):
-                return
+        while (word.value - k) & 0x80000000:
+            if time.perf_counter() > spin_end:
+                break
             if yield_core:
                 os.sched_yield()  # runnable threads (the computing one) get the core; otherwise returns at once
-        self.sleep_until(word, reached, check)
-
-    def sleep_until(self, word: Any, reached: Callable[[int], bool], check: Callable[[], float | None]) -> None:
-        """Sleep in the kernel on ``word`` until ``reached(word.value)``. ``check()`` runs before each sleep: it raises
-        to give up (a deadline, a dead peer) and returns the most seconds the next sleep may last (None: 50 ms)."""
         address = ctypes.addressof(word)
         while True:
             seen = word.value
-            if reached(seen):
+            if (seen - k) & 0x80000000 == 0:
                 return
             most = check()
-            self.sleep(address, seen, SLICE_S if most is None else min(SLICE_S, most))
+            s = SLICE_S if most is None else max(0.0, min(SLICE_S, most))
+            self._timespec.tv_sec, self._timespec.tv_nsec = int(s), int((s % 1) * 1e9)
+            self._call(_SYS_FUTEX, address, _FUTEX_WAIT, seen, self._ts, None, 0)
 
 
 # One path component of letters, digits, '-', '_' and '.', not starting with '.', no "..": never a way out of
-# /dev/shm, whatever the caller's own, stricter pattern (the transport's is in collectives/shm/segment.py).
+# /dev/shm, whatever the caller's own, stricter pattern.
 _SAFE_NAME = re.compile(r"(?!.*\.\.)[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}")
 
 
@@ -97,7 +86,7 @@ def check_name(name: object, what: str = "segment name") -> str:
 
 @dataclass(frozen=True)
 class FileId:
-    """Which file a process created or opened (device and inode): what :func:`unlink` compares the name with."""
+    """Which file a process created or opened: what :func:`unlink` compares the name with."""
 
     dev: int
     ino: int
@@ -117,7 +106,7 @@ def _checked_fd(fd: int, name: str, size: int | None) -> FileId:
 
 def create_segment(name: str, size: int) -> tuple[mmap.mmap, FileId]:
     """Create and map ``/dev/shm/<name>`` of ``size`` bytes, mode 0600, its space reserved (a full /dev/shm is an
-    error now, not a SIGBUS later); the mapping and its :class:`FileId`. An existing entry is an error, never reused."""
+    error now, not a SIGBUS later). An existing entry is an error, never reused."""
     path = os.path.join(SHM_DIR, check_name(name))
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
@@ -134,8 +123,7 @@ def create_segment(name: str, size: int) -> tuple[mmap.mmap, FileId]:
 
 
 def open_segment(name: str, size: int) -> tuple[mmap.mmap, FileId]:
-    """Map the existing ``/dev/shm/<name>``: a regular file (a symbolic link is refused) of ``size`` bytes owned by
-    this process's user; returns the mapping and the file's :class:`FileId`."""
+    """Map the existing ``/dev/shm/<name>``: a regular file (not a link) of ``size`` bytes owned by this user."""
     path = os.path.join(SHM_DIR, check_name(name))
     fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
@@ -146,8 +134,8 @@ def open_segment(name: str, size: int) -> tuple[mmap.mmap, FileId]:
 
 
 def unlink(name: str, owned: FileId) -> bool:
-    """Remove ``/dev/shm/<name>`` if it is still the file ``owned`` (the memory lives on in every mapping); whether
-    it was removed. /dev/shm is sticky: once the name is seen to be ours, no other user can replace it first."""
+    """Remove ``/dev/shm/<name>`` if it is still the file ``owned``; whether it was removed. /dev/shm is sticky: once
+    the name is seen to be ours, no other user can replace it first."""
     path = os.path.join(SHM_DIR, check_name(name))
     try:
         st = os.lstat(path)
@@ -163,14 +151,13 @@ def unlink(name: str, owned: FileId) -> bool:
 
 
 def map_tensor(mm: mmap.mmap) -> torch.Tensor:
-    """The mapping as a uint8 tensor that keeps it mapped: over a ``memoryview``, so every view of it holds an export
-    that :func:`unmap` respects (``torch.frombuffer`` on the mmap itself holds none)."""
+    """The mapping as a uint8 tensor whose every view keeps it mapped (an export of a ``memoryview``, which
+    :func:`unmap` respects; ``torch.frombuffer`` on the mmap itself holds none)."""
     return torch.frombuffer(memoryview(mm), dtype=torch.uint8)
 
 
 def unmap(mm: mmap.mmap | None) -> bool:
-    """Let go of ``mm``: unmapped now (True), or, while a tensor from :func:`map_tensor` still views it, when the
-    last such view dies (False)."""
+    """Unmap ``mm`` now (True), or, while a tensor from :func:`map_tensor` views it, when the last view dies."""
     if mm is None:
         return True
     try:
@@ -206,5 +193,5 @@ def pid_namespace() -> str:
 
 
 def shared_bytes(size: int) -> torch.Tensor:
-    """A byte buffer in fd-backed shared memory for a child process (nothing named is left in /dev/shm)."""
+    """A byte buffer in fd-backed shared memory for a child process (nothing named in /dev/shm)."""
     return torch.empty(size, dtype=torch.uint8).share_memory_()

@@ -1,13 +1,11 @@
-"""``DataParallel(..., engine="process")``: replica 0 in the caller and one persistent worker process per further CPU
-replica (``process_worker.py``), sharing the module's memory. Starts on first use, restarts after a structure change,
-a dead worker or Ctrl-C; ``Remote`` joins the workers' outputs to the caller's graph and sums their gradients in
-replica order. Every wait is bounded. How and why: docs/data-parallel.md.
+"""``DataParallel(..., engine="process")``: replica 0 in the caller, one worker process per further CPU replica
+(``process_worker.py``) sharing the module's memory; ``Remote`` joins the workers' outputs to the caller's graph and
+sums their gradients in replica order. Every wait is bounded (docs/data-parallel.md).
 """
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import select
 import time
 import warnings
 import weakref
@@ -47,7 +45,7 @@ from .replicate import replicate
 
 
 def start_context(module: nn.Module) -> tuple[Any, bool]:
-    """The multiprocessing context for ``module``'s workers, and whether it forks."""
+    # the multiprocessing context for ``module``'s workers, and whether it forks
     in_main = any(type(m).__module__ == "__main__" for m in module.modules())
     if in_main or "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("fork"), True
@@ -57,8 +55,8 @@ def start_context(module: nn.Module) -> tuple[Any, bool]:
 
 
 def structure(module: nn.Module) -> tuple[list, list[bool]]:
-    """What the workers' copy of ``module`` depends on (compared at every forward), and every submodule's ``training``
-    flag (sent at every forward): one walk over the dicts."""
+    """What the workers' copy of ``module`` depends on (compared at every forward), and every submodule's
+    ``training`` flag."""
     sig: list = []
     training = []
     for m in module.modules():
@@ -70,8 +68,8 @@ def structure(module: nn.Module) -> tuple[list, list[bool]]:
 
 
 def stop_workers(procs: list, mailboxes: list, caller_threads: int = 0, set_to: int = 0) -> None:
-    """Ask the workers to stop, kill those that do not within seconds; give the caller ``caller_threads`` back if its
-    count is still ``set_to`` (the one the engine set; the user may have set another since)."""
+    """Stop the workers (killing those that do not within seconds); give the caller ``caller_threads`` back if its
+    count is still the engine's ``set_to``."""
     for m in mailboxes:
         m.stop()
     deadline = time.monotonic() + 3.0
@@ -86,8 +84,8 @@ def stop_workers(procs: list, mailboxes: list, caller_threads: int = 0, set_to: 
 
 @dataclass
 class Step:
-    """What ``_Remote`` needs: the engine (``ProcessEngine``) and its generation (its workers' start), each worker's
-    step number, each replica's outputs' range, each replica's positions among the chunk inputs, replica 0's graph."""
+    """What ``Remote`` needs: the engine and its generation, each worker's step number, each replica's outputs' range
+    and positions among the chunk inputs, replica 0's graph."""
 
     engine: Any
     generation: int
@@ -203,7 +201,6 @@ class ProcessEngine:
         self._step = 0
         self.released: list[list[int]] = []  # per worker, the steps whose graph the caller has dropped
         self._finalizer: Any = None
-        self._exits: Any = None  # select.poll() over the workers' sentinels, readable once a worker has exited
         self._local: Replica | None = None  # replica 0, run by the caller
         self.params: list[torch.Tensor] = []  # the module's parameters that require grad
         self.inboxes: list[Arena] = []  # per worker, the caller's slot buffer (inputs, output gradients)
@@ -214,7 +211,6 @@ class ProcessEngine:
         if self._finalizer is not None:
             self._finalizer()  # runs stop_workers once
         self._procs, self._mailboxes, self._signature, self._finalizer, self._local = [], [], None, None, None
-        self._exits = None
         self.generation += 1
 
     def _start(self, module: nn.Module) -> None:
@@ -233,7 +229,10 @@ class ProcessEngine:
         self.inboxes = [Arena() for _ in range(workers)]
         self.outboxes = [torch.empty(0, dtype=torch.uint8) for _ in range(workers)]
         self.released = [[] for _ in range(workers)]
-        procs, mailboxes = [], []
+        procs: list = []
+        mailboxes: list[Mailbox] = []
+        self._procs, self._mailboxes = procs, mailboxes
+        self._finalizer = weakref.finalize(self, stop_workers, procs, mailboxes, caller_threads, threads)
         try:
             for w in range(workers):
                 mailbox = Mailbox()
@@ -250,29 +249,18 @@ class ProcessEngine:
                                            "be picklable, or use engine='thread'") from exc
                 procs.append(p)
                 mailboxes.append(mailbox)
-            self._procs, self._mailboxes = procs, mailboxes
-            self._exits = select.poll()
-            for p in procs:
-                self._exits.register(p.sentinel, select.POLLIN)
-            self._finalizer = weakref.finalize(self, stop_workers, procs, mailboxes, caller_threads, threads)
-            torch.set_num_threads(threads)  # see the module docstring
+            torch.set_num_threads(threads)  # the replicas share the caller's cores
             ready = self._collect(list(range(workers)), START_TIMEOUT, "start")
             if not all(isinstance(r, Ready) for r in ready):
                 raise RuntimeError(f"DataParallel(engine='process'): a worker failed to start: {ready}")
         except BaseException:
-            if self._finalizer is not None:
-                self._finalizer()
-            else:
-                stop_workers(procs, mailboxes)
-            self._procs, self._mailboxes, self._finalizer, self._exits = [], [], None, None
+            self.close()
             raise
         self._local = local
         self._signature = structure(module)[0]
         self.generation += 1
 
     def _check_alive(self, what: str) -> None:
-        if self._exits is not None and not self._exits.poll(0):
-            return  # no worker's sentinel has closed: one system call instead of one per worker
         for w, p in enumerate(self._procs):
             if not p.is_alive():
                 code = p.exitcode
@@ -285,7 +273,6 @@ class ProcessEngine:
                                  f"{hint}; its workers are restarted on the next call")
 
     def _collect(self, workers: list[int], timeout: float, what: str) -> list:
-        """One answer from each worker in ``workers``; bounded, and a dead worker is an error at once."""
         deadline = time.monotonic() + timeout
         replies = []
         for w in workers:

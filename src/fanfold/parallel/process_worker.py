@@ -41,25 +41,9 @@ class Slot:
 
 
 def dense_stride(t: torch.Tensor) -> tuple[int, ...]:
-    """``t``'s strides where they describe a dense layout in some order of the dims (contiguous, channels_last, a
-    transpose): the layout the receiver gets, as ``torch.empty_like`` keeps it; else the contiguous strides."""
-    if t.is_contiguous():  # the common case, first: this runs for every tensor of every message
-        return tuple(t.stride())
-    order = sorted((i for i in range(t.dim()) if t.shape[i] != 1), key=lambda i: t.stride(i))
-    expected = 1
-    for i in order:  # dense: the strides, smallest first, are the running products of the sizes
-        if t.stride(i) != expected:
-            return _contiguous(t.shape)
-        expected *= t.shape[i]
-    return tuple(t.stride())  # size-1 dims' strides read nothing else, whatever they are
-
-
-def _contiguous(shape: Sequence[int]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
+    """The strides the receiver gets: ``t``'s where its layout is dense in some order of the dims (channels_last, a
+    transpose), else the dense layout ``torch.empty_like`` gives it."""
+    return tuple(t.stride()) if t.is_contiguous() else tuple(torch.empty_like(t, device="meta").stride())
 
 
 def _plain(value: Any) -> bool:
@@ -282,8 +266,8 @@ class Stopped(Exception):
 
 
 class Mailbox:
-    """One side (``CALLER`` or ``WORKER``) of one worker's block. The caller makes the block (``Mailbox()``) and
-    passes ``block`` to the worker, which opens its side with ``Mailbox(block, WORKER)``."""
+    """One side of a worker's block: the caller makes it (``Mailbox()``), the worker opens
+    ``Mailbox(block, WORKER)``."""
 
     def __init__(self, block: torch.Tensor | None = None, side: int = CALLER) -> None:
         self._futex = Futex("DataParallel(engine='process')")
@@ -360,7 +344,7 @@ class Mailbox:
                     raise TimeoutError
             slept.append(True)
 
-        self._futex.wait(self._theirs, lambda v: (v - target) & 0x80000000 == 0, between, yield_core=False)
+        self._futex.wait(self._theirs, target, between, yield_core=False)
 
     def stop(self) -> None:
         """(Caller) set the stop word and wake the worker: it leaves its wait for the next request."""
@@ -369,7 +353,7 @@ class Mailbox:
 
 
 def _private_buffers(module: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Give ``module`` private copies of its (shared) buffers; returns (shared, private) pairs to refresh them."""
+    # private copies of ``module``'s (shared) buffers: (shared, private) pairs to refresh them
     pairs = []
     for m in module.modules():
         for key, b in list(m._buffers.items()):
@@ -381,7 +365,7 @@ def _private_buffers(module: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor
 
 @dataclass
 class _Buffers:
-    """This worker's shared slot buffers: the caller's (read), its own (written), and its parameter gradients'."""
+    """This worker's slot buffers: the caller's (read), its own (written), its parameter gradients'."""
 
     inbox: torch.Tensor
     outbox: Arena
@@ -395,8 +379,7 @@ def _detach(leaf: Any) -> Any:
 
 @dataclass
 class Graph:
-    """One replica's graph of one forward: its output tensors and what to differentiate (parameters, then the
-    inputs whose gradient the caller wants)."""
+    """One replica's graph of one forward: its outputs and what to differentiate (parameters, then inputs)."""
 
     outputs: list[torch.Tensor]
     targets: list[torch.Tensor]
@@ -405,8 +388,7 @@ class Graph:
 
 @dataclass
 class Replica:
-    """A replica as ``run_forward`` runs it: the module, its submodules in ``modules()`` order (walked once), and its
-    own leaves for the parameters that require grad."""
+    """A replica as ``run_forward`` runs it: the module, its submodules (walked once), its own parameter leaves."""
 
     module: nn.Module
     modules: list[nn.Module]
@@ -421,8 +403,8 @@ def replica_of(module: nn.Module) -> Replica:
 
 def run_forward(replica: Replica, leaves: list, spec: Spec, differentiable: list[int], grad: bool,
                 training: list[bool]) -> tuple[list, Spec, Graph | None]:
-    """Run one replica on its flattened arguments (tensors detached, owned by this call): its output's leaves, their
-    spec, and its graph (None without grad). Shared by the workers and the caller's own replica 0."""
+    """Run one replica (a worker's, or the caller's replica 0) on its flattened arguments (tensors detached, owned by
+    this call): its output's leaves, their spec, and its graph (None without grad)."""
     for m, flag in zip(replica.modules, training):
         if m.training is not flag:  # nn.Module.__setattr__ is slow: most steps change nothing
             m.training = flag
@@ -444,8 +426,8 @@ def run_forward(replica: Replica, leaves: list, spec: Spec, differentiable: list
 
 
 def run_backward(graph: Graph, grads: list) -> list:
-    """The gradients of ``graph.targets`` given those of its outputs (None where the caller has none), or None where
-    unused. The graph is kept (retain_graph) until its owner drops it."""
+    """The gradients of ``graph.targets`` (None where unused) given its outputs' (None where the caller has none); the
+    graph is kept until its owner drops it."""
     pairs = [(o, g) for o, g in zip(graph.outputs, grads) if g is not None and o.requires_grad]
     if not pairs or not graph.targets:
         return [None] * len(graph.targets)
@@ -479,14 +461,13 @@ def _backward(msg: Backward, graphs: dict, io: _Buffers) -> Gradients:
 
 
 def _check_caller(pid: int) -> None:
-    """Raise OSError once the caller's process is gone (a zombie, killed but not yet reaped, counts as gone)."""
     if not alive(pid):
         raise ProcessLookupError(pid)
 
 
 def worker_main(index: int, module: nn.Module, block: torch.Tensor, threads: int, caller: int, grads: torch.Tensor,
                 grad_slots: list[Slot]) -> None:
-    """The worker process's entry point: serve its mailbox until told to stop or the caller is gone."""
+    """The worker's entry point: serve its mailbox until told to stop or the caller is gone."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(threads)
     replica = replica_of(module)

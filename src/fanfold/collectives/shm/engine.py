@@ -1,14 +1,13 @@
-"""The shared-memory transport's engine: the codes of its collectives and reductions, a collective's description
-(:class:`Collective`) and the :class:`Header` each rank publishes so that its peers can check it, the ring (numbered
-steps over the segment's areas: each rank writes its slot, then reads its peers') and the rank-ordered fold that
-every algorithm sums with. :meth:`Engine.run` dispatches the peer reads (``peer.py``) too.
+"""The shared-memory transport's engine: the codes of its collectives and reductions, the :class:`Header` each rank
+publishes for its peers to check, the ring (numbered steps over the segment's areas: each rank writes its slot, then
+reads its peers') and the rank-ordered fold every algorithm sums with; :meth:`Engine.run` also starts the peer reads.
 """
 from __future__ import annotations
 
 import ctypes
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -50,20 +49,15 @@ def reduce_code(op: str, divisor: float | None = None, what: str = "all_reduce")
 
 @dataclass(frozen=True, eq=False)
 class Collective:
-    """One collective as :meth:`Engine.run` runs it. ``flat``: the contiguous 1-d tensor it works on (the input of
-    all_gather, reduce_scatter, all_to_all; None for a barrier); ``seq``: its number, the same on every rank;
-    ``bucket`` labels errors; ``src``: a broadcast's root; ``shards``: the ring's all_reduce sums by shards (each rank
-    one) rather than every rank summing everything; ``divisor``: sums are divided by it; ``outs``: REDUCE_TENSORS'
-    and SCATTER_TENSORS' tensors; ``settle``, ``compress`` (dtype, pre_divisor): see ``PeerReader.run``; ``out``:
-    the output of all_gather, reduce_scatter and all_to_all; ``splits``: all_to_all's element counts (sent, received);
-    ``reduce``: the reduction's code; ``timeout``: seconds any of its waits may take (None: the segment's)."""
+    """One collective as :meth:`Engine.run` runs it. ``flat``: the 1-d tensor it works on (the input of the exchanges;
+    None for a barrier); ``seq``: its number, the same on every rank; ``outs``: the peer reads' tensors; ``out``: the
+    exchanges' output; ``splits``: all_to_all's (sent, received) counts; ``timeout``: None keeps the segment's."""
 
     op: int
     seq: int
     flat: torch.Tensor | None = None
     bucket: int | None = None
     src: int = 0
-    shards: bool = False
     divisor: float | None = None
     outs: list[torch.Tensor] | None = None
     settle: bool = True
@@ -74,19 +68,6 @@ class Collective:
     timeout: float | None = None
 
 
-class HeaderWords(ctypes.Structure):
-    """A :class:`Header` in a rank's segment line (``Segment.line(rank, HeaderWords, offset)``)."""
-
-    # Each field in its own word: a peer reads them one by one, and a mismatch names the field that differs.
-    # dtype and reduce share what was dtype's word: the header stays 24 bytes (the line's bytes 64.. are peer.py's)
-    _fields_ = [("op", ctypes.c_uint16), ("dtype", ctypes.c_uint8), ("reduce", ctypes.c_uint8),
-                ("src", ctypes.c_uint16), ("narrow", ctypes.c_uint16), ("numel", ctypes.c_uint64),
-                ("place", ctypes.c_uint64)]
-
-
-HEADER_BYTES = ctypes.sizeof(HeaderWords)
-
-
 def _dtype_code(dtype: torch.dtype | None) -> int:
     return 0 if dtype is None else DTYPES.index(dtype) + 1
 
@@ -95,32 +76,17 @@ def _dtype_name(code: int) -> str:
     return str(DTYPES[code - 1]).replace("torch.", "") if 0 < code <= len(DTYPES) else f"dtype #{code}"
 
 
-@dataclass(frozen=True)
-class Header:
-    """What a rank announces of its current collective: ``dtype`` (index + 1 in DTYPES, 0: none), ``src`` (a
-    broadcast's root), ``narrow`` (the dtype a compressed all-reduce rounds to, 0: none), ``place`` (how many tensors
-    REDUCE_TENSORS or SCATTER_TENSORS sums), ``reduce`` (the reduction's code)."""
+class Header(ctypes.Structure):
+    """What a rank announces of its current collective, in its segment line: ``dtype`` and ``narrow`` (the dtype a
+    compressed all-reduce rounds to) as index + 1 in DTYPES (0: none), ``src`` a broadcast's root, ``place`` how many
+    tensors the peer reads sum. Each field in its own word: a mismatch names the field that differs."""
 
-    op: int
-    dtype: int = 0
-    src: int = 0
-    narrow: int = 0
-    numel: int = 0
-    place: int = 0
-    reduce: int = SUM
+    _fields_ = [("op", ctypes.c_uint16), ("dtype", ctypes.c_uint8), ("reduce", ctypes.c_uint8),
+                ("src", ctypes.c_uint16), ("narrow", ctypes.c_uint16), ("numel", ctypes.c_uint64),
+                ("place", ctypes.c_uint64)]  # 24 bytes: the line's bytes 64.. are peer.py's
 
-    @staticmethod
-    def of(c: Collective, numel: int, place: int) -> Header:
-        return Header(c.op, _dtype_code(None if c.flat is None else c.flat.dtype), c.src,
-                      _dtype_code(None if c.compress is None else c.compress[0]), numel, place, c.reduce)
-
-    def write(self, words: Any) -> None:
-        words.op, words.dtype, words.src, words.narrow = self.op, self.dtype, self.src, self.narrow
-        words.numel, words.place, words.reduce = self.numel, self.place, self.reduce
-
-    @staticmethod
-    def read(words: Any) -> Header:
-        return Header(words.op, words.dtype, words.src, words.narrow, words.numel, words.place, words.reduce)
+    def fields(self) -> tuple:
+        return tuple(getattr(self, name) for name, _ in self._fields_)
 
     def reduce_name(self) -> str:
         return REDUCE_OPS.get(self.reduce, f"reduction #{self.reduce}").upper()  # torch's ReduceOp names
@@ -185,46 +151,41 @@ def _differs(theirs: Header, mine: Header) -> str:
 class Engine:
     """The algorithms over one segment, run on one thread at a time. Step g (``Segment.arrive``) writes area
     g % ``areas``; a rank finishes reading step x before it publishes x + 2 (one chunk of look-ahead), so step g may
-    rewrite its area once every peer's count reached g - areas + 3."""
+    rewrite its area once every peer's count reached g - areas + 3. ``tables``: the peer reads' tables (or None)."""
 
     def __init__(self, segment: Segment, rank: int, world_size: int, chunk_bytes: int, areas: int,
                  tables: torch.Tensor | None = None):
-        """``tables``: the peer reads' tables in the segment where every rank may read its peers (else None)."""
         self.seg, self.rank, self.n = segment, rank, world_size
         self.chunk_bytes, self.areas = chunk_bytes, areas
         self._views: dict[torch.dtype, list] = {}
-        self.written: list[Header | None] = [None, None]  # the latency path's header in place, by seq parity
-        self._small: dict[tuple, tuple] = {}  # the latency path's (area, dtype, shape) -> (slot views, header)
+        self._small: dict[tuple, tuple] = {}  # the latency path's (area, dtype, shape) -> (slot views, header words)
+        self._written: list[bytes | None] = [None, None]  # the latency path's header words in place, by seq parity
         self._seen = 0  # every peer's count had reached this at the last small all_reduce
         self._scratch = torch.empty(chunk_bytes // 2, dtype=torch.float32)  # a chunk of half values, widened
         self._divisor = None  # of the collective being run: its sums are divided while the chunk is in cache
         self._reduce = SUM  # of the collective being run: what sum_into computes
         self._peer = None if tables is None else PeerReader(segment, rank, world_size, tables, chunk_bytes,
                                                             self.sum_into)
-        # Parity: a rank rewrites descriptor seq % 2 only after the first step of seq + 1 completed, which its peers
-        # publish only once they have checked collective seq.
-        self._desc = [[segment.line(r, HeaderWords, _DESC + HEADER_BYTES * b) for b in (0, 1)]
+        self._desc = [[segment.line(r, Header, _DESC + ctypes.sizeof(Header) * b) for b in (0, 1)]
                       for r in range(world_size)]
 
     def close(self) -> None:
-        """Drop this engine's views of the segment (they would keep it mapped: ``Segment.close``); the peer reader
-        goes too, which also breaks its reference cycle through ``sum_into``. The engine runs nothing after this."""
+        # the views would keep the segment mapped (Segment.close); dropping the peer reader breaks its cycle
         self._views.clear()
         self._small.clear()
         self._peer = None
 
     def step(self, dtype: torch.dtype, describe: Callable) -> tuple[int, list[torch.Tensor]]:
-        """The next step's number, and its area (slots 0..N-1, then the result) as ``dtype`` views, once reusable."""
+        """The next step's number, and its area (one slot per rank) as ``dtype`` views, once reusable."""
         g = self.seg.arrived
         if g + 3 > self.areas:
             self.seg.wait_all(g + 3 - self.areas, describe)
-        return g, self.area(dtype, g)
+        return g, self._area(dtype, g)
 
-    def area(self, dtype: torch.dtype, g: int) -> list[torch.Tensor]:
-        # step g's area: slots 0..N-1 and the result, as ``dtype`` views (made once per dtype)
+    def _area(self, dtype: torch.dtype, g: int) -> list[torch.Tensor]:
         if dtype not in self._views:
             cap, data = self.chunk_bytes, self.seg.data
-            self._views[dtype] = [[data[(b * (self.n + 1) + a) * cap:][:cap].view(dtype) for a in range(self.n + 1)]
+            self._views[dtype] = [[data[(b * self.n + a) * cap:][:cap].view(dtype) for a in range(self.n)]
                                   for b in range(self.areas)]
         return self._views[dtype][g % self.areas]
 
@@ -234,17 +195,14 @@ class Engine:
     def check(self, seq: int, mine: Header, describe: Callable) -> None:
         # After the first step of a collective every peer has announced it: catch a mismatch instead of summing
         # unrelated memory.
-        own = bytes(self._desc[self.rank][seq & 1])  # what this rank published: ``mine``
+        own = bytes(mine)
         for p in range(self.n):
-            if bytes(self._desc[p][seq & 1]) == own:  # one compare of the words, no objects: the common case
-                continue
-            theirs = Header.read(self._desc[p][seq & 1])
-            if theirs != mine:
+            theirs = self._desc[p][seq & 1]
+            if bytes(theirs) != own:
                 what = theirs.describe()
-                same = replace(theirs, place=mine.place) == mine
                 if theirs.reduce != mine.reduce:
                     what += f" (op {theirs.reduce_name()}; rank {self.rank}'s: {mine.reduce_name()})"
-                elif same:  # REDUCE_TENSORS, SCATTER_TENSORS: as many tensors
+                elif theirs.fields()[:-1] == mine.fields()[:-1]:  # the peer reads': as many tensors
                     what += f" as {theirs.place} tensors (rank {self.rank}: {mine.place})"
                 doing = describe()[0]
                 raise ShmMismatchError(
@@ -254,7 +212,6 @@ class Engine:
                     field=_differs(theirs, mine), detail=f"rank {p} is in {what}")
 
     def run(self, c: Collective) -> None:
-        """Run collective ``c`` (:class:`Collective`)."""
         op, flat, seq = c.op, c.flat, c.seq
         self._divisor, self._reduce = c.divisor, c.reduce
         if c.timeout is not None:
@@ -262,114 +219,64 @@ class Engine:
         # all_to_all's lengths may differ by rank: its first step checks every pair of splits instead
         peer = op in (REDUCE_TENSORS, SCATTER_TENSORS)  # c.outs: the tensors, read where they lie
         numel = (sum(t.numel() for t in c.outs) if peer else 0 if flat is None or op == ALL_TO_ALL else flat.numel())
-        place = len(c.outs) if peer else 0
-        header = Header.of(c, numel, place)
-        header.write(self._desc[self.rank][seq & 1])
-        self.written[seq & 1] = None
+        # by seq parity: rewritten at seq + 2, after the first step of seq + 1, which a peer reaches only once it
+        # has checked collective seq
+        header = self._desc[self.rank][seq & 1]
+        header.op, header.reduce, header.src, header.numel = op, c.reduce, c.src, numel
+        header.dtype = _dtype_code(flat.dtype if flat is not None else None)
+        header.narrow = _dtype_code(c.compress[0] if c.compress else None)
+        header.place = len(c.outs) if peer else 0
+        self._written[seq & 1] = None
+        where = _where(seq, c.bucket)
+        if op in _RING:
+            _RING[op](self, c, header, where)
+            return
         cap = self.chunk_bytes // (flat.element_size() if flat is not None else 1)
-        count = max(1, -(-numel // cap))
-        where = f"#{seq}" + ("" if c.bucket is None else f" (bucket {c.bucket})")
-        if op in (ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL):
-            _EXCHANGES[op](self, c, header, where)
-            return
-        describe = _describe(header, where, count, c.bucket, seq)
-        if op == GATHER_PEERS:
-            self._peer.all_gather(flat, c.out, describe, lambda: self.check(seq, header, describe(0)))
-            return
+        describe = _describe(header, where, max(1, -(-numel // cap)), c.bucket, seq)
+        check = lambda: self.check(seq, header, describe(0))  # noqa: E731
         if op == BARRIER:
             self.seg.wait_all(self.seg.arrive(), describe(0))
-            self.check(seq, header, describe(0))
-            return
-        if peer:
-            check = lambda: self.check(seq, header, describe(0))  # noqa: E731
-            if op == REDUCE_TENSORS:
-                self._peer.all_reduce(c.outs, describe, check, c.settle, *(c.compress or ()))
-            else:
-                self._peer.reduce_scatter(c.outs, c.out, describe, check, c.settle, *(c.compress or ()))
-            return
-        chunks = [flat[i * cap:][:cap] for i in range(count)]
-        if op == ALL_REDUCE and c.shards:
-            for i, chunk in enumerate(chunks):
-                self._reduce_scatter_gather(chunk, describe(i), i == 0 and (seq, header))
-            return
-        # Direct all-reduce into every rank's slot, or broadcast from the root into the result: chunk i + 1 is
-        # written before chunk i is read (look-ahead of one).
-        at = self.rank if op == ALL_REDUCE else self.n if self.rank == c.src else None
-        ahead = self._write(chunks[0], at, describe(0))
-        for i, chunk in enumerate(chunks):
-            g, area = ahead
-            if i + 1 < count:
-                ahead = self._write(chunks[i + 1], at, describe(i + 1))
-            self.seg.wait_all(g + 1, describe(i))
-            if i == 0:
-                self.check(seq, header, describe(0))
-            m = chunk.numel()
-            if op == ALL_REDUCE:
-                self.sum_into([s[:m] for s in area[: self.n]], chunk)
-            elif self.rank != c.src:
-                chunk.copy_(area[self.n][:m])
-
-    def _write(self, chunk: torch.Tensor, at: int | None, describe: Callable) -> tuple[int, list[torch.Tensor]]:
-        # the next step, ``chunk`` in its area's place ``at`` (a slot, N: the result, None: nothing), published
-        g, area = self.step(chunk.dtype, describe)
-        if at is not None:
-            area[at][: chunk.numel()].copy_(chunk)
-        self.seg.arrive()
-        return g, area
-
-    def _reduce_scatter_gather(self, chunk: torch.Tensor, describe: Callable, check: Any) -> None:
-        # Two steps, no look-ahead: the second step publishes this rank's reduced shard.
-        c = chunk.numel()
-        g, slots = self._write(chunk, self.rank, describe)
-        self.seg.wait_all(g + 1, describe)
-        if check:
-            self.check(*check, describe)
-        align = max(1, 64 // chunk.element_size())  # shard edges on cache lines: no two writers share one
-        per = -(-c // self.n // align) * align if c >= self.n * align else -(-c // self.n)
-        lo, hi = min(c, self.rank * per), min(c, (self.rank + 1) * per)
-        g, area = self.step(chunk.dtype, describe)
-        result = area[self.n]
-        if hi > lo:
-            self.sum_into([s[lo:hi] for s in slots[: self.n]], result[lo:hi])
-        self.seg.arrive()
-        self.seg.wait_all(g + 1, describe)
-        chunk.copy_(result[:c])
+            check()
+        elif op == GATHER_PEERS:
+            self._peer.all_gather(flat, c.out, describe, check)
+        elif op == REDUCE_TENSORS:
+            self._peer.all_reduce(c.outs, describe, check, c.settle, *(c.compress or ()))
+        else:
+            self._peer.reduce_scatter(c.outs, c.out, describe, check, c.settle, *(c.compress or ()))
 
     def run_small(self, t: torch.Tensor, divisor: float | None, seq: int, bucket: int | None) -> None:
-        """The latency path: collective number ``seq``, an all_reduce of contiguous ``t`` (at most a quarter chunk;
-        the ring's direct sum of one chunk, step for step, so a peer running ``run`` meets it) on the calling
-        thread, with nothing made per call but a closure: the slot views and the header are made once per area,
-        dtype and shape."""
+        """The latency path: collective ``seq``, an all_reduce of contiguous ``t`` (at most a quarter chunk) on the
+        calling thread, step for step the ring's (a peer running ``run`` meets it), with nothing made per call but a
+        closure: the slot views and the header words are made once per area, dtype and shape."""
         seg, g = self.seg, self.seg.arrived
         key = (g % self.areas, t.dtype, t.shape)
         views = self._small.get(key)
         if views is None:
             if len(self._small) > 512:
                 self._small.clear()
-            m = t.numel()
-            views = self._small[key] = ([s[:m].view(t.shape) for s in self.area(t.dtype, g)[: self.n]],
-                                        Header(ALL_REDUCE, DTYPES.index(t.dtype) + 1, 0, 0, m, 0))
-        slots, header = views
-        describe = lambda: self._describe_small(header, seq, bucket)  # noqa: E731 - only called on an error
+            words = bytes(Header(op=ALL_REDUCE, dtype=_dtype_code(t.dtype), numel=t.numel()))
+            views = self._small[key] = ([s[: t.numel()].view(t.shape) for s in self._area(t.dtype, g)], words)
+        slots, words = views
+        mine = self._desc[self.rank][seq & 1]
+        describe = lambda: _describe(mine, _where(seq, bucket), 1, bucket, seq)(0)()  # noqa: E731 - on an error only
         if g + 3 - self.areas > self._seen:  # the area's last readers (see Engine.step): seen done last time
             seg.wait_all(g + 3 - self.areas, describe)
-        if self.written[seq & 1] is not header:  # the same small collective again: its words are in place
-            header.write(self._desc[self.rank][seq & 1])
-            self.written[seq & 1] = header
+        if self._written[seq & 1] is not words:  # the same small collective again: its words are in place
+            ctypes.memmove(ctypes.addressof(mine), words, len(words))
+            self._written[seq & 1] = words
         slots[self.rank].copy_(t)
         seg.arrive()
         seg.wait_all(g + 1, describe)
         self._seen = g + 1
-        self.check(seq, header, describe)
+        self.check(seq, mine, describe)
         if self.n == 2 and divisor is None:
             torch.add(slots[0], slots[1], out=t)  # Engine.sum_into's two-part case, without its checks
         else:
             combine(slots, t, SUM, self._scratch, divisor)
 
-    @staticmethod
-    def _describe_small(header: Header, seq: int, bucket: int | None) -> tuple:
-        where = f"#{seq}" + ("" if bucket is None else f" (bucket {bucket})")
-        return f"{header.describe()} {where}, chunk 1 of 1", seq, bucket
+
+def _where(seq: int, bucket: int | None) -> str:
+    return f"#{seq}" + ("" if bucket is None else f" (bucket {bucket})")
 
 
 def _describe(header: Header, where: str, count: int, bucket: int | None, seq: int) -> Callable:
@@ -378,15 +285,18 @@ def _describe(header: Header, where: str, count: int, bucket: int | None, seq: i
     return describe
 
 
-def _pipeline(engine: Any, dtype: torch.dtype, count: int, write: Callable, read: Callable, describe: Callable,
-              check: Callable[[], None]) -> None:
-    # Step i + 1 is written before step i is read (look-ahead of one), as the direct all-reduce does: a rank
-    # finishes reading step x before it publishes step x + 2, the engine's rule for reusing an area.
+def _pipeline(engine: Any, c: Collective, header: Header, where: str, count: int, write: Callable, read: Callable,
+              checked: bool = True) -> None:
+    # ``count`` steps, each rank ``write(i, its slot)``, then ``read(i, every rank's slot)``. Step i + 1 is written
+    # before step i is read (look-ahead of one): a rank finishes reading step x before it publishes step x + 2, the
+    # engine's rule for reusing an area.
+    describe = _describe(header, where, count, c.bucket, c.seq)
+
     def post(i: int) -> tuple[int, list[torch.Tensor]]:
-        g, area = engine.step(dtype, describe(i))
+        g, area = engine.step(c.flat.dtype, describe(i))
         write(i, area[engine.rank])
         engine.seg.arrive()
-        return g, area[: engine.n]
+        return g, area
 
     ahead = post(0)
     for i in range(count):
@@ -394,40 +304,57 @@ def _pipeline(engine: Any, dtype: torch.dtype, count: int, write: Callable, read
         if i + 1 < count:
             ahead = post(i + 1)
         engine.seg.wait_all(g + 1, describe(i))
-        if i == 0:
-            check()
+        if i == 0 and checked:
+            engine.check(c.seq, header, describe(0))
         read(i, slots)
 
 
-def _all_gather(engine: Any, c: Collective, header: Header, where: str) -> None:
-    flat, out, n = c.flat, c.out, engine.n
-    m, cap = flat.numel(), engine.chunk_bytes // flat.element_size()
-    count = max(1, -(-m // cap))
-    describe = _describe(header, where, count, c.bucket, c.seq)
+def _by_chunks(engine: Any, c: Collective, header: Header, where: str, read: Callable, writes: bool = True) -> None:
+    # all_reduce, broadcast and all_gather: chunk i of ``flat`` into this rank's slot (if it ``writes``), then
+    # ``read(chunk, its offset, every rank's slot)``
+    flat = c.flat
+    cap = engine.chunk_bytes // flat.element_size()
 
     def write(i: int, slot: torch.Tensor) -> None:
-        part = flat[i * cap:][:cap]
-        slot[: part.numel()].copy_(part)
+        if writes:
+            part = flat[i * cap:][:cap]
+            slot[: part.numel()].copy_(part)
 
+    _pipeline(engine, c, header, where, max(1, -(-flat.numel() // cap)), write,
+              lambda i, slots: read(flat[i * cap:][:cap], i * cap, slots))
+
+
+def _all_reduce(engine: Any, c: Collective, header: Header, where: str) -> None:
+    # every rank sums every slot into its own chunk, in rank order
+    _by_chunks(engine, c, header, where, lambda part, lo, slots: engine.sum_into([s[: part.numel()] for s in slots],
+                                                                                  part))
+
+
+def _broadcast(engine: Any, c: Collective, header: Header, where: str) -> None:
+    def read(part: torch.Tensor, lo: int, slots: list[torch.Tensor]) -> None:
+        if engine.rank != c.src:
+            part.copy_(slots[c.src][: part.numel()])
+
+    _by_chunks(engine, c, header, where, read, writes=engine.rank == c.src)
+
+
+def _all_gather(engine: Any, c: Collective, header: Header, where: str) -> None:
+    flat, out, m = c.flat, c.out, c.flat.numel()
     # in place (flat is this rank's part of out): that part already holds what its slot would give back
     own = flat.data_ptr() == out.data_ptr() + engine.rank * m * flat.element_size() if m else False
 
-    def read(i: int, slots: list[torch.Tensor]) -> None:
-        lo = i * cap
-        size = max(0, min(cap, m - lo))
-        for p in range(n):
+    def read(part: torch.Tensor, lo: int, slots: list[torch.Tensor]) -> None:
+        for p in range(engine.n):
             if not (own and p == engine.rank):
-                out[p * m + lo:][:size].copy_(slots[p][:size])
+                out[p * m + lo:][: part.numel()].copy_(slots[p][: part.numel()])
 
-    _pipeline(engine, flat.dtype, count, write, read, describe, lambda: engine.check(c.seq, header, describe(0)))
+    _by_chunks(engine, c, header, where, read)
 
 
 def _reduce_scatter(engine: Any, c: Collective, header: Header, where: str) -> None:
     flat, out, n, rank = c.flat, c.out, engine.n, engine.rank
     m = out.numel()
     k = engine.chunk_bytes // flat.element_size() // n  # a step carries k elements of each destination's shard
-    count = max(1, -(-m // k))
-    describe = _describe(header, where, count, c.bucket, c.seq)
 
     def write(i: int, slot: torch.Tensor) -> None:
         lo = i * k
@@ -441,7 +368,7 @@ def _reduce_scatter(engine: Any, c: Collective, header: Header, where: str) -> N
         if size:  # rank order, as an all_reduce sums this shard
             engine.sum_into([s[rank * k:][:size] for s in slots], out[lo:][:size])
 
-    _pipeline(engine, flat.dtype, count, write, read, describe, lambda: engine.check(c.seq, header, describe(0)))
+    _pipeline(engine, c, header, where, max(1, -(-m // k)), write, read)
 
 
 def _all_to_all(engine: Any, c: Collective, header: Header, where: str) -> None:
@@ -469,7 +396,6 @@ def _all_to_all(engine: Any, c: Collective, header: Header, where: str) -> None:
         return
     send_at = [sum(send[:q]) for q in range(n)]
     recv_at = [sum(recv[:p]) for p in range(n)]
-    describe = _describe(header, where, count, c.bucket, c.seq)
 
     def write(i: int, slot: torch.Tensor) -> None:
         for q in range(n):
@@ -481,7 +407,8 @@ def _all_to_all(engine: Any, c: Collective, header: Header, where: str) -> None:
             size = max(0, min(k, recv[p] - i * k))
             out[recv_at[p] + i * k:][:size].copy_(slots[p][rank * k:][:size])
 
-    _pipeline(engine, flat.dtype, count, write, read, describe, lambda: None)
+    _pipeline(engine, c, header, where, count, write, read, checked=False)
 
 
-_EXCHANGES = {ALL_GATHER: _all_gather, REDUCE_SCATTER: _reduce_scatter, ALL_TO_ALL: _all_to_all}
+_RING = {ALL_REDUCE: _all_reduce, BROADCAST: _broadcast, ALL_GATHER: _all_gather, REDUCE_SCATTER: _reduce_scatter,
+         ALL_TO_ALL: _all_to_all}

@@ -1,7 +1,6 @@
 """The peer reads: all-reduce, reduce-scatter and all_gather of private tensors by reading the peers' memory where
-it lies (``process_vm_readv``), nothing copied into shared memory first, summed in rank order with the ring's
-operations (the same bits); and :func:`probe`, which tells whether every rank may read every peer (design:
-docs/shm.md).
+it lies (``process_vm_readv``), summed in rank order with the ring's fold (the same bits); and :func:`probe`, which
+tells whether every rank may read every peer (docs/shm.md).
 """
 from __future__ import annotations
 
@@ -10,6 +9,7 @@ import ctypes
 import errno
 import os
 from collections.abc import Callable
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -35,7 +35,7 @@ def _readv_fn() -> Any:
 
 
 def _copy(fn: Any, pid: int, pieces: list[tuple[int, int, int]]) -> None:
-    """Copy (local address, remote address, bytes) pieces from process ``pid``; raises OSError on a short read."""
+    # (local address, remote address, bytes) pieces from process ``pid``; OSError on a short read
     for s in range(0, len(pieces), _IOV_MAX):
         batch = pieces[s: s + _IOV_MAX]
         local = (_Iovec * len(batch))(*[(a, n) for a, _, n in batch])
@@ -49,8 +49,8 @@ def _copy(fn: Any, pid: int, pieces: list[tuple[int, int, int]]) -> None:
 
 
 def _pieces(table: list[tuple[int, int]], starts: list[int], lo: int, hi: int):
-    """(address, logical offset, bytes) of the parts of ``table`` (address, bytes pairs laid end to end; ``starts``
-    their logical offsets) that cover logical bytes [lo, hi)."""
+    # (address, logical offset, bytes) of the parts of ``table`` ((address, bytes) laid end to end from
+    # ``starts``) that cover logical bytes [lo, hi)
     k = bisect.bisect_right(starts, lo) - 1
     while lo < hi:
         addr, n = table[k]
@@ -62,18 +62,9 @@ def _pieces(table: list[tuple[int, int]], starts: list[int], lo: int, hi: int):
         k += 1
 
 
-def _offsets(table: list[tuple[int, int]]) -> list[int]:
-    starts, at = [], 0
-    for _, n in table:
-        starts.append(at)
-        at += n
-    return starts
-
-
 def allow_peers(seg: Any, rank: int, world_size: int) -> None:
-    """Let the peers of ``seg`` read this process's memory under Yama's ptrace_scope=1 (Ubuntu's default), which
-    otherwise forbids ``process_vm_readv`` between siblings. PR_SET_PTRACER names one process: the peer itself with
-    two ranks, else any process of this user (what ptrace_scope=0 allows everywhere). Without Yama it is a no-op."""
+    """Let the peers read this process's memory under Yama's ptrace_scope=1 (Ubuntu's default): PR_SET_PTRACER names
+    the peer itself with two ranks, else any process of this user (what ptrace_scope=0 allows). No-op without Yama."""
     libc = ctypes.CDLL(None, use_errno=True)
     tracer = seg.pid(1 - rank) if world_size == 2 else PR_SET_PTRACER_ANY
     if libc.prctl(PR_SET_PTRACER, ctypes.c_ulong(tracer), 0, 0, 0) != 0:
@@ -83,9 +74,8 @@ def allow_peers(seg: Any, rank: int, world_size: int) -> None:
 
 
 def probe(seg: Any, rank: int, world_size: int, enabled: bool = True) -> tuple[bool, str]:
-    """Collective: whether every rank can read every peer's memory (and has ``enabled`` it), and if not why.
-    Allows the peers (:func:`allow_peers`), publishes a word's address in this rank's line, reads each peer's word,
-    publishes the outcome; takes two steps of ``seg``."""
+    """Collective: whether every rank can read every peer's memory (and has ``enabled`` it), and if not why: each
+    rank publishes a word's address, reads each peer's word and publishes the outcome (two steps of ``seg``)."""
     word = ctypes.c_uint64(0x5EED0000 ^ os.getpid())
     why = "" if enabled else "disabled (peer_read=False)"
     try:
@@ -114,9 +104,8 @@ def probe(seg: Any, rank: int, world_size: int, enabled: bool = True) -> tuple[b
 
 
 class PeerReader:
-    """The peer reads, on the transport's thread: the tables in ``data`` (world_size x TABLE_BYTES of the segment:
-    where each rank's tensors lie), ``chunk_bytes`` the unit read from a peer at a time, ``summer`` the engine's
-    rank-ordered fold."""
+    """The peer reads, on the transport's thread: ``data`` holds the tables (where each rank's tensors lie),
+    ``chunk_bytes`` is the unit read from a peer at a time, ``summer`` the engine's rank-ordered fold."""
 
     def __init__(self, seg: Any, rank: int, world_size: int, data: torch.Tensor, chunk_bytes: int,
                  summer: Callable[[list[torch.Tensor], torch.Tensor], None]):
@@ -132,12 +121,11 @@ class PeerReader:
 
     def all_reduce(self, tensors: list[torch.Tensor], describe: Callable, check: Callable[[], None], settle: bool,
                    compress: torch.dtype | None = None, pre_divisor: float | None = None) -> None:
-        """All-reduce ``tensors`` in place (op REDUCE_TENSORS), in rounds of at most a table's worth of tensors: rank r
-        sums shard r from every rank's tensors into its own, then copies every other shard from its owner's.
-        ``settle``: return only once no peer reads them any more; otherwise peers may still be copying this rank's
-        shard until this rank's next collective has waited for them. ``compress`` (float32 tensors only): every
-        rank's values are divided by ``pre_divisor`` (if given) and rounded to that dtype as they are read, summed,
-        and the result rounded to it: the bits of the compression hooks' cast, all-reduce and cast back."""
+        """All-reduce ``tensors`` in place, a table's worth of tensors a round: rank r sums shard r from every rank's
+        tensors into its own, then copies every other shard from its owner's. ``settle``: return only once no peer
+        reads them any more (else once this rank's next collective has waited). ``compress``: every rank's values
+        divided by ``pre_divisor`` (if given) and rounded to that dtype as they are read, summed, rounded again: the
+        compression hooks' bits."""
         self._compress, self._pre = compress, pre_divisor
         rows, n = self.rows, self.n
         for s in range(0, max(1, len(tensors)), rows):
@@ -168,12 +156,9 @@ class PeerReader:
     def reduce_scatter(self, tensors: list[torch.Tensor], out: torch.Tensor, describe: Callable,
                        check: Callable[[], None], settle: bool, compress: torch.dtype | None = None,
                        pre_divisor: float | None = None) -> None:
-        """``out`` = this rank's part of the sum of ``tensors`` (op SCATTER_TENSORS; ``compress`` as
-        :meth:`all_reduce`). The tensors, laid end to end, are cut in N parts of ``ceil(total / N)`` (ZeRO's
-        layout); rank r reads only its part from each peer and sums it straight into ``out`` (zeroed beyond
-        ``total``). ``settle=False`` does not wait for the peers to be done reading: the caller keeps the tensors
-        unchanged until a later collective has waited, and this rank's table is rewritten only once the peers are
-        past it (:meth:`publish`)."""
+        """``out`` = this rank's part (of ``ceil(total / N)``, zeroed past ``total``: ZeRO's layout) of the sum of
+        ``tensors`` laid end to end, read only from that part of each peer's. ``settle``, ``compress``: as
+        :meth:`all_reduce`; unsettled, this rank's table is rewritten only once the peers are past it."""
         self._compress, self._pre = compress, pre_divisor
         total = sum(t.numel() for t in tensors)
         lo = min(total, self.rank * -(-total // self.n))
@@ -200,10 +185,8 @@ class PeerReader:
 
     def all_gather(self, part: torch.Tensor, out: torch.Tensor, describe: Callable, check: Callable[[], None]
                    ) -> None:
-        """``out`` (contiguous, N parts of ``part``'s length) = every rank's ``part``, by rank (op GATHER_PEERS): each
-        rank puts its part in its place of its output, publishes where the output lies, and reads every peer's part
-        straight from the peer's output. It returns only once every peer has read this rank's part, so the caller
-        may change it at once (ZeRO's next optimizer step)."""
+        """``out`` = every rank's ``part``, by rank, each read straight from the peer's ``out``; returns once every
+        peer has read this rank's part, so the caller may change it at once (ZeRO's next optimizer step)."""
         m = part.numel()
         own = out[self.rank * m:][:m]
         if m and part.data_ptr() != own.data_ptr():
@@ -216,8 +199,8 @@ class PeerReader:
         self.seg.wait_all(self.seg.arrive(), describe(0))  # every peer has read this rank's part
 
     def publish(self, tensors: list[torch.Tensor], describe: Callable) -> list[tuple[int, int]]:
-        """Write where ``tensors`` lie into this rank's table; their (address, bytes). Waits first for the peers to
-        be done with the table's last contents, if a reduce-scatter left them reading it (``unsettled``)."""
+        """Write where ``tensors`` lie into this rank's table, once the peers are done with its last contents; their
+        (address, bytes)."""
         if self.unsettled is not None:
             self.seg.wait_all(self.unsettled, describe)
             self.unsettled = None
@@ -244,7 +227,7 @@ class PeerReader:
                 raise RuntimeError(f"fanfold shm transport: rank {p} {verb} {theirs} bytes in tensors {first}.."
                                    f"{first + len(tensors) - 1} where rank {self.rank} has {total}, in "
                                    f"{describe(0)()[0]}: every rank must pass tensors of the same sizes")
-        return mine, (tables, [_offsets(t) for t in tables])
+        return mine, (tables, [list(accumulate((n for _, n in t), initial=0)) for t in tables])
 
     def _sum_part(self, tensors: list[torch.Tensor], mine: list[tuple[int, int]], tables: tuple, a: int, b: int,
                   into: Callable, describe: Callable) -> int:
@@ -286,7 +269,6 @@ class PeerReader:
         into.copy_(result)
 
     def read(self, p: int, pieces: list[tuple[int, int, int]], describe: Callable) -> None:
-        """Copy (local address, remote address, bytes) ``pieces`` from rank ``p``'s memory."""
         try:
             _copy(self._fn, self.seg.pid(p), pieces)
         except OSError as exc:

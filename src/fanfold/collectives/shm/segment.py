@@ -1,7 +1,6 @@
-"""The shared-memory segment of one ``ShmTransport``: rank 0 creates it and publishes its name through the group's
-store, the others map it, and every rank unlinks it once all have reported; a header page (abort word and message),
-one 128-byte line per rank (its step counter, pid, current collective's header), then the data. Rank r writes only
-its own line: :meth:`Segment.arrive` bumps its counter, :meth:`Segment.wait_all` waits (bounded) for every peer's.
+"""The shared-memory segment of one ``ShmTransport``: rank 0 creates it and publishes its name through the store,
+the others map it, every rank unlinks it once all have reported. A header page (abort word and message), one line per
+rank (step counter, pid, current collective's header: written only by that rank), then the data.
 """
 from __future__ import annotations
 
@@ -17,7 +16,6 @@ from typing import Any
 
 from ..._core.shm import (
     SHM_DIR,
-    SPIN_S,
     FileId,
     Futex,
     alive,
@@ -46,7 +44,7 @@ _RANKS = 1024
 
 
 def host_key() -> str:
-    """Equal for two processes exactly when they run on one kernel (boot id) and see the same /dev/shm mount."""
+    """Equal for two processes exactly when they run on one kernel and see the same /dev/shm mount."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
@@ -57,9 +55,8 @@ def host_key() -> str:
 
 
 class ShmTimeoutError(StallError):
-    """A collective of the shm transport did not complete: ``rank`` waited in collective ``seq`` (``bucket``) for
-    the ranks ``missing``, which never arrived, died (found gone while waiting for them or reading their memory), or
-    aborted the transport. ``kind`` names the collective ("all_reduce", ...)."""
+    """``rank`` waited in collective ``seq`` (``bucket``, ``kind``: "all_reduce", ...) for the ranks ``missing``,
+    which never arrived, died or aborted the transport."""
 
     def __init__(self, message: str, *, rank: int, missing: list[int], seq: int, bucket: int | None,
                  kind: str = "shm"):
@@ -67,7 +64,7 @@ class ShmTimeoutError(StallError):
 
 
 class SegmentSpaceError(RuntimeError):
-    """/dev/shm has no room for the segment (every rank of the group raises it): the caller may try a smaller one."""
+    """/dev/shm has no room for the segment (on every rank of the group)."""
 
 
 def _kind(doing: str) -> str:
@@ -82,7 +79,7 @@ def _reason(exc: BaseException) -> str:
 
 
 def leftover_segments() -> list[str]:
-    """Names of fanfold segments present in /dev/shm (normally none: they are unlinked right after attaching)."""
+    """Names of fanfold segments in /dev/shm (normally none: they are unlinked right after attaching)."""
     try:
         return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(_PREFIX))
     except OSError:
@@ -90,7 +87,6 @@ def leftover_segments() -> list[str]:
 
 
 def segment_name(pidns: str) -> str:
-    """A fresh segment name for this process: matches :data:`SEGMENT_NAME`."""
     return f"{_PREFIX}{pidns or 'x'}-{os.getpid()}-{secrets.token_hex(6)}"
 
 
@@ -123,8 +119,8 @@ def _sweep(pidns: str) -> None:
 
 
 class Segment:
-    """The mapped segment of one transport instance: ``data`` (a uint8 tensor of ``data_bytes``), per-rank lines,
-    :meth:`arrive`, :meth:`wait_all`, :meth:`abort`. Collective: every rank constructs it with the same arguments."""
+    """The mapped segment: ``data`` (``data_bytes`` of uint8), :meth:`arrive`, :meth:`wait_all`, :meth:`abort`.
+    Collective: every rank constructs it with the same arguments."""
 
     def __init__(self, store: Any, rank: int, world_size: int, data_bytes: int, timeout: float, check_pids: bool):
         self._futex = Futex("the shm transport")
@@ -198,45 +194,29 @@ class Segment:
                                f"{sorted(failed)}: {failed}. Do all ranks share /dev/shm? Use FANFOLD_TRANSPORT=torch.")
 
     def line(self, r: int, fmt: type, offset: int) -> Any:
-        """A ctypes view of rank ``r``'s line at byte ``offset`` (>= 16; 0-15 hold the counter and the pid)."""
+        """A ctypes view of rank ``r``'s line at byte ``offset`` (>= 16: the counter and the pid come first)."""
         return fmt.from_address(self._line(r) + offset)
 
     def pid(self, r: int) -> int:
         return ctypes.c_uint32.from_address(self._line(r) + 8).value
 
-    def _wake(self, r: int) -> None:
-        self._futex.wake(self._line(r))
-
     def arrive(self) -> int:
-        """Publish this rank's next step (the data it wrote is visible to whoever sees the count); the new count."""
+        """Publish this rank's next step (what it wrote is visible to whoever sees the count); the new count."""
         self.arrived += 1
         self._counters[self.rank].value = self.arrived & 0xFFFFFFFF
-        self._wake(self.rank)
+        self._futex.wake(self._line(self.rank))
         return self.arrived
-
-    def reached(self, target: int) -> bool:
-        """Whether every rank's count has reached ``target`` (no waiting)."""
-        k = target & 0xFFFFFFFF
-        return all((c.value - k) & 0x80000000 == 0 for c in self._counters)
 
     def wait_all(self, target: int, describe: Any) -> None:
         """Wait until every peer's count reached ``target``, at most ``timeout`` seconds; ``describe()`` gives
-        (what this rank is doing, seq, bucket) for the error. Polls a few microseconds, then sleeps on the peer's
-        counter, checking the deadline, the abort word and whether the peer's process still exists between sleeps."""
+        (what this rank is doing, seq, bucket) for the error. Between sleeps: the deadline, the abort word, and
+        whether the peer's process still exists."""
         k = target & 0xFFFFFFFF
-        deadline = None
+        deadline = time.monotonic() + self.timeout
         for p in range(self.world_size):
             c = self._counters[p]
-            if p == self.rank or (c.value - k) & 0x80000000 == 0:
-                continue
-            # The poll inline, not through Futex.wait: on the latency path a function call per poll shows.
-            spin_end = time.perf_counter() + SPIN_S
-            while (c.value - k) & 0x80000000 and time.perf_counter() < spin_end:
-                os.sched_yield()  # runnable threads (the computing one) get the core; otherwise returns at once
-            if (c.value - k) & 0x80000000:
-                deadline = deadline or time.monotonic() + self.timeout
-                self._futex.sleep_until(c, lambda v: (v - k) & 0x80000000 == 0,
-                                        lambda p=p: self._check(p, k, deadline, describe))
+            if p != self.rank and (c.value - k) & 0x80000000:
+                self._futex.wait(c, k, lambda p=p: self._check(p, k, deadline, describe), yield_core=True)
 
     def _check(self, p: int, k: int, deadline: float, describe: Any) -> float:
         # between sleeps on peer p's counter: give up on an abort, the deadline or a dead peer; else sleep on
@@ -250,21 +230,20 @@ class Segment:
             dead = [q for q in self._behind(k) if not alive(self.pid(q))] or [p]
             if self._abort.value:  # a survivor that gave up and left is dead too: its diagnosis names the victim
                 self._fail_aborted(describe, p, k)
-            self._fail(describe, p, k, f" ({self._gone(dead)})", dead)
+            gone = "; ".join(f"rank {q}'s process {self.pid(q)} is gone" for q in dead)
+            self._fail(describe, p, k, f" ({gone})", dead)
         return left
 
     def _behind(self, k: int) -> list[int]:
         return [q for q in range(self.world_size) if (self._counters[q].value - k) & 0x80000000]
 
-    def _gone(self, ranks: list[int]) -> str:
-        return "; ".join(f"rank {q}'s process {self.pid(q)} is gone" for q in ranks)
-
     def _fail_aborted(self, describe: Any, p: int, k: int | None) -> None:
         # The peer that gave up first named whom it waited for: that is who is missing, here too (not the ranks
         # that gave up after it, which are alive); without a name, every rank behind this step.
-        a = self._abort.value - 1
-        named = self._abort_missing()
-        self._fail(describe, p, k, f"; rank {a} gave up first: {self.abort_message()}", named or None)
+        mask = int.from_bytes(ctypes.string_at(self.base + _ABORT_MISSING, _MISSING_RANKS // 8), "little")
+        named = [q for q in range(min(self.world_size, _MISSING_RANKS)) if mask >> q & 1]
+        message = ctypes.string_at(self.base + _MSG).decode(errors="replace")
+        self._fail(describe, p, k, f"; rank {self._abort.value - 1} gave up first: {message}", named or None)
 
     def _fail(self, describe: Any, p: int, k: int | None, why: str, missing: list[int] | None = None) -> None:
         doing, seq, bucket = describe()
@@ -276,9 +255,9 @@ class Segment:
             f"arrived{why}", rank=self.rank, missing=missing, seq=seq, bucket=bucket, kind=_kind(doing))
 
     def peer_failed(self, p: int, describe: Any, exc: OSError) -> None:
-        """Raise for a failed read of rank ``p``'s memory (``exc``): :class:`ShmTimeoutError` naming ``p`` when its
-        process is gone (a read racing its death fails with ESRCH, EFAULT or a short copy while its memory is torn
-        down), or the abort's when a peer gave up (its tensors may be gone); RuntimeError otherwise."""
+        """Raise for a failed read of rank ``p``'s memory: :class:`ShmTimeoutError` naming ``p`` when its process is
+        gone (ESRCH, EFAULT or a short copy while its memory is torn down), the abort's when a peer gave up,
+        RuntimeError otherwise."""
         pid = self.pid(p)
         settle = time.monotonic() + 1.0  # a killed process is gone (a zombie at least) within milliseconds
         while alive(pid) and not self._abort.value and time.monotonic() < settle:
@@ -295,8 +274,8 @@ class Segment:
                            f"{describe()[0]}: {exc}") from exc
 
     def abort(self, message: str, missing: list[int] | None = None) -> None:
-        """Tell every peer that this rank gave up (their waits raise at once), naming it, ``message`` and the ranks
-        it found ``missing`` (the peers report the same ones)."""
+        """Tell every peer that this rank gave up (their waits raise at once), with ``message`` and the ranks it found
+        ``missing`` (the peers report the same ones)."""
         if self._abort.value:
             return  # the first abort's message is the useful one
         data = message.encode(errors="replace")[: _MSG_LEN - 1]
@@ -308,18 +287,10 @@ class Segment:
         ctypes.memmove(self.base + _ABORT_MISSING, mask.to_bytes(_MISSING_RANKS // 8, "little"), _MISSING_RANKS // 8)
         self._abort.value = self.rank + 1  # last: a peer that sees it sees the message and the ranks (x86's order)
         for r in range(self.world_size):
-            self._wake(r)
-
-    def abort_message(self) -> str:
-        return ctypes.string_at(self.base + _MSG).decode(errors="replace")
-
-    def _abort_missing(self) -> list[int]:
-        mask = int.from_bytes(ctypes.string_at(self.base + _ABORT_MISSING, _MISSING_RANKS // 8), "little")
-        return [q for q in range(min(self.world_size, _MISSING_RANKS)) if mask >> q & 1]
+            self._futex.wake(self._line(r))
 
     def close(self) -> None:
-        """Let go of the mapping: unmapped now if no tensor views it, else when the last one dies (the name was
-        unlinked at attach time, so the memory is freed once every rank's last view is gone or its process ended)."""
+        """Unmap now if no tensor views the mapping, else when the last view dies."""
         self._counters = []
         self.data = self._bytes = None
         self._abort = None

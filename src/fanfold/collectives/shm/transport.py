@@ -1,7 +1,6 @@
-"""``ShmTransport``: collectives through one shared-memory segment for ranks that share a host, the one rule that
-chooses between its two algorithms (``_reads_peers``: the ring through the segment's slots, ``engine.py``; direct
-reads of the peers' tensors, ``peer.py``), the argument checks, and the worker thread that runs the collectives in
-the order they were numbered (a small all_reduce runs on the caller's thread when nothing is queued).
+"""``ShmTransport``: collectives through shared memory for ranks on one host; ``_reads_peers``, the one rule choosing
+between the ring (``engine.py``) and the peer reads (``peer.py``); the argument checks; the worker that runs the
+collectives in number order (a small all_reduce on the caller's thread when nothing is queued).
 """
 from __future__ import annotations
 
@@ -22,6 +21,7 @@ import torch.distributed as dist
 from ..._core.job import require_initialized
 from ..._core.shm import SHM_DIR, pid_namespace
 from ..timeouts import StoreGroup, bound, group_store, group_timeout, resolve_stall_timeout
+from ..transport import split_into
 from ..work import FanfoldWork, completed_work
 from .engine import (
     ALL_GATHER,
@@ -65,19 +65,10 @@ def flat_view(tensor: torch.Tensor, what: str) -> tuple[torch.Tensor, Callable[[
     return flat, lambda: t.copy_(flat.view_as(t))
 
 
-def split_into(flat: torch.Tensor, outs: list[torch.Tensor]) -> None:
-    """Copy consecutive pieces of ``flat`` into ``outs``, in order."""
-    offset = 0
-    for out in outs:
-        out.copy_(flat[offset: offset + out.numel()])
-        offset += out.numel()
-
-
 def exchange_tensors(what: str, tensor: torch.Tensor, out: torch.Tensor, times: int = 1, per: int = 1
                      ) -> tuple[torch.Tensor, torch.Tensor, Callable[[], None] | None]:
-    """The flat input and output of all_gather, reduce_scatter or all_to_all, and what to run once the engine has
-    written the output (the copy back into a non-contiguous ``out``); ``out`` must hold ``times`` / ``per`` times
-    the input's elements (``times=0``: any number, all_to_all's counts say)."""
+    """The flat input and output of an exchange and the copy back into a non-contiguous ``out`` (or None); ``out``
+    holds ``times`` / ``per`` times the input's elements (``times=0``: any number)."""
     flat, _ = flat_view(tensor, f"{what} (input)")  # the engine only reads the input: a copy is all it needs
     out_flat, back = flat_view(out, f"{what} (output)")
     if out.dtype != tensor.dtype:
@@ -88,25 +79,10 @@ def exchange_tensors(what: str, tensor: torch.Tensor, out: torch.Tensor, times: 
     return flat, out_flat, back
 
 
-def exchange_counts(tensor: torch.Tensor, out: torch.Tensor, send: list[int], recv: list[int], n: int) -> tuple:
-    """all_to_all's flat input and output, the copy back (or None) and the element counts (sent to each rank,
-    received from each rank) in the flat views' elements."""
-    for name, counts in (("send", send), ("recv", recv)):
-        if len(counts) != n or any(not isinstance(k, int) or k < 0 for k in counts):
-            raise ValueError(f"all_to_all: {name} must be {n} non-negative element counts, got {counts!r}")
-    flat, out_flat, back = exchange_tensors("all_to_all", tensor, out, times=0)
-    for name, counts, t in (("send", send, tensor), ("recv", recv, out)):
-        if sum(counts) != t.numel():
-            raise ValueError(f"all_to_all: {name} counts {counts} add up to {sum(counts)}, not the {t.numel()} "
-                             f"elements of the {'input' if t is tensor else 'output'}")
-    scale = flat.numel() // tensor.numel() if tensor.numel() else 1  # complex: pairs of reals
-    return flat, out_flat, back, (tuple(k * scale for k in send), tuple(k * scale for k in recv))
-
-
 def check_reduce_tensors(tensors: list[torch.Tensor], compress: torch.dtype | None, what: str = "reduce_tensors"
                          ) -> list[torch.Tensor]:
-    """``ShmTransport.reduce_tensors``' (or ``what``'s) tensors, checked: contiguous real CPU tensors of one dtype,
-    not overlapping; ``compress`` only to bfloat16 or float16, of float32 tensors."""
+    """``what``'s tensors, checked: contiguous real CPU tensors of one dtype, not overlapping; ``compress`` only to
+    bfloat16 or float16, of float32 tensors."""
     tensors = list(tensors)
     for k, t in enumerate(tensors):
         flat_view(t, f"{what} (tensor {k})")
@@ -127,8 +103,7 @@ def check_reduce_tensors(tensors: list[torch.Tensor], compress: torch.dtype | No
 
 @dataclass(frozen=True, eq=False)
 class Request:
-    """A collective queued for the transport's thread: once it (and ``finish``, if any) has run, ``future``
-    completes, or gets the error."""
+    """A collective queued for the transport's thread; ``future`` completes once it and ``finish`` ran."""
 
     future: torch.futures.Future
     finish: Callable[[], None] | None
@@ -136,12 +111,12 @@ class Request:
 
 
 class Worker:
-    """Numbers the collectives of one transport and runs them on ``engine``: queued for its thread, or a small
-    all_reduce on the caller's thread when nothing is queued or running. After a failure the transport is unusable (the
-    peers were told through the abort word); later collectives get the same error."""
+    """Numbers the collectives of one transport and runs them on ``engine``, one at a time in number order: queued
+    for its thread, or on the caller's thread when nothing is queued or running (``run_small``). After a failure the
+    transport is unusable (the peers were told through the abort word); later collectives get the same error.
+    ``timeout()``: the bound of a collective numbered now (read on the caller's thread)."""
 
     def __init__(self, engine: Engine, name: str, timeout: Callable[[], float]):
-        """``timeout()``: the bound of a collective numbered now (read on the caller's thread)."""
         self.engine, self._timeout = engine, timeout
         self.seq = 0  # the collectives numbered so far
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
@@ -153,7 +128,6 @@ class Worker:
         self._thread.start()
 
     def submit(self, c: Collective, finish: Callable[[], None] | None = None) -> torch.futures.Future:
-        """Number ``c`` and queue it; the future completes once it (and ``finish``) ran."""
         fut = torch.futures.Future()
         with self._lock:  # numbering and queueing together: the FIFO order is the numbering order
             self.seq += 1
@@ -162,9 +136,9 @@ class Worker:
         return fut
 
     def run_small(self, t: torch.Tensor, divisor: float | None, bucket: int | None) -> bool:
-        """An all_reduce of contiguous ``t`` (at most a quarter chunk) on this thread, if nothing is queued or
-        running: True once done (raising the transport's error, as its handle would). False, with nothing done, when
-        it must queue."""
+        """An all_reduce of contiguous ``t`` (at most a quarter chunk) on this thread (``Engine.run_small``) if nothing
+        is queued or running: True once done (raising the transport's error, as its handle would). False, with
+        nothing done, when it must queue."""
         with self._lock:
             if self._pending or self._error is not None:
                 return False
@@ -174,19 +148,26 @@ class Worker:
             self._running.acquire()  # nothing unfinished: the thread is idle (it releases the engine, then counts down)
         try:
             self.engine.seg.timeout = self._timeout()
-            self.engine.run_small(t, divisor, seq, bucket)
-        except BaseException as exc:  # noqa: BLE001 - every peer must learn of the failure, as in _execute
-            self._error = exc
-            self._abort(exc)
-            raise
+            self._run(lambda: self.engine.run_small(t, divisor, seq, bucket))
         finally:
             self._running.release()
             self._done()
         return True
 
-    def _abort(self, exc: BaseException) -> None:
-        # the peers raise at once, naming the ranks this one found missing (a StallError's), if any
-        self.engine.seg.abort(f"rank {self.engine.rank}: {type(exc).__name__}: {exc}", getattr(exc, "missing", None))
+    def _run(self, work: Callable[[], None]) -> None:
+        try:
+            work()
+        except BaseException as exc:  # noqa: BLE001 - every peer must learn of the failure
+            self._error = exc
+            # the peers raise at once, naming the ranks this one found missing (a StallError's), if any
+            self.engine.seg.abort(f"rank {self.engine.rank}: {type(exc).__name__}: {exc}",
+                                  getattr(exc, "missing", None))
+            raise
+
+    def _execute(self, request: Request) -> None:
+        self.engine.run(request.collective)
+        if request.finish is not None:
+            request.finish()
 
     def _serve(self) -> None:
         while True:
@@ -194,33 +175,24 @@ class Worker:
             if request is None:
                 return
             with self._running:  # behind a collective running on a caller's thread, numbered before this one
-                self._execute(request)
+                if self._error is not None:
+                    error = RuntimeError(f"the shm transport failed earlier and cannot be used: {self._error}")
+                    error.__cause__ = self._error  # what failed, for the stall inspector's diagnosis
+                    request.future.set_exception(error)
+                else:
+                    try:
+                        self._run(lambda: self._execute(request))
+                        request.future.set_result(None)
+                    except BaseException as exc:  # noqa: BLE001 - every failure must reach the waiting caller
+                        request.future.set_exception(exc)
             self._done()
 
     def _done(self) -> None:
         with self._lock:
             self._pending -= 1
 
-    def _execute(self, request: Request) -> None:
-        if self._error is not None:
-            error = RuntimeError(f"the shm transport failed earlier and cannot be used: {self._error}")
-            error.__cause__ = self._error  # what failed, for the stall inspector's diagnosis
-            request.future.set_exception(error)
-            return
-        try:
-            self.engine.run(request.collective)
-            if request.finish is not None:
-                request.finish()
-        except BaseException as exc:  # noqa: BLE001 - every failure must reach the waiting caller
-            self._error = exc
-            self._abort(exc)
-            request.future.set_exception(exc)
-            return
-        request.future.set_result(None)
-
     def stop(self, segment: Segment, regions: list[Segment]) -> None:
-        """Finish the queued collectives, stop the thread, let go of the segment and the regions: each is unmapped
-        now, or when the last tensor viewing it dies (``Segment.close``)."""
+        """Finish the queued collectives, stop the thread, let go of the segment and the regions (``Segment.close``)."""
         if self._thread.is_alive():
             self._requests.put(None)
             self._thread.join(5.0)
@@ -247,12 +219,11 @@ class ShmTransport:
     process group's timeout; a ``stall_timeout`` block replaces it for the collectives started in it) bounds every
     wait for a peer: a peer that never arrives, dies or fails makes the waiting rank raise :class:`ShmTimeoutError`
     naming both ranks and the collective. ``chunk_bytes``: the pipelining unit (smaller ones, down to
-    :data:`SMALLEST_CHUNK`, where /dev/shm has no room; then :class:`SegmentSpaceError`). ``direct_bytes`` (default:
-    no limit up to 3 ranks, else 64 KiB): the largest ring all_reduce every rank sums whole instead of by shards.
-    ``peer_read`` (None: where the probe allows): whether ranks read their peers' memory. :meth:`close` when done."""
+    :data:`SMALLEST_CHUNK`, where /dev/shm has no room; then :class:`SegmentSpaceError`). ``peer_read`` (None: where
+    the probe allows): whether ranks read their peers' memory. :meth:`close` when done."""
 
     def __init__(self, group: Any = None, timeout: float | timedelta | None = None, *, chunk_bytes: int = 1 << 20,
-                 direct_bytes: int | None = None, peer_read: bool | None = None):
+                 peer_read: bool | None = None):
         own = isinstance(group, StoreGroup)  # a group under construction (the fanfold backend's)
         if not own:
             require_initialized("ShmTransport")
@@ -263,9 +234,6 @@ class ShmTransport:
                                                                                  dist.get_world_size(group))
         self._base, self._limit = resolve_stall_timeout(timeout), group_timeout(group)
         self.timeout = bound(self._base, self._limit)
-        if direct_bytes is None:  # up to 3 ranks, summing everything on every rank moves fewer bytes
-            direct_bytes = 1 << 62 if self.world_size <= 3 else 64 << 10
-        self._direct_bytes = direct_bytes
         self._worker = self._segment = None
         self.peer_read = False  # every rank may read its peers' memory (probed below)
         self._regions: list[Segment] = []  # allocate()'s, closed with the transport
@@ -275,7 +243,7 @@ class ShmTransport:
             store.set(f"pidns/{self.rank}", pid_namespace())
             areas = 8 if self.world_size <= 3 else 4
             self._segment, chunk_bytes = self._map_segment(store, areas, chunk_bytes)
-            ring = areas * (self.world_size + 1) * chunk_bytes
+            ring = areas * self.world_size * chunk_bytes
             # Collective whatever this rank's peer_read: every rank takes the probe's steps.
             self.peer_read, why = probe(self._segment, self.rank, self.world_size, peer_read is not False)
             if peer_read is None and not self.peer_read:
@@ -295,15 +263,15 @@ class ShmTransport:
         else:
             self._finalizer = weakref.finalize(self, lambda: None)
         self._chunk_bytes = chunk_bytes
-        # the caller's-thread path: the ring's direct sum of one chunk (see _submit)
-        self._small_bytes = min(INLINE_BYTES, chunk_bytes // 4, direct_bytes) if self.world_size > 1 else -1
+        # the caller's-thread path: the ring's sum of one chunk (see _reads_peers)
+        self._small_bytes = min(INLINE_BYTES, chunk_bytes // 4) if self.world_size > 1 else -1
 
     def _map_segment(self, store: Any, areas: int, chunk_bytes: int) -> tuple[Segment, int]:
-        """The segment, with ``chunk_bytes`` chunks or, where /dev/shm has no room (Docker's 64 MB), the largest of a
-        quarter, a sixteenth... down to SMALLEST_CHUNK that fits. Every rank sees the same failures: all agree."""
+        # the segment with ``chunk_bytes`` chunks or, where /dev/shm has no room, the largest of a quarter, a
+        # sixteenth... down to SMALLEST_CHUNK that fits; every rank sees the same failures
         asked, tried = chunk_bytes, 0
         while True:
-            size = areas * (self.world_size + 1) * chunk_bytes + self.world_size * TABLE_BYTES
+            size = areas * self.world_size * chunk_bytes + self.world_size * TABLE_BYTES
             try:
                 # each try meets under its own keys: the failed one's are spent
                 seg = Segment(store if tried == 0 else dist.PrefixStore(f"retry{tried}/", store), self.rank,
@@ -344,22 +312,20 @@ class ShmTransport:
         nbytes = 0 if flat is None else flat.numel() * flat.element_size()
         if op == ALL_REDUCE and back is None and self._reads_peers(nbytes):
             c = Collective(REDUCE_TENSORS, 0, flat, bucket, divisor=divisor, outs=[flat], reduce=reduce)
-        else:  # the ring; an all_reduce above direct_bytes is summed by shards (engine.py)
-            c = Collective(op, 0, flat, bucket, src, nbytes > self._direct_bytes, divisor, reduce=reduce)
+        else:
+            c = Collective(op, 0, flat, bucket, src, divisor, reduce=reduce)
         if back is not None:
             finish = back if finish is None else (lambda first=back, then=finish: (first(), then()))
         return self._enqueue(c, tensor, finish)
 
     def _enqueue(self, c: Collective, value: Any, finish: Callable[[], None] | None) -> FanfoldWork:
-        """Number ``c`` and run it (``Worker.submit``); the handle's future yields ``value``."""
         if not self._finalizer.alive:
             raise RuntimeError(f"rank {self.rank}: {OPS[c.op]} on a closed ShmTransport")
         return FanfoldWork(self._worker.submit(c, finish), value)
 
     def allocate(self, numel: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
-        """A zeroed 1-d tensor of ``numel`` ``dtype`` in a shared-memory region of its own (ordinary memory for one
-        rank, an unsupported dtype, not CPU). Collective: every rank allocates the same sizes in the same order. The
-        region lives until close() and the last tensor viewing it, whichever comes last."""
+        """The Protocol's ``allocate``: in a shared-memory region of its own (ordinary memory for one rank, an
+        unsupported dtype, not CPU), which lives until close() and the last tensor viewing it, whichever is last."""
         if self.world_size == 1 or dtype not in DTYPES or numel <= 0 or torch.device(device).type != "cpu":
             return torch.zeros(numel, dtype=dtype, device=device)
         if not self._finalizer.alive:
@@ -391,18 +357,16 @@ class ShmTransport:
 
     def all_reduce(self, tensor: torch.Tensor, bucket: int | None = None, divisor: float | None = None, *,
                    inline: bool = False, op: str = "sum") -> FanfoldWork:
-        """Sum ``tensor`` over the group, in place, asynchronously; ``bucket`` labels errors; ``divisor``: the sum
-        divided by it (bitwise what dividing afterwards gives); ``op``: "sum", "min", "max" or "product" (no divisor).
-        ``inline``: a sum of at most :data:`INLINE_BYTES` runs on this thread when nothing is queued or running."""
+        """The Protocol's ``all_reduce``; ``op``: "sum", "min", "max" or "product" (no divisor). ``inline``: a sum of
+        at most :data:`INLINE_BYTES` runs on this thread when nothing is queued or running."""
         reduce = reduce_code(op, divisor, "all_reduce")
         if inline and reduce == SUM and self.run_small(tensor, divisor, bucket):
             return completed_work(tensor)
         return self._submit(ALL_REDUCE, tensor, bucket, divisor=divisor, reduce=reduce)
 
     def run_small(self, tensor: torch.Tensor, divisor: float | None = None, bucket: int | None = None) -> bool:
-        """The latency path: sum a contiguous CPU ``tensor`` of at most :data:`INLINE_BYTES` in place on this thread,
-        now, if nothing is queued or running: True once done; False, nothing done, for anything else (the caller
-        queues it). ``divisor`` is checked by the caller."""
+        """Sum a contiguous CPU ``tensor`` of at most :data:`INLINE_BYTES` on this thread if nothing is queued or
+        running: True once done; False, nothing done, otherwise. ``divisor`` is checked by the caller."""
         if not (tensor.is_cpu and tensor.layout is torch.strided and tensor.dtype in _SMALL_DTYPES
                 and tensor.nbytes <= self._small_bytes and tensor.is_contiguous() and self._finalizer.alive):
             return False
@@ -412,10 +376,8 @@ class ShmTransport:
     def reduce_tensors(self, tensors: list[torch.Tensor], bucket: int | None = None, *,
                        divisor: float | None = None, settle: bool = True,
                        compress: torch.dtype | None = None) -> FanfoldWork:
-        """The Protocol's ``reduce_tensors`` (CPU tensors): by peer reads where ``_reads_peers`` allows (then
-        ``settle=False`` completes the handle while peers may still read the tensors), else laid end to end in one
-        buffer through the ring. ``compress``: bitwise fanfold's compression hooks (cast, float16 after dividing by
-        ``divisor``; all-reduce; cast back)."""
+        """The Protocol's ``reduce_tensors``: by peer reads where ``_reads_peers`` allows, else through the ring in
+        one buffer."""
         reduce_code("sum", divisor, "reduce_tensors")
         tensors = check_reduce_tensors(tensors, compress)
         if not tensors:
@@ -436,28 +398,24 @@ class ShmTransport:
                             finish=lambda: split_into(flat, [t.view(-1) for t in tensors]))
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
-        """Copy rank ``src``'s ``tensor`` into every rank's, in place (after the collectives queued before it)."""
         if not isinstance(src, int) or not 0 <= src < self.world_size:
             raise ValueError(f"broadcast: src must be a rank of the group (0..{self.world_size - 1}), got {src!r}")
         self._submit(BROADCAST, tensor, src=src).wait()
 
     def barrier(self) -> None:
-        """Return once every rank has reached this barrier (and finished the collectives queued before it)."""
         self._submit(BARRIER, None).wait()
 
     def abort(self, message: str) -> None:
-        """End every rank's waits in this transport at once (they raise, naming this rank and ``message``): the
-        answer to a stall alarm or a failure in a layer above. The transport is unusable after."""
+        """End every rank's waits at once (they raise, naming this rank and ``message``); unusable after."""
         if self._segment is not None and self._finalizer.alive:
             self._segment.abort(f"rank {self.rank}: {message}")
 
     @property
     def issued(self) -> int:
-        """How many collectives this rank has issued on the transport (run or queued)."""
         return 0 if self._worker is None else self._worker.seq
 
     def close(self) -> None:
-        """Finish queued collectives, stop the thread and unmap the segment. Idempotent."""
+        """Finish queued collectives, stop the thread, unmap the segment. Idempotent."""
         self._finalizer()
 
     def __enter__(self) -> ShmTransport:
@@ -470,9 +428,6 @@ class ShmTransport:
         return f"ShmTransport(rank={self.rank}, world_size={self.world_size}, timeout={self.timeout:g})"
 
     def all_gather(self, tensor: torch.Tensor, out: torch.Tensor, bucket: int | None = None) -> FanfoldWork:
-        """Every rank's ``tensor`` (same numel and dtype on every rank) into ``out`` (world_size times as many
-        elements: rank r's at r * numel), asynchronously; ``bucket`` labels errors. Where the peers' memory is read
-        (``_reads_peers``), every rank copies the peers' parts straight from their outputs."""
         if tensor.numel() and out.numel() and _overlaps(tensor, out) and not _own_part(tensor, out, self.rank):
             tensor = tensor.clone()  # overlapping other ranks' places in out: the engine would overwrite it
         flat, out_flat, finish = exchange_tensors("all_gather", tensor, out, times=self.world_size)
@@ -482,15 +437,11 @@ class ShmTransport:
 
     def reduce_scatter(self, tensor: torch.Tensor, out: torch.Tensor, bucket: int | None = None, *,
                        divisor: float | None = None, op: str = "sum") -> FanfoldWork:
-        """Sum ``tensor`` (world_size x ``out``'s elements) over the group and keep this rank's shard in ``out``
-        (rank r: elements r * numel .. (r + 1) * numel), asynchronously; with ``divisor``, divided by it. Summed in
-        rank order: bitwise what :meth:`all_reduce` gives that shard. ``op``: "sum", "min", "max" or "product"."""
+        """The Protocol's ``reduce_scatter``; ``op``: "sum", "min", "max" or "product"."""
         reduce = reduce_code(op, divisor, "reduce_scatter")
         flat, out_flat, finish = exchange_tensors("reduce_scatter", tensor, out, per=self.world_size)
         if reduce == SUM and self.world_size > 1 and self._reads_peers(flat.nbytes) and flat.numel() and \
                 not (_overlaps(flat, out_flat) or _overlaps(out_flat, flat)):
-            # Where ranks read each other's memory, each reads only its part of the peers' tensors (peer.py): no
-            # copy through the ring, the same bits (ZeRO stage 2's gradients)
             return self._enqueue(Collective(SCATTER_TENSORS, 0, flat, bucket, divisor=divisor, outs=[flat],
                                             out=out_flat), out, finish)
         return self._exchange(Collective(REDUCE_SCATTER, 0, flat, bucket, divisor=divisor, out=out_flat,
@@ -499,13 +450,9 @@ class ShmTransport:
     def reduce_scatter_tensors(self, tensors: list[torch.Tensor], out: torch.Tensor, bucket: int | None = None, *,
                                divisor: float | None = None, settle: bool = True,
                                compress: torch.dtype | None = None) -> FanfoldWork:
-        """Sum ``tensors`` (contiguous CPU tensors of one dtype, not overlapping; laid end to end, ``total`` elements
-        on every rank) over the group and keep this rank's part in ``out`` (``ceil(total / world_size)`` elements:
-        rank r's part is elements r * len(out) .. (r + 1) * len(out) of the concatenation; where it runs past
-        ``total``, ``out`` is zeroed), asynchronously; divided by ``divisor``: bitwise :meth:`reduce_scatter` of the
-        zero-padded concatenation. By peer reads where ``_reads_peers`` allows (``settle=False``: the tensors must
-        stay unchanged until a later collective has returned), else through the ring. ``compress``: as
-        :meth:`reduce_tensors`; ``out`` stays float32."""
+        """This rank's part of the sum of ``tensors`` laid end to end (``total`` elements) into ``out``
+        (``ceil(total / world_size)`` elements, zeroed past ``total``): bitwise :meth:`reduce_scatter` of the
+        zero-padded concatenation. ``settle``, ``compress``: as :meth:`reduce_tensors`; ``out`` stays float32."""
         reduce_code("sum", divisor, "reduce_scatter_tensors")
         tensors = check_reduce_tensors(tensors, compress, "reduce_scatter_tensors")
         total = sum(t.numel() for t in tensors)
@@ -541,9 +488,18 @@ class ShmTransport:
 
     def all_to_all(self, tensor: torch.Tensor, out: torch.Tensor, send: list[int], recv: list[int]) -> FanfoldWork:
         """Send ``send[q]`` consecutive elements of ``tensor`` to rank q and receive ``recv[p]`` from rank p into
-        ``out`` (in rank order), asynchronously. Every rank's ``recv[p]`` must equal rank p's ``send`` to it:
-        checked on every rank before anything moves."""
-        flat, out_flat, finish, splits = exchange_counts(tensor, out, send, recv, self.world_size)
+        ``out`` (in rank order); every rank checks every pair of counts before anything moves."""
+        n = self.world_size
+        for name, counts in (("send", send), ("recv", recv)):
+            if len(counts) != n or any(not isinstance(k, int) or k < 0 for k in counts):
+                raise ValueError(f"all_to_all: {name} must be {n} non-negative element counts, got {counts!r}")
+        flat, out_flat, finish = exchange_tensors("all_to_all", tensor, out, times=0)
+        for name, counts, t in (("send", send, tensor), ("recv", recv, out)):
+            if sum(counts) != t.numel():
+                raise ValueError(f"all_to_all: {name} counts {counts} add up to {sum(counts)}, not the {t.numel()} "
+                                 f"elements of the {'input' if t is tensor else 'output'}")
+        scale = flat.numel() // tensor.numel() if tensor.numel() else 1  # complex: pairs of reals
+        splits = (tuple(k * scale for k in send), tuple(k * scale for k in recv))
         return self._exchange(Collective(ALL_TO_ALL, 0, flat, out=out_flat, splits=splits), out, finish)
 
     def _exchange(self, c: Collective, out: torch.Tensor, finish: Callable[[], None] | None) -> FanfoldWork:
@@ -561,8 +517,7 @@ class ShmTransport:
 
 
 def _own_part(tensor: torch.Tensor, out: torch.Tensor, rank: int) -> bool:
-    """Whether ``tensor`` is exactly this rank's place in ``out`` (an in-place all_gather, as ZeRO's): the engine
-    then leaves that place as it is."""
+    # whether ``tensor`` is exactly this rank's place in ``out`` (an in-place all_gather, as ZeRO's)
     size = tensor.numel() * tensor.element_size()
     return (tensor.is_contiguous() and out.is_contiguous() and tensor.dtype == out.dtype
             and tensor.data_ptr() == out.data_ptr() + rank * size)
