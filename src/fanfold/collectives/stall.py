@@ -74,8 +74,8 @@ def caller_line() -> str:
 
 class Publisher:
     """Writes the newest record ``post``-ed to it under ``key`` of ``store`` from a daemon thread, at most once per
-    ``WRITE_INTERVAL_S`` unless flushed. ``alarm`` (a key and a callback): the idle thread looks for that key every
-    ``ALARM_POLL_S`` and calls the callback once with its JSON value (no store round trip on the training thread)."""
+    ``WRITE_INTERVAL_S`` unless flushed; ``alarm`` (key, callback): while idle it looks for that key every
+    ``ALARM_POLL_S`` and calls the callback once with its JSON value."""
 
     def __init__(self, store: dist.Store, key: str, alarm: tuple[str, Callable[[dict], None]] | None = None):
         self._cond = threading.Condition()
@@ -518,9 +518,8 @@ class InspectedTransport:
         return self.inner.allocate(numel, dtype, device)  # collective through the store, not numbered
 
     def all_reduce_now(self, tensor: torch.Tensor, bucket: int | None = None) -> torch.Tensor:
-        """Sum ``tensor`` over the group, in place, and return it once done: the rule for a small collective waited
-        for at once (SyncBatchNorm's statistics) -- on this thread where the transport can (the shm transport's
-        latency path, when nothing else is in flight), no hand-off to a transport thread and back."""
+        """Sum ``tensor`` over the group, in place, and return it once done: a small collective waited for at once
+        (SyncBatchNorm's statistics) runs on this thread where the transport can (the shm transport's latency path)."""
         inner = self.inner
         if isinstance(inner, ShmTransport):
             self._run("all_reduce", bucket, lambda: inner.all_reduce(tensor, bucket, inline=True)).wait()
@@ -545,9 +544,8 @@ def inspected(transport: Transport, timeout: float | timedelta | None = None, fe
 
 def group_transport(group: Any = None, feature: str | None = None) -> InspectedTransport:
     """The inspected transport for ``feature``'s collectives over process group ``group`` (None: the default group):
-    the group's own where it has one (the ``fanfold`` backend's shared memory), else torch.distributed's. Made at the
-    feature's first call on the group (every rank alike) and kept, so that each call does not pay for a new
-    progress record and its writer thread."""
+    the group's own where it has one (the ``fanfold`` backend's), else torch.distributed's. Made at the feature's
+    first call on the group (every rank alike) and kept: one progress record and writer thread per feature."""
     pg = group if group is not None else dist.group.WORLD
     with _GROUP_LOCK:
         kept = _BY_GROUP.setdefault(pg, {})
