@@ -53,11 +53,11 @@ def test_completed_collective_returns_result_and_publishes_progress():
     h = t0.all_reduce(torch.ones(2), bucket=0)
     t0.inner.futures[0].set_result("done")
     assert h.wait() == "done"
-    t1.inspector.start("barrier")  # what rank 1 publishes while inside a barrier
-    t0.inspector.flush(), t1.inspector.flush()  # records are written by a background thread
-    progress = read_progress(t0.inspector.store, 1)
+    t1._start("barrier")  # what rank 1 publishes while inside a barrier
+    t0.flush(), t1.flush()  # records are written by a background thread
+    progress = read_progress(t0.store, 1)
     assert progress["last"][:3] == progress["pending"][0][:3] == [1, "barrier", None]
-    assert read_progress(t0.inspector.store, 0)["pending"] == []
+    assert read_progress(t0.store, 0)["pending"] == []
     assert t0.broadcast(torch.ones(1), 0) is None  # a synchronous inner call completes at once
 
 
@@ -68,7 +68,7 @@ def test_barrier_is_bounded_and_goes_through_the_store():
     assert t0.barrier() is None  # both arrive: both return
     other.join(5)
     assert not other.is_alive()
-    t1.inspector.flush()
+    t1.flush()
     with pytest.raises(StallError) as e:  # rank 1 does not come to the second one
         t0.barrier()
     assert str(e.value).startswith(f"rank 0 of 2: barrier #2 started at {HERE}:")
@@ -84,7 +84,7 @@ def test_timeout_names_rank_collective_line_and_the_rank_behind():
     h1 = t1.all_reduce(torch.ones(1), bucket=0)
     t1.inner.futures[-1].set_result(None)
     h1.wait()  # rank 1 completed #1..#3 and then stopped issuing collectives
-    t1.inspector.flush()
+    t1.flush()
     for b in (0, 1, 0, 1):
         handle = t0.all_reduce(torch.ones(1), bucket=b)
     line = f"{HERE}:{sys._getframe().f_lineno - 1} in test_timeout_names_rank_collective_line_and_the_rank_behind"
@@ -103,14 +103,14 @@ def test_timeout_names_rank_collective_line_and_the_rank_behind():
 def test_mismatched_collective_ahead_and_silent_ranks():
     t0, t1 = _pair()
     h = t0.all_reduce(torch.ones(1), bucket=0)
-    t1.inspector.start("barrier")
-    t1.inspector.flush()
+    t1._start("barrier")
+    t1.flush()
     with pytest.raises(StallError, match=r"rank 1: in a different collective with the same number: barrier #1 ") as e:
         h.wait()
     assert e.value.missing == [1]
     t1.inner.done = True
     t1.all_reduce(torch.ones(1)).wait(), t1.all_reduce(torch.ones(1)).wait()  # rank 1 is past rank 0's #2
-    t1.inspector.flush()
+    t1.flush()
     h = t0.all_reduce(torch.ones(1), bucket=2)
     with pytest.raises(StallError, match=r"rank 1: ahead: past #2, its last collective is all_reduce #3 ") as e:
         h.wait()
@@ -126,8 +126,8 @@ def test_failed_wait_names_dead_peer_and_cause():
     t1.all_reduce(torch.ones(1), bucket=0)
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    t1.inspector._publish(pid=dead.pid)  # rank 1's process is gone (exited and reaped)
-    t1.inspector.flush()
+    t1._publish(pid=dead.pid)  # rank 1's process is gone (exited and reaped)
+    t1.flush()
     t0.all_reduce(torch.ones(1), bucket=0)
     h = t0.all_reduce(torch.ones(1), bucket=1)
     t0.inner.futures[1].set_exception(RuntimeError("Connection reset by peer"))
@@ -171,8 +171,8 @@ def test_instances_number_separately_and_timeout_resolution(monkeypatch):
     a.inner.done = b.inner.done = True
     a.all_reduce(torch.ones(1)).wait(), a.all_reduce(torch.ones(1)).wait()
     b.all_reduce(torch.ones(1)).wait()
-    a.inspector.flush(), b.inspector.flush()
-    assert (read_progress(a.inspector.store, 0)["last"][0], read_progress(b.inspector.store, 0)["last"][0]) == (2, 1)
+    a.flush(), b.flush()
+    assert (read_progress(a.store, 0)["last"][0], read_progress(b.store, 0)["last"][0]) == (2, 1)
     monkeypatch.delenv("FANFOLD_STALL_TIMEOUT", raising=False)
     assert resolve_stall_timeout() == DEFAULT_STALL_TIMEOUT == 300
     assert resolve_stall_timeout(timedelta(seconds=7)) == 7
@@ -326,12 +326,11 @@ def test_every_inspected_collective_is_a_named_span_in_torch_profiler_traces():
     counts = {e.key: e.count for e in prof.key_averages()}
     assert counts.get("fanfold.all_reduce") == 2 and counts.get("fanfold.broadcast") == 1, counts
     t0.all_reduce(torch.ones(2)).wait()  # no profiler: no span, and nothing left open
-    assert t0.inspector._pending == []
+    assert t0._pending == []
 
 
 def test_stall_timeout_block_and_group_timeout_bound_each_collective(monkeypatch):
     from fanfold import stall_timeout
-    from fanfold.collectives.stall import StallInspector
     from fanfold.collectives.timeouts import bound
 
     monkeypatch.setenv("FANFOLD_STALL_TIMEOUT", "0.2")
@@ -344,8 +343,9 @@ def test_stall_timeout_block_and_group_timeout_bound_each_collective(monkeypatch
     assert bound(300, 60) == 60  # undone on the way out
 
     def never(timeout=None, limit=None):
-        inspector = StallInspector(dist.HashStore(), 0, 2, timeout, limit=limit)
-        return inspector, inspector.run("all_reduce", None, torch.futures.Future)
+        t = InspectedTransport(_FutureTransport(), timeout=timeout, store=dist.HashStore(), rank=0, world_size=2)
+        t.limit = limit  # the group's timeout
+        return t, t.all_reduce(torch.ones(1))
 
     _, handle = never()  # $FANFOLD_STALL_TIMEOUT
     with pytest.raises(StallError, match="did not complete within 0.2 s"):

@@ -1,4 +1,4 @@
-"""The collective layer on its own: TorchTransport, its average, the structured all-gathers and the choice of
+"""The collective layer on its own: TorchTransport, its average, all-gather, reduce-scatter and the choice of
 transport, each against values computed in the test (what every rank must hold)."""
 import pytest
 import torch
@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 import fanfold
 from fanfold.collectives.select import resolve_transport, select_transport
-from fanfold.collectives.transport import TorchTransport, all_gather_bytes, all_gather_rows
+from fanfold.collectives.transport import TorchTransport
 from fanfold.distributed import init_process_group
 
 
@@ -25,9 +25,12 @@ def _collectives():
     t.broadcast(b, n - 1)
     out["broadcast"] = b.tolist()
     t.barrier()
-    out["rows"] = all_gather_rows(t, torch.tensor([r, 10 * r + 1])).tolist()
-    out["bytes"] = all_gather_bytes(t, b"x" * r + bytes([r]))
-    out["empty"] = all_gather_bytes(t, b"")
+    every = torch.empty(n, 2, dtype=torch.int64)
+    t.all_gather(torch.tensor([r, 10 * r + 1]), every.view(-1)).wait()
+    out["rows"] = every.tolist()
+    part = torch.empty(2, dtype=torch.float64)
+    t.reduce_scatter(torch.arange(2.0 * n, dtype=torch.float64) * (r + 1), part, divisor=n).wait()
+    out["part"] = part.tolist()
     out["choice"] = (select_transport(transport="torch"), type(resolve_transport("torch")).__name__)
     return out
 
@@ -42,8 +45,7 @@ def test_torch_transport_collectives(nprocs):
         assert out["mean"] == [k / nprocs] * 7
         assert out["broadcast"] == [float(nprocs - 1)] * 3
         assert out["rows"] == [[q, 10 * q + 1] for q in range(nprocs)]
-        assert out["bytes"] == [b"x" * q + bytes([q]) for q in range(nprocs)]
-        assert out["empty"] == [b""] * nprocs
+        assert out["part"] == [(2 * r + i) * k / nprocs for i in range(2)]
         assert out["choice"] == ("torch", "TorchTransport")
 
 

@@ -162,6 +162,6 @@ def test_under_ddp_it_sums_through_ddps_inspected_transport():
     vec = torch.arange(7, dtype=torch.float64)
     out = GroupSum(bn._own_transport, None, "SyncBatchNorm(3)", bn._transport())(vec, FORWARD)
     assert calls == [None] and torch.equal(out, 2 * torch.arange(7, dtype=torch.float64))
-    assert inspected.inspector._seq == 1  # numbered by the stall inspector: a stall here is diagnosed
+    assert inspected._seq == 1  # numbered by the stall inspector: a stall here is diagnosed
     bn.use_transport(inspected, object())
     assert bn._transport is None  # another group than the layer's: its own collectives, not DDP's

@@ -42,10 +42,6 @@ def _op_name(op: Any) -> str | None:
     return next((name for fast, name in _FAST_OPS.items() if op == fast), None)
 
 
-def _shm_op(op: str) -> str:
-    return "sum" if op == "avg" else op  # an average is a sum with a divisor
-
-
 def _supported(tensors: list[torch.Tensor], op: str | None = "sum") -> bool:
     """Whether shared memory takes ``tensors``: CPU, one supported dtype; averages of floating point only."""
     if not tensors or op is None:
@@ -69,9 +65,11 @@ def _torch_method(name: str, impl: Callable[..., dist.Work]) -> Callable[..., di
     return method
 
 
-class _Holder(dist.ProcessGroup):
-    """A group of one whose only collective returns the Work it was given: torch's C++ wraps what a Python group's
-    collective returns in its holder of the Python Work (``PyWorkHolder``), which keeps the Python object alive."""
+class _Handout(dist.ProcessGroup):
+    """``handout(work, async_op)``: the Work a collective of the group returns, safe to hand to torch's C++ (a Work
+    written in Python dies with its Python half: docs/backend.md). Completed at return: torch's future-backed Work.
+    Failed or in flight: what torch's C++ makes of the Work this group of one's only collective returns, its holder
+    of the Python Work (``PyWorkHolder``), whose ``wait(timeout)`` and ``get_future()`` are ``work``'s."""
 
     def __init__(self) -> None:
         super().__init__(0, 1)
@@ -80,26 +78,16 @@ class _Holder(dist.ProcessGroup):
     def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
         return self.given.work
 
-
-class _Handout:
-    """``handout(work, async_op)``: the Work a collective of the group returns, safe to hand to torch's C++ (a Work
-    written in Python dies with its Python half: docs/backend.md). Completed at return: torch's future-backed Work.
-    Failed or in flight: torch's holder of ``work``, whose ``wait(timeout)`` and ``get_future()`` are ``work``'s; its
-    ``is_completed()`` is the holder's own, False (torch forwards only those two)."""
-
-    def __init__(self) -> None:
-        self._holder = _Holder()
-
     def __call__(self, work: dist.Work, async_op: bool) -> dist.Work:
         if not async_op or not isinstance(work, FanfoldWork):
             return work  # waited for at once, or gloo's (C++ through and through)
         if work.is_completed() and work.exception() is None:
             return _create_work_from_future(work.get_future())
-        self._holder.given.work = work
+        self.given.work = work
         try:
-            return dist.ProcessGroup.allreduce(self._holder, [], dist.AllreduceOptions())
+            return dist.ProcessGroup.allreduce(self, [], dist.AllreduceOptions())
         finally:
-            self._holder.given.work = None
+            self.given.work = None
 
 
 class FanfoldProcessGroup(dist.ProcessGroup):
@@ -119,7 +107,7 @@ class FanfoldProcessGroup(dist.ProcessGroup):
         if torch.cuda.is_available():
             self._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.GLOO, self.gloo)
         self._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
-        self._shm: Transport | None = None
+        self.transport: Transport | None = None
         self._decided = False
         self._lock = threading.Lock()
         self._handout = _Handout()
@@ -127,10 +115,6 @@ class FanfoldProcessGroup(dist.ProcessGroup):
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         return BACKEND
-
-    @property
-    def transport(self) -> Transport | None:
-        return self._shm
 
     def shared_transport(self) -> Transport | None:
         """``protocol.TransportOwner``: the group's transport, created now if no fast collective has run yet
@@ -140,13 +124,13 @@ class FanfoldProcessGroup(dist.ProcessGroup):
     def _fast(self) -> Transport | None:
         """The group's transport, created at the first call (collective: every rank makes the same first fast
         collective); None with one rank per host, or where it is turned off."""
-        if self._decided:  # set once, under the lock, after _shm: no lock on every collective
-            return self._shm
+        if self._decided:  # set once, under the lock, after transport: no lock on every collective
+            return self.transport
         with self._lock:
             if not self._decided:  # decided once created (a rank that timed out waiting for its peers retries)
-                self._shm = self._create()
+                self.transport = self._create()
                 self._decided = True
-            return self._shm
+            return self.transport
 
     def _create(self) -> Transport | None:
         rank, size = self.rank(), self.size()
@@ -202,11 +186,11 @@ class FanfoldProcessGroup(dist.ProcessGroup):
     def _allreduce(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
         # The latency path, tried once, with as few checks as make it safe (run_small checks the tensor): a small
         # SUM, or AVG of floating point, summed on this thread when nothing is queued. Anything else is queued.
-        if len(tensors) == 1 and self._decided and isinstance(self._shm, ShmTransport):
+        if len(tensors) == 1 and self._decided and isinstance(self.transport, ShmTransport):
             t, op = tensors[0], opts.reduceOp
             try:
-                if (op == _SUM and self._shm.run_small(t)) or (
-                        op == _AVG and t.is_floating_point() and self._shm.run_small(t, self.size())):
+                if (op == _SUM and self.transport.run_small(t)) or (
+                        op == _AVG and t.is_floating_point() and self.transport.run_small(t, self.size())):
                     return completed_work(tensors)
             except Exception as exc:  # noqa: BLE001 - raised by wait(), as gloo's errors are
                 return failed_work(exc, tensors)
@@ -214,10 +198,8 @@ class FanfoldProcessGroup(dist.ProcessGroup):
         shm = self._fast() if len(tensors) == 1 and _supported(tensors, op) else None
         if shm is None:
             return self.gloo.allreduce(tensors, self._bounded(opts))
-        divisor = self.size() if op == "avg" else None
         # detach: collectives write a tensor's data whatever autograd thinks of it (a Parameter), as gloo does
-        work = shm.all_reduce(tensors[0].detach(), divisor=divisor, op=_shm_op(op))
-        return FanfoldWork(work.get_future(), tensors)
+        return FanfoldWork(shm.all_reduce(tensors[0].detach(), **self._reduction(op)).get_future(), tensors)
 
     def _allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
         op = _op_name(opts.reduceOp)
@@ -225,9 +207,7 @@ class FanfoldProcessGroup(dist.ProcessGroup):
         if shm is None:
             return self.gloo.allreduce_coalesced(tensors, self._bounded(opts))
         flat = torch.cat([t.detach().reshape(-1) for t in tensors])
-        divisor = self.size() if op == "avg" else None
-
-        return FanfoldWork(shm.all_reduce(flat, divisor=divisor, op=_shm_op(op)).get_future(), tensors,
+        return FanfoldWork(shm.all_reduce(flat, **self._reduction(op)).get_future(), tensors,
                            lambda: split_into(flat, tensors))
 
     def _broadcast(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
@@ -263,8 +243,7 @@ class FanfoldProcessGroup(dist.ProcessGroup):
         if shm is None:
             return self.gloo.reduce_scatter(output_tensors, input_tensors, self._bounded(opts))
         flat = torch.cat([t.detach().reshape(-1) for t in ins])
-        work = shm.reduce_scatter(flat, output_tensors[0].detach(), divisor=self.size() if op == "avg" else None,
-                                  op=_shm_op(op))
+        work = shm.reduce_scatter(flat, output_tensors[0].detach(), **self._reduction(op))
         return FanfoldWork(work.get_future(), output_tensors)
 
     def _reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> dist.Work:
@@ -273,8 +252,7 @@ class FanfoldProcessGroup(dist.ProcessGroup):
                                 op)
         if shm is None:
             return self.gloo._reduce_scatter_base(output, input, self._bounded(opts))
-        divisor = self.size() if op == "avg" else None
-        work = shm.reduce_scatter(input.detach(), output.detach(), divisor=divisor, op=_shm_op(op))
+        work = shm.reduce_scatter(input.detach(), output.detach(), **self._reduction(op))
         return FanfoldWork(work.get_future(), [output])
 
     def _all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
@@ -285,6 +263,10 @@ class FanfoldProcessGroup(dist.ProcessGroup):
             return self.gloo.alltoall_base(output, input, output_split_sizes, input_split_sizes, self._bounded(opts))
         work = shm.all_to_all(input.detach(), output.detach(), counts[0], counts[1])
         return FanfoldWork(work.get_future(), [output])
+
+    def _reduction(self, op: str) -> dict:
+        # an average is a sum with a divisor
+        return {"op": "sum", "divisor": self.size()} if op == "avg" else {"op": op, "divisor": None}
 
     def _exchange_ok(self, ins: list[torch.Tensor], outs: list[torch.Tensor], shapes_ok: bool,
                      op: str | None = "sum") -> Transport | None:
@@ -327,28 +309,23 @@ class FanfoldProcessGroup(dist.ProcessGroup):
     all_to_all_single = alltoall_base = _torch_method("all_to_all_single", _all_to_all_single)
     barrier = _torch_method("barrier", _barrier)
 
-
     def shutdown(self) -> None:
         """Close the transport (its queued collectives finish first), then torch's own shutdown (gloo's)."""
-        if self._shm is not None:
-            self._shm.close()
+        if self.transport is not None:
+            self.transport.close()
         super().shutdown()
 
     def abort(self) -> None:
-        if self._shm is not None:
-            self._shm.close()
+        if self.transport is not None:
+            self.transport.close()
         super().abort()
 
     def __repr__(self) -> str:
-        return f"FanfoldProcessGroup(rank={self.rank()}, size={self.size()}, shm={self._shm is not None})"
-
-
-def _create_group(store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> FanfoldProcessGroup:
-    return FanfoldProcessGroup(store, rank, world_size, timeout)
+        return f"FanfoldProcessGroup(rank={self.rank()}, size={self.size()}, shm={self.transport is not None})"
 
 
 def register() -> None:
     """Register the ``fanfold`` backend with torch.distributed for CPU tensors (done by ``import fanfold``;
     idempotent)."""
     if BACKEND.upper() not in dist.Backend._plugins:
-        dist.Backend.register_backend(BACKEND, _create_group, devices=["cpu"])
+        dist.Backend.register_backend(BACKEND, FanfoldProcessGroup, devices=["cpu"])

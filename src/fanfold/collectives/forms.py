@@ -27,48 +27,43 @@ __all__ = ["read", "all_to_all_counts"]
 _SUM = dist.ReduceOp.SUM
 
 
-class _NoMatch(Exception):
-    pass
-
-
-def _tensor(x: Any) -> torch.Tensor:
-    if not isinstance(x, torch.Tensor):
-        raise _NoMatch
+def _of(kind: type, x: Any) -> Any:
+    """``x`` if it is a ``kind``; otherwise the form does not bind (TypeError, as an argument pybind refuses)."""
+    if not isinstance(x, kind):
+        raise TypeError
     return x
 
 
+def _tensor(x: Any) -> torch.Tensor:
+    return _of(torch.Tensor, x)
+
+
 def _tensors(x: Any) -> list[torch.Tensor]:
-    if isinstance(x, torch.Tensor) or not isinstance(x, Sequence) or not all(isinstance(t, torch.Tensor) for t in x):
-        raise _NoMatch
-    return list(x)
+    if isinstance(x, torch.Tensor) or not isinstance(x, Sequence):
+        raise TypeError
+    return [_tensor(t) for t in x]
 
 
 def _lists(x: Any) -> list[list[torch.Tensor]]:
     if isinstance(x, torch.Tensor) or not isinstance(x, Sequence):
-        raise _NoMatch
+        raise TypeError
     return [_tensors(inner) for inner in x]
 
 
 def _opts(kind: type, opts: Any) -> Any:
     """torch's options object as given; None (left out): the default."""
-    if opts is None:
-        return kind()
-    if not isinstance(opts, kind):
-        raise _NoMatch
-    return opts
+    return kind() if opts is None else _of(kind, opts)
 
 
 def _made(kind: type, timeout: timedelta | None, **fields: Any) -> Any:
     """The options object of the keyword forms (``op=``, ``root=``, ``timeout=``)."""
-    if "reduceOp" in fields and not isinstance(fields["reduceOp"], (dist.ReduceOp, dist.ReduceOp.RedOpType)):
-        raise _NoMatch
-    if timeout is not None and not isinstance(timeout, timedelta):
-        raise _NoMatch
+    if "reduceOp" in fields:
+        _of((dist.ReduceOp, dist.ReduceOp.RedOpType), fields["reduceOp"])
     opts = kind()
     for name, value in fields.items():
         setattr(opts, name, value)
     if timeout is not None:
-        opts.timeout = timeout
+        opts.timeout = _of(timedelta, timeout)
     return opts
 
 
@@ -79,18 +74,12 @@ def read(name: str, args: tuple, kwargs: dict) -> tuple:
     for form in forms:
         try:
             return form(*args, **kwargs)
-        except (TypeError, _NoMatch):  # TypeError: the arguments do not bind (or an option refused its value)
+        except TypeError:  # the arguments do not bind (or an option refused its value)
             continue
     accepted = "; ".join(f"{name}{inspect.signature(f)}" for f in forms)
     given = ", ".join([type(a).__name__ for a in args] + [f"{k}={type(v).__name__}" for k, v in kwargs.items()])
     raise TypeError(f"{name}(): incompatible function arguments ({given}); the fanfold backend takes torch's forms: "
                     f"{accepted}")
-
-
-def _int(x: Any) -> int:
-    if not isinstance(x, int):
-        raise _NoMatch
-    return x
 
 
 # Each of torch's overloads, with its parameter names and defaults (the error lists them), in pybind's order: the
@@ -107,7 +96,7 @@ _FORMS: dict[str, tuple[Callable[..., tuple], ...]] = {
     "broadcast": (
         lambda tensors, opts=None: (_tensors(tensors), _opts(BroadcastOptions, opts)),
         lambda tensor, root, timeout=None: (
-            [_tensor(tensor)], _made(BroadcastOptions, timeout, rootRank=_int(root), rootTensor=0)),
+            [_tensor(tensor)], _made(BroadcastOptions, timeout, rootRank=_of(int, root), rootTensor=0)),
     ),
     "allgather": (
         lambda output_tensors, input_tensors, opts=None: (

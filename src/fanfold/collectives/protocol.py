@@ -1,7 +1,6 @@
 """The collective interface every fanfold feature that reaches other ranks talks to (:class:`Transport`, every
-method required; a faster way, such as peer reads, is taken inside the method), and :class:`StallError`, the error
-of a collective that a peer did not complete. Collectives match by issue order: every rank calls the same methods
-with the same sizes in the same order.
+method required), and :class:`StallError`, the error of a collective a peer did not complete. Collectives match by
+issue order: every rank calls the same methods with the same sizes in the same order.
 """
 from __future__ import annotations
 
@@ -16,8 +15,7 @@ __all__ = ["Transport", "Work", "TransportOwner", "StallError"]
 class StallError(RuntimeError):
     """A collective did not complete: ``rank`` gave up on collective ``seq`` (``kind``) of ``feature`` (the fanfold
     feature that issued it, e.g. "clip_grad_norm_"); ``missing`` lists the ranks that never arrived (behind,
-    elsewhere, or dead). Every path raises it or a subclass, so a peer's fault is told apart from a misuse of the
-    API (``ValueError``/``TypeError``) by its type."""
+    elsewhere, or dead). A peer's fault, told apart by its type from a misuse of the API (``ValueError``)."""
 
     def __init__(self, message: str, *, rank: int, seq: int, kind: str, bucket: int | None, missing: list[int],
                  feature: str | None = None):
@@ -52,9 +50,8 @@ class Transport(Protocol):
         DDP's gradients where autograd left them. ``divisor``: as ``all_reduce``. The tensors must not change until
         the wait returns; with ``settle=False`` (every rank alike) not until a later collective of this transport
         has returned either. ``compress`` (torch.bfloat16 or torch.float16, float32 tensors): cast to it, average,
-        cast back, as the compression hook of that name does on a bucket of these tensors. ``TorchTransport``: bitwise
-        torch's hook; ``ShmTransport``: fanfold's (``comm_hooks``: the same bits on 2 ranks, but for values in
-        float16's subnormal range, which fanfold rounds once where torch rounds twice)."""
+        cast back, as the compression hook of that name does on a bucket of these tensors (``TorchTransport``:
+        bitwise torch's hook)."""
         ...
 
     def reduce_scatter(self, tensor: torch.Tensor, out: torch.Tensor, bucket: int | None = None, *,

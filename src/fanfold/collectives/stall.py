@@ -1,9 +1,6 @@
-"""Stall inspector: every fanfold collective is numbered, bounded, published and profiled, and a stall names its cause.
-
-``InspectedTransport(inner)`` implements ``protocol.Transport`` by delegating each method to ``inner`` once; every
-feature that reaches other ranks talks through one (:func:`group_transport`). A daemon thread writes each rank's
-progress record to the group's store; a wait past the timeout raises :class:`StallError` naming the feature, the
-collective and the ranks that never arrived, and raises the group's alarm. Design: docs/reliability.md, docs/stalls.md.
+"""The stall inspector: ``InspectedTransport(inner)`` numbers, publishes, bounds and profiles every collective of
+``inner``; a wait past the timeout raises :class:`StallError` naming the feature, the collective and the ranks that
+never arrived, and raises the group's alarm. Design: docs/reliability.md, docs/stalls.md.
 """
 from __future__ import annotations
 
@@ -30,8 +27,8 @@ from .shm.transport import ShmTransport
 from .timeouts import ENV_VAR, bound, group_namespace, group_timeout, resolve_stall_timeout
 from .transport import TorchTransport
 
-__all__ = ["StallError", "InspectedTransport", "StallInspector", "Publisher", "inspected", "group_transport",
-           "caller_line", "read_progress", "WRITE_INTERVAL_S"]
+__all__ = ["StallError", "InspectedTransport", "Publisher", "inspected", "group_transport", "caller_line",
+           "read_progress", "WRITE_INTERVAL_S"]
 
 WRITE_INTERVAL_S = 0.05  # the least time between two writes of a rank's record, unless flushed
 ALARM_POLL_S = 0.5  # how often an idle writer looks for the group's alarm
@@ -77,9 +74,8 @@ def caller_line() -> str:
 
 class Publisher:
     """Writes the newest record ``post``-ed to it under ``key`` of ``store`` from a daemon thread, at most once per
-    ``WRITE_INTERVAL_S`` unless flushed. With ``alarm`` (a key and a callback) the same thread, when idle, looks for
-    that key every ``ALARM_POLL_S`` and calls the callback once with its JSON value: no store round trip per
-    collective on the training thread."""
+    ``WRITE_INTERVAL_S`` unless flushed; ``alarm`` (key, callback): while idle it looks for that key every
+    ``ALARM_POLL_S`` and calls the callback once with its JSON value."""
 
     def __init__(self, store: dist.Store, key: str, alarm: tuple[str, Callable[[dict], None]] | None = None):
         self._cond = threading.Condition()
@@ -190,16 +186,8 @@ def _exited(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rpartition(")")[2].split()[0] in ("Z", "X")  # a zombie has exited, unreaped
-    except FileNotFoundError:
+    except OSError:  # no such process
         return True
-    except OSError:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        except OSError:
-            pass
-        return False
 
 
 class _GaveUp(Exception):
@@ -208,20 +196,12 @@ class _GaveUp(Exception):
 
 def _bounded_wait(handle: Any, timeout: float, waiting: set, alarmed: Callable[[], bool]) -> Any:
     """``handle``'s result once it completes, within ``timeout`` seconds and before ``alarmed()`` (the group's
-    alarm sets the events in ``waiting``); _GaveUp otherwise."""
+    alarm sets the events in ``waiting``); _GaveUp otherwise. A handle without a future is bounded by its own
+    transport."""
     if isinstance(handle, dist.Work) and handle.is_completed():
         return handle.wait()  # the event costs more than the collective's bookkeeping; skip it when already done
     future = _future_of(handle)
-    if future is None:
-        if isinstance(handle, dist.Work):  # a Work without a future: its own timed wait
-            try:
-                return handle.wait(timedelta(seconds=timeout))
-            except RuntimeError:
-                if not handle.is_completed():
-                    raise _GaveUp() from None
-                raise
-        return handle.wait()  # bounded by its own transport
-    if not future.done():
+    if future is not None and not future.done():
         done = threading.Event()
         future.add_done_callback(lambda _: done.set())
         waiting.add(done)
@@ -232,48 +212,88 @@ def _bounded_wait(handle: Any, timeout: float, waiting: set, alarmed: Callable[[
             waiting.discard(done)
         if not future.done():
             raise _GaveUp()
-    return handle.wait()  # done by now
+    return handle.wait()
 
 
 def _future_of(handle: Any) -> torch.futures.Future | None:
-    """``handle`` if it is a torch future, else the one it offers (``ShmWork.get_future()``), else None."""
+    """``handle`` if it is a torch future, else the one it offers (``get_future()``), else None."""
     if isinstance(handle, torch.futures.Future):
         return handle
-    get = getattr(handle, "get_future", None)
-    if get is None:
-        return None
     try:
-        future = get()
-    except RuntimeError:  # a torch Work of a backend without futures
+        future = handle.get_future()
+    except (AttributeError, RuntimeError):  # none, or a torch Work of a backend without futures
         return None
     return future if isinstance(future, torch.futures.Future) else None
 
 
-class StallInspector:
-    """Numbers collectives, publishes this rank's progress under ``str(rank)`` in ``store``, bounds waits and
-    turns a stall into a :class:`StallError`. One per transport instance: its numbering is that transport's.
-    ``feature`` names the issuer in errors; ``limit``: the group's timeout in seconds (no wait is longer).
-    ``instance``: this inspector's key space within ``store`` (the group's), where the first rank to diagnose a stall
-    raises the group's alarm (key ``alarm``); every rank's inspector then ends its pending waits with a StallError
-    and calls ``on_alarm`` (the transport's abort)."""
+def _is_timeout(exc: BaseException) -> bool:
+    """Whether ``exc`` says a wait ran out of time (gloo's, the store's, the shm transport's) rather than failed."""
+    text = str(exc)
+    return "Timed out" in text or "timed out" in text or "never arrived within" in text or (
+        isinstance(exc, dist.DistStoreError) and "timeout" in text.lower())
 
-    def __init__(self, store: dist.Store, rank: int, world_size: int, timeout: float | timedelta | None = None,
-                 feature: str | None = None, *, limit: float | None = None, instance: str = "",
-                 on_alarm: Callable[[str], None] | None = None):
-        self.store = dist.PrefixStore(instance, store) if instance else store
-        self.rank, self.world_size, self.feature = rank, world_size, feature
-        self.base, self.limit = resolve_stall_timeout(timeout), limit
-        self._alarm_store, self._on_alarm = store, on_alarm
+
+def _disagreement(cause: BaseException | None) -> Any:
+    """The shm transport's report of a peer in another collective (size, dtype, op), from ``cause`` or the
+    failure that made its transport unusable; None otherwise."""
+    seen = 0
+    while cause is not None and seen < 8:
+        if isinstance(cause, ShmMismatchError):
+            return cause
+        cause, seen = cause.__cause__ or cause.__context__, seen + 1
+    return None
+
+
+class InspectedWork:
+    """The handle of an inspected collective: ``wait()`` is bounded and diagnosed; the rest is the inner handle's."""
+
+    __slots__ = ("_transport", "_op", "_handle", "_timeout")
+
+    def __init__(self, transport: InspectedTransport, op: Collective, handle: Any, timeout: float):
+        self._transport, self._op, self._handle, self._timeout = transport, op, handle, timeout
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:  # timeout arguments are ignored: the inspector's applies
+        return self._transport._wait(self._op, self._handle, self._timeout)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._handle, name)
+
+
+class InspectedTransport:
+    """``inner`` (a ``collectives.Transport``) with numbered, published, bounded collectives: one numbering per
+    instance. ``timeout`` in seconds (default ``$FANFOLD_STALL_TIMEOUT`` or 300, never above the group's timeout);
+    ``group``, ``rank`` and ``world_size`` default to the inner transport's (or the world's); ``store`` to the group's
+    stall namespace; ``feature`` names the issuer in errors. ``barrier()`` goes through the store, bounded too
+    (collectives still in flight are not waited for). The first rank to diagnose a stall raises the group's alarm
+    (key ``alarm``): every rank's pending waits then end with a StallError, and ``inner.abort`` (if any) is called."""
+
+    def __init__(self, inner: Transport, *, timeout: float | timedelta | None = None, group: Any = None,
+                 store: dist.Store | None = None, rank: int | None = None, world_size: int | None = None,
+                 feature: str | None = None):
+        self.inner, self.feature = inner, feature
+        group = group if group is not None else getattr(inner, "group", None)
+        rank = rank if rank is not None else getattr(inner, "rank", None)
+        self.rank = dist.get_rank(group) if rank is None else rank
+        world_size = world_size if world_size is not None else getattr(inner, "world_size", None)
+        self.world_size = dist.get_world_size(group) if world_size is None else world_size
+        self._root = group_namespace(group, "stall") if store is None else store
+        # Each rank counts its own transports in the store, so the n-th transport of every rank shares key space
+        # n without any process-wide state, and two DDP models on one group do not mix their numbering.
+        instance = self._root.add(f"instances/{self.rank}", 1)
+        self.store = dist.PrefixStore(str(instance), self._root)
+        self.base, self.limit = resolve_stall_timeout(timeout), group_timeout(group)
+        abort = getattr(inner, "abort", None)  # the shm transport's: its peers' waits end at once
+        self._on_alarm = abort if callable(abort) else None
         self.alarm: dict | None = None  # the group's alarm, once seen
         self._waiting: set[threading.Event] = set()  # the events of the waits in progress (the alarm sets them)
         self._seq = 0
         self._pending: list[Collective] = []  # started, not yet waited: a reducer has several buckets in flight
         self._state = {"pid": os.getpid(), "host": socket.gethostname(), "last": None, "pending": []}
-        # The writer's thread looks for the alarm; it holds the inspector weakly, so that the finalizer can run.
+        # The writer's thread looks for the alarm; it holds the transport weakly, so that the finalizer can run.
         heard = weakref.WeakMethod(self._heard)
         watch = ("alarm", lambda record: (m := heard()) is not None and m(record))
-        # the record's key in the group's store, as the PrefixStore above names it ("instance/rank")
-        self._publisher = Publisher(store, f"{instance}/{rank}" if instance else str(rank), watch)
+        # the record's key in the group's store, as self.store names it ("instance/rank")
+        self._publisher = Publisher(self._root, f"{instance}/{self.rank}", watch)
         weakref.finalize(self, self._publisher.close)
 
     @property
@@ -281,7 +301,7 @@ class StallInspector:
         """The bound of a collective started now (``timeouts.bound``: a ``stall_timeout`` block, the group's)."""
         return bound(self.base, self.limit)
 
-    def start(self, kind: str, bucket: int | None = None) -> Collective:
+    def _start(self, kind: str, bucket: int | None = None) -> Collective:
         self._seq += 1
         op = Collective(self._seq, kind, bucket, caller_line())
         self._pending.append(op)
@@ -289,22 +309,19 @@ class StallInspector:
         self._publish(last=op)
         return op
 
-    def complete(self, op: Collective) -> None:
+    def _complete(self, op: Collective) -> None:
         if op in self._pending:
             self._pending.remove(op)
             self._publish()
 
-    def wait(self, op: Collective, handle: Any, timeout: float | None = None) -> Any:
-        """Wait for ``handle`` (the work of ``op``) at most ``timeout`` seconds (default: :attr:`timeout`), or until
-        the group's alarm; StallError otherwise."""
-        timeout = self.timeout if timeout is None else timeout
+    def _wait(self, op: Collective, handle: Any, timeout: float) -> Any:
         try:
             result = _bounded_wait(handle, timeout, self._waiting, lambda: self.alarm is not None)
         except _GaveUp:
-            raise self.diagnose(op, None, timeout) from None
+            raise self._diagnose(op, None, timeout) from None
         except Exception as exc:
-            raise self.diagnose(op, exc, timeout) from exc
-        self.complete(op)
+            raise self._diagnose(op, exc, timeout) from exc
+        self._complete(op)
         return result
 
     def _span(self, op: Collective) -> Any:
@@ -313,17 +330,17 @@ class StallInspector:
             return record_function(f"fanfold.{op.kind.partition('(')[0]}")
         return nullcontext()
 
-    def run(self, kind: str, bucket: int | None, call: Callable[[], Any]) -> Any:
-        """Start ``call()`` as collective ``kind``; wrap a returned handle so that its wait is inspected. Under
-        torch.profiler the collective is a ``fanfold.<kind>`` span from the call to its completion."""
-        op = self.start(kind, bucket)
+    def _run(self, kind: str, bucket: int | None, call: Callable[[], Any]) -> Any:
+        """Start ``call()`` as collective ``kind``, its handle's wait inspected; under torch.profiler a
+        ``fanfold.<kind>`` span from the call to its completion."""
+        op = self._start(kind, bucket)
         with self._span(op) as span:
             try:
                 handle = call()
             except Exception as exc:
-                raise self.diagnose(op, exc) from exc
+                raise self._diagnose(op, exc) from exc
             if handle is None or not hasattr(handle, "wait"):
-                self.complete(op)  # it ran synchronously
+                self._complete(op)  # it ran synchronously
                 return handle
             future = None if span is None else _future_of(handle)
             if future is not None and not future.done():
@@ -331,12 +348,10 @@ class StallInspector:
             return InspectedWork(self, op, handle, self.timeout)
 
     def barrier(self) -> None:
-        """Wait, at most ``timeout``, until every rank has reached its barrier of this number.
-
-        Through the store rather than the transport: a synchronous barrier could not be bounded, and a barrier as
-        a small all-reduce meeting a rank that is one collective off would make gloo abort that rank's process
-        ("Received data size doesn't match expected size") before it could say anything."""
-        op = self.start("barrier")
+        """Wait, at most ``timeout``, until every rank has reached its barrier of this number. Through the store: a
+        synchronous barrier could not be bounded, and a small all-reduce meeting a rank one collective off would
+        make gloo abort that rank's process ("Received data size doesn't match expected size") unannounced."""
+        op = self._start("barrier")
         with self._span(op):
             self.flush()  # the peers must see this barrier in the record before they can give up on it
             key, timeout = f"barrier/{op.seq}", self.timeout
@@ -355,10 +370,10 @@ class StallInspector:
                         if not _is_timeout(exc):
                             raise
             except _GaveUp:
-                raise self.diagnose(op, None, timeout) from None
+                raise self._diagnose(op, None, timeout) from None
             except Exception as exc:
-                raise self.diagnose(op, exc, timeout) from None
-            self.complete(op)
+                raise self._diagnose(op, exc, timeout) from None
+            self._complete(op)
 
     def _publish(self, **fields: Any) -> None:
         self._state.update(fields, pending=list(self._pending))
@@ -387,8 +402,8 @@ class StallInspector:
         record = {"rank": self.rank, "headline": headline}
 
         def tell() -> bool:
-            if self._alarm_store.add("alarms", 1) == 1:  # the first rank's diagnosis is the one to tell
-                self._alarm_store.set("alarm", json.dumps(record))
+            if self._root.add("alarms", 1) == 1:  # the first rank's diagnosis is the one to tell
+                self._root.set("alarm", json.dumps(record))
             return True
 
         # the store gone or out of reach: the peers learn of the stall from their own waits
@@ -405,7 +420,7 @@ class StallInspector:
                 "a link down)")
         return {r: late for r in peers}
 
-    def diagnose(self, op: Collective, cause: BaseException | None, timeout: float | None = None) -> StallError:
+    def _diagnose(self, op: Collective, cause: BaseException | None, timeout: float | None = None) -> StallError:
         """Read every rank's progress and build the error for a wait on ``op`` that timed out, failed or was ended
         by the group's alarm, then raise the group's alarm."""
         timeout = self.timeout if timeout is None else timeout
@@ -480,96 +495,34 @@ class StallInspector:
         return StallError("\n".join(parts), rank=self.rank, seq=op.seq, kind=op.kind, bucket=op.bucket,
                           missing=sorted(never + disagreed + ahead), feature=self.feature)
 
-
-def _is_timeout(exc: BaseException) -> bool:
-    """Whether ``exc`` says a wait ran out of time (gloo's, the store's, the shm transport's) rather than failed."""
-    text = str(exc)
-    return "Timed out" in text or "timed out" in text or "never arrived within" in text or (
-        isinstance(exc, dist.DistStoreError) and "timeout" in text.lower())
-
-
-def _disagreement(cause: BaseException | None) -> Any:
-    """The shm transport's report of a peer in another collective (size, dtype, op), from ``cause`` or the
-    failure that made its transport unusable; None otherwise."""
-    seen = 0
-    while cause is not None and seen < 8:
-        if isinstance(cause, ShmMismatchError):
-            return cause
-        cause, seen = cause.__cause__ or cause.__context__, seen + 1
-    return None
-
-
-class InspectedWork:
-    """The handle of an inspected collective: ``wait()`` is bounded and diagnosed; the rest is the inner handle's."""
-
-    __slots__ = ("_inspector", "_op", "_handle", "_timeout")
-
-    def __init__(self, inspector: StallInspector, op: Collective, handle: Any, timeout: float):
-        self._inspector, self._op, self._handle, self._timeout = inspector, op, handle, timeout
-
-    def wait(self, *args: Any, **kwargs: Any) -> Any:  # timeout arguments are ignored: the inspector's bound applies
-        return self._inspector.wait(self._op, self._handle, self._timeout)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._handle, name)
-
-
-class InspectedTransport:
-    """``inner`` (a ``collectives.Transport``) with numbered, published, bounded collectives. ``timeout`` in
-    seconds (default ``$FANFOLD_STALL_TIMEOUT`` or 300); ``group``, ``rank`` and ``world_size`` default to the inner
-    transport's (or the world's); ``store`` to the default process group's store; ``feature`` names the issuer in
-    errors. ``barrier()`` is the inspector's own, through the store: every rank reached it (collectives still in
-    flight are not waited for)."""
-
-    def __init__(self, inner: Transport, *, timeout: float | timedelta | None = None, group: Any = None,
-                 store: dist.Store | None = None, rank: int | None = None, world_size: int | None = None,
-                 feature: str | None = None):
-        self.inner = inner
-        group = group if group is not None else getattr(inner, "group", None)
-        rank = rank if rank is not None else getattr(inner, "rank", None)
-        self.rank = rank = dist.get_rank(group) if rank is None else rank
-        world_size = world_size if world_size is not None else getattr(inner, "world_size", None)
-        self.world_size = world_size = dist.get_world_size(group) if world_size is None else world_size
-        store = group_namespace(group, "stall") if store is None else store
-        # Each rank counts its own transports in the store, so the n-th transport of every rank shares key space
-        # n without any process-wide state, and two DDP models on one group do not mix their numbering.
-        instance = store.add(f"instances/{rank}", 1)
-        abort = getattr(inner, "abort", None)  # the shm transport's: its peers' waits end at once
-        self.inspector = StallInspector(store, rank, world_size, timeout, feature, limit=group_timeout(group),
-                                        instance=str(instance), on_alarm=abort if callable(abort) else None)
-
     def all_reduce(self, tensor: torch.Tensor, bucket: int | None = None, divisor: float | None = None) -> Any:
-        return self.inspector.run("all_reduce", bucket, lambda: self.inner.all_reduce(tensor, bucket, divisor))
+        return self._run("all_reduce", bucket, lambda: self.inner.all_reduce(tensor, bucket, divisor))
 
     def reduce_tensors(self, tensors: Sequence[torch.Tensor], bucket: int | None = None, *,
                        divisor: float | None = None, settle: bool = True, compress: torch.dtype | None = None) -> Any:
-        return self.inspector.run("all_reduce", bucket, lambda: self.inner.reduce_tensors(
+        return self._run("all_reduce", bucket, lambda: self.inner.reduce_tensors(
             tensors, bucket, divisor=divisor, settle=settle, compress=compress))
 
     def reduce_scatter(self, tensor: torch.Tensor, out: torch.Tensor, bucket: int | None = None, *,
                        divisor: float | None = None) -> Any:
-        return self.inspector.run("reduce_scatter", bucket, lambda: self.inner.reduce_scatter(
+        return self._run("reduce_scatter", bucket, lambda: self.inner.reduce_scatter(
             tensor, out, bucket, divisor=divisor))
 
     def all_gather(self, tensor: torch.Tensor, out: torch.Tensor, bucket: int | None = None) -> Any:
-        return self.inspector.run("all_gather", bucket, lambda: self.inner.all_gather(tensor, out, bucket))
+        return self._run("all_gather", bucket, lambda: self.inner.all_gather(tensor, out, bucket))
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> Any:
-        return self.inspector.run(f"broadcast(src={src})", None, lambda: self.inner.broadcast(tensor, src))
-
-    def barrier(self) -> None:
-        self.inspector.barrier()
+        return self._run(f"broadcast(src={src})", None, lambda: self.inner.broadcast(tensor, src))
 
     def allocate(self, numel: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
         return self.inner.allocate(numel, dtype, device)  # collective through the store, not numbered
 
     def all_reduce_now(self, tensor: torch.Tensor, bucket: int | None = None) -> torch.Tensor:
-        """Sum ``tensor`` over the group, in place, and return it once done: the rule for a small collective waited
-        for at once (SyncBatchNorm's statistics) -- on this thread where the transport can (the shm transport's
-        latency path, when nothing else is in flight), no hand-off to a transport thread and back."""
+        """Sum ``tensor`` over the group, in place, and return it once done: a small collective waited for at once
+        (SyncBatchNorm's statistics) runs on this thread where the transport can (the shm transport's latency path)."""
         inner = self.inner
         if isinstance(inner, ShmTransport):
-            self.inspector.run("all_reduce", bucket, lambda: inner.all_reduce(tensor, bucket, inline=True)).wait()
+            self._run("all_reduce", bucket, lambda: inner.all_reduce(tensor, bucket, inline=True)).wait()
         else:
             self.all_reduce(tensor, bucket).wait()
         return tensor
@@ -591,9 +544,8 @@ def inspected(transport: Transport, timeout: float | timedelta | None = None, fe
 
 def group_transport(group: Any = None, feature: str | None = None) -> InspectedTransport:
     """The inspected transport for ``feature``'s collectives over process group ``group`` (None: the default group):
-    the group's own where it has one (the ``fanfold`` backend's shared memory), else torch.distributed's. Made at the
-    feature's first call on the group (every rank alike) and kept, so that each call does not pay for a new
-    progress record and its writer thread."""
+    the group's own where it has one (the ``fanfold`` backend's), else torch.distributed's. Made at the feature's
+    first call on the group (every rank alike) and kept: one progress record and writer thread per feature."""
     pg = group if group is not None else dist.group.WORLD
     with _GROUP_LOCK:
         kept = _BY_GROUP.setdefault(pg, {})

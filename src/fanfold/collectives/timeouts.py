@@ -21,9 +21,7 @@ __all__ = ["resolve_stall_timeout", "stall_timeout", "bound", "group_timeout", "
 DEFAULT_STALL_TIMEOUT = 300.0
 ENV_VAR = "FANFOLD_STALL_TIMEOUT"
 
-# The phase's timeout (stall_timeout's block), or None. A ContextVar rather than a setting of the group or the
-# transport: it is scoped to the block and to the thread (or task) that opened it, undone on the way out whatever
-# happens, and reaches every feature (DDP, ZeRO, fanfold.save, the backend) without an argument through each.
+# The phase's timeout (stall_timeout's block), or None; why a ContextVar: docs/stalls.md
 _PHASE: ContextVar[float | None] = ContextVar("fanfold_stall_timeout", default=None)
 
 

@@ -1,7 +1,6 @@
 """``TorchTransport``: the collective interface (``protocol.Transport``) on a torch.distributed process group, each
 method torch's collective (``reduce_tensors`` through one flat copy, as torch's DDP buckets; ``compress`` as torch's
-compression hooks), and the small exchanges of structured data built from ``all_reduce`` alone
-(:func:`all_gather_rows`: float32 rows only their owner fills, integers below 2**24, exact on every transport).
+compression hooks), each handle a ``FanfoldWork``.
 """
 from __future__ import annotations
 
@@ -16,33 +15,9 @@ from torch._C._distributed_c10d import AllgatherOptions  # torch.distributed doe
 from .._core.job import require_initialized
 from .protocol import Transport
 from .timeouts import bound, group_timeout, resolve_stall_timeout
-from .work import completed_work
+from .work import FanfoldWork, completed_work
 
-__all__ = ["TorchTransport", "DividedWork", "reduce_through_copy", "split_into", "all_gather_rows", "all_gather_bytes"]
-
-
-class DividedWork(dist._Work):
-    """A torch ``Work`` whose ``wait()`` also runs ``finish()`` (once): the division or copy-back that follows a sum.
-    A torch Work itself, so that the stall inspector bounds its wait as gloo's (a timed wait ends the collective);
-    it needs no future from ``handle`` (gloo's reduce-scatter has none)."""
-
-    def __init__(self, handle: Any, finish: Callable[[], None]):
-        super().__init__()
-        self._handle, self._finish = handle, finish
-
-    def wait(self, timeout: timedelta | None = None) -> Any:
-        result = self._handle.wait() if timeout is None else self._handle.wait(timeout)
-        if self._finish is not None:
-            finish, self._finish = self._finish, None
-            finish()
-        return result
-
-    def is_completed(self) -> bool:
-        return self._handle.is_completed()
-
-    def get_future(self) -> torch.futures.Future:
-        """The sum's future (before ``finish``)."""
-        return self._handle.get_future()
+__all__ = ["TorchTransport", "reduce_through_copy", "split_into"]
 
 
 def split_into(flat: torch.Tensor, outs: Sequence[torch.Tensor]) -> None:
@@ -82,8 +57,32 @@ class TorchTransport:
         opts.timeout = timedelta(seconds=bound(self._base, self._limit))
         return opts
 
-    def _sum(self, tensor: torch.Tensor) -> dist.Work:
-        return self._pg.allreduce([tensor], self._options(dist.AllreduceOptions, reduceOp=dist.ReduceOp.SUM))
+    def _work(self, work: dist.Work, result: Any, finish: Callable[[], None] | None = None) -> FanfoldWork:
+        try:
+            future = work.get_future()
+        except RuntimeError:  # gloo's reduce-scatter has no future: waited for here, bounded by its options
+            work.wait()
+            if finish is not None:
+                finish()
+            return completed_work(result)
+        return FanfoldWork(future, result, finish)
+
+    def _reduce(self, tensor: torch.Tensor, divisor: float | None, result: Any,
+                then: Callable[[], None] | None = None) -> FanfoldWork:
+        """The SUM of ``tensor`` in place, divided by ``divisor``, then ``then()``; the handle yields ``result``."""
+        home = self._home(tensor)
+        staged = tensor if home is None else tensor.to(home)
+        work = self._pg.allreduce([staged], self._options(dist.AllreduceOptions, reduceOp=dist.ReduceOp.SUM))
+
+        def finish() -> None:
+            if divisor is not None:
+                staged.div_(divisor)
+            if staged is not tensor:
+                tensor.copy_(staged)
+            if then is not None:
+                then()
+
+        return self._work(work, result, finish)
 
     def _home(self, tensor: torch.Tensor) -> torch.device | None:
         """The device a copy of ``tensor`` must travel on, or None where the group takes it as it is: NCCL has no
@@ -93,18 +92,13 @@ class TorchTransport:
         kind = sorted(self._device_types)[0]
         return torch.device(kind, getattr(torch, kind).current_device())
 
-    def all_reduce(self, tensor: torch.Tensor, bucket: int | None = None, divisor: float | None = None) -> Any:
-        home = self._home(tensor)
-        if home is not None:
-            staged = tensor.to(home)
-            work = self._sum(staged)
-            return DividedWork(work, lambda: tensor.copy_(staged if divisor is None else staged.div_(divisor)))
-        work = self._sum(tensor)
-        return work if divisor is None else DividedWork(work, lambda: tensor.div_(divisor))
+    def all_reduce(self, tensor: torch.Tensor, bucket: int | None = None, divisor: float | None = None
+                   ) -> FanfoldWork:
+        return self._reduce(tensor, divisor, tensor)
 
     def reduce_tensors(self, tensors: Sequence[torch.Tensor], bucket: int | None = None, *,
                        divisor: float | None = None, settle: bool = True,
-                       compress: torch.dtype | None = None) -> dist.Work:
+                       compress: torch.dtype | None = None) -> FanfoldWork:
         """``tensors`` all-reduced in place through one flat copy (``settle``: nothing to settle, the copy is
         private). ``compress``: torch's compression hook on that copy -- cast, divide, all-reduce, copy back."""
         return reduce_through_copy(self, tensors, bucket, divisor, compress)
@@ -121,20 +115,23 @@ class TorchTransport:
         self._pg.barrier(self._options(dist.BarrierOptions)).wait()
 
     def reduce_scatter(self, tensor: torch.Tensor, out: torch.Tensor, bucket: int | None = None, *,
-                       divisor: float | None = None) -> Any:
+                       divisor: float | None = None) -> FanfoldWork:
         n = out.numel()
         if not self.native_scatter:
             # gloo: its all-reduce was faster than its reduce-scatter here; this rank keeps its part of the sum
-            return self.all_reduce(tensor, bucket, divisor) if self.world_size == 1 else DividedWork(
-                self.all_reduce(tensor, bucket, divisor), lambda: out.copy_(tensor[self.rank * n:(self.rank + 1) * n]))
+            return self._reduce(tensor, divisor, out, lambda: out.copy_(tensor[self.rank * n:(self.rank + 1) * n]))
         work = self._pg._reduce_scatter_base(out, tensor, self._options(dist.ReduceScatterOptions,
                                                                         reduceOp=dist.ReduceOp.SUM))
-        return work if divisor is None else DividedWork(work, lambda: out.div_(divisor))
+        return self._work(work, out, None if divisor is None else lambda: out.div_(divisor))
 
-    def all_gather(self, tensor: torch.Tensor, out: torch.Tensor, bucket: int | None = None) -> Any:
+    def all_gather(self, tensor: torch.Tensor, out: torch.Tensor, bucket: int | None = None) -> FanfoldWork:
+        home = self._home(out)
+        got = out if home is None else torch.empty_like(out, device=home)
         lo, hi = out.data_ptr(), out.data_ptr() + out.numel() * out.element_size()
-        send = tensor.clone() if lo <= tensor.data_ptr() < hi else tensor  # in-place all-gathers are not promised
-        return self._pg._allgather_base(out, send, self._options(AllgatherOptions))
+        # in-place all-gathers are not promised
+        send = tensor.to(home) if home is not None else tensor.clone() if lo <= tensor.data_ptr() < hi else tensor
+        work = self._pg._allgather_base(got, send, self._options(AllgatherOptions))
+        return self._work(work, out, None if got is out else lambda: out.copy_(got))
 
     def allocate(self, numel: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
         return torch.zeros(numel, dtype=dtype, device=device)
@@ -144,7 +141,7 @@ class TorchTransport:
 
 
 def reduce_through_copy(transport: Transport, tensors: Sequence[torch.Tensor], bucket: int | None,
-                        divisor: float | None, compress: torch.dtype | None) -> dist.Work:
+                        divisor: float | None, compress: torch.dtype | None) -> FanfoldWork:
     """``reduce_tensors`` for a transport that has no way of its own to reduce tensors where they lie: one flat copy,
     ``transport.all_reduce`` of it, the division, the copy back. ``compress``: torch's compression hook on that copy
     (cast, divide, all-reduce, copy back)."""
@@ -167,25 +164,4 @@ def reduce_through_copy(transport: Transport, tensors: Sequence[torch.Tensor], b
             flat.div_(divisor)
         split_into(flat, tensors)
 
-    return DividedWork(work, finish)
-
-
-def all_gather_rows(transport: Transport, row: torch.Tensor) -> torch.Tensor:
-    """Every rank's float32 ``row`` (same length everywhere), stacked by rank: one all-reduce of a zero matrix
-    whose row ``rank`` this rank fills. Values must be integers below 2**24 for the sum to be exact."""
-    table = torch.zeros(transport.world_size, row.numel(), dtype=torch.float32, device=row.device)
-    table[transport.rank] = row.to(torch.float32)
-    transport.all_reduce(table).wait()
-    return table
-
-
-def all_gather_bytes(transport: Transport, data: bytes, device: torch.device | str = "cpu") -> list[bytes]:
-    """Every rank's ``data`` by rank, in two fixed-shape all-reduces (lengths, then the padded bytes)."""
-    lengths = all_gather_rows(transport, torch.tensor([float(len(data))], device=device))[:, 0].long().tolist()
-    if max(lengths) == 0:
-        return [b""] * len(lengths)
-    row = torch.zeros(max(lengths), dtype=torch.float32, device=device)
-    if data:
-        row[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device=device, dtype=torch.float32)
-    table = all_gather_rows(transport, row).to(torch.uint8).cpu()
-    return [bytes(table[r, :n].tolist()) for r, n in enumerate(lengths)]
+    return FanfoldWork(work.get_future(), tensors, finish)

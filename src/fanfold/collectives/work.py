@@ -13,9 +13,9 @@ __all__ = ["FanfoldWork", "completed_work", "failed_work"]
 
 
 class FanfoldWork(dist._Work):
-    """The torch Work of a fanfold collective: ``future`` completes when this rank has its result (or fails); then
-    ``finish`` (if any) runs, on that thread; ``result`` is what ``get_future()`` yields, as gloo's futures do (the
-    output tensors). ``future=None``: completed before the call returned (the latency path), nothing to wait for."""
+    """``future`` completes when this rank has its result (or fails); then ``finish`` (if any) runs, on that thread;
+    ``result`` is what ``get_future()`` yields (gloo's: the output tensors). ``future=None``: completed before the
+    call returned, nothing to wait for."""
 
     def __init__(self, future: torch.futures.Future | None, result: Any, finish: Callable[[], None] | None = None):
         super().__init__()
@@ -33,7 +33,6 @@ class FanfoldWork(dist._Work):
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         if self._future is not None:
-            # every wait of the transport is bounded by its own timeout (the group's), naming the missing rank
             self._future.wait()  # the transport's error as it is, not wrapped by the callback's future
             self._result.wait()
         return True

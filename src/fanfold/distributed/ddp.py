@@ -5,7 +5,6 @@ in backward. Design: docs/ddp.md.
 from __future__ import annotations
 
 import hashlib
-import json
 import sys
 import warnings
 import weakref
@@ -18,10 +17,10 @@ from torch import nn
 
 from .._core.devices import normalize_device
 from .._core.tree import flatten, unflatten
+from ..collectives.objects import all_gather_object
 from ..collectives.protocol import Transport
 from ..collectives.select import resolve_transport
 from ..collectives.stall import inspected
-from ..collectives.transport import all_gather_bytes, all_gather_rows
 from .join import BACKWARD, FORWARD, DDPParticipant, JoinState
 from .reducer import Reducer, ShardsGradients, bucket_caps
 
@@ -129,12 +128,13 @@ def check_same_model(t: Transport, module: nn.Module, ignored: frozenset = froze
     entries = [f"parameter {n!r} shape {tuple(p.shape)} {p.dtype} requires_grad={p.requires_grad}"
                for n, p in module.named_parameters() if n not in ignored]
     entries += [f"buffer {n!r} shape {tuple(b.shape)} {b.dtype}" for n, b in module.named_buffers() if n not in ignored]
-    digest = hashlib.sha256("\n".join(entries).encode()).digest()[:16]
-    rows = all_gather_rows(t, torch.tensor(list(digest), dtype=torch.float32))
+    digest = torch.tensor(list(hashlib.sha256("\n".join(entries).encode()).digest()[:16]), dtype=torch.uint8)
+    rows = torch.empty(t.world_size, digest.numel(), dtype=torch.uint8)
+    t.all_gather(digest, rows.view(-1)).wait()
     differ = [r for r in range(t.world_size) if not torch.equal(rows[r], rows[0])]
     if not differ:
         return
-    lists = [json.loads(b) for b in all_gather_bytes(t, json.dumps(entries).encode())]
+    lists = all_gather_object(entries, transport=t)
     r = differ[0]
     k = next((k for k, (a, b) in enumerate(zip(lists[0], lists[r])) if a != b), min(len(lists[0]), len(lists[r])))
     mine = lists[0][k] if k < len(lists[0]) else "nothing (its model ends there)"

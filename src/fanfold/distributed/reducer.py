@@ -11,7 +11,6 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from ..collectives.protocol import Transport
-from ..collectives.transport import all_gather_rows
 from .comm_hooks import Future, GradBucket, allreduce_hook, bf16_compress_hook, fp16_compress_hook
 
 __all__ = ["GradientStrategy", "Reducer", "ShardsGradients", "BUILT_IN", "SMALL_TENSOR_BYTES", "MiB", "bucket_caps",
@@ -214,8 +213,11 @@ class Readiness:
 
 # ---- sparse gradients: no flat bucket; every rank's rows gathered, summed, the same tensor on every rank ------------
 def _all_gather_varlen(transport: Transport, tensor: torch.Tensor) -> list[torch.Tensor]:
-    """Every rank's ``tensor`` by rank (any length along dim 0): a zero-padded table each rank fills its row of."""
-    lengths = all_gather_rows(transport, torch.tensor([tensor.shape[0]], device=tensor.device))[:, 0].long().tolist()
+    """Every rank's ``tensor`` by rank (any length along dim 0): zero-padded tables only their owner fills, summed."""
+    counts = torch.zeros(transport.world_size, dtype=torch.int64, device=tensor.device)
+    counts[transport.rank] = tensor.shape[0]
+    transport.all_reduce(counts).wait()
+    lengths = counts.tolist()
     table = torch.zeros((transport.world_size, max(lengths), *tensor.shape[1:]), dtype=tensor.dtype,
                         device=tensor.device)
     table[transport.rank, : tensor.shape[0]] = tensor
