@@ -34,6 +34,17 @@ def _report(path, r, result):
         pickle.dump(result, f)
 
 
+def _transport(path):
+    """This rank and a shm transport that reads its peers' memory, or None (reported as a skip) where it may not."""
+    dist.init_process_group("gloo", timeout=timedelta(seconds=30))
+    r = dist.get_rank()
+    t = ShmTransport(timeout=TIMEOUT, chunk_bytes=CHUNK)
+    if not t.peer_read:
+        _report(path, r, {"skip": "the ranks may not read each other's memory here"})
+        return r, None
+    return r, t
+
+
 def _outcome(exc):
     stall = isinstance(exc, fanfold.StallError)
     return {"type": type(exc).__name__, "shm": isinstance(exc, ShmTimeoutError), "stall": stall,
@@ -90,11 +101,8 @@ def test_a_peer_killed_at_a_random_moment_is_named_by_every_survivor(seed, tmp_p
 
 def _read_racing_death(path):
     """Rank 0 kills rank 2 right before it reads rank 2's memory, in the 3rd collective: the read itself fails."""
-    dist.init_process_group("gloo", timeout=timedelta(seconds=30))
-    r = dist.get_rank()
-    t = ShmTransport(timeout=TIMEOUT, chunk_bytes=CHUNK)
-    if not t.peer_read:
-        _report(path, r, {"skip": "the ranks may not read each other's memory here"})
+    r, t = _transport(path)
+    if t is None:
         return
     if r == 2:
         _report(path, r, {"victim": True, "dies": time.time()})
@@ -113,11 +121,14 @@ def _read_racing_death(path):
 
     if r == 0:
         reader.read = read
-    xs = _tensors(r)
+    _three_all_reduces(path, r, t)
+
+
+def _three_all_reduces(path, r, t):
     result = {}
     try:
         for _ in range(3):
-            t.reduce_tensors(xs).wait()
+            t.reduce_tensors(_tensors(r)).wait()
         result["completed"] = True
     except Exception as exc:  # noqa: BLE001 - the test asserts the type
         result.update(_outcome(exc))
@@ -139,11 +150,8 @@ def test_a_read_of_a_dead_peer_names_it(tmp_path):
 def _read_after_the_first_to_give_up_left(path):
     """Rank 0 arrives at the 3rd collective, gives up naming rank 2 (the abort word) and leaves before rank 1 reads
     its memory: rank 1's failed read of rank 0 must report the abort's diagnosis (rank 2), not rank 0, which left."""
-    dist.init_process_group("gloo", timeout=timedelta(seconds=30))
-    r = dist.get_rank()
-    t = ShmTransport(timeout=TIMEOUT, chunk_bytes=CHUNK)
-    if not t.peer_read:
-        _report(path, r, {"skip": "the ranks may not read each other's memory here"})
+    r, t = _transport(path)
+    if t is None:
         return
     reader, seg = t._worker.engine._peer, t._worker.engine.seg
     real = reader.read
@@ -165,14 +173,7 @@ def _read_after_the_first_to_give_up_left(path):
         reader.read = leave
     if r == 1:
         reader.read = late
-    xs, result = _tensors(r), {}
-    try:
-        for _ in range(3):
-            t.reduce_tensors(xs).wait()
-        result["completed"] = True
-    except Exception as exc:  # noqa: BLE001 - the test asserts the type
-        result.update(_outcome(exc))
-    _report(path, r, result)
+    _three_all_reduces(path, r, t)
 
 
 def test_a_read_of_a_peer_that_gave_up_and_left_names_the_one_it_named(tmp_path):

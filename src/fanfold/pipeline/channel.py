@@ -23,6 +23,12 @@ class StageAborted(RuntimeError):
     """This stage stopped because another stage failed (that stage's error is the one to read)."""
 
 
+def _bytes(t: torch.Tensor) -> bytearray:
+    # not Tensor.numpy(): numpy is not a dependency
+    out = bytearray(t.numel())
+    torch.frombuffer(out, dtype=torch.uint8).copy_(t)
+    return out
+
 @dataclass
 class Message:
     """What crosses from stage ``src`` to another stage: ``value`` of ``kind`` for ``microbatch``."""
@@ -131,10 +137,10 @@ class ProcessChannel:
             dist.recv(t, peer, tag=tag)
             return t
 
-        data = receive(torch.Size([_FIRST]), torch.uint8).cpu().numpy().tobytes()
+        data = _bytes(receive(torch.Size([_FIRST]), torch.uint8))
         size = int.from_bytes(data[:8], "little")
         if 8 + size > _FIRST:
-            data += receive(torch.Size([8 + size - _FIRST]), torch.uint8).cpu().numpy().tobytes()
+            data += _bytes(receive(torch.Size([8 + size - _FIRST]), torch.uint8))
         return decode(data[8:8 + size], receive)
 
     def abort(self, src: int) -> None:
