@@ -1,12 +1,5 @@
-"""``HierarchicalTransport``: the collective interface for a group whose ranks span hosts -- shared memory inside
-each host (two ``ShmTransport``s over the host's ranks), gloo across hosts (one gloo group per shard index).
-
-An all-reduce runs piece by piece (``PIECE_BYTES``); each piece is cut into ``S`` shards, ``S`` the most ranks any
-host has (``HostLayout``): reduce-scattered inside each host through shared memory (local-rank order), each shard
-all-reduced across hosts by its owners over gloo group k (one owner per host, the groups concurrent), then
-all-gathered inside the host. Ranks are matched by issue order on three channels: the in-host reduce-scatters (on
-the caller's thread), the cross-host gloo collectives and the in-host all-gathers (both on this transport's thread,
-in call order), so that piece i + 1's in-host stages run while piece i crosses hosts. Design, shard layout for
+"""``HierarchicalTransport``: the collective interface for a group whose ranks span hosts: shared memory inside
+each host, gloo across hosts (one gloo group per shard index), pipelined piece by piece. Design, shard layout for
 uneven hosts and sum order: docs/hierarchical.md.
 """
 from __future__ import annotations
@@ -24,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .._core.job import require_initialized
+from .shm.engine import reduce_code
 from .shm.segment import host_key
 from .shm.transport import ShmTransport, check_reduce_tensors, flat_view, split_into
 from .timeouts import StoreGroup, bound, group_store, group_timeout, resolve_stall_timeout
@@ -43,11 +37,8 @@ WINDOW = 2  # pieces crossing hosts at once: the next one is queued in gloo befo
 
 @dataclass(frozen=True)
 class HostLayout:
-    """Which group ranks share a host, and who owns which shard.
-
-    ``hosts[h]``: the group ranks of host h in local-rank order (ascending); hosts ordered by their lowest rank.
-    ``shards`` = the most ranks any host has. On a host of ``L`` ranks, local rank l owns the shards k with
-    ``k % L == l`` (all of them on a host of one rank); cross-host group k is shard k's owner on every host."""
+    """``hosts[h]``: the group ranks of host h, ascending; hosts ordered by their lowest rank. On a host of ``L``
+    ranks, local rank l owns the shards k with ``k % L == l``; cross-host group k is shard k's owner on every host."""
     hosts: tuple[tuple[int, ...], ...]
 
     @property
@@ -72,8 +63,7 @@ class HostLayout:
 
     @property
     def worthwhile(self) -> bool:
-        """Whether the hierarchy has anything to do: more than one host, and some host with more than one rank (with
-        one rank per host, every byte crosses hosts anyway: the plain network group is the same with fewer steps)."""
+        # with one rank per host every byte crosses hosts anyway: the plain network group does it in fewer steps
         return len(self.hosts) > 1 and self.shards > 1
 
 
@@ -87,9 +77,7 @@ def host_layout(keys: Sequence[str]) -> HostLayout:
 
 @dataclass(eq=False)
 class _Step:
-    """One step in the pipeline thread's queue: ``first``, its in-host stage's work (issued by the caller; None:
-    none); then ``cross()`` issues the gloo works, ``then()`` the in-host work that follows them (or None), then
-    ``finish()``, then ``future`` completes."""
+    """A queued step: ``first`` (the caller's in-host work, or None), then ``cross()``, ``then()``, ``finish()``."""
     first: Any
     cross: Callable[[], list[Any]]
     then: Callable[[], Any]
@@ -98,13 +86,9 @@ class _Step:
 
 
 class HierarchicalTransport:
-    """The transport interface (``protocol.Transport``) for a group spanning hosts: shared memory inside each host,
-    gloo across. Collective: every rank of ``group`` (None: the default group; or a ``StoreGroup``, the ``fanfold``
-    backend's) constructs it, in the same order as its other transports; the ranks exchange their host identity
-    (``host_key``) through the group's store and build the same layout. ``timeout`` (seconds or timedelta; default
-    ``$FANFOLD_STALL_TIMEOUT``, else 300; at most the process group's) bounds every wait for a peer, in shared memory
-    and in gloo.
-    Tensors: CPU, the shared-memory transport's dtypes. Call :meth:`close` when done (also run when collected)."""
+    """The Transport for a group spanning hosts. Every rank of ``group`` (None: the default group; or the
+    ``fanfold`` backend's ``StoreGroup``) constructs it; ``timeout`` (seconds or timedelta; default
+    ``$FANFOLD_STALL_TIMEOUT``, else 300; at most the group's) bounds every wait for a peer. CPU tensors."""
 
     def __init__(self, group: Any = None, timeout: float | timedelta | None = None):
         own = isinstance(group, StoreGroup)
@@ -121,19 +105,17 @@ class HierarchicalTransport:
         keys = [f"host/{r}" for r in range(self.world_size)]
         store.wait(keys, timedelta(seconds=self.timeout))  # bounded: a missing rank raises the store's error
         self.layout = host_layout([store.get(k).decode() for k in keys])
-        h, local = self.layout.place(self.rank)
-        self.host, self.local_rank = h, local
-        members = self.layout.hosts[h]
-        inside = StoreGroup(dist.PrefixStore(f"host{h}/", store), local, len(members), self._limit)
+        self.host, self.local_rank = self.layout.place(self.rank)
+        size = len(self.layout.hosts[self.host])
+        inside = StoreGroup(dist.PrefixStore(f"host{self.host}/", store), self.local_rank, size, self._limit)
         # Two in-host transports, each matched by its own issue order (reduce-scatters issued by callers, all-gathers
         # by this transport's thread): one for both would see them in an order that differs from rank to rank.
         self._scatter = ShmTransport(inside, self._base)
         self._gather = ShmTransport(inside, self._base)
         # Cross-host groups built from the store by their members alone (a backend still under construction cannot
         # call new_group), ascending on every rank: no two ranks wait for each other's rendezvous in opposite orders.
-        wait = timedelta(seconds=self.timeout)
-        self._cross = {k: dist.ProcessGroupGloo(dist.PrefixStore(f"cross{k}/", store), h, len(self.layout.hosts),
-                                                wait)
+        wait, hosts = timedelta(seconds=self.timeout), len(self.layout.hosts)
+        self._cross = {k: dist.ProcessGroupGloo(dist.PrefixStore(f"cross{k}/", store), self.host, hosts, wait)
                        for k in self.layout.owned(self.rank)}
         self._across = "across hosts (gloo group of ranks " + ", ".join(
             str(list(self.layout.cross(k))) for k in self._cross) + ")"
@@ -155,9 +137,8 @@ class HierarchicalTransport:
         return step.future
 
     def _serve(self) -> None:
-        """Issue each step's cross-host collectives as soon as its in-host stage is done, up to ``WINDOW`` steps
-        crossing at once (the link stays busy between pieces); land the oldest (its in-host all-gather) when the
-        window is full or nothing else is queued. Both in step order, so every rank issues the same sequence."""
+        """Issue each step's cross-host collectives once its in-host stage is done, up to ``WINDOW`` at once; land the
+        oldest when the window is full or the queue is empty. Both in step order: every rank issues the same."""
         flight: collections.deque = collections.deque()
         while True:
             try:
@@ -217,8 +198,8 @@ class HierarchicalTransport:
         step.future.set_exception(RuntimeError(f"the hierarchical transport failed earlier: {self._error}"))
 
     def _fail(self, step: _Step, phase: str, exc: BaseException) -> None:
-        """Fail ``step`` and every later collective, with an error naming this rank, its host and the phase; tell
-        this host's other ranks at once (their in-host waits raise instead of running into the timeout)."""
+        """Fail ``step`` and every later collective, naming this rank, its host and the phase; abort the in-host
+        transports, so that this host's other ranks raise at once instead of at their timeout."""
         members = self.layout.hosts[self.host]
         where = (f"rank {self.rank} (host {self.host} of {len(self.layout.hosts)}, whose local ranks 0.. are ranks "
                  f"{list(members)}) failed {phase}")
@@ -239,8 +220,7 @@ class HierarchicalTransport:
 
     def _host_stage(self, pieces: list[torch.Tensor], part: torch.Tensor, bucket: int | None,
                     op: str) -> Callable[[], Any]:
-        """The in-host reduce-scatter of ``pieces`` end to end into each rank's ``part`` (a sum: read where the
-        tensors lie, by peer reads where the host allows them)."""
+        """The in-host reduce-scatter of ``pieces`` end to end into each rank's ``part``."""
         if op == "sum":
             return lambda: self._scatter.reduce_scatter_tensors(pieces, part, bucket)
         return lambda: self._scatter.reduce_scatter(torch.cat(pieces), part, bucket, op=op)
@@ -249,21 +229,18 @@ class HierarchicalTransport:
 
     def all_reduce(self, tensor: torch.Tensor, bucket: int | None = None, divisor: float | None = None, *,
                    op: str = "sum") -> FanfoldWork:
-        """Reduce ``tensor`` over the group in place, asynchronously, piece by piece (``PIECE_BYTES``): in-host
-        reduce-scatter (local-rank order), cross-host all-reduce of each shard (gloo), in-host all-gather; then
-        divided by ``divisor``. ``op``: "sum", "min", "max" or "product" (no divisor). Every rank gets the same
-        bits."""
-        _check("all_reduce", op, divisor)
+        """Reduce ``tensor`` in place, asynchronously: in-host reduce-scatter, cross-host all-reduce of each shard,
+        in-host all-gather; then divided by ``divisor`` ("sum" only). Every rank gets the same bits."""
+        reduce_code(op, divisor, "all_reduce")
         flat, back = flat_view(tensor, "all_reduce")
         return self._reduce([flat], bucket, divisor, op, tensor, back)
 
     def reduce_tensors(self, tensors: Sequence[torch.Tensor], bucket: int | None = None, *,
                        divisor: float | None = None, settle: bool = True,
                        compress: torch.dtype | None = None) -> Any:
-        """``tensors`` (laid end to end) all-reduced in place where they lie, as :meth:`all_reduce` (the in-host
-        stage reads the host's tensors through shared memory's peer reads where it may; ``settle``: always
-        settled). ``compress``: through one flat copy, as ``TorchTransport`` does (torch's compression hooks)."""
-        _check("reduce_tensors", "sum", divisor)
+        """``tensors`` (laid end to end) all-reduced in place, as :meth:`all_reduce` (``settle``: always settled).
+        ``compress``: through one flat copy, as ``TorchTransport`` does."""
+        reduce_code("sum", divisor, "reduce_tensors")
         if compress is not None:
             return reduce_through_copy(self, tensors, bucket, divisor, compress)
         tensors = check_reduce_tensors(list(tensors), None)
@@ -271,8 +248,7 @@ class HierarchicalTransport:
 
     def _reduce(self, flats: list[torch.Tensor], bucket: int | None, divisor: float | None, op: str, value: Any,
                 back: Callable[[], None] | None) -> FanfoldWork:
-        """The all-reduce of ``flats`` laid end to end, one step per piece of ``PIECE_BYTES``, so that the in-host
-        stages of piece i + 1 run while piece i crosses hosts."""
+        """One step per piece of ``PIECE_BYTES``: piece i + 1's in-host stages run while piece i crosses hosts."""
         total = sum(f.numel() for f in flats)
         if total == 0:
             return completed_work(value)
@@ -289,8 +265,8 @@ class HierarchicalTransport:
 
     def _piece(self, views: list[torch.Tensor], bucket: int | None, divisor: float | None,
                op: str) -> torch.futures.Future:
-        """One step of the all-reduce: ``views`` (m elements end to end) cut into the layout's shards of
-        ``ceil(m / shards)`` elements, laid out slot by owner (``_slots``; zeros pad short and absent shards)."""
+        """``views`` (m elements end to end) cut into shards of ``ceil(m / shards)`` elements, laid out slot by
+        owner (zeros pad short and absent shards)."""
         m, dtype = sum(v.numel() for v in views), views[0].dtype
         shards, size = self.layout.shards, len(self.layout.hosts[self.host])
         c = -(-m // shards)
@@ -325,15 +301,13 @@ class HierarchicalTransport:
 
     def reduce_scatter(self, tensor: torch.Tensor, out: torch.Tensor, bucket: int | None = None, *,
                        divisor: float | None = None, op: str = "sum") -> FanfoldWork:
-        """This rank's part (rank r: elements r * n .. (r + 1) * n, n = ``out``'s elements) of the reduction of
-        ``tensor`` over the group, into ``out``: in-host reduce-scatter of shards that hold, host by host, the parts
-        of the ranks with that local rank; an all_to_all on each cross group sends each host its ranks' parts; each
-        rank combines what it received in host order. Half an all-reduce's bytes across hosts."""
+        """Rank r's part (elements r * n .. (r + 1) * n, n = ``out``'s elements) of the reduction into ``out``:
+        in-host reduce-scatter, an all_to_all on each cross group, each host's sums combined in host order."""
         n, hosts = out.numel(), self.layout.hosts
         if tensor.numel() != n * self.world_size:
             raise ValueError(f"reduce_scatter: tensor must have world_size ({self.world_size}) x out's {n} elements, "
                              f"got {tensor.numel()}")
-        _check("reduce_scatter", op, divisor)
+        reduce_code(op, divisor, "reduce_scatter")
         flat, _ = flat_view(tensor, "reduce_scatter")
         out_flat, back = flat_view(out, "reduce_scatter (out)")
         if n == 0:
@@ -365,8 +339,8 @@ class HierarchicalTransport:
         return FanfoldWork(self._submit(self._host_stage(pieces, part, bucket, op), cross, then, back), out)
 
     def all_gather(self, tensor: torch.Tensor, out: torch.Tensor, bucket: int | None = None) -> FanfoldWork:
-        """Every rank's ``tensor`` into ``out`` by rank, asynchronously: across hosts first (gloo group k gathers
-        local rank k's tensor of every host; a host with fewer ranks sends zeros there), then inside the host."""
+        """Every rank's ``tensor`` into ``out`` by rank: across hosts first (a host with fewer ranks sends zeros for
+        the local ranks it lacks), then inside the host."""
         # read by the cross-host step only, before finish() writes out: out may overlap it (an in-place gather)
         flat, _ = flat_view(tensor, "all_gather")
         n, hosts = flat.numel(), len(self.layout.hosts)
@@ -398,8 +372,7 @@ class HierarchicalTransport:
         return FanfoldWork(self._submit(None, cross, lambda: self._gather.all_gather(part, whole, bucket), finish), out)
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
-        """Rank ``src``'s ``tensor`` into every rank's, in place, synchronously: across hosts on the gloo group of
-        ``src``'s local rank, then inside each host from that group's member."""
+        """Rank ``src``'s ``tensor`` into every rank's, synchronously: across hosts, then inside each host."""
         if not isinstance(src, int) or not 0 <= src < self.world_size:
             raise ValueError(f"broadcast: src must be a rank of the group (0..{self.world_size - 1}), got {src!r}")
         flat, back = flat_view(tensor, "broadcast")
@@ -419,8 +392,7 @@ class HierarchicalTransport:
         self._submit(None, cross, then, back).wait()
 
     def barrier(self) -> None:
-        """Return once every rank has reached it: in-host barrier, a gloo barrier of the hosts' first ranks, in-host
-        barrier (each after the collectives issued before it on its channel)."""
+        """In-host barrier, a gloo barrier of the hosts' first ranks, in-host barrier."""
         def cross() -> list[Any]:
             return [self._cross[0].barrier(dist.BarrierOptions())] if self.local_rank == 0 else []
 
@@ -439,16 +411,7 @@ class HierarchicalTransport:
                 f"hosts={[len(m) for m in self.layout.hosts]}, host={self.host}, local_rank={self.local_rank})")
 
 
-def _check(what: str, op: str, divisor: float | None) -> None:
-    if divisor is not None and not (isinstance(divisor, (int, float)) and divisor > 0):
-        raise ValueError(f"{what}: divisor must be a positive number, got {divisor!r}")
-    if op not in _GLOO_OPS or (divisor is not None and op != "sum"):
-        raise ValueError(f"{what}: op must be one of {sorted(_GLOO_OPS)} (a divisor with 'sum' only), got op={op!r}, "
-                         f"divisor={divisor!r}")
-
-
 def _span(flats: list[torch.Tensor], lo: int, hi: int) -> list[torch.Tensor]:
-    """Views of elements ``lo .. hi`` of ``flats`` laid end to end (1-d tensors), in order."""
     out, start = [], 0
     for f in flats:
         end = start + f.numel()

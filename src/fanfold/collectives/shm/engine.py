@@ -39,7 +39,7 @@ def reduce_code(op: str, divisor: float | None = None, what: str = "all_reduce")
     """The code of ``what``'s reduction ``op`` ("sum", "min", "max" or "product"), checked with its ``divisor`` (a
     positive number, with "sum" only)."""
     if op not in _CODES:
-        raise ValueError(f"op must be one of {sorted(_CODES)}, got {op!r}")
+        raise ValueError(f"{what}: op must be one of {sorted(_CODES)}, got {op!r}")
     if divisor is not None and not (isinstance(divisor, (int, float)) and divisor > 0):
         raise ValueError(f"{what}: divisor must be a positive number, got {divisor!r}")
     if divisor is not None and op != "sum":
