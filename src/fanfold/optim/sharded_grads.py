@@ -1,18 +1,12 @@
 """ZeRO stage 2: the reducer's gradient strategy that reduce-scatters each full bucket and keeps only this rank's
-part of the average, and the parameters laid flat per bucket, all-gathered after the step while the next forward
-waits only where it reads a bucket still in flight. Design and memory: docs/zero.md.
-"""
+part of the average, and the parameters laid flat per bucket, all-gathered in place after the step."""
 from __future__ import annotations
 
-import warnings
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.overrides import TorchFunctionMode
 
-from ..collectives.protocol import Transport
 from ..distributed.comm_hooks import GradBucket
 from ..distributed.reducer import BUILT_IN, Reducer
 from .layout import Space, laid_end_to_end
@@ -22,8 +16,8 @@ __all__ = ["GradientShards", "check_shards"]
 
 @dataclass
 class _Flight:
-    """The bucket whose reduction is under way: its handle (None: done) and where its result lands (this rank's part,
-    or a temporary added to what the part holds: ``accumulate``)."""
+    """The bucket whose reduction is under way: its handle (None: done) and its result (this rank's part, or a
+    temporary to add to it: ``accumulate``)."""
 
     bucket: int
     handle: Any
@@ -33,11 +27,10 @@ class _Flight:
 
 class GradientShards:
     """This rank's parts of every bucket's averaged gradient: filled by ``reducer`` (its ``GradientStrategy``), read
-    by the optimizer. Bucket b is a :class:`Space` over the reducer's parameters; ``module``: where reads of the
-    parameters wait for their gather."""
+    by the optimizer. Bucket b is a :class:`Space` over the reducer's parameters."""
 
-    def __init__(self, reducer: Reducer, module: torch.nn.Module | None = None):
-        self.reducer, self.params, self.module = reducer, reducer.params, module
+    def __init__(self, reducer: Reducer):
+        self.reducer, self.params = reducer, reducer.params
         t = reducer.transport
         self.rank, self.world_size = t.rank, t.world_size
         self.layout = [laid_end_to_end(self.params[m[0]].dtype, self.params[m[0]].device, list(m),
@@ -49,7 +42,7 @@ class GradientShards:
         self._staging: dict[tuple, torch.Tensor] = {}  # one buffer per (dtype, device): the largest bucket
         self._flight: _Flight | None = None
         self._launched: list[int] = []
-        self.gather: ParamGather | None = None  # the parameters laid flat (lay_flat) and their gather after a step
+        self.flats: list[torch.Tensor] = []  # the parameters laid flat, one tensor per bucket (lay_flat)
 
     # ---- the reducer's side (GradientStrategy): launch, finish, write-back --------------------------------------
     def _stage(self, s: Space, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -123,7 +116,6 @@ class GradientShards:
 
     # ---- the optimizer's side: read the parts, gather the parameters ----------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """The optimizer's ``zero_grad``: torch's meaning for this rank's parts."""
         if set_to_none:
             self.present = [False] * len(self.params)
             self.filled = [False] * len(self.layout)
@@ -135,9 +127,26 @@ class GradientShards:
         """Parameter ``i``'s averaged gradient at ``offset:offset + numel`` of this rank's part of bucket ``b``."""
         return self.parts[b][offset:offset + numel] if self.present[i] else None
 
+    @torch.no_grad()
     def lay_flat(self) -> None:
         """The parameters become views of one flat tensor per bucket (their gathers write straight into them)."""
-        self.gather = ParamGather(self.layout, self.params, self.reducer.transport, self.module)
+        for s in self.layout:
+            flat = torch.zeros(s.shard * self.world_size, dtype=s.dtype, device=s.device)
+            for i, start, numel in zip(s.indices, s.starts, s.numels):
+                p, view = self.params[i], flat[start:start + numel]
+                view.copy_(p.detach().reshape(-1))
+                p.data = view.view(p.shape)  # the Parameter object, its hooks and .grad stay
+            self.flats.append(flat)
+
+    @torch.no_grad()
+    def gather_params(self) -> None:
+        """Every rank's updated part of every bucket to every rank (collective)."""
+        if self.world_size == 1:
+            return
+        t = self.reducer.transport
+        for work in [t.all_gather(flat[self.rank * s.shard:][:s.shard], flat, b)
+                     for b, (s, flat) in enumerate(zip(self.layout, self.flats))]:
+            work.wait()
 
 
 class _HookPart:
@@ -177,117 +186,3 @@ def check_shards(shards: GradientShards, params: list[torch.Tensor], rank: int, 
                          f"the DistributedDataParallel's trainable parameters; {len(missing)} of DDP's are not in the "
                          f"optimizer, and optimizer parameters {extra[:10]} are not trained by DDP")
     return mine
-
-
-# ---- the parameters' gather after the step ------------------------------------------------------------------------
-# Tensor attributes and methods that read metadata only: no wait (zero_grad reads p.grad of every parameter).
-_META = frozenset(
-    [getattr(torch.Tensor, a).__get__ for a in ("grad", "shape", "dtype", "device", "requires_grad", "is_leaf",
-                                                "grad_fn", "layout", "is_sparse", "ndim", "_version", "is_cuda")]
-    + [torch.Tensor.grad.__set__, torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel,
-       torch.Tensor.is_contiguous, torch.Tensor.stride, torch.Tensor.element_size, torch.Tensor.requires_grad_,
-       torch.Tensor.register_hook, torch.Tensor.register_post_accumulate_grad_hook])
-
-
-class _PendingReads(TorchFunctionMode):
-    """Waits for the bucket of any tensor argument whose gather is in flight. It holds the gathers' handles, not the
-    :class:`ParamGather`: reads still wait once the optimizer and the wrapper are collected with gathers in flight."""
-
-    def __init__(self, gather: ParamGather):
-        super().__init__()
-        self.pending, self.storage = gather.pending, gather.storage
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if self.pending and func not in _META:
-            for a in (*args, *(kwargs or {}).values()):
-                for t in (a if isinstance(a, (list, tuple)) else (a,)):
-                    if isinstance(t, torch.Tensor):
-                        _wait_for(self.pending, self.storage, t)
-        return func(*args, **(kwargs or {}))
-
-
-def _pop_idle_modes() -> None:
-    """Pop every :class:`_PendingReads` on top of this thread's stack whose gathers are all done (or gone): a mode
-    cannot pop itself while it runs, and a mode under another one must stay until that one is popped."""
-    while (n := torch._C._len_torch_function_stack()) > 0:
-        top = torch._C._get_function_stack_at(n - 1)
-        if not isinstance(top, _PendingReads) or top.pending:
-            return
-        torch._C._pop_torch_function_stack()
-
-
-def _wait_for(pending: dict, storage: dict, t: torch.Tensor) -> None:
-    """Wait for the gather of the bucket ``t`` lies in (``storage``: bucket by storage address), if in flight."""
-    try:
-        b = storage.get(t.untyped_storage().data_ptr())
-    except (RuntimeError, NotImplementedError):  # sparse and other storage-less tensors: not a bucket
-        return
-    if b is not None and b in pending:
-        for done in list(pending):  # earlier ones first: the transports complete them in order
-            pending.pop(done).wait()
-            if done == b:
-                break
-
-
-def _wait_all(ref: weakref.ref, *_: Any) -> None:
-    gather = ref()
-    if gather is not None:
-        gather.wait_all()
-
-
-class ParamGather:
-    """The parameters of ``layout``'s buckets laid flat, and their gather (issue, per-bucket waits)."""
-
-    def __init__(self, layout: list[Space], params: list[torch.Tensor], transport: Transport,
-                 module: torch.nn.Module | None):
-        self.layout, self.transport = layout, transport
-        self.rank, self.world_size = transport.rank, transport.world_size
-        self.flats: list[torch.Tensor] = []
-        with torch.no_grad():
-            for s in layout:
-                flat = torch.zeros(s.shard * self.world_size, dtype=s.dtype, device=s.device)
-                for i, start, numel in zip(s.indices, s.starts, s.numels):
-                    view = flat[start:start + numel]
-                    view.copy_(params[i].detach().reshape(-1))
-                    params[i].data = view.view(params[i].shape)  # the Parameter object, its hooks and .grad stay
-                self.flats.append(flat)
-        self.storage = {f.untyped_storage().data_ptr(): b for b, f in enumerate(self.flats)}
-        # The forward reads the parameters roughly in registration order; DDP's buckets hold them in reverse.
-        self.order = sorted(range(len(layout)), key=lambda b: min(layout[b].indices))
-        self.pending: dict[int, Any] = {}  # bucket -> handle of its gather, in issue order
-        self._announced: set[str] = set()
-        scripted = module is not None and any(isinstance(m, torch.jit.ScriptModule) for m in module.modules())
-        self.why_not = "the model holds TorchScript modules, whose reads of the parameters cannot be seen" \
-            if scripted else None
-        self._hooks = []
-        if module is not None:
-            ref = weakref.ref(self)
-            self._hooks.append(module.register_forward_hook(lambda *a: _wait_all(ref)))
-            self._hooks += [m.register_state_dict_pre_hook(lambda *a: _wait_all(ref)) for m in module.modules()]
-            weakref.finalize(self, lambda hooks: [h.remove() for h in hooks], self._hooks)
-
-    @torch.no_grad()
-    def issue(self) -> None:
-        """Start gathering every bucket (collective); with the mode pushed, return with the gathers in flight."""
-        self.wait_all()  # also pops the modes left by earlier gathers (this one's or another model's)
-        if self.world_size == 1:
-            return
-        for b in self.order:
-            s, flat = self.layout[b], self.flats[b]
-            self.pending[b] = self.transport.all_gather(flat[self.rank * s.shard:][:s.shard], flat, b)
-        why = self.why_not or (None if torch._C._len_torch_function_stack() == 0 else
-                               "another TorchFunctionMode is active when step() returns")
-        if why is not None:
-            if why not in self._announced:
-                self._announced.add(why)
-                warnings.warn(f"fanfold ZeRO stage 2 (rank {self.rank}): the parameter gather after step() is not "
-                              f"overlapped with the next forward, step() waits for it: {why}", stacklevel=3)
-            self.wait_all()
-            return
-        torch._C._push_on_torch_function_stack(_PendingReads(self))
-
-    def wait_all(self) -> None:
-        """Wait for every gather in flight; pop the modes that have nothing left to wait for."""
-        while self.pending:
-            self.pending.pop(next(iter(self.pending))).wait()
-        _pop_idle_modes()

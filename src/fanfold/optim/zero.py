@@ -1,9 +1,9 @@
 """``ZeroRedundancyOptimizer``: any torch optimizer, its state sharded over the ranks of a process group (ZeRO-1;
 stage 2 with ``DistributedDataParallel.shard_gradients``). Each rank steps 1-D views of its equal slice of the flat
-parameters (``layout``), then the slices are all-gathered. Design: docs/zero.md.
-"""
+parameters (``layout``), then the slices are all-gathered."""
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from typing import Any
@@ -14,14 +14,7 @@ from .._core.job import rank_world
 from ..collectives.objects import all_gather_object, gather_object
 from ..collectives.stall import group_transport
 from ..distributed.reducer import Reducer
-from .layout import (
-    PieceState,
-    assemble,
-    check_elementwise,
-    cut,
-    pieces_of,
-    plan_spaces,
-)
+from .layout import PieceState, assemble, check_elementwise, cut, pieces_of, plan_spaces
 from .sharded_grads import GradientShards, check_shards
 
 __all__ = ["ZeroRedundancyOptimizer"]
@@ -78,18 +71,17 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
 
     # ---- layout -----------------------------------------------------------------------------------------------
     def _check_same_params(self) -> None:
-        mine = [(g, tuple(p.shape), str(p.dtype)) for g, group in enumerate(self.param_groups) for p in group["params"]]
         if self.world_size == 1:
             return
+        mine = [(g, tuple(p.shape), str(p.dtype)) for g, group in enumerate(self.param_groups) for p in group["params"]]
         every = all_gather_object(mine, group=self.process_group)
         for r, theirs in enumerate(every):
-            if theirs != every[0]:
-                diff = next((i for i, (a, b) in enumerate(zip(theirs, every[0])) if a != b), min(len(theirs),
-                                                                                                  len(every[0])))
-                show = lambda fp: fp[diff] if diff < len(fp) else "nothing"  # noqa: E731
+            pairs = list(itertools.zip_longest(theirs, every[0], fillvalue="nothing"))
+            diff = next((i for i, (a, b) in enumerate(pairs) if a != b), None)
+            if diff is not None:
                 raise ValueError(f"ZeroRedundancyOptimizer: rank {r}'s parameters differ from rank 0's ({len(theirs)} "
                                  f"vs {len(every[0])} parameters; parameter {diff} as (group, shape, dtype): "
-                                 f"{show(theirs)} on rank {r}, {show(every[0])} on rank 0); every rank must pass the "
+                                 f"{pairs[diff][0]} on rank {r}, {pairs[diff][1]} on rank 0); every rank must pass the "
                                  f"same parameters")
 
     def _build(self) -> None:
@@ -138,14 +130,11 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
 
     # ---- the step -----------------------------------------------------------------------------------------------
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        """Step this rank's slice with the inner optimizer, then all-gather the parameters (collective; stage 2:
-        returns with the gathers in flight, every read of a parameter waits for its own)."""
+        """Step this rank's slice with the inner optimizer, then all-gather the parameters (collective)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self._stage2 is not None:
-            self._stage2.gather.wait_all()  # the last step's gather, still in flight if no forward read the parameters
         self._sync_hyper()
         self._shard_grads()
         try:
@@ -153,7 +142,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         finally:
             for v in self._views:  # a view would keep the whole gradient alive after zero_grad
                 v.grad = None
-        self._gather_params() if self._stage2 is None else self._stage2.gather.issue()
+        self._gather_params() if self._stage2 is None else self._stage2.gather_params()
         self._consolidated = None
         return loss
 
@@ -167,10 +156,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     def gradient_strategy(self, reducer: Reducer, module: torch.nn.Module | None = None) -> GradientShards:
         """Stage 2, for ``DistributedDataParallel.shard_gradients(self)`` on every rank (collective): the slices become
         this rank's parts of ``reducer``'s buckets, the state moves to match; returns the reducer's strategy.
-        ``module``: where reads of the parameters wait for their gather."""
-        shards = GradientShards(reducer, module)
+        ``module`` (the ``ShardsGradients`` protocol's) is not needed."""
+        shards = GradientShards(reducer)
         self._opt_index = check_shards(shards, self._params, self.rank, self.world_size)
-        full = self._full_state_everywhere()
+        full = self._full_state()
         shards.lay_flat()  # the parameters become views of DDP's buckets: the views below must be taken after
         self._stage2 = shards
         self._ddp_index = {k: i for i, k in enumerate(self._opt_index)}
@@ -208,25 +197,20 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                         flat[i][a:b].copy_(out[q * w + at:q * w + at + b - a])
 
     # ---- state ------------------------------------------------------------------------------------------------
-    def _records(self) -> list[PieceState]:
-        return [PieceState(pc.index, pc.start, pc.stop, dict(self.optim.state.get(v, {})))
-                for pc, v in zip(self._pieces, self._views)]
-
-    def _full_state_everywhere(self) -> dict[int, dict]:
-        every: list = [self._records()]
+    def _full_state(self, to: int | None = None) -> dict[int, dict] | None:
+        """Every rank's pieces of the state assembled on every rank (``to`` None) or on rank ``to`` (else None)."""
+        every: list | None = [[PieceState(pc.index, pc.start, pc.stop, dict(self.optim.state.get(v, {})))
+                               for pc, v in zip(self._pieces, self._views)]]
         if self.world_size > 1:
-            every = all_gather_object(self._records(), group=self.process_group)
-        return assemble([r for rs in every for r in rs], self._params)
+            every = all_gather_object(every[0], group=self.process_group) if to is None else \
+                gather_object(every[0], dst=to, group=self.process_group)
+        return assemble([r for rs in every for r in rs], self._params) if to in (None, self.rank) else None
 
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather every rank's slice of the state on rank ``to`` of the group (collective: call it on every rank)."""
         if not isinstance(to, int) or not 0 <= to < self.world_size:
             raise ValueError(f"consolidate_state_dict: to={to!r} is not a rank of the group (0..{self.world_size - 1})")
-        every: list | None = [self._records()]
-        if self.world_size > 1:
-            every = gather_object(self._records(), dst=to, group=self.process_group)
-        self._consolidated = assemble([r for rs in every for r in rs], self._params) if self.rank == to else None
-        self._consolidated_to = to
+        self._consolidated, self._consolidated_to = self._full_state(to), to
 
     def state_dict(self) -> dict[str, Any]:
         """The whole optimizer state in torch's format, as ``optimizer_class`` over the same parameters returns it.
@@ -275,7 +259,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         if self._stage2 is not None:
             raise RuntimeError("ZeroRedundancyOptimizer.add_param_group: not possible once gradients are sharded "
                                "(DistributedDataParallel.shard_gradients): the slices follow DDP's buckets")
-        full = self._full_state_everywhere()
+        full = self._full_state()
         super().add_param_group(param_group)
         self._check_same_params()
         self._build()
