@@ -1,9 +1,9 @@
 """How a pipeline cuts its work: a sequential model into stages (a checked ``balance``, or one evening out parameter
-counts or measured time), and a batch into micro-batches along dim 0 (``torch.chunk``'s sizes, fanfold's ``scatter``
-and ``gather``), with each micro-batch's loss weight.
-"""
+counts or measured time), and a batch into micro-batches along dim 0 (``torch.chunk``'s sizes), with their loss
+weights."""
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections import OrderedDict
@@ -22,7 +22,6 @@ __all__ = ["layers_of", "resolve_balance", "balance_by_parameters", "balance_by_
 
 
 def layers_of(module: Any) -> list[tuple[str, nn.Module]]:
-    """The (name, layer) pairs of a sequential model; TypeError for anything that is not a sequence of modules."""
     if isinstance(module, nn.Sequential):
         layers = list(module.named_children())
     elif isinstance(module, (list, tuple, nn.ModuleList)):
@@ -45,7 +44,6 @@ def layers_of(module: Any) -> list[tuple[str, nn.Module]]:
 
 def resolve_balance(balance: Any, layers: list[tuple[str, nn.Module]], stages: int,
                     sample_input: Any = None) -> list[int]:
-    """``balance`` as a list of layer counts, one per stage, checked against ``layers`` and ``stages``."""
     n = len(layers)
     if stages > n:
         raise ValueError(f"{stages} stages but the model has only {n} layers: every stage needs at least one layer")
@@ -70,8 +68,8 @@ def resolve_balance(balance: Any, layers: list[tuple[str, nn.Module]], stages: i
 
 
 def _partition(costs: Sequence[float], parts: int) -> list[int]:
-    """Contiguous split of ``costs`` into ``parts`` non-empty runs minimising (largest run cost, largest run length):
-    an exact dynamic programme."""
+    """Contiguous split of ``costs`` into ``parts`` non-empty runs minimising (largest run cost, largest run length),
+    by dynamic programming."""
     n = len(costs)
     prefix = [0.0]
     for c in costs:
@@ -117,8 +115,8 @@ def _detached(obj: Any) -> Any:
 
 
 def balance_by_time(layers: Sequence[nn.Module], sample_input: Any, stages: int, repeat: int = 3) -> list[int]:
-    """Layer counts per stage that even out the measured forward + backward time of one sample batch: each layer on
-    its device now, the median of ``repeat`` runs after a warm-up. ``.grad`` and the buffers are restored after."""
+    """Layer counts per stage that even out the forward + backward time of ``sample_input`` (each layer on its device,
+    the median of ``repeat`` runs after a warm-up). ``.grad`` and the buffers are restored after."""
     saved = [(p, p.grad) for m in layers for p in m.parameters()]
     buffers = [(b, b.detach().clone()) for m in layers for b in m.buffers()]
     costs: list[float] = []
@@ -148,11 +146,8 @@ def balance_by_time(layers: Sequence[nn.Module], sample_input: Any, stages: int,
 
 def stage_modules(layers: list[tuple[str, nn.Module]], balance: list[int]) -> list[nn.Sequential]:
     """One ``nn.Sequential`` per stage over the same layer objects, each layer under its original name."""
-    out, start = [], 0
-    for count in balance:
-        out.append(nn.Sequential(OrderedDict(layers[start:start + count])))
-        start += count
-    return out
+    ends = list(itertools.accumulate(balance))
+    return [nn.Sequential(OrderedDict(layers[end - count:end])) for count, end in zip(balance, ends)]
 
 
 # ---- micro-batches -----------------------------------------------------------------------------------------------
@@ -169,7 +164,6 @@ def _tensor_leaves(obj: Any, path: str) -> list[tuple[Any, torch.Tensor]]:
 
 
 def batch_size(obj: Any, name: str) -> int:
-    """The common size along dim 0 of the tensors in ``obj``; ValueError naming ``name`` if they disagree."""
     leaves = _tensor_leaves(obj, name)
     if not leaves:
         raise ValueError(f"{name} holds no tensor: a pipeline splits its batch along dim 0 into micro-batches")
@@ -184,12 +178,10 @@ def batch_size(obj: Any, name: str) -> int:
 
 
 def split(obj: Any, sizes: list[int], device: torch.device) -> list[Any]:
-    """``obj`` cut along dim 0 into ``sizes`` rows, every micro-batch on ``device`` (differentiable)."""
     return scatter(obj, [device] * len(sizes), 0, sizes)
 
 
 def join(outputs: list[Any], device: torch.device) -> Any:
-    """The micro-batches' outputs concatenated along dim 0 on ``device`` (differentiable)."""
     for path, t in _tensor_leaves(outputs[0], "output"):
         if t.dim() == 0:
             raise ValueError(f"the last stage returned a 0-dim tensor at {path}: a pipeline's output must keep the "
@@ -198,8 +190,7 @@ def join(outputs: list[Any], device: torch.device) -> Any:
 
 
 def loss_weights(sizes: list[int], reduction: str) -> list[float]:
-    """The factor of each micro-batch's loss so that their sum is the whole batch's loss: ``rows_m / batch`` for a
-    ``"mean"`` loss, 1 for a ``"sum"``."""
+    """Each micro-batch's loss factor, so that their sum is the whole batch's loss."""
     if reduction == "sum":
         return [1.0] * len(sizes)
     if reduction == "mean":

@@ -1,8 +1,9 @@
 """``Pipeline``: a sequential model cut into stages on devices of one process, each stage on a worker thread in the
-caller's thread-local torch state; and the data parallelism over pipelines that ``DistributedPipeline`` shares.
-"""
+caller's thread-local torch state; ``DistributedPipeline``: one stage per process, with N processes and ``stages=S``
+N/S pipelines of S consecutive ranks; and the data parallelism over pipelines that both share."""
 from __future__ import annotations
 
+import functools
 import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
@@ -13,49 +14,33 @@ import torch.distributed as dist
 from torch import nn
 
 from .._core.devices import DeviceLike, normalize_device
+from .._core.job import require_initialized
 from ..collectives.stall import group_transport
 from ..collectives.transport import split_into
 from ..parallel.parallel_apply import WorkerPool, _caller_state, in_caller_state, reraise
-from .channel import Channel, StageAborted, ThreadChannel
+from .channel import Channel, ProcessChannel, StageAborted, ThreadChannel
 from .partition import batch_size, chunk_sizes, join, layers_of, loss_weights, resolve_balance, split, stage_modules
-from .rng import draws_random_numbers, pass_seed, stage_randoms
-from .schedule import ScheduleFn, Step, clocked, resolve, stage_orders
+from .rng import StageRandom, draws_random_numbers, pass_seed, stage_randoms
+from .schedule import ScheduleFn, Step, resolve, stage_orders
 from .stage import CHECKPOINT_MODES, StageRun, StepTime
 
-__all__ = ["Pipeline", "check_chunks", "check_checkpoint", "broadcast_state", "average_gradients"]
-
-
-# ---- driving the stages: serially on the caller's thread, or each stage on its own worker -------------------------
-def _run_serial(runs: Sequence[StageRun], orders: list[list[Step]], state: dict) -> None:
-    for cycle in clocked(orders):
-        for step in cycle:
-            run = runs[step.stage]
-            try:
-                with in_caller_state(state, run.device):
-                    run.run(step)
-            except BaseException as exc:
-                reraise(f"in pipeline stage {step.stage} on {run.device}", exc)
-
-
-def _work(run: StageRun, order: list[Step], channel: Channel, state: dict) -> None:
-    try:
-        with in_caller_state(state, run.device):
-            for step in order:
-                run.run(step)
-    except BaseException:
-        channel.abort(run.index)
-        raise
+__all__ = ["Pipeline", "DistributedPipeline", "broadcast_state", "average_gradients"]
 
 
 def _run_threads(runs: Sequence[StageRun], orders: list[list[Step]], channel: Channel, state: dict,
                  pool: WorkerPool) -> None:
-    """Stage s's steps on worker s, all at once. Each follows only its own order (checked by ``stage_orders``: it
-    cannot deadlock); an error aborts the channel and is raised here once every worker has returned."""
-    results = pool.run([
-        # default arguments bind this stage's values (a closure would see the loop's last ones)
-        lambda run=run, order=order: _work(run, order, channel, state)
-        for run, order in zip(runs, orders)
-    ])
+    """Stage s's steps on worker s, each in its own order (``stage_orders`` checked it cannot deadlock); an error
+    aborts the channel and is raised here once every worker has returned."""
+    def work(run: StageRun, order: list[Step]) -> None:
+        try:
+            with in_caller_state(state, run.device):
+                for step in order:
+                    run.run(step)
+        except BaseException:
+            channel.abort(run.index)
+            raise
+
+    results = pool.run([functools.partial(work, run, order) for run, order in zip(runs, orders)])
     failed = [(s, value) for s, (ok, value) in enumerate(results) if not ok]
     if failed:
         # the stage that failed first is the one whose error is not "stopped because another stage failed"
@@ -68,7 +53,7 @@ _BUCKET_BYTES = 32 * 1024 * 1024
 
 
 def _buckets(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """Consecutive tensors of one (dtype, device), at most ~32 MiB per bucket: a big model is not copied whole."""
+    """Consecutive tensors of one (dtype, device), ~32 MiB per bucket: a big model is not copied whole."""
     groups: dict[tuple, list[list[torch.Tensor]]] = {}
     for t in tensors:
         chunks = groups.setdefault((t.dtype, t.device), [[]])
@@ -103,16 +88,17 @@ def average_gradients(parameters: Iterable[nn.Parameter], group: Any) -> None:
         split_into(flat, bucket)
 
 
-def check_chunks(chunks: Any) -> int:
+def check_options(chunks: Any, checkpoint: Any) -> tuple[int, str]:
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
         raise ValueError(f"chunks must be an int >= 1 (micro-batches per batch), got {chunks!r}")
-    return chunks
+    if checkpoint not in CHECKPOINT_MODES:
+        raise ValueError(f"checkpoint must be one of {list(CHECKPOINT_MODES)}, got {checkpoint!r}")
+    return chunks, checkpoint
 
 
-def check_checkpoint(mode: Any) -> str:
-    if mode not in CHECKPOINT_MODES:
-        raise ValueError(f"checkpoint must be one of {list(CHECKPOINT_MODES)}, got {mode!r}")
-    return mode
+def check_loss_fn(loss_fn: Any) -> None:
+    if not callable(loss_fn):
+        raise TypeError(f"train_step needs loss_fn, a function (output, target) -> 0-dim loss, got {loss_fn!r}")
 
 
 class Pipeline(nn.Module):
@@ -143,8 +129,7 @@ class Pipeline(nn.Module):
             raise ValueError(f"devices must be a non-empty list with one device per stage, got {devices!r}")
         self.devices = [normalize_device(d) for d in devices]
         self.balance = resolve_balance(balance, layers, len(self.devices), sample_input)
-        self.chunks = check_chunks(chunks)
-        self.checkpoint = check_checkpoint(checkpoint)
+        self.chunks, self.checkpoint = check_options(chunks, checkpoint)
         if isinstance(threads_per_stage, bool) or not isinstance(threads_per_stage, int) or threads_per_stage < 1:
             raise ValueError(f"threads_per_stage must be an int >= 1, got {threads_per_stage!r}")
         self.threads_per_stage = threads_per_stage
@@ -183,10 +168,10 @@ class Pipeline(nn.Module):
               **last: Any) -> list[StageRun]:
         n = len(self._stages)
         controlled = (grad and self.checkpoint != "never") or any(map(draws_random_numbers, self._stages))
-        keys = [self._quiet_key(s) for s in range(n)]
         # a stage that drew nothing in an earlier controlled pass in the same modes is left alone: with no lock it
         # overlaps the others (known random layers always draw)
-        may_draw = [keys[s] not in self._quiet or draws_random_numbers(stage) for s, stage in enumerate(self._stages)]
+        may_draw = [self._quiet_key(s) not in self._quiet or draws_random_numbers(stage)
+                    for s, stage in enumerate(self._stages)]
         randoms = stage_randoms(seed, self.devices, 0, controlled, may_draw)
         return [StageRun(s, n, stage, dev, self.checkpoint, channel, len(microbatches), train,
                          inputs=microbatches if s == 0 else None, random=random, **(last if s == n - 1 else {}))
@@ -195,19 +180,13 @@ class Pipeline(nn.Module):
     def _quiet_key(self, s: int) -> tuple[int, tuple[bool, ...]]:
         return s, tuple(m.training for m in self._stages[s].modules())
 
-    def _observe(self, runs: list[StageRun]) -> None:
+    def _execute(self, runs: list[StageRun], orders: list[list[Step]], channel: ThreadChannel, state: dict) -> None:
+        if self._pool is None:
+            self._pool = WorkerPool(threads_per_worker=self.threads_per_stage)
+        _run_threads(runs, orders, channel, state, self._pool)
         for s, run in enumerate(runs):
             if run.random is not None:
                 (self._quiet.discard if run.random.drew else self._quiet.add)(self._quiet_key(s))
-
-    def _execute(self, runs: list[StageRun], orders: list[list[Step]], channel: ThreadChannel, state: dict) -> None:
-        if len(runs) > 1 and runs[0].microbatches > 1:
-            if self._pool is None:
-                self._pool = WorkerPool(threads_per_worker=self.threads_per_stage)
-            _run_threads(runs, orders, channel, state, self._pool)
-        else:  # nothing could overlap: no thread hand-offs
-            _run_serial(runs, orders, state)
-        self._observe(runs)
         self.last_timeline = sorted(itertools.chain.from_iterable(r.timeline for r in runs), key=lambda t: t.start)
 
     def join(self, outputs: list[Any]) -> Any:
@@ -237,8 +216,7 @@ class Pipeline(nn.Module):
         With ``data_parallel_group``, the gradients are then averaged over the group; the returned loss is this
         rank's.
         """
-        if not callable(loss_fn):
-            raise TypeError(f"train_step needs loss_fn, a function (output, target) -> 0-dim loss, got {loss_fn!r}")
+        check_loss_fn(loss_fn)
         rows = batch_size(input, "input")
         if target is not None and batch_size(target, "target") != rows:
             raise ValueError(f"target has {batch_size(target, 'target')} rows along dim 0 but input has {rows}")
@@ -277,3 +255,132 @@ class Pipeline(nn.Module):
     def extra_repr(self) -> str:
         return f"balance={self.balance}, devices={[str(d) for d in self.devices]}, chunks={self.chunks}, " \
                f"checkpoint={self.checkpoint!r}"
+
+
+# ---- one stage per process --------------------------------------------------------------------------------------
+def _groups(world: int, stages: int) -> tuple[Any, Any]:
+    """(this rank's pipeline group, its stage's data-parallel group); every rank creates every group, in order."""
+    pipelines = world // stages
+    if pipelines == 1:
+        return dist.group.WORLD, None
+    if stages == 1:
+        return None, dist.group.WORLD
+    pipe, _ = dist.new_subgroups_by_enumeration([[p * stages + s for s in range(stages)] for p in range(pipelines)])
+    dp, _ = dist.new_subgroups_by_enumeration([[p * stages + s for p in range(pipelines)] for s in range(stages)])
+    return pipe, dp
+
+
+class DistributedPipeline(nn.Module):
+    """This process's stage of ``module`` cut into ``stages`` stages (default: one per process).
+
+    ``balance``: layer counts per stage, ``"auto"`` or ``"profile"`` (rank 0's timing on ``sample_input`` decides
+    for all). ``device``: where this stage runs (default: where its layers are). ``chunks``, ``checkpoint``: as in
+    ``Pipeline``. The layers of the other stages are dropped from this process's pipeline (not from ``module``).
+    """
+
+    def __init__(self, module: nn.Sequential | Sequence[nn.Module], balance: Sequence[int] | str = "auto",
+                 chunks: int = 1, checkpoint: str = "never", *, stages: int | None = None,
+                 device: DeviceLike | None = None, sample_input: Any = None) -> None:
+        super().__init__()
+        require_initialized("DistributedPipeline")
+        world, rank = dist.get_world_size(), dist.get_rank()
+        stages = world if stages is None else stages
+        if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1 or world % stages:
+            raise ValueError(f"stages must be an int >= 1 that divides the {world} processes, got {stages!r}")
+        self.chunks, self.checkpoint = check_options(chunks, checkpoint)
+        layers = layers_of(module)
+        agreed = torch.tensor(resolve_balance(balance, layers, stages, sample_input), dtype=torch.int64)
+        # rank 0's on every rank: a timing profile differs from process to process
+        group_transport(None, "DistributedPipeline").broadcast(agreed, 0)
+        self.balance = agreed.tolist()
+        self.stage = rank % stages
+        self.num_stages = stages
+        self.data_parallel_rank, self.data_parallel_size = rank // stages, world // stages
+        start = sum(self.balance[:self.stage])
+        mine = layers[start:start + self.balance[self.stage]]
+        for name, layer in mine:
+            self.add_module(name, layer)
+        self._local = stage_modules(mine, [len(mine)])  # a list: the layers are registered above
+        if device is None:
+            device = next((t.device for t in itertools.chain(self.parameters(), self.buffers())), "cpu")
+        self.device = normalize_device(device)
+        self._local[0].to(self.device)
+        self.pipeline_group, self.data_parallel_group = _groups(world, stages)
+        self.ranks = list(range(rank - self.stage, rank - self.stage + stages))
+        self._channel = ProcessChannel(self.ranks, torch.device("cpu") if dist.get_backend() == "gloo" else self.device)
+        if self.data_parallel_group is not None:
+            broadcast_state(itertools.chain(self.parameters(), self.buffers()), self.data_parallel_group)
+        self.last_timeline: list[StepTime] = []
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+    def _start_pass(self, input: Any, checkpointing: bool) -> tuple[list[int], StageRandom | None]:
+        """The micro-batch sizes and this stage's random numbers: the first stage's batch size and seed, and whether
+        any stage holds a known random layer, in one all-reduce (sum) over the pipeline."""
+        head = [0, 0, int(draws_random_numbers(self._local[0]))]
+        if self.is_first:
+            if input is None:
+                raise ValueError(f"rank {dist.get_rank()} runs the first stage: give it the input (the others may "
+                                 "pass None)")
+            head[:2] = batch_size(input, "input"), pass_seed()
+        t = torch.tensor(head, dtype=torch.int64)
+        if self.num_stages > 1:
+            group_transport(self.pipeline_group, "DistributedPipeline").all_reduce(t).wait()
+        rows, seed, random = t.tolist()
+        randoms = stage_randoms(seed, [self.device], self.stage, checkpointing or random > 0)
+        return chunk_sizes(rows, self.chunks), randoms[0]
+
+    def _run(self, run: StageRun, order: list[Step], grad: bool) -> None:
+        try:
+            with torch.set_grad_enabled(grad), torch.accelerator.device_index(self.device.index):
+                for step in order:
+                    run.run(step)
+        finally:
+            self._channel.finish()
+        self.last_timeline = run.timeline
+
+    def forward(self, input: Any = None) -> Any:
+        """Evaluation: the pipeline's output on the last stage (None on the others), without autograd."""
+        sizes, random = self._start_pass(input, checkpointing=False)
+        microbatches = split(input, sizes, self.device) if self.is_first else None
+        run = StageRun(self.stage, self.num_stages, self._local[0], self.device, "never", self._channel, len(sizes),
+                       train=False, inputs=microbatches, random=random)
+        self._run(run, [Step(self.stage, m, "F") for m in range(len(sizes))], grad=False)
+        return join([run.outputs[m] for m in range(len(sizes))], self.device) if self.is_last else None
+
+    def train_step(self, input: Any = None, target: Any = None, loss_fn: Callable[..., torch.Tensor] | None = None,
+                   *, schedule: str | ScheduleFn = "1f1b", reduction: str = "mean") -> torch.Tensor:
+        """One pipeline's share of a training step: ``Pipeline.train_step``'s semantics, one stage per process.
+
+        ``input`` matters on the first stage, ``target`` on the last (pass None elsewhere). Returns the loss of this
+        pipeline's batch on every one of its ranks; with several pipelines, gradients are averaged over them.
+        """
+        check_loss_fn(loss_fn)
+        sizes, random = self._start_pass(input, checkpointing=self.checkpoint != "never")
+        targets = None
+        if self.is_last and target is not None:
+            if batch_size(target, "target") != sum(sizes):
+                raise ValueError(f"target has {batch_size(target, 'target')} rows along dim 0 (rank "
+                                 f"{dist.get_rank()}) but the first stage's input has {sum(sizes)}")
+            targets = split(target, sizes, self.device)
+        run = StageRun(self.stage, self.num_stages, self._local[0], self.device, self.checkpoint, self._channel,
+                       len(sizes), True, split(input, sizes, self.device) if self.is_first else None, targets,
+                       loss_fn, loss_weights(sizes, reduction), random)
+        orders = stage_orders(resolve(schedule)(self.num_stages, len(sizes)), self.num_stages, len(sizes))
+        self._run(run, orders[self.stage], grad=True)
+        loss = torch.tensor([run.loss.item() if self.is_last else 0.0], dtype=torch.float64)
+        if self.num_stages > 1:  # the last stage's loss to the whole pipeline (src: its rank in the pipeline group)
+            group_transport(self.pipeline_group, "DistributedPipeline").broadcast(loss, self.num_stages - 1)
+        if self.data_parallel_group is not None:
+            average_gradients(self.parameters(), self.data_parallel_group)
+        return loss[0]
+
+    def extra_repr(self) -> str:
+        return f"stage={self.stage} of {self.num_stages}, balance={self.balance}, device={self.device}, " \
+               f"chunks={self.chunks}, checkpoint={self.checkpoint!r}, pipelines={self.data_parallel_size}"

@@ -1,7 +1,6 @@
-"""Random numbers in a pipeline: each (micro-batch, stage) cell draws from a generator state seeded from (the pass's
-seed, stage, micro-batch), so a recomputation draws its forward's masks, whatever the schedule, checkpoint mode,
-threads or processes. Cells on a shared generator take a lock per pass. Semantics: docs/pipeline.md, "Randomness".
-"""
+"""Random numbers in a pipeline: each (micro-batch, stage) cell draws from a generator seeded from (the pass's seed,
+stage, micro-batch), so a recomputation draws its forward's masks whatever the schedule, threads or processes. Cells
+on a shared generator take a lock per pass."""
 from __future__ import annotations
 
 import contextlib
@@ -31,8 +30,8 @@ def pass_seed() -> int:
 
 
 def cell_seed(seed: int, stage: int, microbatch: int) -> int:
-    """A 64-bit seed for one cell: splitmix64 of the pass seed and the cell's position. The CPU generator (a Mersenne
-    twister) keeps only the low 32 bits of a seed, so every bit of the result must depend on every input bit."""
+    """splitmix64 of the pass seed and the cell's position: the CPU generator keeps only a seed's low 32 bits, so
+    every bit of the result must depend on every input bit."""
     z = (seed + 0x9E3779B97F4A7C15 * (1 + (stage << 32) + microbatch)) & _MASK
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
@@ -54,9 +53,8 @@ def _set_state(device: torch.device, state: torch.Tensor) -> None:
 
 @dataclass
 class StageRandom:
-    """Stage ``stage``'s random numbers in a pass seeded ``seed``: the generator of ``device`` (a CUDA stage's CPU
-    draws are not covered). ``lock``: shared by the pass's cells whose stages share that generator, else None.
-    ``drew``: whether a cell of this stage drew from the generator in this pass."""
+    """Stage ``stage``'s random numbers in a pass seeded ``seed``, on ``device``'s generator. ``lock``: shared by the
+    stages on that generator, else None. ``drew``: whether a cell of this stage drew in this pass."""
 
     seed: int
     stage: int
@@ -82,9 +80,8 @@ class StageRandom:
 
 def stage_randoms(seed: int, devices: Sequence[torch.device], first: int, controlled: bool,
                   may_draw: Sequence[bool] | None = None) -> list[StageRandom | None]:
-    """Each stage's ``StageRandom`` for a pass (None: left alone), for the stages from ``first`` on ``devices``.
-    ``controlled``: a stage recomputes or holds a known random layer; ``may_draw`` (default: all): the stages that need
-    a state. Stages that may draw and share a device share a lock."""
+    """Each stage's ``StageRandom`` for a pass (None: left alone), stages ``first``... on ``devices``. ``controlled``:
+    a stage recomputes or holds a known random layer; ``may_draw`` (default: all): the stages that need one."""
     may_draw = [controlled] * len(devices) if may_draw is None else [controlled and d for d in may_draw]
     drawing = [d for d, m in zip(devices, may_draw) if m]
     locks = {d: threading.RLock() for d in set(drawing) if drawing.count(d) > 1}
