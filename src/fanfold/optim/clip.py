@@ -17,11 +17,10 @@ __all__ = ["clip_grad_norm_"]
 
 
 def _partial(norms: list[torch.Tensor], p: float) -> torch.Tensor:
-    if p == math.inf:
-        return torch.stack(norms).max() if norms else torch.zeros((), dtype=torch.float64)
-    if p == -math.inf:
-        return torch.stack(norms).min() if norms else torch.full((), math.inf, dtype=torch.float64)
-    return torch.stack([n ** p for n in norms]).sum() if norms else torch.zeros((), dtype=torch.float64)
+    if not norms:
+        return torch.full((), math.inf if p == -math.inf else 0.0, dtype=torch.float64)
+    every = torch.stack(norms)
+    return every.max() if p == math.inf else every.min() if p == -math.inf else (every ** p).sum()
 
 
 def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,

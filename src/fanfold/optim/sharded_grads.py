@@ -39,17 +39,16 @@ class GradientShards:
         self.parts = [torch.zeros(s.shard, dtype=s.dtype, device=s.device) for s in self.layout]
         self.filled = [False] * len(self.layout)  # parts[b] holds gradients not yet zeroed: they accumulate
         self.present = [False] * len(self.params)  # parameter i has a gradient: some rank used it
-        self._staging: dict[tuple, torch.Tensor] = {}  # one buffer per (dtype, device): the largest bucket
+        self._staging: dict[tuple, torch.Tensor] = {}  # one buffer per (dtype, device): the largest bucket's size
         self._flight: _Flight | None = None
         self._launched: list[int] = []
         self.flats: list[torch.Tensor] = []  # the parameters laid flat, one tensor per bucket (lay_flat)
 
-    # ---- the reducer's side (GradientStrategy): launch, finish, write-back --------------------------------------
-    def _stage(self, s: Space, dtype: torch.dtype | None = None) -> torch.Tensor:
-        key = (dtype or s.dtype, s.device)
+    def _stage(self, s: Space) -> torch.Tensor:
+        key = (s.dtype, s.device)
         if key not in self._staging:
-            size = max(x.shard for x in self.layout if (x.dtype, x.device) == (s.dtype, s.device)) * self.world_size
-            self._staging[key] = torch.empty(size, dtype=key[0], device=s.device)
+            size = max(x.shard for x in self.layout if (x.dtype, x.device) == key) * self.world_size
+            self._staging[key] = torch.empty(size, dtype=s.dtype, device=s.device)
         return self._staging[key][:s.shard * self.world_size]
 
     def launch(self, b: int) -> None:
@@ -75,7 +74,7 @@ class GradientShards:
                 if narrow == torch.float16:  # divide first: the sum of N gradients could overflow float16
                     flat.div_(divisor)
                     divisor = None
-                send = self._stage(s, narrow).copy_(flat)
+                send = flat.to(narrow)
             out = self.parts[b] if narrow is None and not accumulate else \
                 torch.empty(s.shard, dtype=send.dtype, device=s.device)
             if self.world_size == 1:  # no collective: the part is the whole bucket
@@ -89,7 +88,6 @@ class GradientShards:
         self._flight = _Flight(b, handle, out, accumulate)
 
     def finish(self) -> None:
-        """Wait for the bucket in flight; its result into this rank's part."""
         f, self._flight = self._flight, None
         if f is None:
             return
@@ -111,10 +109,7 @@ class GradientShards:
                 if used is None or used[i] > 0:
                     self.present[i] = True
         self._launched = []
-        for key in [k for k in self._staging if k[0] not in {s.dtype for s in self.layout}]:
-            del self._staging[key]  # one staging buffer stays (the next backward's); compression's narrow ones go
 
-    # ---- the optimizer's side: read the parts, gather the parameters ----------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:
         if set_to_none:
             self.present = [False] * len(self.params)
@@ -124,7 +119,6 @@ class GradientShards:
                 part.zero_()
 
     def grad(self, i: int, b: int, offset: int, numel: int) -> torch.Tensor | None:
-        """Parameter ``i``'s averaged gradient at ``offset:offset + numel`` of this rank's part of bucket ``b``."""
         return self.parts[b][offset:offset + numel] if self.present[i] else None
 
     @torch.no_grad()
@@ -140,7 +134,6 @@ class GradientShards:
 
     @torch.no_grad()
     def gather_params(self) -> None:
-        """Every rank's updated part of every bucket to every rank (collective)."""
         if self.world_size == 1:
             return
         t = self.reducer.transport

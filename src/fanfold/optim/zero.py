@@ -69,7 +69,6 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self.defaults = dict(self.optim.defaults)
         self._ready = True
 
-    # ---- layout -----------------------------------------------------------------------------------------------
     def _check_same_params(self) -> None:
         if self.world_size == 1:
             return
@@ -85,7 +84,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                                  f"same parameters")
 
     def _build(self) -> None:
-        """(Re)compute this rank's pieces and a fresh inner optimizer over 1-D views of them, group for group."""
+        """This rank's pieces and a fresh inner optimizer over 1-D views of them, group for group."""
         self._params = [p for g in self.param_groups for p in g["params"]]
         groups = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
         for i, p in enumerate(self._params):
@@ -112,8 +111,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             ig.update({k: v for k, v in g.items() if k != "params"})
 
     def _shard_grads(self) -> list[torch.Tensor]:
-        """Point each piece's view's ``.grad`` at its slice of the parameter's gradient; return the views that got
-        one."""
+        """Point each piece's view's ``.grad`` at its slice of the gradient; the views that got one."""
         for pc, v in zip(self._pieces, self._views):
             p = self._params[pc.index]
             if self._stage2 is not None:  # the reducer's parts of the averaged gradients
@@ -128,7 +126,6 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 v.grad = p.grad.view(-1)[pc.start:pc.stop]
         return [v for v in self._views if v.grad is not None]
 
-    # ---- the step -----------------------------------------------------------------------------------------------
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """Step this rank's slice with the inner optimizer, then all-gather the parameters (collective)."""
         loss = None
@@ -170,8 +167,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def _gather_params(self) -> None:
-        """Every rank's updated slice to every rank, in rounds of at most ``GATHER_ELEMENTS`` received elements (one
-        bucket of extra memory, not a copy of the model)."""
+        """Every rank's updated slice to every rank, in rounds of at most ``GATHER_ELEMENTS`` received elements."""
         if self.world_size == 1:
             return
         n = self.world_size
@@ -187,7 +183,6 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                     send.zero_()  # the last slices are padded to equal size
                 for i, a, b, at in space.spans(mine, mine + w):
                     send[at:at + b - a].copy_(flat[i][a:b])
-                # through the group's inspected transport: numbered, bounded by the stall timeout, diagnosed
                 group_transport(self.process_group, "ZeroRedundancyOptimizer").all_gather(send[:w], out[:w * n]).wait()
                 for q in range(n):
                     if q == self.rank:
@@ -196,7 +191,6 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                     for i, a, b, at in space.spans(base, base + w):
                         flat[i][a:b].copy_(out[q * w + at:q * w + at + b - a])
 
-    # ---- state ------------------------------------------------------------------------------------------------
     def _full_state(self, to: int | None = None) -> dict[int, dict] | None:
         """Every rank's pieces of the state assembled on every rank (``to`` None) or on rank ``to`` (else None)."""
         every: list | None = [[PieceState(pc.index, pc.start, pc.stop, dict(self.optim.state.get(v, {})))

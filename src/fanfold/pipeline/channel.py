@@ -132,8 +132,7 @@ class ProcessChannel:
         # (fanfold run / fanfold.launch) stops every rank as soon as this one exits with the error
         pass
 
-    def finish(self) -> None:
-        """Wait until every send of this pass has completed."""
+    def finish(self) -> None:  # every send of this pass completed
         pending, self._pending = self._pending, []
         for work, _ in pending:
             work.wait()

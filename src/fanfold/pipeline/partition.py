@@ -15,7 +15,7 @@ from torch import nn
 
 from .._core.tree import flatten
 from ..parallel.scatter_gather import gather, scatter
-from .stage import map_tensors, tensor_leaves
+from .stage import buffers_kept, map_tensors, tensor_leaves
 
 __all__ = ["layers_of", "resolve_balance", "balance_by_parameters", "balance_by_time", "stage_modules",
            "chunk_sizes", "batch_size", "split", "join", "loss_weights"]
@@ -102,13 +102,6 @@ def balance_by_parameters(layers: Sequence[nn.Module], stages: int) -> list[int]
     return _partition(costs, stages)
 
 
-def _sync(tensors: Sequence[torch.Tensor]) -> None:
-    for t in tensors:
-        if t.device.type != "cpu":
-            torch.accelerator.synchronize(t.device)
-            return
-
-
 def _detached(obj: Any) -> Any:
     # not a leaf: a first layer working in place is allowed, as in the model
     return map_tensors(obj, lambda t: t.detach().requires_grad_().clone() if t.is_floating_point() else t.detach())
@@ -118,29 +111,27 @@ def balance_by_time(layers: Sequence[nn.Module], sample_input: Any, stages: int,
     """Layer counts per stage that even out the forward + backward time of ``sample_input`` (each layer on its device,
     the median of ``repeat`` runs after a warm-up). ``.grad`` and the buffers are restored after."""
     saved = [(p, p.grad) for m in layers for p in m.parameters()]
-    buffers = [(b, b.detach().clone()) for m in layers for b in m.buffers()]
     costs: list[float] = []
     x = sample_input
     try:
-        for layer in layers:
-            times = []
-            for _ in range(repeat + 1):
-                inp = _detached(x)
-                start = time.perf_counter()
-                out = layer(inp)
-                outs = [t for t in tensor_leaves(out) if t.requires_grad]
-                if outs:
-                    torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
-                _sync(tensor_leaves(out))
-                times.append(time.perf_counter() - start)
-            costs.append(sorted(times[1:])[len(times[1:]) // 2])
-            x = _detached(out)
+        with buffers_kept(nn.ModuleList(layers)):
+            for layer in layers:
+                times = []
+                for _ in range(repeat + 1):
+                    inp = _detached(x)
+                    start = time.perf_counter()
+                    out = layer(inp)
+                    outs = [t for t in tensor_leaves(out) if t.requires_grad]
+                    if outs:
+                        torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+                    for device in {t.device for t in tensor_leaves(out) if t.device.type != "cpu"}:
+                        torch.accelerator.synchronize(device)
+                    times.append(time.perf_counter() - start)
+                costs.append(sorted(times[1:])[len(times[1:]) // 2])
+                x = _detached(out)
     finally:
         for p, g in saved:
             p.grad = g
-        with torch.no_grad():
-            for b, copy in buffers:
-                b.copy_(copy)
     return _partition(costs, stages)
 
 
@@ -150,7 +141,6 @@ def stage_modules(layers: list[tuple[str, nn.Module]], balance: list[int]) -> li
     return [nn.Sequential(OrderedDict(layers[end - count:end])) for count, end in zip(balance, ends)]
 
 
-# ---- micro-batches -----------------------------------------------------------------------------------------------
 def chunk_sizes(batch: int, chunks: int) -> list[int]:
     """Rows per micro-batch with ``torch.chunk`` semantics; ``[0]`` for an empty batch."""
     if batch == 0:

@@ -17,12 +17,12 @@ from .._core.devices import DeviceLike, normalize_device
 from .._core.job import require_initialized
 from ..collectives.stall import group_transport
 from ..collectives.transport import split_into
+from ..distributed.reducer import MiB, assign_buckets
 from ..parallel.parallel_apply import WorkerPool, _caller_state, in_caller_state, reraise
 from .channel import Channel, ProcessChannel, StageAborted, ThreadChannel
 from .partition import batch_size, chunk_sizes, join, layers_of, loss_weights, resolve_balance, split, stage_modules
-from .rng import StageRandom, draws_random_numbers, pass_seed, stage_randoms
 from .schedule import ScheduleFn, Step, resolve, stage_orders
-from .stage import CHECKPOINT_MODES, StageRun, StepTime
+from .stage import CHECKPOINT_MODES, StageRandom, StageRun, StepTime, draws_random_numbers, pass_seed, stage_randoms
 
 __all__ = ["Pipeline", "DistributedPipeline", "broadcast_state", "average_gradients"]
 
@@ -49,20 +49,6 @@ def _run_threads(runs: Sequence[StageRun], orders: list[list[Step]], channel: Ch
 
 
 # ---- data parallelism over pipelines ------------------------------------------------------------------------------
-_BUCKET_BYTES = 32 * 1024 * 1024
-
-
-def _buckets(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """Consecutive tensors of one (dtype, device), ~32 MiB per bucket: a big model is not copied whole."""
-    groups: dict[tuple, list[list[torch.Tensor]]] = {}
-    for t in tensors:
-        chunks = groups.setdefault((t.dtype, t.device), [[]])
-        if chunks[-1] and sum(x.numel() * x.element_size() for x in chunks[-1]) >= _BUCKET_BYTES:
-            chunks.append([])
-        chunks[-1].append(t)
-    return [c for chunks in groups.values() for c in chunks]
-
-
 @torch.no_grad()
 def broadcast_state(tensors: Iterable[torch.Tensor], group: Any) -> None:
     """Copy ``tensors`` (parameters, buffers) from the group's rank 0 to every rank of ``group``, in place."""
@@ -81,8 +67,11 @@ def average_gradients(parameters: Iterable[nn.Parameter], group: Any) -> None:
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    transport = group_transport(group, "Pipeline data parallelism")
-    for bucket in _buckets([p.grad for p in params]):
+    transport, grads = group_transport(group, "Pipeline data parallelism"), [p.grad for p in params]
+    # buckets of ~32 MiB of one (dtype, device): a big model is not copied whole
+    for members in assign_buckets([g.numel() * g.element_size() for g in grads], [(g.dtype, g.device) for g in grads],
+                                  [32 * MiB], order=range(len(grads))):
+        bucket = [grads[i] for i in members]
         flat = torch.cat([g.reshape(-1) for g in bucket])  # any layout: a channels_last gradient keeps its own
         transport.all_reduce(flat, divisor=transport.world_size).wait()
         split_into(flat, bucket)
@@ -139,7 +128,7 @@ class Pipeline(nn.Module):
         for stage, device in zip(self._stages, self.devices):
             stage.to(device)
         self._pool: WorkerPool | None = None
-        # (stage, its modules' training flags) seen drawing no random number in a controlled pass (rng.py)
+        # (stage, its modules' training flags) seen drawing no random number in a controlled pass
         self._quiet: set[tuple[int, tuple[bool, ...]]] = set()
         if isinstance(data_parallel_group, str) and data_parallel_group != "world":
             raise ValueError(f'data_parallel_group must be a process group, "world" or None, '
@@ -159,28 +148,27 @@ class Pipeline(nn.Module):
         """Stage s's layers as an ``nn.Sequential``, one per stage."""
         return list(self._stages)
 
-    # ---- the four verbs -------------------------------------------------------------------------------------
     def split(self, input: Any) -> list[Any]:
         """``input`` as micro-batches on the first stage's device (fewer than ``chunks`` for a small batch)."""
         return split(input, chunk_sizes(batch_size(input, "input"), self.chunks), self.devices[0])
 
-    def _runs(self, channel: ThreadChannel, microbatches: list, train: bool, seed: int, grad: bool,
-              **last: Any) -> list[StageRun]:
-        n = len(self._stages)
-        controlled = (grad and self.checkpoint != "never") or any(map(draws_random_numbers, self._stages))
+    def _quiet_key(self, s: int) -> tuple[int, tuple[bool, ...]]:
+        return s, tuple(m.training for m in self._stages[s].modules())
+
+    def _pass(self, microbatches: list, state: dict, schedule: ScheduleFn | None = None, **last: Any) -> StageRun:
+        """One pass on the workers, forwards only (``schedule`` None) or training; returns the last stage's run."""
+        n, m, seed, channel = len(self._stages), len(microbatches), pass_seed(), ThreadChannel(len(self._stages))
+        controlled = (state["grad"] and self.checkpoint != "never") or any(map(draws_random_numbers, self._stages))
         # a stage that drew nothing in an earlier controlled pass in the same modes is left alone: with no lock it
         # overlaps the others (known random layers always draw)
         may_draw = [self._quiet_key(s) not in self._quiet or draws_random_numbers(stage)
                     for s, stage in enumerate(self._stages)]
         randoms = stage_randoms(seed, self.devices, 0, controlled, may_draw)
-        return [StageRun(s, n, stage, dev, self.checkpoint, channel, len(microbatches), train,
+        runs = [StageRun(s, n, stage, dev, self.checkpoint, channel, m, schedule is not None,
                          inputs=microbatches if s == 0 else None, random=random, **(last if s == n - 1 else {}))
                 for s, (stage, dev, random) in enumerate(zip(self._stages, self.devices, randoms))]
-
-    def _quiet_key(self, s: int) -> tuple[int, tuple[bool, ...]]:
-        return s, tuple(m.training for m in self._stages[s].modules())
-
-    def _execute(self, runs: list[StageRun], orders: list[list[Step]], channel: ThreadChannel, state: dict) -> None:
+        orders = [[Step(s, k, "F") for k in range(m)] for s in range(n)] if schedule is None else \
+            stage_orders(schedule(n, m), n, m)
         if self._pool is None:
             self._pool = WorkerPool(threads_per_worker=self.threads_per_stage)
         _run_threads(runs, orders, channel, state, self._pool)
@@ -188,21 +176,17 @@ class Pipeline(nn.Module):
             if run.random is not None:
                 (self._quiet.discard if run.random.drew else self._quiet.add)(self._quiet_key(s))
         self.last_timeline = sorted(itertools.chain.from_iterable(r.timeline for r in runs), key=lambda t: t.start)
+        return runs[-1]
 
     def join(self, outputs: list[Any]) -> Any:
         """The micro-batches' outputs concatenated along dim 0 on the last stage's device."""
         return join(outputs, self.devices[-1])
 
-    # ---- passes ---------------------------------------------------------------------------------------------
     def forward(self, input: Any) -> Any:
         """The sequential model's output for ``input`` (a tensor or a tuple of them), on the last stage's device."""
         microbatches = self.split(input)
-        channel = ThreadChannel(len(self._stages))
-        state = _caller_state(self.devices)
-        runs = self._runs(channel, microbatches, train=False, seed=pass_seed(), grad=state["grad"])
-        orders = [[Step(s, m, "F") for m in range(len(microbatches))] for s in range(len(runs))]
-        self._execute(runs, orders, channel, state)
-        return self.join([runs[-1].outputs[m] for m in range(len(microbatches))])
+        last = self._pass(microbatches, _caller_state(self.devices))
+        return self.join([last.outputs[m] for m in range(len(microbatches))])
 
     def train_step(self, input: Any, target: Any = None, loss_fn: Callable[..., torch.Tensor] | None = None, *,
                    schedule: str | ScheduleFn = "1f1b", reduction: str = "mean") -> torch.Tensor:
@@ -221,18 +205,13 @@ class Pipeline(nn.Module):
         if target is not None and batch_size(target, "target") != rows:
             raise ValueError(f"target has {batch_size(target, 'target')} rows along dim 0 but input has {rows}")
         sizes = chunk_sizes(rows, self.chunks)
-        microbatches = split(input, sizes, self.devices[0])
         targets = split(target, sizes, self.devices[-1]) if target is not None else None
-        channel = ThreadChannel(len(self._stages))
-        runs = self._runs(channel, microbatches, train=True, seed=pass_seed(), grad=True, targets=targets,
-                          loss_fn=loss_fn, weights=loss_weights(sizes, reduction))
-        orders = stage_orders(resolve(schedule)(len(runs), len(sizes)), len(runs), len(sizes))
-        self._execute(runs, orders, channel, _caller_state(self.devices, grad=True))
+        last = self._pass(split(input, sizes, self.devices[0]), _caller_state(self.devices, grad=True),
+                          resolve(schedule), targets=targets, loss_fn=loss_fn, weights=loss_weights(sizes, reduction))
         if self.data_parallel_group is not None:
             average_gradients(self.parameters(), self.data_parallel_group)
-        return runs[-1].loss
+        return last.loss
 
-    # ---- placement is fixed -----------------------------------------------------------------------------------
     def to(self, *args: Any, **kwargs: Any) -> Pipeline:
         device = torch._C._nn._parse_to(*args, **kwargs)[0]
         if device is not None:
