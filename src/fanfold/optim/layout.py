@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Piece", "PieceState", "Space", "plan_spaces", "pieces_of", "check_elementwise", "assemble", "cut"]
+__all__ = ["Piece", "PieceState", "Space", "plan_spaces", "pieces_of", "assemble", "cut"]
 
 
 @dataclass(frozen=True)
@@ -81,18 +81,6 @@ def pieces_of(spaces: list[Space], groups: list[int], rank: int) -> list[Piece]:
     """The pieces of rank ``rank``'s slices, in member order within each space; ``groups[i]``: parameter i's group."""
     return [Piece(i, groups[i], s, a, b, at) for s, space in enumerate(spaces) for i, a, b, at in
             space.spans(*space.slice(rank))]
-
-
-# torch optimizers whose update of one element depends on other elements of the same parameter: a slice would not
-# step as the whole parameter does. Every other class is taken at its word, as torch's ZeroRedundancyOptimizer does.
-NOT_ELEMENTWISE = ("LBFGS", "SparseAdam", "Adafactor", "Muon")
-
-
-def check_elementwise(optimizer_class: type) -> None:
-    bad = [n for n in NOT_ELEMENTWISE if getattr(torch.optim, n, None) is optimizer_class]
-    if bad:
-        raise ValueError(f"ZeroRedundancyOptimizer: {bad[0]} does not update each element independently, so "
-                         f"it cannot step slices of parameters")
 
 
 @dataclass

@@ -101,14 +101,10 @@ class ProcessChannel:
         self.wire = wire  # where tensors travel: host memory for gloo, the device for nccl
         self._pending: list[tuple[Any, torch.Tensor]] = []
 
-    @staticmethod
-    def _tag(kind: Kind, microbatch: int) -> int:
-        return 2 * microbatch + (0 if kind == "activation" else 1)
-
     def send(self, src: int, dst: int, kind: Kind, microbatch: int, value: Any) -> None:
         header, payload = encode(value)
         heads = (torch.tensor([len(header)], dtype=torch.int64), torch.frombuffer(bytearray(header), dtype=torch.uint8))
-        tag, peer = self._tag(kind, microbatch), self.ranks[dst]
+        tag, peer = 2 * microbatch + (kind != "activation"), self.ranks[dst]
         for t in (*heads, *payload):
             t = t.detach().to(self.wire).contiguous()
             # each tensor stays referenced until its send completes
@@ -116,7 +112,7 @@ class ProcessChannel:
         self._pending = [(w, t) for w, t in self._pending if not w.is_completed()]
 
     def recv(self, dst: int, src: int, kind: Kind, microbatch: int) -> Any:
-        tag, peer = self._tag(kind, microbatch), self.ranks[src]
+        tag, peer = 2 * microbatch + (kind != "activation"), self.ranks[src]
 
         def receive(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
             t = torch.empty(shape, dtype=dtype, device=self.wire)

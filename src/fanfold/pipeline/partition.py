@@ -1,6 +1,5 @@
 """How a pipeline cuts its work: a sequential model into stages (a checked ``balance``, or one evening out parameter
-counts or measured time), and a batch into micro-batches along dim 0 (``torch.chunk``'s sizes), with their loss
-weights."""
+counts or measured time), and a batch into micro-batches along dim 0, with their loss weights."""
 from __future__ import annotations
 
 import itertools
@@ -17,8 +16,8 @@ from .._core.tree import flatten
 from ..parallel.scatter_gather import gather, scatter
 from .stage import buffers_kept, map_tensors, tensor_leaves
 
-__all__ = ["layers_of", "resolve_balance", "balance_by_parameters", "balance_by_time", "stage_modules",
-           "chunk_sizes", "batch_size", "split", "join", "loss_weights"]
+__all__ = ["layers_of", "resolve_balance", "balance_by_parameters", "balance_by_time", "stage_modules", "batch_size",
+           "split", "join", "loss_weights"]
 
 
 def layers_of(module: Any) -> list[tuple[str, nn.Module]]:
@@ -70,27 +69,18 @@ def resolve_balance(balance: Any, layers: list[tuple[str, nn.Module]], stages: i
 def _partition(costs: Sequence[float], parts: int) -> list[int]:
     """Contiguous split of ``costs`` into ``parts`` non-empty runs minimising (largest run cost, largest run length),
     by dynamic programming."""
-    n = len(costs)
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-    inf = (float("inf"), n + 1)
-    # best[p][i]: the best key splitting the first i layers into p runs; cut[p][i]: where the last run starts
-    best = [[inf] * (n + 1) for _ in range(parts + 1)]
-    cut = [[0] * (n + 1) for _ in range(parts + 1)]
-    best[0][0] = (0.0, 0)
+    n, prefix = len(costs), [0.0, *itertools.accumulate(costs)]
+    # best[p][i]: (the best key splitting the first i layers into p runs, where its last run starts); ties: the
+    # earliest start
+    best = [[((math.inf, n + 1), 0)] * (n + 1) for _ in range(parts + 1)]
+    best[0][0] = ((0.0, 0), 0)
     for p in range(1, parts + 1):
         for i in range(p, n - (parts - p) + 1):
-            for j in range(p - 1, i):
-                prev = best[p - 1][j]
-                if prev == inf:
-                    continue
-                key = (max(prev[0], prefix[i] - prefix[j]), max(prev[1], i - j))
-                if key < best[p][i]:
-                    best[p][i], cut[p][i] = key, j
+            best[p][i] = min(((max(best[p - 1][j][0][0], prefix[i] - prefix[j]), max(best[p - 1][j][0][1], i - j)), j)
+                             for j in range(p - 1, i))
     sizes, i = [], n
     for p in range(parts, 0, -1):
-        j = cut[p][i]
+        j = best[p][i][1]
         sizes.append(i - j)
         i = j
     return sizes[::-1]
@@ -139,14 +129,6 @@ def stage_modules(layers: list[tuple[str, nn.Module]], balance: list[int]) -> li
     """One ``nn.Sequential`` per stage over the same layer objects, each layer under its original name."""
     ends = list(itertools.accumulate(balance))
     return [nn.Sequential(OrderedDict(layers[end - count:end])) for count, end in zip(balance, ends)]
-
-
-def chunk_sizes(batch: int, chunks: int) -> list[int]:
-    """Rows per micro-batch with ``torch.chunk`` semantics; ``[0]`` for an empty batch."""
-    if batch == 0:
-        return [0]
-    size = math.ceil(batch / chunks)
-    return [size] * (batch // size) + ([batch % size] if batch % size else [])
 
 
 def _tensor_leaves(obj: Any, path: str) -> list[tuple[Any, torch.Tensor]]:

@@ -1,6 +1,6 @@
 """``Pipeline``: a sequential model cut into stages on devices of one process, each stage on a worker thread in the
-caller's thread-local torch state; ``DistributedPipeline``: one stage per process, with N processes and ``stages=S``
-N/S pipelines of S consecutive ranks; and the data parallelism over pipelines that both share."""
+caller's thread-local torch state; ``DistributedPipeline``: one stage per process, N/S pipelines of S consecutive
+ranks; and the data parallelism over pipelines that both share."""
 from __future__ import annotations
 
 import functools
@@ -19,8 +19,9 @@ from ..collectives.stall import group_transport
 from ..collectives.transport import split_into
 from ..distributed.reducer import MiB, assign_buckets
 from ..parallel.parallel_apply import WorkerPool, _caller_state, in_caller_state, reraise
+from ..parallel.scatter_gather import split_sizes
 from .channel import Channel, ProcessChannel, StageAborted, ThreadChannel
-from .partition import batch_size, chunk_sizes, join, layers_of, loss_weights, resolve_balance, split, stage_modules
+from .partition import batch_size, join, layers_of, loss_weights, resolve_balance, split, stage_modules
 from .schedule import ScheduleFn, Step, resolve, stage_orders
 from .stage import CHECKPOINT_MODES, StageRandom, StageRun, StepTime, draws_random_numbers, pass_seed, stage_randoms
 
@@ -150,7 +151,7 @@ class Pipeline(nn.Module):
 
     def split(self, input: Any) -> list[Any]:
         """``input`` as micro-batches on the first stage's device (fewer than ``chunks`` for a small batch)."""
-        return split(input, chunk_sizes(batch_size(input, "input"), self.chunks), self.devices[0])
+        return split(input, split_sizes(batch_size(input, "input"), self.chunks), self.devices[0])
 
     def _quiet_key(self, s: int) -> tuple[int, tuple[bool, ...]]:
         return s, tuple(m.training for m in self._stages[s].modules())
@@ -204,7 +205,7 @@ class Pipeline(nn.Module):
         rows = batch_size(input, "input")
         if target is not None and batch_size(target, "target") != rows:
             raise ValueError(f"target has {batch_size(target, 'target')} rows along dim 0 but input has {rows}")
-        sizes = chunk_sizes(rows, self.chunks)
+        sizes = split_sizes(rows, self.chunks)
         targets = split(target, sizes, self.devices[-1]) if target is not None else None
         last = self._pass(split(input, sizes, self.devices[0]), _caller_state(self.devices, grad=True),
                           resolve(schedule), targets=targets, loss_fn=loss_fn, weights=loss_weights(sizes, reduction))
@@ -313,7 +314,7 @@ class DistributedPipeline(nn.Module):
             group_transport(self.pipeline_group, "DistributedPipeline").all_reduce(t).wait()
         rows, seed, random = t.tolist()
         randoms = stage_randoms(seed, [self.device], self.stage, checkpointing or random > 0)
-        return chunk_sizes(rows, self.chunks), randoms[0]
+        return split_sizes(rows, self.chunks), randoms[0]
 
     def _run(self, run: StageRun, order: list[Step], grad: bool) -> None:
         try:

@@ -183,8 +183,7 @@ class StageRandom:
         """Micro-batch ``microbatch``'s draws, the same each time this is entered (forward, then recomputation)."""
         with self.lock if self.lock is not None else contextlib.nullcontext():
             saved = _get_state(self.device)
-            seeded = torch.Generator(self.device).manual_seed(cell_seed(self.seed, self.stage, microbatch))
-            seeded = seeded.get_state()
+            seeded = torch.Generator(self.device).manual_seed(cell_seed(self.seed, self.stage, microbatch)).get_state()
             _set_state(self.device, seeded)
             try:
                 yield
