@@ -15,10 +15,7 @@ __all__ = ["GradientShards", "check_shards"]
 
 
 @dataclass
-class _Flight:
-    """The bucket whose reduction is under way: its handle (None: done) and its result (this rank's part, or a
-    temporary to add to it: ``accumulate``)."""
-
+class _Flight:  # the bucket under reduction: its handle (None: done), its result (the part, or a temporary to add)
     bucket: int
     handle: Any
     result: torch.Tensor
@@ -31,8 +28,7 @@ class GradientShards:
 
     def __init__(self, reducer: Reducer):
         self.reducer, self.params = reducer, reducer.params
-        t = reducer.transport
-        self.rank, self.world_size = t.rank, t.world_size
+        self.rank, self.world_size = reducer.transport.rank, reducer.transport.world_size
         self.layout = [laid_end_to_end(self.params[m[0]].dtype, self.params[m[0]].device, list(m),
                                        [self.params[i].numel() for i in m], self.world_size)
                        for m in reducer.buckets]

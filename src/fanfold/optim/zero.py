@@ -31,12 +31,9 @@ NOT_ELEMENTWISE = ("LBFGS", "SparseAdam", "Adafactor", "Muon")
 
 def _numbered(param_groups: list[dict]) -> list[dict]:
     """torch's ``state_dict`` form of parameter groups: the options, and the parameters as running indices."""
-    out, at = [], 0
-    for g in param_groups:
-        n = len(g["params"])
-        out.append({**{k: v for k, v in g.items() if k != "params"}, "params": list(range(at, at + n))})
-        at += n
-    return out
+    ends = itertools.accumulate(len(g["params"]) for g in param_groups)
+    return [{**{k: v for k, v in g.items() if k != "params"}, "params": list(range(end - len(g["params"]), end))}
+            for g, end in zip(param_groups, ends)]
 
 
 class ZeroRedundancyOptimizer(torch.optim.Optimizer):
@@ -171,7 +168,6 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._ddp_index = {k: i for i, k in enumerate(self._opt_index)}
         self._build()
         self._load_full(full)
-        self._consolidated = None
         return shards
 
     @torch.no_grad()
@@ -246,13 +242,13 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         for g, sg in zip(self.param_groups, saved):
             g.update({k: v for k, v in sg.items() if k != "params"})
         self._load_full({index[pid]: s for pid, s in state_dict["state"].items()})
-        self._consolidated = None
 
     def _load_full(self, full: Mapping[int, dict]) -> None:
         self._sync_hyper()
         state = {k: cut(full[pc.index], pc, self._params[pc.index]) for k, pc in enumerate(self._pieces)
                  if pc.index in full}
         self.optim.load_state_dict({"state": state, "param_groups": _numbered(self.optim.param_groups)})
+        self._consolidated = None
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group; the flat layout changes, so the state is re-sharded (collective: call it on every rank)."""
@@ -267,7 +263,6 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._check_same_params()
         self._build()
         self._load_full(full)
-        self._consolidated = None
 
 
 def _partial(norms: list[torch.Tensor], p: float) -> torch.Tensor:

@@ -115,17 +115,12 @@ class WeightGradAccumulator:
         x = rows.inputs[0] if len(rows.inputs) == 1 else torch.cat(rows.inputs)
         w, b = rows.weight, rows.bias
         if w.requires_grad:
-            if w.grad is None:
-                w.grad = g.t().mm(x)
-            elif w.grad.is_contiguous() and w.grad.dtype == g.dtype:
+            if w.grad is not None and w.grad.is_contiguous() and w.grad.dtype == g.dtype:
                 w.grad.addmm_(g.t(), x)  # the product accumulates where it is written: no temporary
             else:
-                w.grad.add_(g.t().mm(x))
+                w.grad = g.t().mm(x) if w.grad is None else w.grad.add_(g.t().mm(x))
         if b is not None and b.requires_grad:
-            if b.grad is None:
-                b.grad = g.sum(0)
-            else:
-                b.grad.add_(g.sum(0))
+            b.grad = g.sum(0) if b.grad is None else b.grad.add_(g.sum(0))
 
 
 # ---- random numbers per cell -----------------------------------------------------------------------------------------
