@@ -50,8 +50,7 @@ class Space:
         return lo, min(lo + self.shard, self.total)
 
     def spans(self, lo: int, hi: int) -> list[tuple[int, int, int, int]]:
-        """``(index, a, b, at)`` per member under flat positions ``lo:hi``: its elements ``a:b``, at ``at`` from
-        ``lo``."""
+        """``(index, a, b, at)``: member ``index``'s elements ``a:b`` under ``lo:hi``, at ``at`` from ``lo``."""
         out, k = [], max(0, bisect_right(self.starts, lo) - 1)
         while k < len(self.indices) and self.starts[k] < hi:
             start = self.starts[k]

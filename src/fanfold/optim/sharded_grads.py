@@ -48,8 +48,7 @@ class GradientShards:
         return self._staging[key][:s.shard * self.world_size]
 
     def launch(self, b: int) -> None:
-        """Bucket ``b`` is full: its gradients into the staging buffer (their ``.grad`` freed), its reduction
-        started. Called in bucket order on every rank, as every collective must be."""
+        """Bucket ``b`` is full: its gradients into the staging buffer (``.grad`` freed), its reduction started."""
         r, s = self.reducer, self.layout[b]
         self._launched.append(b)
         self.finish()  # the bucket in flight gives the staging buffer back
@@ -65,12 +64,10 @@ class GradientShards:
         accumulate = self.filled[b]
         if r.hook in BUILT_IN:
             narrow, divisor = BUILT_IN[r.hook], r.hook_divisor
-            send = flat
-            if narrow is not None:
-                if narrow == torch.float16:  # divide first: the sum of N gradients could overflow float16
-                    flat.div_(divisor)
-                    divisor = None
-                send = flat.to(narrow)
+            if narrow == torch.float16:  # divide first: the sum of N gradients could overflow float16
+                flat.div_(divisor)
+                divisor = None
+            send = flat if narrow is None else flat.to(narrow)
             out = self.parts[b] if narrow is None and not accumulate else \
                 torch.empty(s.shard, dtype=send.dtype, device=s.device)
             if self.world_size == 1:  # no collective: the part is the whole bucket
@@ -159,8 +156,7 @@ class _HookPart:
 
 
 def check_shards(shards: GradientShards, params: list[torch.Tensor], rank: int, world_size: int) -> list[int]:
-    """The optimizer's index of each of the reducer's parameters; ValueError unless both hold the same parameters
-    over the same ranks."""
+    """The optimizer's index of each of the reducer's parameters; ValueError unless both hold the same ones."""
     if (shards.rank, shards.world_size) != (rank, world_size):
         raise ValueError(f"ZeroRedundancyOptimizer (rank {rank} of {world_size}): the DistributedDataParallel is rank "
                          f"{shards.rank} of {shards.world_size}; both must use the same process group")

@@ -158,8 +158,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
 
     def gradient_strategy(self, reducer: Reducer, module: torch.nn.Module | None = None) -> GradientShards:
         """Stage 2, for ``DistributedDataParallel.shard_gradients(self)`` on every rank (collective): the slices become
-        this rank's parts of ``reducer``'s buckets, the state moves to match; returns the reducer's strategy.
-        ``module`` (the ``ShardsGradients`` protocol's) is not needed."""
+        this rank's parts of ``reducer``'s buckets, the state moves to match; the reducer's strategy. Not ``module``."""
         shards = GradientShards(reducer)
         self._opt_index = check_shards(shards, self._params, self.rank, self.world_size)
         full = self._full_state()

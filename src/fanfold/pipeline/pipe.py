@@ -162,9 +162,9 @@ class Pipeline(nn.Module):
         controlled = (state["grad"] and self.checkpoint != "never") or any(map(draws_random_numbers, self._stages))
         # a stage that drew nothing in an earlier controlled pass in the same modes is left alone: with no lock it
         # overlaps the others (known random layers always draw)
-        may_draw = [self._quiet_key(s) not in self._quiet or draws_random_numbers(stage)
+        may_draw = [controlled and (self._quiet_key(s) not in self._quiet or draws_random_numbers(stage))
                     for s, stage in enumerate(self._stages)]
-        randoms = stage_randoms(seed, self.devices, 0, controlled, may_draw)
+        randoms = stage_randoms(seed, self.devices, may_draw)
         runs = [StageRun(s, n, stage, dev, self.checkpoint, channel, m, schedule is not None,
                          inputs=microbatches if s == 0 else None, random=random, **(last if s == n - 1 else {}))
                 for s, (stage, dev, random) in enumerate(zip(self._stages, self.devices, randoms))]
@@ -275,6 +275,7 @@ class DistributedPipeline(nn.Module):
         self.balance = agreed.tolist()
         self.stage = rank % stages
         self.num_stages = stages
+        self.is_first, self.is_last = self.stage == 0, self.stage == stages - 1
         self.data_parallel_rank, self.data_parallel_size = rank // stages, world // stages
         start = sum(self.balance[:self.stage])
         mine = layers[start:start + self.balance[self.stage]]
@@ -292,14 +293,6 @@ class DistributedPipeline(nn.Module):
             broadcast_state(itertools.chain(self.parameters(), self.buffers()), self.data_parallel_group)
         self.last_timeline: list[StepTime] = []
 
-    @property
-    def is_first(self) -> bool:
-        return self.stage == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.stage == self.num_stages - 1
-
     def _start_pass(self, input: Any, checkpointing: bool) -> tuple[list[int], StageRandom | None]:
         """The micro-batch sizes and this stage's random numbers: the first stage's batch size and seed, and whether
         any stage holds a known random layer, in one all-reduce (sum) over the pipeline."""
@@ -313,8 +306,8 @@ class DistributedPipeline(nn.Module):
         if self.num_stages > 1:
             group_transport(self.pipeline_group, "DistributedPipeline").all_reduce(t).wait()
         rows, seed, random = t.tolist()
-        randoms = stage_randoms(seed, [self.device], self.stage, checkpointing or random > 0)
-        return split_sizes(rows, self.chunks), randoms[0]
+        controlled = checkpointing or random > 0  # one stage here: no lock
+        return split_sizes(rows, self.chunks), StageRandom(seed, self.stage, self.device) if controlled else None
 
     def _run(self, run: StageRun, order: list[Step], grad: bool) -> None:
         try:

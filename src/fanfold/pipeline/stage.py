@@ -188,14 +188,12 @@ class StageRandom:
                 _set_state(self.device, saved)
 
 
-def stage_randoms(seed: int, devices: Sequence[torch.device], first: int, controlled: bool,
-                  may_draw: Sequence[bool] | None = None) -> list[StageRandom | None]:
-    """Each stage's ``StageRandom`` for a pass (None: left alone), stages ``first``... on ``devices``. ``controlled``:
-    a stage recomputes or holds a known random layer; ``may_draw`` (default: all): the stages that need one."""
-    may_draw = [controlled] * len(devices) if may_draw is None else [controlled and d for d in may_draw]
+def stage_randoms(seed: int, devices: Sequence[torch.device], may_draw: Sequence[bool]) -> list[StageRandom | None]:
+    """Each stage's ``StageRandom`` for a pass (None where ``may_draw`` is False: left alone); the stages that draw
+    on one device share a lock."""
     drawing = [d for d, m in zip(devices, may_draw) if m]
     locks = {d: threading.RLock() for d in set(drawing) if drawing.count(d) > 1}
-    return [StageRandom(seed, first + s, d, locks.get(d)) if m else None
+    return [StageRandom(seed, s, d, locks.get(d)) if m else None
             for s, (d, m) in enumerate(zip(devices, may_draw))]
 
 
