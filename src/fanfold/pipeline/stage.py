@@ -5,6 +5,7 @@ recomputation draws its forward's masks. Cells on a shared generator take a lock
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -84,20 +85,18 @@ class WeightGradAccumulator:
         """Inside, the eligible ``nn.Linear`` layers of ``module`` send their parameter gradients here."""
         patched = [m for m in module.modules() if _eligible(m) and "forward" not in vars(m)]
         for m in patched:
-            m.forward = self._forward(m, m.forward)
+            m.forward = functools.partial(self._forward, m, m.forward)
         try:
             yield
         finally:
             for m in patched:
                 del m.forward
 
-    def _forward(self, m: nn.Linear, original: Any) -> Any:
-        def forward(x: torch.Tensor) -> torch.Tensor:
-            if not (torch.is_grad_enabled() and x.dtype == m.weight.dtype and x.dim() >= 1
-                    and not torch.is_autocast_enabled(x.device.type)):
-                return original(x)
-            return _DeferredLinear.apply(x, m.weight, m.bias, self)
-        return forward
+    def _forward(self, m: nn.Linear, original: Any, x: torch.Tensor) -> torch.Tensor:
+        if not (torch.is_grad_enabled() and x.dtype == m.weight.dtype and x.dim() >= 1
+                and not torch.is_autocast_enabled(x.device.type)):
+            return original(x)
+        return _DeferredLinear.apply(x, m.weight, m.bias, self)
 
     def add(self, weight: nn.Parameter, bias: nn.Parameter | None, grad: torch.Tensor, x: torch.Tensor) -> None:
         pending = self._pending.setdefault(id(weight), _Rows(weight, bias))
@@ -307,25 +306,21 @@ class StageRun:
         first, last = s == 0, s == self.stages - 1
         x = self.inputs[m] if first else self.channel.recv(s, s - 1, "activation", m)
         self._received()
-        if not self.train:
+        if self.train:
+            out = self._call(x if first else self._receive_leaves(x, m), m, own=not first)
+        else:  # connected: one graph spans the stages
             out = self._call(x if first else map_tensors(x, lambda t: t.to(device)), m, own=False)
-            if last:
-                self.outputs[m] = out
-            else:
-                self.channel.send(s, s + 1, "activation", m, out)
-            return
-        out = self._call(x if first else self._receive_leaves(x, m), m, own=not first)
-        if last:
+        if last and self.train:
             loss = self.loss_fn(out, self.targets[m]) if self.targets is not None else self.loss_fn(out)
             if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
                 raise ValueError(f"loss_fn must return a 0-dim tensor, got {type(loss).__name__} "
                                  f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else loss!r}")
-            weighted = loss * self.weights[m]
-            self.outputs[m] = weighted
-            self.loss = weighted.detach() if self.loss is None else self.loss + weighted.detach()
-        else:
+            out = loss * self.weights[m]
+            self.loss = out.detach() if self.loss is None else self.loss + out.detach()
+        if last or self.train:
             self.outputs[m] = out
-            self.channel.send(s, s + 1, "activation", m, map_tensors(out, torch.Tensor.detach))
+        if not last:
+            self.channel.send(s, s + 1, "activation", m, map_tensors(out, torch.Tensor.detach) if self.train else out)
 
     def backward(self, m: int) -> None:
         s = self.index
