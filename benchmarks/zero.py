@@ -11,9 +11,8 @@ How it is timed: this VM's speed drifts by tens of per cent within minutes, so r
 method before) were compared under different machines. Here a run is one launch holding all three rows (each its
 own copy of the same initial model, the same batch): after ``--warmup`` steps each, the rows take turns in blocks
 of ``--block`` steps (a step: forward, cross-entropy, zero_grad, backward, step), the order rotated each round
-(``benchmarks/_blocks.py``); a block's time is the slowest rank's. Stage 2 leaves its parameter all-gather in
-flight after ``step()`` (overlapped with the next forward); its block ends by waiting for it, inside the clock, so
-the last step of each block pays its gather unhidden (a small bias against stage 2). Reported per row: the median
+(``benchmarks/_blocks.py``); a block's time is the slowest rank's (stage 2's parameter all-gather ends inside
+``step()``, so inside the clock). Reported per row: the median
 block time over all runs; per ratio: the median over rounds of the ratio of two rows' blocks of the same round, and
 how many rounds meet issue 14's targets (stage 2 <= 0.95x fanfold DDP + Adam, <= 0.80x torch's pair).
 
@@ -85,8 +84,7 @@ def wrap(row: str, model: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer, 
         return ddp, torch.optim.Adam(model.parameters(), lr=1e-4), None
     opt = fanfold.ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=1e-4)
     ddp.shard_gradients(opt)
-    # state_dict() waits for the parameter gathers still in flight (docs/zero.md): the block pays for its own, and
-    # the next row runs without them (nor the mode that watches reads while they are pending).
+    # a read of the parameters at the block's end, inside the clock (the gathers end inside step())
     return ddp, opt, model.state_dict
 
 

@@ -469,7 +469,7 @@ def check_in_process(cfg: Config) -> None:
         if cfg.dropout_only:
             check_masks(got, cfg)
         if cfg.random:
-            # a cell's masks depend on the pass's seed, its stage and micro-batch only (pipeline/rng.py), so a
+            # a cell's masks depend on the pass's seed, its stage and micro-batch only (pipeline/stage.py), so a
             # checkpointed pipeline draws exactly the masks of the same pipeline without checkpointing
             if cfg.checkpoint != "never":
                 plain = _pipeline(cfg, checkpoint="never")

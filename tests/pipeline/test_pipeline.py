@@ -309,7 +309,7 @@ class RecordingDropout(nn.Dropout):
 
 def test_checkpointed_dropout_on_stages_sharing_a_generator_recomputes_the_same_masks():
     """Two CPU stages share torch's CPU generator and run at the same time: each recomputation still draws its own
-    forward's masks (each cell's generator state, rng.py), with no warning and no fallback to one thread. More in
+    forward's masks (each cell's generator state, stage.py), with no warning and no fallback to one thread. More in
     test_pipeline_rng.py."""
     drops = [RecordingDropout(0.5), RecordingDropout(0.5)]
     layers = [nn.Linear(8, 32), drops[0], nn.Linear(32, 32), drops[1], nn.Linear(32, 4)]

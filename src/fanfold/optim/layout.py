@@ -1,7 +1,5 @@
 """Where each rank's shard lies: members laid end to end in flat spaces cut into equal slices, the pieces of a rank's
-slices (one per parameter it touches), and the optimizer state per piece, cut and glued back.
-Pure arithmetic, no collective; design and figures: docs/zero.md.
-"""
+slices (one per parameter it touches), and the optimizer state per piece, cut and glued back. No collective."""
 from __future__ import annotations
 
 from bisect import bisect_right
@@ -10,7 +8,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Piece", "PieceState", "Space", "plan_spaces", "pieces_of", "check_elementwise", "assemble", "cut"]
+__all__ = ["Piece", "PieceState", "Space", "plan_spaces", "pieces_of", "assemble", "cut"]
 
 
 @dataclass(frozen=True)
@@ -32,8 +30,8 @@ class Piece:
 @dataclass(frozen=True)
 class Space:
     """Members ``indices`` of one dtype and device laid end to end (``indices[k]``: ``numels[k]`` elements from
-    ``starts[k]``), cut into ``world`` slices of ``shard`` elements (the last ones short or empty): ZeRO's flat
-    parameters, or at stage 2 one DDP bucket. Rank ``r`` owns slice ``r``."""
+    ``starts[k]``), cut into ``world`` slices of ``shard`` elements (the last ones short or empty); rank r owns slice
+    r. ZeRO's flat parameters, or at stage 2 one DDP bucket."""
 
     dtype: torch.dtype
     device: torch.device
@@ -52,8 +50,7 @@ class Space:
         return lo, min(lo + self.shard, self.total)
 
     def spans(self, lo: int, hi: int) -> list[tuple[int, int, int, int]]:
-        """The members under flat positions ``lo:hi``: ``(index, a, b, at)`` for member ``index``'s flat elements
-        ``a:b``, found at ``at`` from ``lo``."""
+        """``(index, a, b, at)``: member ``index``'s elements ``a:b`` under ``lo:hi``, at ``at`` from ``lo``."""
         out, k = [], max(0, bisect_right(self.starts, lo) - 1)
         while k < len(self.indices) and self.starts[k] < hi:
             start = self.starts[k]
@@ -72,7 +69,7 @@ def laid_end_to_end(dtype: torch.dtype, device: torch.device, indices: list[int]
 
 def plan_spaces(params: list[torch.Tensor], world: int) -> list[Space]:
     """One :class:`Space` per (dtype, device), in order of first appearance; parameters keep their order."""
-    members: dict[tuple, list[int]] = {}  # dicts keep insertion order: the order of first appearance
+    members: dict[tuple, list[int]] = {}
     for i, p in enumerate(params):
         members.setdefault((p.dtype, p.device), []).append(i)
     return [laid_end_to_end(dtype, device, idx, [params[i].numel() for i in idx], world)
@@ -85,20 +82,8 @@ def pieces_of(spaces: list[Space], groups: list[int], rank: int) -> list[Piece]:
             space.spans(*space.slice(rank))]
 
 
-# torch optimizers whose update of one element depends on other elements of the same parameter: a slice would not
-# step as the whole parameter does. Every other class is taken at its word, as torch's ZeroRedundancyOptimizer does.
-NOT_ELEMENTWISE = ("LBFGS", "SparseAdam", "Adafactor", "Muon")
-
-
-def check_elementwise(optimizer_class: type) -> None:
-    bad = [n for n in NOT_ELEMENTWISE if getattr(torch.optim, n, None) is optimizer_class]
-    if bad:
-        raise ValueError(f"ZeroRedundancyOptimizer: {bad[0]} does not update each element independently, so "
-                         f"it cannot step slices of parameters")
-
-
 @dataclass
-class PieceState:  # one piece's optimizer state, as it travels to the rank that consolidates
+class PieceState:  # one piece's optimizer state, as it travels between ranks
     index: int
     start: int
     stop: int
@@ -130,7 +115,7 @@ def assemble(records: list[PieceState], params: list[torch.Tensor]) -> dict[int,
 
 
 def cut(state: dict, piece: Piece, param: torch.Tensor) -> dict:
-    """The part of one parameter's torch state that belongs to ``piece``. Tensors are copied: a view would keep the
-    full tensor alive, and a shared ``step`` would be counted up by two optimizers."""
+    """``piece``'s part of one parameter's torch state, copied: a view would keep the full tensor alive, and a shared
+    ``step`` would be counted up by two optimizers."""
     return {k: v.reshape(-1)[piece.start:piece.stop].clone() if _elementwise(k, v, param.shape)
             else v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}

@@ -1,18 +1,12 @@
 """ZeRO stage 2: the reducer's gradient strategy that reduce-scatters each full bucket and keeps only this rank's
-part of the average, and the parameters laid flat per bucket, all-gathered after the step while the next forward
-waits only where it reads a bucket still in flight. Design and memory: docs/zero.md.
-"""
+part of the average, and the parameters laid flat per bucket, all-gathered in place after the step."""
 from __future__ import annotations
 
-import warnings
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.overrides import TorchFunctionMode
 
-from ..collectives.protocol import Transport
 from ..distributed.comm_hooks import GradBucket
 from ..distributed.reducer import BUILT_IN, Reducer
 from .layout import Space, laid_end_to_end
@@ -21,10 +15,7 @@ __all__ = ["GradientShards", "check_shards"]
 
 
 @dataclass
-class _Flight:
-    """The bucket whose reduction is under way: its handle (None: done) and where its result lands (this rank's part,
-    or a temporary added to what the part holds: ``accumulate``)."""
-
+class _Flight:  # the bucket under reduction: its handle (None: done), its result (the part, or a temporary to add)
     bucket: int
     handle: Any
     result: torch.Tensor
@@ -33,35 +24,31 @@ class _Flight:
 
 class GradientShards:
     """This rank's parts of every bucket's averaged gradient: filled by ``reducer`` (its ``GradientStrategy``), read
-    by the optimizer. Bucket b is a :class:`Space` over the reducer's parameters; ``module``: where reads of the
-    parameters wait for their gather."""
+    by the optimizer. Bucket b is a :class:`Space` over the reducer's parameters."""
 
-    def __init__(self, reducer: Reducer, module: torch.nn.Module | None = None):
-        self.reducer, self.params, self.module = reducer, reducer.params, module
-        t = reducer.transport
-        self.rank, self.world_size = t.rank, t.world_size
+    def __init__(self, reducer: Reducer):
+        self.reducer, self.params = reducer, reducer.params
+        self.rank, self.world_size = reducer.transport.rank, reducer.transport.world_size
         self.layout = [laid_end_to_end(self.params[m[0]].dtype, self.params[m[0]].device, list(m),
                                        [self.params[i].numel() for i in m], self.world_size)
                        for m in reducer.buckets]
         self.parts = [torch.zeros(s.shard, dtype=s.dtype, device=s.device) for s in self.layout]
         self.filled = [False] * len(self.layout)  # parts[b] holds gradients not yet zeroed: they accumulate
         self.present = [False] * len(self.params)  # parameter i has a gradient: some rank used it
-        self._staging: dict[tuple, torch.Tensor] = {}  # one buffer per (dtype, device): the largest bucket
+        self._staging: dict[tuple, torch.Tensor] = {}  # one buffer per (dtype, device): the largest bucket's size
         self._flight: _Flight | None = None
         self._launched: list[int] = []
-        self.gather: ParamGather | None = None  # the parameters laid flat (lay_flat) and their gather after a step
+        self.flats: list[torch.Tensor] = []  # the parameters laid flat, one tensor per bucket (lay_flat)
 
-    # ---- the reducer's side (GradientStrategy): launch, finish, write-back --------------------------------------
-    def _stage(self, s: Space, dtype: torch.dtype | None = None) -> torch.Tensor:
-        key = (dtype or s.dtype, s.device)
+    def _stage(self, s: Space) -> torch.Tensor:
+        key = (s.dtype, s.device)
         if key not in self._staging:
-            size = max(x.shard for x in self.layout if (x.dtype, x.device) == (s.dtype, s.device)) * self.world_size
-            self._staging[key] = torch.empty(size, dtype=key[0], device=s.device)
+            size = max(x.shard for x in self.layout if (x.dtype, x.device) == key) * self.world_size
+            self._staging[key] = torch.empty(size, dtype=s.dtype, device=s.device)
         return self._staging[key][:s.shard * self.world_size]
 
     def launch(self, b: int) -> None:
-        """Bucket ``b`` is full: its gradients into the staging buffer (their ``.grad`` freed), its reduction
-        started. Called in bucket order on every rank, as every collective must be."""
+        """Bucket ``b`` is full: its gradients into the staging buffer (``.grad`` freed), its reduction started."""
         r, s = self.reducer, self.layout[b]
         self._launched.append(b)
         self.finish()  # the bucket in flight gives the staging buffer back
@@ -77,12 +64,10 @@ class GradientShards:
         accumulate = self.filled[b]
         if r.hook in BUILT_IN:
             narrow, divisor = BUILT_IN[r.hook], r.hook_divisor
-            send = flat
-            if narrow is not None:
-                if narrow == torch.float16:  # divide first: the sum of N gradients could overflow float16
-                    flat.div_(divisor)
-                    divisor = None
-                send = self._stage(s, narrow).copy_(flat)
+            if narrow == torch.float16:  # divide first: the sum of N gradients could overflow float16
+                flat.div_(divisor)
+                divisor = None
+            send = flat if narrow is None else flat.to(narrow)
             out = self.parts[b] if narrow is None and not accumulate else \
                 torch.empty(s.shard, dtype=send.dtype, device=s.device)
             if self.world_size == 1:  # no collective: the part is the whole bucket
@@ -96,7 +81,6 @@ class GradientShards:
         self._flight = _Flight(b, handle, out, accumulate)
 
     def finish(self) -> None:
-        """Wait for the bucket in flight; its result into this rank's part."""
         f, self._flight = self._flight, None
         if f is None:
             return
@@ -118,12 +102,8 @@ class GradientShards:
                 if used is None or used[i] > 0:
                     self.present[i] = True
         self._launched = []
-        for key in [k for k in self._staging if k[0] not in {s.dtype for s in self.layout}]:
-            del self._staging[key]  # one staging buffer stays (the next backward's); compression's narrow ones go
 
-    # ---- the optimizer's side: read the parts, gather the parameters ----------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """The optimizer's ``zero_grad``: torch's meaning for this rank's parts."""
         if set_to_none:
             self.present = [False] * len(self.params)
             self.filled = [False] * len(self.layout)
@@ -132,12 +112,27 @@ class GradientShards:
                 part.zero_()
 
     def grad(self, i: int, b: int, offset: int, numel: int) -> torch.Tensor | None:
-        """Parameter ``i``'s averaged gradient at ``offset:offset + numel`` of this rank's part of bucket ``b``."""
         return self.parts[b][offset:offset + numel] if self.present[i] else None
 
+    @torch.no_grad()
     def lay_flat(self) -> None:
         """The parameters become views of one flat tensor per bucket (their gathers write straight into them)."""
-        self.gather = ParamGather(self.layout, self.params, self.reducer.transport, self.module)
+        for s in self.layout:
+            flat = torch.zeros(s.shard * self.world_size, dtype=s.dtype, device=s.device)
+            for i, start, numel in zip(s.indices, s.starts, s.numels):
+                p, view = self.params[i], flat[start:start + numel]
+                view.copy_(p.detach().reshape(-1))
+                p.data = view.view(p.shape)  # the Parameter object, its hooks and .grad stay
+            self.flats.append(flat)
+
+    @torch.no_grad()
+    def gather_params(self) -> None:
+        if self.world_size == 1:
+            return
+        t = self.reducer.transport
+        for work in [t.all_gather(flat[self.rank * s.shard:][:s.shard], flat, b)
+                     for b, (s, flat) in enumerate(zip(self.layout, self.flats))]:
+            work.wait()
 
 
 class _HookPart:
@@ -161,8 +156,7 @@ class _HookPart:
 
 
 def check_shards(shards: GradientShards, params: list[torch.Tensor], rank: int, world_size: int) -> list[int]:
-    """The optimizer's index of each of the reducer's parameters; ValueError unless both hold the same parameters
-    over the same ranks."""
+    """The optimizer's index of each of the reducer's parameters; ValueError unless both hold the same ones."""
     if (shards.rank, shards.world_size) != (rank, world_size):
         raise ValueError(f"ZeroRedundancyOptimizer (rank {rank} of {world_size}): the DistributedDataParallel is rank "
                          f"{shards.rank} of {shards.world_size}; both must use the same process group")
@@ -177,117 +171,3 @@ def check_shards(shards: GradientShards, params: list[torch.Tensor], rank: int, 
                          f"the DistributedDataParallel's trainable parameters; {len(missing)} of DDP's are not in the "
                          f"optimizer, and optimizer parameters {extra[:10]} are not trained by DDP")
     return mine
-
-
-# ---- the parameters' gather after the step ------------------------------------------------------------------------
-# Tensor attributes and methods that read metadata only: no wait (zero_grad reads p.grad of every parameter).
-_META = frozenset(
-    [getattr(torch.Tensor, a).__get__ for a in ("grad", "shape", "dtype", "device", "requires_grad", "is_leaf",
-                                                "grad_fn", "layout", "is_sparse", "ndim", "_version", "is_cuda")]
-    + [torch.Tensor.grad.__set__, torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel,
-       torch.Tensor.is_contiguous, torch.Tensor.stride, torch.Tensor.element_size, torch.Tensor.requires_grad_,
-       torch.Tensor.register_hook, torch.Tensor.register_post_accumulate_grad_hook])
-
-
-class _PendingReads(TorchFunctionMode):
-    """Waits for the bucket of any tensor argument whose gather is in flight. It holds the gathers' handles, not the
-    :class:`ParamGather`: reads still wait once the optimizer and the wrapper are collected with gathers in flight."""
-
-    def __init__(self, gather: ParamGather):
-        super().__init__()
-        self.pending, self.storage = gather.pending, gather.storage
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if self.pending and func not in _META:
-            for a in (*args, *(kwargs or {}).values()):
-                for t in (a if isinstance(a, (list, tuple)) else (a,)):
-                    if isinstance(t, torch.Tensor):
-                        _wait_for(self.pending, self.storage, t)
-        return func(*args, **(kwargs or {}))
-
-
-def _pop_idle_modes() -> None:
-    """Pop every :class:`_PendingReads` on top of this thread's stack whose gathers are all done (or gone): a mode
-    cannot pop itself while it runs, and a mode under another one must stay until that one is popped."""
-    while (n := torch._C._len_torch_function_stack()) > 0:
-        top = torch._C._get_function_stack_at(n - 1)
-        if not isinstance(top, _PendingReads) or top.pending:
-            return
-        torch._C._pop_torch_function_stack()
-
-
-def _wait_for(pending: dict, storage: dict, t: torch.Tensor) -> None:
-    """Wait for the gather of the bucket ``t`` lies in (``storage``: bucket by storage address), if in flight."""
-    try:
-        b = storage.get(t.untyped_storage().data_ptr())
-    except (RuntimeError, NotImplementedError):  # sparse and other storage-less tensors: not a bucket
-        return
-    if b is not None and b in pending:
-        for done in list(pending):  # earlier ones first: the transports complete them in order
-            pending.pop(done).wait()
-            if done == b:
-                break
-
-
-def _wait_all(ref: weakref.ref, *_: Any) -> None:
-    gather = ref()
-    if gather is not None:
-        gather.wait_all()
-
-
-class ParamGather:
-    """The parameters of ``layout``'s buckets laid flat, and their gather (issue, per-bucket waits)."""
-
-    def __init__(self, layout: list[Space], params: list[torch.Tensor], transport: Transport,
-                 module: torch.nn.Module | None):
-        self.layout, self.transport = layout, transport
-        self.rank, self.world_size = transport.rank, transport.world_size
-        self.flats: list[torch.Tensor] = []
-        with torch.no_grad():
-            for s in layout:
-                flat = torch.zeros(s.shard * self.world_size, dtype=s.dtype, device=s.device)
-                for i, start, numel in zip(s.indices, s.starts, s.numels):
-                    view = flat[start:start + numel]
-                    view.copy_(params[i].detach().reshape(-1))
-                    params[i].data = view.view(params[i].shape)  # the Parameter object, its hooks and .grad stay
-                self.flats.append(flat)
-        self.storage = {f.untyped_storage().data_ptr(): b for b, f in enumerate(self.flats)}
-        # The forward reads the parameters roughly in registration order; DDP's buckets hold them in reverse.
-        self.order = sorted(range(len(layout)), key=lambda b: min(layout[b].indices))
-        self.pending: dict[int, Any] = {}  # bucket -> handle of its gather, in issue order
-        self._announced: set[str] = set()
-        scripted = module is not None and any(isinstance(m, torch.jit.ScriptModule) for m in module.modules())
-        self.why_not = "the model holds TorchScript modules, whose reads of the parameters cannot be seen" \
-            if scripted else None
-        self._hooks = []
-        if module is not None:
-            ref = weakref.ref(self)
-            self._hooks.append(module.register_forward_hook(lambda *a: _wait_all(ref)))
-            self._hooks += [m.register_state_dict_pre_hook(lambda *a: _wait_all(ref)) for m in module.modules()]
-            weakref.finalize(self, lambda hooks: [h.remove() for h in hooks], self._hooks)
-
-    @torch.no_grad()
-    def issue(self) -> None:
-        """Start gathering every bucket (collective); with the mode pushed, return with the gathers in flight."""
-        self.wait_all()  # also pops the modes left by earlier gathers (this one's or another model's)
-        if self.world_size == 1:
-            return
-        for b in self.order:
-            s, flat = self.layout[b], self.flats[b]
-            self.pending[b] = self.transport.all_gather(flat[self.rank * s.shard:][:s.shard], flat, b)
-        why = self.why_not or (None if torch._C._len_torch_function_stack() == 0 else
-                               "another TorchFunctionMode is active when step() returns")
-        if why is not None:
-            if why not in self._announced:
-                self._announced.add(why)
-                warnings.warn(f"fanfold ZeRO stage 2 (rank {self.rank}): the parameter gather after step() is not "
-                              f"overlapped with the next forward, step() waits for it: {why}", stacklevel=3)
-            self.wait_all()
-            return
-        torch._C._push_on_torch_function_stack(_PendingReads(self))
-
-    def wait_all(self) -> None:
-        """Wait for every gather in flight; pop the modes that have nothing left to wait for."""
-        while self.pending:
-            self.pending.pop(next(iter(self.pending))).wait()
-        _pop_idle_modes()

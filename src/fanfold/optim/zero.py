@@ -1,43 +1,39 @@
 """``ZeroRedundancyOptimizer``: any torch optimizer, its state sharded over the ranks of a process group (ZeRO-1;
 stage 2 with ``DistributedDataParallel.shard_gradients``). Each rank steps 1-D views of its equal slice of the flat
-parameters (``layout``), then the slices are all-gathered. Design: docs/zero.md.
-"""
+parameters (``layout``), then the slices are all-gathered. ``clip_grad_norm_`` over such sharded gradients: every
+p-norm combines from per-rank partial sums, one collective of a scalar."""
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from .._core.job import rank_world
 from ..collectives.objects import all_gather_object, gather_object
 from ..collectives.stall import group_transport
 from ..distributed.reducer import Reducer
-from .layout import (
-    PieceState,
-    assemble,
-    check_elementwise,
-    cut,
-    pieces_of,
-    plan_spaces,
-)
+from .layout import PieceState, assemble, cut, pieces_of, plan_spaces
 from .sharded_grads import GradientShards, check_shards
 
-__all__ = ["ZeroRedundancyOptimizer"]
+__all__ = ["ZeroRedundancyOptimizer", "clip_grad_norm_"]
 
 # Elements received per all-gather round after a step (all ranks' parts together): the step's extra memory.
 GATHER_ELEMENTS = 1 << 22
+# torch optimizers whose update of one element depends on other elements of the same parameter: a slice would not
+# step as the whole parameter does. Every other class is taken at its word, as torch's ZeroRedundancyOptimizer does.
+NOT_ELEMENTWISE = ("LBFGS", "SparseAdam", "Adafactor", "Muon")
 
 
 def _numbered(param_groups: list[dict]) -> list[dict]:
     """torch's ``state_dict`` form of parameter groups: the options, and the parameters as running indices."""
-    out, at = [], 0
-    for g in param_groups:
-        n = len(g["params"])
-        out.append({**{k: v for k, v in g.items() if k != "params"}, "params": list(range(at, at + n))})
-        at += n
-    return out
+    ends = itertools.accumulate(len(g["params"]) for g in param_groups)
+    return [{**{k: v for k, v in g.items() if k != "params"}, "params": list(range(end - len(g["params"]), end))}
+            for g, end in zip(param_groups, ends)]
 
 
 class ZeroRedundancyOptimizer(torch.optim.Optimizer):
@@ -57,7 +53,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
             raise TypeError(f"ZeroRedundancyOptimizer: optimizer_class must be a torch.optim.Optimizer subclass "
                             f"(e.g. torch.optim.Adam), got {optimizer_class!r}")
-        check_elementwise(optimizer_class)
+        bad = [n for n in NOT_ELEMENTWISE if getattr(torch.optim, n, None) is optimizer_class]
+        if bad:
+            raise ValueError(f"ZeroRedundancyOptimizer: {bad[0]} does not update each element independently, so "
+                             f"it cannot step slices of parameters")
         if parameters_as_bucket_view:
             raise ValueError("ZeroRedundancyOptimizer: parameters_as_bucket_view=True is not supported; fanfold "
                              "writes the gathered slices straight into the parameters already")
@@ -76,24 +75,22 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self.defaults = dict(self.optim.defaults)
         self._ready = True
 
-    # ---- layout -----------------------------------------------------------------------------------------------
     def _check_same_params(self) -> None:
-        mine = [(g, tuple(p.shape), str(p.dtype)) for g, group in enumerate(self.param_groups) for p in group["params"]]
         if self.world_size == 1:
             return
+        mine = [(g, tuple(p.shape), str(p.dtype)) for g, group in enumerate(self.param_groups) for p in group["params"]]
         every = all_gather_object(mine, group=self.process_group)
         for r, theirs in enumerate(every):
-            if theirs != every[0]:
-                diff = next((i for i, (a, b) in enumerate(zip(theirs, every[0])) if a != b), min(len(theirs),
-                                                                                                  len(every[0])))
-                show = lambda fp: fp[diff] if diff < len(fp) else "nothing"  # noqa: E731
+            pairs = list(itertools.zip_longest(theirs, every[0], fillvalue="nothing"))
+            diff = next((i for i, (a, b) in enumerate(pairs) if a != b), None)
+            if diff is not None:
                 raise ValueError(f"ZeroRedundancyOptimizer: rank {r}'s parameters differ from rank 0's ({len(theirs)} "
                                  f"vs {len(every[0])} parameters; parameter {diff} as (group, shape, dtype): "
-                                 f"{show(theirs)} on rank {r}, {show(every[0])} on rank 0); every rank must pass the "
+                                 f"{pairs[diff][0]} on rank {r}, {pairs[diff][1]} on rank 0); every rank must pass the "
                                  f"same parameters")
 
     def _build(self) -> None:
-        """(Re)compute this rank's pieces and a fresh inner optimizer over 1-D views of them, group for group."""
+        """This rank's pieces and a fresh inner optimizer over 1-D views of them, group for group."""
         self._params = [p for g in self.param_groups for p in g["params"]]
         groups = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
         for i, p in enumerate(self._params):
@@ -120,8 +117,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             ig.update({k: v for k, v in g.items() if k != "params"})
 
     def _shard_grads(self) -> list[torch.Tensor]:
-        """Point each piece's view's ``.grad`` at its slice of the parameter's gradient; return the views that got
-        one."""
+        """Point each piece's view's ``.grad`` at its slice of the gradient; the views that got one."""
         for pc, v in zip(self._pieces, self._views):
             p = self._params[pc.index]
             if self._stage2 is not None:  # the reducer's parts of the averaged gradients
@@ -136,16 +132,12 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 v.grad = p.grad.view(-1)[pc.start:pc.stop]
         return [v for v in self._views if v.grad is not None]
 
-    # ---- the step -----------------------------------------------------------------------------------------------
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        """Step this rank's slice with the inner optimizer, then all-gather the parameters (collective; stage 2:
-        returns with the gathers in flight, every read of a parameter waits for its own)."""
+        """Step this rank's slice with the inner optimizer, then all-gather the parameters (collective)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self._stage2 is not None:
-            self._stage2.gather.wait_all()  # the last step's gather, still in flight if no forward read the parameters
         self._sync_hyper()
         self._shard_grads()
         try:
@@ -153,7 +145,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         finally:
             for v in self._views:  # a view would keep the whole gradient alive after zero_grad
                 v.grad = None
-        self._gather_params() if self._stage2 is None else self._stage2.gather.issue()
+        self._gather_params() if self._stage2 is None else self._stage2.gather_params()
         self._consolidated = None
         return loss
 
@@ -166,23 +158,20 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
 
     def gradient_strategy(self, reducer: Reducer, module: torch.nn.Module | None = None) -> GradientShards:
         """Stage 2, for ``DistributedDataParallel.shard_gradients(self)`` on every rank (collective): the slices become
-        this rank's parts of ``reducer``'s buckets, the state moves to match; returns the reducer's strategy.
-        ``module``: where reads of the parameters wait for their gather."""
-        shards = GradientShards(reducer, module)
+        this rank's parts of ``reducer``'s buckets, the state moves to match; the reducer's strategy. Not ``module``."""
+        shards = GradientShards(reducer)
         self._opt_index = check_shards(shards, self._params, self.rank, self.world_size)
-        full = self._full_state_everywhere()
+        full = self._full_state()
         shards.lay_flat()  # the parameters become views of DDP's buckets: the views below must be taken after
         self._stage2 = shards
         self._ddp_index = {k: i for i, k in enumerate(self._opt_index)}
         self._build()
         self._load_full(full)
-        self._consolidated = None
         return shards
 
     @torch.no_grad()
     def _gather_params(self) -> None:
-        """Every rank's updated slice to every rank, in rounds of at most ``GATHER_ELEMENTS`` received elements (one
-        bucket of extra memory, not a copy of the model)."""
+        """Every rank's updated slice to every rank, in rounds of at most ``GATHER_ELEMENTS`` received elements."""
         if self.world_size == 1:
             return
         n = self.world_size
@@ -198,7 +187,6 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                     send.zero_()  # the last slices are padded to equal size
                 for i, a, b, at in space.spans(mine, mine + w):
                     send[at:at + b - a].copy_(flat[i][a:b])
-                # through the group's inspected transport: numbered, bounded by the stall timeout, diagnosed
                 group_transport(self.process_group, "ZeroRedundancyOptimizer").all_gather(send[:w], out[:w * n]).wait()
                 for q in range(n):
                     if q == self.rank:
@@ -207,26 +195,20 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                     for i, a, b, at in space.spans(base, base + w):
                         flat[i][a:b].copy_(out[q * w + at:q * w + at + b - a])
 
-    # ---- state ------------------------------------------------------------------------------------------------
-    def _records(self) -> list[PieceState]:
-        return [PieceState(pc.index, pc.start, pc.stop, dict(self.optim.state.get(v, {})))
-                for pc, v in zip(self._pieces, self._views)]
-
-    def _full_state_everywhere(self) -> dict[int, dict]:
-        every: list = [self._records()]
+    def _full_state(self, to: int | None = None) -> dict[int, dict] | None:
+        """Every rank's pieces of the state assembled on every rank (``to`` None) or on rank ``to`` (else None)."""
+        every: list | None = [[PieceState(pc.index, pc.start, pc.stop, dict(self.optim.state.get(v, {})))
+                               for pc, v in zip(self._pieces, self._views)]]
         if self.world_size > 1:
-            every = all_gather_object(self._records(), group=self.process_group)
-        return assemble([r for rs in every for r in rs], self._params)
+            every = all_gather_object(every[0], group=self.process_group) if to is None else \
+                gather_object(every[0], dst=to, group=self.process_group)
+        return assemble([r for rs in every for r in rs], self._params) if to in (None, self.rank) else None
 
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather every rank's slice of the state on rank ``to`` of the group (collective: call it on every rank)."""
         if not isinstance(to, int) or not 0 <= to < self.world_size:
             raise ValueError(f"consolidate_state_dict: to={to!r} is not a rank of the group (0..{self.world_size - 1})")
-        every: list | None = [self._records()]
-        if self.world_size > 1:
-            every = gather_object(self._records(), dst=to, group=self.process_group)
-        self._consolidated = assemble([r for rs in every for r in rs], self._params) if self.rank == to else None
-        self._consolidated_to = to
+        self._consolidated, self._consolidated_to = self._full_state(to), to
 
     def state_dict(self) -> dict[str, Any]:
         """The whole optimizer state in torch's format, as ``optimizer_class`` over the same parameters returns it.
@@ -259,13 +241,13 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         for g, sg in zip(self.param_groups, saved):
             g.update({k: v for k, v in sg.items() if k != "params"})
         self._load_full({index[pid]: s for pid, s in state_dict["state"].items()})
-        self._consolidated = None
 
     def _load_full(self, full: Mapping[int, dict]) -> None:
         self._sync_hyper()
         state = {k: cut(full[pc.index], pc, self._params[pc.index]) for k, pc in enumerate(self._pieces)
                  if pc.index in full}
         self.optim.load_state_dict({"state": state, "param_groups": _numbered(self.optim.param_groups)})
+        self._consolidated = None
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group; the flat layout changes, so the state is re-sharded (collective: call it on every rank)."""
@@ -275,9 +257,59 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         if self._stage2 is not None:
             raise RuntimeError("ZeroRedundancyOptimizer.add_param_group: not possible once gradients are sharded "
                                "(DistributedDataParallel.shard_gradients): the slices follow DDP's buckets")
-        full = self._full_state_everywhere()
+        full = self._full_state()
         super().add_param_group(param_group)
         self._check_same_params()
         self._build()
         self._load_full(full)
-        self._consolidated = None
+
+
+def _partial(norms: list[torch.Tensor], p: float) -> torch.Tensor:
+    if not norms:
+        return torch.full((), math.inf if p == -math.inf else 0.0, dtype=torch.float64)
+    every = torch.stack(norms)
+    return every.max() if p == math.inf else every.min() if p == -math.inf else (every ** p).sum()
+
+
+def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                    foreach: bool | None = None, *, process_group: Any = None) -> torch.Tensor:
+    """Clip gradients to a total ``norm_type``-norm of at most ``max_norm``; return the total norm (before clipping).
+
+    ``parameters`` is what ``torch.nn.utils.clip_grad_norm_`` takes (and then this *is* torch's function), or a
+    :class:`ZeroRedundancyOptimizer`: the norm is then taken over the whole model from each rank's slice of the
+    (averaged) gradients, and only this rank's slice is scaled, which is all its step reads. With ``process_group``
+    the given tensors' gradients are this rank's disjoint shard of the model's. Sharded calls are collectives.
+    """
+    if isinstance(parameters, ZeroRedundancyOptimizer):  # its 1-D views, each holding its slice's gradient
+        held, group, world = parameters._shard_grads(), parameters.process_group, parameters.world_size
+    elif process_group is not None:
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        held, group = [p for p in params if p.grad is not None], process_group
+        world = dist.get_world_size(group)
+    else:
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
+    p = float(norm_type)
+    if p == 0:
+        raise ValueError("clip_grad_norm_: norm_type=0 is not supported over sharded gradients (torch's 0-norm counts "
+                         "whole tensors with a non-zero gradient, which a rank holding slices cannot count)")
+    # Per-rank partial sums travel in float64 so that every rank sends the same dtype whatever its shard holds.
+    grads = [t.grad for t in held]
+    norms = [torch.linalg.vector_norm(g, p).to(torch.float64).cpu() for g in grads]
+    total = _partial(norms, p)
+    if world > 1:
+        transport = group_transport(group, "clip_grad_norm_")
+        total = total.to(grads[0].device if grads else total.device).reshape(1)
+        if p in (math.inf, -math.inf):  # the transport sums: the extreme of every rank's partial, gathered
+            every = total.new_empty(world)
+            transport.all_gather(total, every).wait()
+            total = every.max() if p == math.inf else every.min()
+        else:
+            transport.all_reduce(total).wait()
+            total = total[0]
+    if p not in (math.inf, -math.inf):
+        total = total ** (1.0 / p)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(f"clip_grad_norm_: the total norm of order {norm_type} of the gradients is {total.item()} "
+                           f"(non-finite); pass error_if_nonfinite=False to clip anyway")
+    torch.nn.utils.clip_grads_with_norm_(held, max_norm, total, foreach)
+    return total.to(grads[0].dtype) if grads else total

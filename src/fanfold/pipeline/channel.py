@@ -1,6 +1,5 @@
 """How stages hand each other activations and gradients: the ``Channel`` interface, ``ThreadChannel`` between
-threads of one process and ``ProcessChannel`` over torch.distributed point-to-point messages.
-"""
+threads of one process and ``ProcessChannel`` over torch.distributed point-to-point messages."""
 from __future__ import annotations
 
 import pickle
@@ -22,12 +21,6 @@ Kind = Literal["activation", "grad", "abort"]
 class StageAborted(RuntimeError):
     """This stage stopped because another stage failed (that stage's error is the one to read)."""
 
-
-def _bytes(t: torch.Tensor) -> bytearray:
-    # not Tensor.numpy(): numpy is not a dependency
-    out = bytearray(t.numel())
-    torch.frombuffer(out, dtype=torch.uint8).copy_(t)
-    return out
 
 @dataclass
 class Message:
@@ -77,16 +70,11 @@ class ThreadChannel:
                 inbox.put(Message(src, "abort", -1))
 
 
-# ---- between processes: a header (the structure, each tensor's dtype and shape: the receiver does not know them, the
-# last micro-batch is smaller), then the tensors, one tag per (kind, micro-batch); sends are asynchronous and completed
-# at the end of the pass (``finish``) ------------------------------------------------------------------------------
-_FIRST = 512  # bytes in the first message: the header's length, then the header; a longer one follows in a second
-
-
+# ---- between processes: the header's length, the header (the structure, each tensor's dtype and shape: the receiver
+# does not know them, the last micro-batch is smaller), then the tensors, one tag per (kind, micro-batch); sends are
+# asynchronous and completed at the end of the pass (``finish``) ----------------------------------------------------
 @dataclass(frozen=True)
-class _Slot:
-    """A tensor's place in a message's structure: what the receiver allocates for it."""
-
+class _Slot:  # a tensor's place in a message's structure: what the receiver allocates for it
     dtype: torch.dtype
     shape: tuple[int, ...]
 
@@ -113,43 +101,34 @@ class ProcessChannel:
         self.wire = wire  # where tensors travel: host memory for gloo, the device for nccl
         self._pending: list[tuple[Any, torch.Tensor]] = []
 
-    @staticmethod
-    def _tag(kind: Kind, microbatch: int) -> int:
-        return 2 * microbatch + (0 if kind == "activation" else 1)
-
     def send(self, src: int, dst: int, kind: Kind, microbatch: int, value: Any) -> None:
         header, payload = encode(value)
-        data = bytearray(len(header).to_bytes(8, "little") + header)
-        data += bytes(max(0, _FIRST - len(data)))
-        raw = torch.frombuffer(data, dtype=torch.uint8).to(self.wire)
-        heads = [raw[:_FIRST], raw[_FIRST:]] if len(data) > _FIRST else [raw]
-        tag, peer = self._tag(kind, microbatch), self.ranks[dst]
-        for t in (*heads, *(p.detach().to(self.wire).contiguous() for p in payload)):
+        heads = (torch.tensor([len(header)], dtype=torch.int64), torch.frombuffer(bytearray(header), dtype=torch.uint8))
+        tag, peer = 2 * microbatch + (kind != "activation"), self.ranks[dst]
+        for t in (*heads, *payload):
+            t = t.detach().to(self.wire).contiguous()
             # each tensor stays referenced until its send completes
             self._pending.append((dist.isend(t, peer, tag=tag), t))
         self._pending = [(w, t) for w, t in self._pending if not w.is_completed()]
 
     def recv(self, dst: int, src: int, kind: Kind, microbatch: int) -> Any:
-        tag, peer = self._tag(kind, microbatch), self.ranks[src]
+        tag, peer = 2 * microbatch + (kind != "activation"), self.ranks[src]
 
         def receive(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
             t = torch.empty(shape, dtype=dtype, device=self.wire)
             dist.recv(t, peer, tag=tag)
             return t
 
-        data = _bytes(receive(torch.Size([_FIRST]), torch.uint8))
-        size = int.from_bytes(data[:8], "little")
-        if 8 + size > _FIRST:
-            data += _bytes(receive(torch.Size([8 + size - _FIRST]), torch.uint8))
-        return decode(data[8:8 + size], receive)
+        size = int(receive(torch.Size([1]), torch.int64))
+        # bytes through tolist(), not Tensor.numpy(): numpy is not a dependency
+        return decode(bytes(receive(torch.Size([size]), torch.uint8).tolist()), receive)
 
     def abort(self, src: int) -> None:
         # another process cannot be woken from here: its receive ends at the group's timeout, or the launcher
         # (fanfold run / fanfold.launch) stops every rank as soon as this one exits with the error
         pass
 
-    def finish(self) -> None:
-        """Wait until every send of this pass has completed."""
+    def finish(self) -> None:  # every send of this pass completed
         pending, self._pending = self._pending, []
         for work, _ in pending:
             work.wait()

@@ -1,9 +1,8 @@
 """How a pipeline cuts its work: a sequential model into stages (a checked ``balance``, or one evening out parameter
-counts or measured time), and a batch into micro-batches along dim 0 (``torch.chunk``'s sizes, fanfold's ``scatter``
-and ``gather``), with each micro-batch's loss weight.
-"""
+counts or measured time), and a batch into micro-batches along dim 0, with their loss weights."""
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections import OrderedDict
@@ -15,14 +14,13 @@ from torch import nn
 
 from .._core.tree import flatten
 from ..parallel.scatter_gather import gather, scatter
-from .stage import map_tensors, tensor_leaves
+from .stage import buffers_kept, map_tensors, tensor_leaves
 
-__all__ = ["layers_of", "resolve_balance", "balance_by_parameters", "balance_by_time", "stage_modules",
-           "chunk_sizes", "batch_size", "split", "join", "loss_weights"]
+__all__ = ["layers_of", "resolve_balance", "balance_by_parameters", "balance_by_time", "stage_modules", "batch_size",
+           "split", "join", "loss_weights"]
 
 
 def layers_of(module: Any) -> list[tuple[str, nn.Module]]:
-    """The (name, layer) pairs of a sequential model; TypeError for anything that is not a sequence of modules."""
     if isinstance(module, nn.Sequential):
         layers = list(module.named_children())
     elif isinstance(module, (list, tuple, nn.ModuleList)):
@@ -45,7 +43,6 @@ def layers_of(module: Any) -> list[tuple[str, nn.Module]]:
 
 def resolve_balance(balance: Any, layers: list[tuple[str, nn.Module]], stages: int,
                     sample_input: Any = None) -> list[int]:
-    """``balance`` as a list of layer counts, one per stage, checked against ``layers`` and ``stages``."""
     n = len(layers)
     if stages > n:
         raise ValueError(f"{stages} stages but the model has only {n} layers: every stage needs at least one layer")
@@ -70,29 +67,20 @@ def resolve_balance(balance: Any, layers: list[tuple[str, nn.Module]], stages: i
 
 
 def _partition(costs: Sequence[float], parts: int) -> list[int]:
-    """Contiguous split of ``costs`` into ``parts`` non-empty runs minimising (largest run cost, largest run length):
-    an exact dynamic programme."""
-    n = len(costs)
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-    inf = (float("inf"), n + 1)
-    # best[p][i]: the best key splitting the first i layers into p runs; cut[p][i]: where the last run starts
-    best = [[inf] * (n + 1) for _ in range(parts + 1)]
-    cut = [[0] * (n + 1) for _ in range(parts + 1)]
-    best[0][0] = (0.0, 0)
+    """Contiguous split of ``costs`` into ``parts`` non-empty runs minimising (largest run cost, largest run length),
+    by dynamic programming."""
+    n, prefix = len(costs), [0.0, *itertools.accumulate(costs)]
+    # best[p][i]: (the best key splitting the first i layers into p runs, where its last run starts); ties: the
+    # earliest start
+    best = [[((math.inf, n + 1), 0)] * (n + 1) for _ in range(parts + 1)]
+    best[0][0] = ((0.0, 0), 0)
     for p in range(1, parts + 1):
         for i in range(p, n - (parts - p) + 1):
-            for j in range(p - 1, i):
-                prev = best[p - 1][j]
-                if prev == inf:
-                    continue
-                key = (max(prev[0], prefix[i] - prefix[j]), max(prev[1], i - j))
-                if key < best[p][i]:
-                    best[p][i], cut[p][i] = key, j
+            best[p][i] = min(((max(best[p - 1][j][0][0], prefix[i] - prefix[j]), max(best[p - 1][j][0][1], i - j)), j)
+                             for j in range(p - 1, i))
     sizes, i = [], n
     for p in range(parts, 0, -1):
-        j = cut[p][i]
+        j = best[p][i][1]
         sizes.append(i - j)
         i = j
     return sizes[::-1]
@@ -104,64 +92,43 @@ def balance_by_parameters(layers: Sequence[nn.Module], stages: int) -> list[int]
     return _partition(costs, stages)
 
 
-def _sync(tensors: Sequence[torch.Tensor]) -> None:
-    for t in tensors:
-        if t.device.type != "cpu":
-            torch.accelerator.synchronize(t.device)
-            return
-
-
 def _detached(obj: Any) -> Any:
     # not a leaf: a first layer working in place is allowed, as in the model
     return map_tensors(obj, lambda t: t.detach().requires_grad_().clone() if t.is_floating_point() else t.detach())
 
 
 def balance_by_time(layers: Sequence[nn.Module], sample_input: Any, stages: int, repeat: int = 3) -> list[int]:
-    """Layer counts per stage that even out the measured forward + backward time of one sample batch: each layer on
-    its device now, the median of ``repeat`` runs after a warm-up. ``.grad`` and the buffers are restored after."""
+    """Layer counts per stage that even out the forward + backward time of ``sample_input`` (each layer on its device,
+    the median of ``repeat`` runs after a warm-up). ``.grad`` and the buffers are restored after."""
     saved = [(p, p.grad) for m in layers for p in m.parameters()]
-    buffers = [(b, b.detach().clone()) for m in layers for b in m.buffers()]
     costs: list[float] = []
     x = sample_input
     try:
-        for layer in layers:
-            times = []
-            for _ in range(repeat + 1):
-                inp = _detached(x)
-                start = time.perf_counter()
-                out = layer(inp)
-                outs = [t for t in tensor_leaves(out) if t.requires_grad]
-                if outs:
-                    torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
-                _sync(tensor_leaves(out))
-                times.append(time.perf_counter() - start)
-            costs.append(sorted(times[1:])[len(times[1:]) // 2])
-            x = _detached(out)
+        with buffers_kept(nn.ModuleList(layers)):
+            for layer in layers:
+                times = []
+                for _ in range(repeat + 1):
+                    inp = _detached(x)
+                    start = time.perf_counter()
+                    out = layer(inp)
+                    outs = [t for t in tensor_leaves(out) if t.requires_grad]
+                    if outs:
+                        torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+                    for device in {t.device for t in tensor_leaves(out) if t.device.type != "cpu"}:
+                        torch.accelerator.synchronize(device)
+                    times.append(time.perf_counter() - start)
+                costs.append(sorted(times[1:])[len(times[1:]) // 2])
+                x = _detached(out)
     finally:
         for p, g in saved:
             p.grad = g
-        with torch.no_grad():
-            for b, copy in buffers:
-                b.copy_(copy)
     return _partition(costs, stages)
 
 
 def stage_modules(layers: list[tuple[str, nn.Module]], balance: list[int]) -> list[nn.Sequential]:
     """One ``nn.Sequential`` per stage over the same layer objects, each layer under its original name."""
-    out, start = [], 0
-    for count in balance:
-        out.append(nn.Sequential(OrderedDict(layers[start:start + count])))
-        start += count
-    return out
-
-
-# ---- micro-batches -----------------------------------------------------------------------------------------------
-def chunk_sizes(batch: int, chunks: int) -> list[int]:
-    """Rows per micro-batch with ``torch.chunk`` semantics; ``[0]`` for an empty batch."""
-    if batch == 0:
-        return [0]
-    size = math.ceil(batch / chunks)
-    return [size] * (batch // size) + ([batch % size] if batch % size else [])
+    ends = list(itertools.accumulate(balance))
+    return [nn.Sequential(OrderedDict(layers[end - count:end])) for count, end in zip(balance, ends)]
 
 
 def _tensor_leaves(obj: Any, path: str) -> list[tuple[Any, torch.Tensor]]:
@@ -169,7 +136,6 @@ def _tensor_leaves(obj: Any, path: str) -> list[tuple[Any, torch.Tensor]]:
 
 
 def batch_size(obj: Any, name: str) -> int:
-    """The common size along dim 0 of the tensors in ``obj``; ValueError naming ``name`` if they disagree."""
     leaves = _tensor_leaves(obj, name)
     if not leaves:
         raise ValueError(f"{name} holds no tensor: a pipeline splits its batch along dim 0 into micro-batches")
@@ -184,12 +150,10 @@ def batch_size(obj: Any, name: str) -> int:
 
 
 def split(obj: Any, sizes: list[int], device: torch.device) -> list[Any]:
-    """``obj`` cut along dim 0 into ``sizes`` rows, every micro-batch on ``device`` (differentiable)."""
     return scatter(obj, [device] * len(sizes), 0, sizes)
 
 
 def join(outputs: list[Any], device: torch.device) -> Any:
-    """The micro-batches' outputs concatenated along dim 0 on ``device`` (differentiable)."""
     for path, t in _tensor_leaves(outputs[0], "output"):
         if t.dim() == 0:
             raise ValueError(f"the last stage returned a 0-dim tensor at {path}: a pipeline's output must keep the "
@@ -198,8 +162,7 @@ def join(outputs: list[Any], device: torch.device) -> Any:
 
 
 def loss_weights(sizes: list[int], reduction: str) -> list[float]:
-    """The factor of each micro-batch's loss so that their sum is the whole batch's loss: ``rows_m / batch`` for a
-    ``"mean"`` loss, 1 for a ``"sum"``."""
+    """Each micro-batch's loss factor, so that their sum is the whole batch's loss."""
     if reduction == "sum":
         return [1.0] * len(sizes)
     if reduction == "mean":

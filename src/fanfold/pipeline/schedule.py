@@ -1,6 +1,5 @@
 """Pipeline schedules, ``(stages, microbatches) -> clock cycles`` of :class:`Step` (``gpipe``, ``one_f_one_b``), and
-``clocked``: per-stage orders into cycles, the check every executor relies on (an order it completes cannot deadlock).
-"""
+``clocked``: per-stage orders into cycles, the check that an order cannot deadlock."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
@@ -41,19 +40,17 @@ def gpipe(stages: int, microbatches: int) -> Iterator[list[Step]]:
                for s in reversed(range(stages)) if 0 <= k - (stages - 1 - s) < microbatches]
 
 
-def _one_f_one_b_order(stage: int, stages: int, microbatches: int) -> list[Step]:
-    warmup = min(stages - 1 - stage, microbatches)
-    order = [Step(stage, m, "F") for m in range(warmup)]
-    for m in range(warmup, microbatches):
-        order += [Step(stage, m, "F"), Step(stage, m - warmup, "B")]
-    order += [Step(stage, m, "B") for m in range(microbatches - warmup, microbatches)]
-    return order
-
-
 def one_f_one_b(stages: int, microbatches: int) -> Iterator[list[Step]]:
     """1F1B (PipeDream-flush): warm-up forwards, then one forward and one backward in turn, then the last backwards."""
     _check(stages, microbatches)
-    yield from clocked([_one_f_one_b_order(s, stages, microbatches) for s in range(stages)])
+    orders = []
+    for s in range(stages):
+        warmup = min(stages - 1 - s, microbatches)
+        order = [Step(s, m, "F") for m in range(warmup)]
+        for m in range(warmup, microbatches):
+            order += [Step(s, m, "F"), Step(s, m - warmup, "B")]
+        orders.append(order + [Step(s, m, "B") for m in range(microbatches - warmup, microbatches)])
+    yield from clocked(orders)
 
 
 def clocked(orders: list[list[Step]]) -> Iterator[list[Step]]:
@@ -110,7 +107,6 @@ _SCHEDULES: dict[str, ScheduleFn] = {"gpipe": gpipe, "1f1b": one_f_one_b}
 
 
 def resolve(schedule: str | ScheduleFn) -> ScheduleFn:
-    """A schedule function from its name ("gpipe", "1f1b") or the function itself."""
     if callable(schedule):
         return schedule
     if schedule not in _SCHEDULES:

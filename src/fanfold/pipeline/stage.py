@@ -1,12 +1,14 @@
-"""One stage's share of a pass (:class:`StageRun`), whichever thread or process runs it: forward and backward steps,
-activation checkpointing, and in training the deferred weight gradients of its ``nn.Linear`` layers. Design:
-docs/pipeline.md.
-"""
+"""One stage's share of a pass (:class:`StageRun`), on a thread or a process: forward and backward steps,
+activation checkpointing, in training the deferred weight gradients of its ``nn.Linear`` layers, and its random
+numbers: each (micro-batch, stage) cell draws from a generator seeded from (the pass's seed, stage, micro-batch), so a
+recomputation draws its forward's masks. Cells on a shared generator take a lock per pass."""
 from __future__ import annotations
 
 import contextlib
+import functools
+import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,45 +19,36 @@ from torch.utils.checkpoint import checkpoint
 
 from .._core.tree import flatten, unflatten
 from .channel import Channel
-from .rng import StageRandom
 from .schedule import Step
 
-__all__ = ["StageRun", "StepTime", "CHECKPOINT_MODES", "WeightGradAccumulator", "tensor_leaves",
-           "map_tensors"]
+__all__ = ["StageRun", "StepTime", "CHECKPOINT_MODES", "WeightGradAccumulator", "tensor_leaves", "map_tensors",
+           "buffers_kept", "StageRandom", "draws_random_numbers", "pass_seed", "stage_randoms"]
 
 CHECKPOINT_MODES = ("never", "except_last", "always")
 
 
 def tensor_leaves(obj: Any) -> list[torch.Tensor]:
-    """The tensors of an activation (nested containers of tensors), in ``_core.tree``'s order: the one contract
-    between a sender's outputs and the gradients it receives back for them."""
+    """The tensors of an activation in ``_core.tree``'s order: the gradients sent back for it follow that order."""
     return [x for _, x in flatten(obj)[0] if isinstance(x, torch.Tensor)]
 
 
 def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
-    """``obj`` with every tensor replaced by ``fn(tensor)``, in the order of :func:`tensor_leaves`."""
     leaves, spec = flatten(obj)
     return unflatten(spec, [fn(x) if isinstance(x, torch.Tensor) else x for _, x in leaves])
 
 
 # ---- weight gradients of nn.Linear layers after the input gradients -------------------------------------------------
-def _hooked(p: torch.Tensor | None) -> bool:
-    return p is not None and bool(getattr(p, "_backward_hooks", None) or
-                                  getattr(p, "_post_accumulate_grad_hooks", None))
-
-
 def _eligible(m: nn.Module) -> bool:
     if type(m) is not nn.Linear:
         return False
     w, b = m.weight, m.bias
-    return (w.is_floating_point() and w.is_contiguous()
-            and (b is None or b.dtype == w.dtype) and not _hooked(w) and not _hooked(b))
+    hooked = any(getattr(p, "_backward_hooks", None) or getattr(p, "_post_accumulate_grad_hooks", None)
+                 for p in (w, b))  # a hook expects AccumulateGrad to run
+    return w.is_floating_point() and w.is_contiguous() and (b is None or b.dtype == w.dtype) and not hooked
 
 
 @dataclass
-class _Rows:
-    """A layer's output-gradient and input rows waiting for their product."""
-
+class _Rows:  # a layer's output-gradient and input rows waiting for their product
     weight: nn.Parameter
     bias: nn.Parameter | None
     grads: list[torch.Tensor] = field(default_factory=list)
@@ -89,23 +82,21 @@ class WeightGradAccumulator:
 
     @contextlib.contextmanager
     def linears(self, module: nn.Module) -> Iterator[None]:
-        """While inside, the eligible ``nn.Linear`` layers of ``module`` send their parameter gradients here."""
+        """Inside, the eligible ``nn.Linear`` layers of ``module`` send their parameter gradients here."""
         patched = [m for m in module.modules() if _eligible(m) and "forward" not in vars(m)]
         for m in patched:
-            m.forward = self._forward(m, m.forward)
+            m.forward = functools.partial(self._forward, m, m.forward)
         try:
             yield
         finally:
             for m in patched:
                 del m.forward
 
-    def _forward(self, m: nn.Linear, original: Any) -> Any:
-        def forward(x: torch.Tensor) -> torch.Tensor:
-            if not (torch.is_grad_enabled() and x.dtype == m.weight.dtype and x.dim() >= 1
-                    and not torch.is_autocast_enabled(x.device.type)):
-                return original(x)
-            return _DeferredLinear.apply(x, m.weight, m.bias, self)
-        return forward
+    def _forward(self, m: nn.Linear, original: Any, x: torch.Tensor) -> torch.Tensor:
+        if not (torch.is_grad_enabled() and x.dtype == m.weight.dtype and x.dim() >= 1
+                and not torch.is_autocast_enabled(x.device.type)):
+            return original(x)
+        return _DeferredLinear.apply(x, m.weight, m.bias, self)
 
     def add(self, weight: nn.Parameter, bias: nn.Parameter | None, grad: torch.Tensor, x: torch.Tensor) -> None:
         pending = self._pending.setdefault(id(weight), _Rows(weight, bias))
@@ -113,7 +104,6 @@ class WeightGradAccumulator:
         pending.inputs.append(x)
 
     def step(self) -> None:
-        """Every pending product into ``.grad``."""
         while self._pending:
             self._apply(self._pending.popitem()[1])
 
@@ -124,17 +114,86 @@ class WeightGradAccumulator:
         x = rows.inputs[0] if len(rows.inputs) == 1 else torch.cat(rows.inputs)
         w, b = rows.weight, rows.bias
         if w.requires_grad:
-            if w.grad is None:
-                w.grad = g.t().mm(x)
-            elif w.grad.is_contiguous() and w.grad.dtype == g.dtype:
+            if w.grad is not None and w.grad.is_contiguous() and w.grad.dtype == g.dtype:
                 w.grad.addmm_(g.t(), x)  # the product accumulates where it is written: no temporary
             else:
-                w.grad.add_(g.t().mm(x))
+                w.grad = g.t().mm(x) if w.grad is None else w.grad.add_(g.t().mm(x))
         if b is not None and b.requires_grad:
-            if b.grad is None:
-                b.grad = g.sum(0)
-            else:
-                b.grad.add_(g.sum(0))
+            b.grad = g.sum(0) if b.grad is None else b.grad.add_(g.sum(0))
+
+
+# ---- random numbers per cell -----------------------------------------------------------------------------------------
+_MASK = (1 << 64) - 1
+_RANDOM = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+
+
+def draws_random_numbers(module: nn.Module) -> bool:
+    """True if ``module`` holds a layer known to draw random numbers in its current mode (dropout in training)."""
+    return any(m.training and ((isinstance(m, _RANDOM) and m.p > 0) or isinstance(m, nn.RReLU) or
+                               (isinstance(m, nn.MultiheadAttention) and m.dropout > 0))
+               for m in module.modules())
+
+
+def pass_seed() -> int:
+    # one draw from the caller's CPU generator, so that torch.manual_seed fixes a pass's masks
+    return int(torch.randint(1 << 62, (), dtype=torch.int64))
+
+
+def cell_seed(seed: int, stage: int, microbatch: int) -> int:
+    """splitmix64 of the pass seed and the cell's position: the CPU generator keeps only a seed's low 32 bits, so
+    every bit of the result must depend on every input bit."""
+    z = (seed + 0x9E3779B97F4A7C15 * (1 + (stage << 32) + microbatch)) & _MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return z ^ (z >> 31)
+
+
+def _get_state(device: torch.device) -> torch.Tensor:
+    if device.type == "cpu":
+        return torch.get_rng_state()
+    return torch.get_device_module(device.type).get_rng_state(device)
+
+
+def _set_state(device: torch.device, state: torch.Tensor) -> None:
+    if device.type == "cpu":
+        torch.set_rng_state(state)
+    else:
+        torch.get_device_module(device.type).set_rng_state(state, device)
+
+
+@dataclass
+class StageRandom:
+    """Stage ``stage``'s random numbers in a pass seeded ``seed``, on ``device``'s generator. ``lock``: shared by the
+    stages on that generator, else None. ``drew``: whether a cell of this stage drew in this pass."""
+
+    seed: int
+    stage: int
+    device: torch.device
+    lock: threading.RLock | None = None
+    drew: bool = field(default=False, compare=False)
+
+    @contextlib.contextmanager
+    def cell(self, microbatch: int) -> Iterator[None]:
+        """Micro-batch ``microbatch``'s draws, the same each time this is entered (forward, then recomputation)."""
+        with self.lock if self.lock is not None else contextlib.nullcontext():
+            saved = _get_state(self.device)
+            seeded = torch.Generator(self.device).manual_seed(cell_seed(self.seed, self.stage, microbatch)).get_state()
+            _set_state(self.device, seeded)
+            try:
+                yield
+                self.drew = self.drew or not torch.equal(_get_state(self.device), seeded)
+            finally:
+                # the caller's generator continues where it was, whatever the cells drew
+                _set_state(self.device, saved)
+
+
+def stage_randoms(seed: int, devices: Sequence[torch.device], may_draw: Sequence[bool]) -> list[StageRandom | None]:
+    """Each stage's ``StageRandom`` for a pass (None where ``may_draw`` is False: left alone); the stages that draw
+    on one device share a lock."""
+    drawing = [d for d, m in zip(devices, may_draw) if m]
+    locks = {d: threading.RLock() for d in set(drawing) if drawing.count(d) > 1}
+    return [StageRandom(seed, s, d, locks.get(d)) if m else None
+            for s, (d, m) in enumerate(zip(devices, may_draw))]
 
 
 @dataclass(frozen=True)
@@ -149,16 +208,15 @@ class StepTime:
 
 
 def _fresh(x: Any) -> Any:
-    """``x`` with its tensors that require grad copied: in-place ops on a leaf that requires grad are refused, and
-    on a checkpoint's saved input they would corrupt the recomputation."""
+    # in-place ops on a leaf that requires grad are refused, and on a checkpoint's saved input they would corrupt the
+    # recomputation: such tensors are copied
     return map_tensors(x, lambda t: t.clone() if t.requires_grad else t)
 
 
 @contextlib.contextmanager
-def _buffers_kept(module: nn.Module) -> Iterator[None]:
-    # Put back through .data, which does not bump the buffer's version: another micro-batch's graph may have saved
-    # the buffer (BatchNorm saves its running statistics, in training mode too), and its backward would then refuse
-    # it as modified in place. Safe: BatchNorm's backward reads them only in eval mode, where they do not change.
+def buffers_kept(module: nn.Module) -> Iterator[None]:
+    # put back through .data, which keeps the buffer's version: another micro-batch's graph may have saved it
+    # (BatchNorm's running statistics), and its backward would refuse a modified one
     saved = [(b, b.detach().clone()) for b in module.buffers()]
     try:
         yield
@@ -170,11 +228,9 @@ def _buffers_kept(module: nn.Module) -> Iterator[None]:
 @dataclass
 class StageRun:
     """Stage ``index`` of ``stages`` (``module`` on ``device``) during one pass of ``microbatches`` micro-batches.
-
-    ``inputs`` (first stage) are its micro-batches; ``targets``, ``loss_fn`` and ``weights`` (last stage, training)
-    make the loss. ``train=False`` is the connected mode: the last stage keeps its outputs in ``outputs``.
-    ``random``: the stage's generator state per micro-batch in this pass (None: the pass leaves randomness alone).
-    """
+    ``inputs`` (first stage) are its micro-batches; ``targets``, ``loss_fn``, ``weights`` (last stage, training) make
+    the loss. ``train=False``: the connected mode, the last stage keeps ``outputs``. ``random``: None leaves the
+    generator alone."""
 
     index: int
     stages: int
@@ -196,25 +252,15 @@ class StageRun:
     _started: float | None = None
     _weights: WeightGradAccumulator = field(default_factory=WeightGradAccumulator)
 
-    @property
-    def first(self) -> bool:
-        return self.index == 0
-
-    @property
-    def last(self) -> bool:
-        return self.index == self.stages - 1
-
     def run(self, step: Step) -> None:
         self._started = None
-        # detached training: each stage owns its graph and its .grad, so its linear layers may accumulate their
-        # weight gradients in place (WeightGradAccumulator); the connected mode leaves backward to autograd
+        # detached training: each stage owns its graph and .grad (the connected mode leaves backward to autograd)
         with self._weights.linears(self.module) if self.train else contextlib.nullcontext():
             if step.phase == "F":
                 self.forward(step.microbatch)
             else:
                 self.backward(step.microbatch)
-                # the weight gradients after the input gradients went upstream: the previous stage is not kept
-                # waiting for products that only this stage needs
+                # after the input gradients went upstream: the previous stage does not wait for these products
                 self._weights.step()
         end = time.perf_counter()
         self.timeline.append(StepTime(step.stage, step.microbatch, step.phase, self._started or end, end))
@@ -225,22 +271,17 @@ class StageRun:
 
     def _call(self, x: Any, m: int, own: bool) -> Any:
         """The stage on ``x``; ``own``: ``x`` holds this stage's own leaves, which it must not modify in place."""
-        mode = self.checkpoint
-        module = self.module
-        random = self.random
+        module, random, mode = self.module, self.random, self.checkpoint
         cell = (lambda: random.cell(m)) if random is not None else contextlib.nullcontext
         if torch.is_grad_enabled() and (mode == "always" or (mode == "except_last" and m < self.microbatches - 1)):
 
             @contextlib.contextmanager
             def recomputing() -> Iterator[None]:
-                with _buffers_kept(module), cell():
+                with buffers_kept(module), cell():
                     yield
 
-            # the copy is made inside the checkpointed function: checkpoint saves its inputs for the recomputation,
-            # and a first layer working in place (ReLU(inplace=True)) must not modify what was saved. torch's own
-            # saved generator state is never used: the cell replays the draws, and a stage without a cell draws
-            # nothing (rng.py), while torch would set the shared generator outside any lock, under another
-            # stage's forward
+            # the copy inside the checkpointed function: a first layer working in place must not modify the saved
+            # input. Not torch's saved generator state: it would be set outside the cell's lock
             with cell():
                 return checkpoint(lambda x: module(_fresh(x)), x, use_reentrant=False, preserve_rng_state=False,
                                   context_fn=lambda: (contextlib.nullcontext(), recomputing()))
@@ -252,12 +293,9 @@ class StageRun:
 
         def leaf(t: torch.Tensor) -> torch.Tensor:
             t = t.to(device)
-            if not t.is_floating_point() and not t.is_complex():
-                leaves.append(None)
-                return t
-            own = t.detach().requires_grad_()
+            own = t.detach().requires_grad_() if t.is_floating_point() or t.is_complex() else None
             leaves.append(own)
-            return own
+            return t if own is None else own
 
         x = map_tensors(x, leaf)
         self._leaves[m] = leaves
@@ -265,32 +303,29 @@ class StageRun:
 
     def forward(self, m: int) -> None:
         s, device = self.index, self.device
-        x = self.inputs[m] if self.first else self.channel.recv(s, s - 1, "activation", m)
+        first, last = s == 0, s == self.stages - 1
+        x = self.inputs[m] if first else self.channel.recv(s, s - 1, "activation", m)
         self._received()
-        if not self.train:
-            out = self._call(x if self.first else map_tensors(x, lambda t: t.to(device)), m, own=False)
-            if self.last:
-                self.outputs[m] = out
-            else:
-                self.channel.send(s, s + 1, "activation", m, out)
-            return
-        out = self._call(x if self.first else self._receive_leaves(x, m), m, own=not self.first)
-        if self.last:
+        if self.train:
+            out = self._call(x if first else self._receive_leaves(x, m), m, own=not first)
+        else:  # connected: one graph spans the stages
+            out = self._call(x if first else map_tensors(x, lambda t: t.to(device)), m, own=False)
+        if last and self.train:
             loss = self.loss_fn(out, self.targets[m]) if self.targets is not None else self.loss_fn(out)
             if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
                 raise ValueError(f"loss_fn must return a 0-dim tensor, got {type(loss).__name__} "
                                  f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else loss!r}")
-            weighted = loss * self.weights[m]
-            self.outputs[m] = weighted
-            self.loss = weighted.detach() if self.loss is None else self.loss + weighted.detach()
-        else:
+            out = loss * self.weights[m]
+            self.loss = out.detach() if self.loss is None else self.loss + out.detach()
+        if last or self.train:
             self.outputs[m] = out
-            self.channel.send(s, s + 1, "activation", m, map_tensors(out, torch.Tensor.detach))
+        if not last:
+            self.channel.send(s, s + 1, "activation", m, map_tensors(out, torch.Tensor.detach) if self.train else out)
 
     def backward(self, m: int) -> None:
         s = self.index
         out = self.outputs.pop(m)
-        if self.last:
+        if s == self.stages - 1:
             self._received()
             out.backward()
         else:
@@ -301,5 +336,5 @@ class StageRun:
             if pairs:
                 torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
         leaves = self._leaves.pop(m, [])
-        if not self.first:
+        if s > 0:
             self.channel.send(s, s - 1, "grad", m, [None if t is None else t.grad for t in leaves])
