@@ -97,13 +97,30 @@ def unpack_moments(total: torch.Tensor, dtype: torch.dtype) -> Moments:
     return Moments(count, mean, var)
 
 
-def _channels(v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    return v.view([1, -1] + [1] * (x.dim() - 2))
+def _part_sums(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, var: torch.Tensor, weight: torch.Tensor | None,
+               eps: float, need_dx: bool) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """``(w * invstd * dy if need_dx, sum(dy * xhat), sum(dy))`` over this part, by torch's kernel."""
+    if x.numel() == 0:  # the kernel divides by the element count: an empty part contributes nothing
+        zeros = var.new_zeros(var.shape)
+        return (torch.zeros_like(x) if need_dx else None), zeros, zeros
+    # evaluation mode on the given statistics. CUDA's kernel wants every optional tensor defined (on an H100 it failed
+    # on None): the saved statistics are empty (it then takes the given ones), a missing weight is ones
+    saved = mean.new_empty(0)
+    return torch.ops.aten.native_batch_norm_backward(dy, x, torch.ones_like(var) if weight is None else weight, mean,
+                                                     var, saved, saved, False, eps, [need_dx, True, True])
+
+
+def _affine_grads(gw: torch.Tensor, gb: torch.Tensor, weight: torch.Tensor | None, need_w: bool,
+                  need_b: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    # weight and bias exist together, or the bias alone is absent (bias=False): both take the weight's dtype
+    if (need_w or need_b) and gw.dtype != weight.dtype:
+        gw, gb = gw.to(weight.dtype), gb.to(weight.dtype)
+    return (gw if need_w else None), (gb if need_b else None)
 
 
 class Normalize(Function):
-    """BatchNorm of one part on given statistics; backward: the direct ``dx``, ``dL/dmean``, ``dL/dvar`` and the
-    part's own share of the weight's and bias's gradients."""
+    """BatchNorm of one part on statistics from ``BatchStats``; backward: the direct ``dx``, ``dL/dmean``,
+    ``dL/dvar`` and the part's own share of the weight's and bias's gradients."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, mean: torch.Tensor, var: torch.Tensor, weight: torch.Tensor | None,
@@ -116,16 +133,7 @@ class Normalize(Function):
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, mean, var, weight = ctx.saved_tensors
         need_x, need_mean, need_var, need_w, need_b = ctx.needs_input_grad[:5]
-        if x.numel() == 0:  # the kernel divides by the element count: an empty part contributes nothing
-            gw = gb = var.new_zeros(var.shape)
-            dx = torch.zeros_like(x) if need_x else None
-        else:
-            # evaluation mode on the given statistics. CUDA's kernel wants every optional tensor defined (on an H100
-            # it failed on None): the saved statistics are empty (it then takes the given ones), a missing weight ones
-            saved = mean.new_empty(0)
-            dx, gw, gb = torch.ops.aten.native_batch_norm_backward(
-                dy, x, torch.ones_like(var) if weight is None else weight, mean, var, saved, saved, False, ctx.eps,
-                [need_x, True, True])
+        dx, gw, gb = _part_sums(dy, x, mean, var, weight, ctx.eps, need_x)
         dmean = dvar = None
         if need_mean or need_var:
             wide = wide_dtype(var.device)
@@ -133,10 +141,43 @@ class Normalize(Function):
             scale = invstd if weight is None else invstd * weight.to(wide)
             dmean = (-scale * gb.to(wide)).to(mean.dtype)
             dvar = (scale * invstd * gw.to(wide) * -0.5).to(var.dtype)
-        # weight and bias exist together, or the bias alone is absent (bias=False): both take the weight's dtype
-        if (need_w or need_b) and gw.dtype != weight.dtype:
-            gw, gb = gw.to(weight.dtype), gb.to(weight.dtype)
-        return dx, dmean, dvar, (gw if need_w else None), (gb if need_b else None), None
+        return dx, dmean, dvar, *_affine_grads(gw, gb, weight, need_w, need_b), None
+
+
+class SyncNormalize(Normalize):
+    """``SyncNormalize.apply(x, mean, var, weight, bias, eps, count, reduce)``: ``Normalize`` on constant statistics
+    whose backward computes the whole ``dx`` with one collective (``reduce``), made before the weight's and bias's
+    gradients reach autograd: after them it would queue behind DDP's bucket, which they make ready."""
+
+    @staticmethod
+    def forward(ctx: Any, *args: Any) -> torch.Tensor:
+        ctx.count, ctx.reduce = args[6:]
+        return Normalize.forward(ctx, *args[:6])
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, mean, var, weight = ctx.saved_tensors
+        need_x, _, _, need_w, need_b = ctx.needs_input_grad[:5]
+        _, gw, gb = _part_sums(dy, x, mean, var, weight, ctx.eps, False)
+        dx = None
+        if need_x:
+            total = ctx.reduce(torch.cat((gb, gw)).to(wide_dtype(x.device)))  # the backward's one collective
+            dx = torch.zeros_like(x) if x.numel() == 0 else _whole_batch_dx(dy, x, mean, var, weight, total, ctx)
+        return dx, None, None, *_affine_grads(gw, gb, weight, need_w, need_b), None, None, None
+
+
+def _whole_batch_dx(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, var: torch.Tensor,
+                    weight: torch.Tensor | None, total: torch.Tensor, ctx: Any) -> torch.Tensor:
+    """``dx = a * dy + (x - mean) * k1 + k0`` per channel, with ``a = w * invstd``, ``k0 = -a * sum(dy) / M`` and
+    ``k1 = -a * invstd * sum(dy * xhat) / M`` from ``total`` = ``[sum(dy) | sum(dy * xhat)]`` over the whole batch."""
+    invstd = torch.rsqrt(var + ctx.eps)
+    a = invstd if weight is None else invstd * weight
+    coef = torch.cat((a, a * invstd)).div_(-ctx.count)
+    k0, k1 = total.to(coef.dtype).mul_(coef).view((2, -1) + (1,) * (x.dim() - 2)).unbind(0)
+    # in place after x - mean (not x * k1 - mean * k1, which cancels when |mean| >> std); not addcmul(k0, x - mean,
+    # k1): its broadcast first operand takes a slow kernel on CPU (5x one in-place pass)
+    dx = (x - mean.view(k0.shape)).mul_(k1).addcmul_(dy, a.view(k0.shape)).add_(k0)
+    return dx if dx.dtype == x.dtype else dx.to(x.dtype)
 
 
 class BatchStats(Function):
@@ -172,7 +213,8 @@ class BatchStats(Function):
             else:
                 a = (total[:c] / count).to(x.device, mean.dtype)
                 b = (total[c:] * (2.0 / count)).to(x.device, mean.dtype)
-                out.append((x - _channels(mean, x)).mul_(_channels(b, x)).add_(_channels(a, x)).to(x.dtype))
+                shape = [1, -1] + [1] * (x.dim() - 2)
+                out.append((x - mean.view(shape)).mul_(b.view(shape)).add_(a.view(shape)).to(x.dtype))
         return tuple(out)
 
 
@@ -327,32 +369,34 @@ class SyncBatchNorm(_BatchNorm):
                       outer: GroupSum | None) -> torch.Tensor:
         """Training with the whole batch's statistics; ``factor``: the running statistics' update, if kept."""
         vec = pack_moments(x)
-        reduce = (lambda packed: packed) if outer is None else functools.partial(outer, phase=BACKWARD)
-        stats, i = None, 0
-        if link is None:  # ranks only
-            total = outer(vec, FORWARD)
-        elif link.concurrent_backward:  # each replica runs its backward in its own thread: they meet there again
-            meet = functools.partial(link.rendezvous.meet, link.index)
-            total = meet(vec, functools.partial(_sum_parts, outer=outer, phase=FORWARD), "forward")
-
-            def reduce(packed: torch.Tensor) -> torch.Tensor:
-                return meet(packed, functools.partial(_sum_parts, outer=outer, phase=BACKWARD), "backward").to(
-                    packed.device)
-        else:
+        if link is not None and not link.concurrent_backward and torch.is_grad_enabled():
             # autograd's engine runs the replicas' backward one after another: one statistics node joins them all
+            identity = (lambda packed: packed) if outer is None else functools.partial(outer, phase=BACKWARD)
+
             def combine(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, tuple | None]:
                 total = _sum_parts([v for v, _ in parts], outer, FORWARD)
                 moments = unpack_moments(total, torch.float64)
                 if moments.count == 1:
                     return total, None  # each replica raises its own error
-                return total, BatchStats.apply(moments, reduce, *[p for _, p in parts])
+                return total, BatchStats.apply(moments, identity, *[p for _, p in parts])
 
             total, stats = link.rendezvous.meet(link.index, (vec, x), combine, "forward")
+            self._update(total, x, factor)
             i = link.index
-        moments = self._update(total, x, factor)
-        if stats is None:
-            stats = BatchStats.apply(moments, reduce, x)
-        return Normalize.apply(x, stats[2 * i], stats[2 * i + 1], self.weight, self.bias, self.eps)
+            return Normalize.apply(x, stats[2 * i], stats[2 * i + 1], self.weight, self.bias, self.eps)
+        if link is None:  # ranks only
+            moments = self._update(outer(vec, FORWARD), x, factor)
+            reduce = functools.partial(outer, phase=BACKWARD)
+        else:  # replicas (and ranks, if any), each running its own backward in its own thread
+            meet = functools.partial(link.rendezvous.meet, link.index)
+            moments = self._update(meet(vec, functools.partial(_sum_parts, outer=outer, phase=FORWARD), "forward"), x,
+                                   factor)
+
+            def reduce(packed: torch.Tensor) -> torch.Tensor:
+                return meet(packed, functools.partial(_sum_parts, outer=outer, phase=BACKWARD), "backward").to(
+                    packed.device)
+        return SyncNormalize.apply(x, moments.mean, moments.var, self.weight, self.bias, self.eps, moments.count,
+                                   reduce)
 
     def _update(self, total: torch.Tensor, x: torch.Tensor, factor: float | None) -> Moments:
         """The whole batch's moments from the parts' summed vectors; checks the count, moves the running statistics."""
