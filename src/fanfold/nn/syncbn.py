@@ -147,7 +147,7 @@ class Normalize(Function):
 class SyncNormalize(Normalize):
     """``SyncNormalize.apply(x, mean, var, weight, bias, eps, count, reduce)``: ``Normalize`` on constant statistics
     whose backward computes the whole ``dx`` with one collective (``reduce``), made before the weight's and bias's
-    gradients reach autograd: after them it would queue behind DDP's bucket, which they make ready."""
+    gradients reach autograd and DDP's hooks (docs/syncbn.md: the gradients)."""
 
     @staticmethod
     def forward(ctx: Any, *args: Any) -> torch.Tensor:
@@ -304,7 +304,6 @@ class ReplicaLink:
 
 
 def _sum_parts(vecs: list[torch.Tensor], outer: GroupSum | None, phase: int) -> torch.Tensor:
-    """The replicas' vectors summed in replica order, then over the ranks when there are several."""
     total = vecs[0].clone()
     for v in vecs[1:]:
         total += v.to(total.device)

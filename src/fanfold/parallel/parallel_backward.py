@@ -31,7 +31,6 @@ def _with_tensor(leaf: Any, tensor: torch.Tensor) -> Any:
 
 
 def _leaves_of(outputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """The tensors of the ``AccumulateGrad`` nodes reachable from ``outputs``' graph."""
     seen, leaves = set(), []
     stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
     while stack:
