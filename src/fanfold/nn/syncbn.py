@@ -1,7 +1,7 @@
 """``SyncBatchNorm``: BatchNorm whose training statistics are the whole batch's, over ranks and DataParallel replicas,
 and the conversion of a model's BatchNorm layers to it and back. Each part's moments travel as one packed vector
 ``[n*mean | n*(var + mean^2) | n]``; replicas (threads of one process) meet at a ``Rendezvous``, ranks in one
-all-reduce per forward and per backward through a transport (``GroupSum``). Formulas and numerics: docs/syncbn.md.
+all-reduce per forward and per backward (``GroupSum``). Formulas and numerics: docs/syncbn.md.
 """
 from __future__ import annotations
 
@@ -33,19 +33,16 @@ _EMPTY = object()
 
 
 def stats_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype of the mean and variance handed to the normalisation: float32 for half-precision inputs."""
     return x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
 
 
 def wide_dtype(device: torch.device) -> torch.dtype:
-    """The dtype of the packed vectors: float64, except where the device has none (MPS)."""
-    return torch.float32 if device.type == "mps" else torch.float64
+    return torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
 
 
 def pack_moments(x: torch.Tensor) -> torch.Tensor:
     """This part's packed vector (float64, on ``x``'s device); all zeros for an empty part."""
-    # detached: a graph here would join the replicas' graphs behind the Functions' backs (and detach() is cheaper
-    # than a no_grad context in every training forward)
+    # detached: a graph here would join the replicas' graphs behind the Functions' backs
     x = x.detach()
     c = x.shape[1]
     n = x.numel() // c if c else 0
@@ -54,13 +51,12 @@ def pack_moments(x: torch.Tensor) -> torch.Tensor:
         return torch.zeros(2 * c + 1, dtype=wide, device=x.device)
     data = x if x.dtype == stats_dtype(x) else x.to(stats_dtype(x))
     if data.is_contiguous() and data.device.type == "cpu":
-        # plain BatchNorm's own statistics kernel, in one call: exact on contiguous CPU inputs (variance to 2e-7 at
-        # |mean|/std = 1e4); not its channels-last path (89x the variance there), nor elsewhere untested
+        # plain BatchNorm's own statistics kernel: exact on contiguous CPU inputs; not its channels-last path (89x the
+        # variance's error there), nor elsewhere untested
         mean, var = torch.batch_norm_update_stats(data, None, None, 0.0)
     else:
         mean, var = _two_pass(data, n, wide)
-    # five small operations (addcmul widens var, exactly, by type promotion): each costs microseconds, every forward
-    mean = mean.to(wide)
+    mean = mean.to(wide)  # addcmul widens var, exactly, by type promotion
     return torch.cat((mean, torch.addcmul(var, mean, mean), mean.new_ones(1))).mul_(n)
 
 
@@ -70,7 +66,7 @@ def _two_pass(data: torch.Tensor, n: int, wide: torch.dtype) -> tuple[torch.Tens
     guess = data.sum([0, *range(2, data.dim())]).div_(n)  # a float32 sum: off by its own rounding when |mean| >> std
     d = data - guess.view([1, c] + [1] * (data.dim() - 2))
     # sum(d^2) and sum(d) in one pass: the BatchNorm-backward kernel's sum(dy * (x - mean) * invstd) and sum(dy) with
-    # dy = x = d, mean 0, invstd 1 (var 0, eps 1); the weight ones, not None (see _part_sums)
+    # dy = x = d, mean 0, invstd 1 (var 0, eps 1)
     zeros, ones, saved = guess.new_zeros(c), guess.new_ones(c), guess.new_empty(0)
     _, s2, s1 = torch.ops.aten.native_batch_norm_backward(d, d, ones, zeros, zeros, saved, saved, False, 1.0,
                                                           [False, True, True])
@@ -93,26 +89,12 @@ def unpack_moments(total: torch.Tensor, dtype: torch.dtype) -> Moments:
     if count == 0:
         zeros = total.new_zeros(c, dtype=dtype)
         return Moments(0, zeros, zeros)
-    # [E[x] | E[x^2] | 1] in float64, then E[x^2] - E[x]^2 in place: few small ops, every training step
-    both = total / count
+    both = total / count  # [E[x] | E[x^2] | 1] in float64, then E[x^2] - E[x]^2 in place
     mean, var, _ = both.split_with_sizes((c, c, 1))
     var.addcmul_(mean, mean, value=-1).clamp_(min=0)
     if dtype != both.dtype:
         mean, var, _ = both.to(dtype).split_with_sizes((c, c, 1))
     return Moments(count, mean, var)
-
-
-@dataclass
-class StatsPlan:
-    """The Functions' non-tensor inputs; ``reduce`` sums the backward's packed vector (2C) with every other part's."""
-
-    moments: Moments
-    eps: float
-    reduce: Callable[[torch.Tensor], torch.Tensor]
-
-
-def _channels(v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    return v.view([1, -1] + [1] * (x.dim() - 2))
 
 
 def _part_sums(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, var: torch.Tensor, weight: torch.Tensor | None,
@@ -124,10 +106,8 @@ def _part_sums(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, var: torch
     # evaluation mode on the given statistics. CUDA's kernel wants every optional tensor defined (on an H100 it failed
     # on None): the saved statistics are empty (it then takes the given ones), a missing weight is ones
     saved = mean.new_empty(0)
-    if weight is None:
-        weight = torch.ones(x.shape[1], dtype=mean.dtype, device=x.device)
-    return torch.ops.aten.native_batch_norm_backward(dy, x, weight, mean, var, saved, saved, False, eps,
-                                                     [need_dx, True, True])
+    return torch.ops.aten.native_batch_norm_backward(dy, x, torch.ones_like(var) if weight is None else weight, mean,
+                                                     var, saved, saved, False, eps, [need_dx, True, True])
 
 
 def _affine_grads(gw: torch.Tensor, gb: torch.Tensor, weight: torch.Tensor | None, need_w: bool,
@@ -139,38 +119,79 @@ def _affine_grads(gw: torch.Tensor, gb: torch.Tensor, weight: torch.Tensor | Non
 
 
 class Normalize(Function):
+    """BatchNorm of one part on statistics from ``BatchStats``; backward: the direct ``dx``, ``dL/dmean``,
+    ``dL/dvar`` and the part's own share of the weight's and bias's gradients."""
+
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, mean: torch.Tensor, var: torch.Tensor, weight: torch.Tensor | None,
-                bias: torch.Tensor | None, plan: StatsPlan) -> torch.Tensor:
-        ctx.plan = plan
+                bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+        ctx.eps = eps
         ctx.save_for_backward(x, mean, var, weight)
-        return F.batch_norm(x, mean, var, weight, bias, False, 0.0, plan.eps)
+        return F.batch_norm(x, mean, var, weight, bias, False, 0.0, eps)
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, mean, var, weight = ctx.saved_tensors
         need_x, need_mean, need_var, need_w, need_b = ctx.needs_input_grad[:5]
-        eps = ctx.plan.eps
-        dx, gw, gb = _part_sums(dy, x, mean, var, weight, eps, need_x)
+        dx, gw, gb = _part_sums(dy, x, mean, var, weight, ctx.eps, need_x)
         dmean = dvar = None
         if need_mean or need_var:
             wide = wide_dtype(var.device)
-            invstd = (var.to(wide) + eps).rsqrt()
+            invstd = (var.to(wide) + ctx.eps).rsqrt()
             scale = invstd if weight is None else invstd * weight.to(wide)
             dmean = (-scale * gb.to(wide)).to(mean.dtype)
             dvar = (scale * invstd * gw.to(wide) * -0.5).to(var.dtype)
-        return (dx, dmean, dvar, *_affine_grads(gw, gb, weight, need_w, need_b), None)
+        return dx, dmean, dvar, *_affine_grads(gw, gb, weight, need_w, need_b), None
+
+
+class SyncNormalize(Normalize):
+    """``SyncNormalize.apply(x, mean, var, weight, bias, eps, count, reduce)``: ``Normalize`` on constant statistics
+    whose backward computes the whole ``dx`` with one collective (``reduce``), made before the weight's and bias's
+    gradients reach autograd and DDP's hooks (docs/syncbn.md: the gradients)."""
+
+    @staticmethod
+    def forward(ctx: Any, *args: Any) -> torch.Tensor:
+        ctx.count, ctx.reduce = args[6:]
+        return Normalize.forward(ctx, *args[:6])
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, mean, var, weight = ctx.saved_tensors
+        need_x, _, _, need_w, need_b = ctx.needs_input_grad[:5]
+        _, gw, gb = _part_sums(dy, x, mean, var, weight, ctx.eps, False)
+        dx = None
+        if need_x:
+            total = ctx.reduce(torch.cat((gb, gw)).to(wide_dtype(x.device)))  # the backward's one collective
+            dx = torch.zeros_like(x) if x.numel() == 0 else _whole_batch_dx(dy, x, mean, var, weight, total, ctx)
+        return dx, None, None, *_affine_grads(gw, gb, weight, need_w, need_b), None, None, None
+
+
+def _whole_batch_dx(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, var: torch.Tensor,
+                    weight: torch.Tensor | None, total: torch.Tensor, ctx: Any) -> torch.Tensor:
+    """``dx = a * dy + (x - mean) * k1 + k0`` per channel, with ``a = w * invstd``, ``k0 = -a * sum(dy) / M`` and
+    ``k1 = -a * invstd * sum(dy * xhat) / M`` from ``total`` = ``[sum(dy) | sum(dy * xhat)]`` over the whole batch."""
+    invstd = torch.rsqrt(var + ctx.eps)
+    a = invstd if weight is None else invstd * weight
+    coef = torch.cat((a, a * invstd)).div_(-ctx.count)
+    k0, k1 = total.to(coef.dtype).mul_(coef).view((2, -1) + (1,) * (x.dim() - 2)).unbind(0)
+    # in place after x - mean (not x * k1 - mean * k1, which cancels when |mean| >> std); not addcmul(k0, x - mean,
+    # k1): its broadcast first operand takes a slow kernel on CPU (5x one in-place pass)
+    dx = (x - mean.view(k0.shape)).mul_(k1).addcmul_(dy, a.view(k0.shape)).add_(k0)
+    return dx if dx.dtype == x.dtype else dx.to(x.dtype)
 
 
 class BatchStats(Function):
+    """``BatchStats.apply(moments, reduce, *xs) -> (mean_0, var_0, mean_1, var_1, ...)``: the whole batch's statistics
+    for each part, on its device; backward sums the parts' ``[dL/dmean | dL/dvar]`` (2C), then ``reduce`` sums it with
+    every other part's (the backward's one collective), and gives each part its share of ``dx``."""
+
     @staticmethod
-    def forward(ctx: Any, plan: StatsPlan, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        m = plan.moments
+    def forward(ctx: Any, moments: Moments, reduce: Callable, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         outs: list[torch.Tensor] = []
         for x in xs:
             dtype = stats_dtype(x)
-            outs += [m.mean.to(x.device, dtype), m.var.to(x.device, dtype)]
-        ctx.plan = plan
+            outs += [moments.mean.to(x.device, dtype), moments.var.to(x.device, dtype)]
+        ctx.count, ctx.reduce = moments.count, reduce
         ctx.save_for_backward(*xs, *outs[0::2])
         return tuple(outs)
 
@@ -179,53 +200,22 @@ class BatchStats(Function):
         saved = ctx.saved_tensors
         n = len(saved) // 2
         xs, means = saved[:n], saved[n:]
-        plan: StatsPlan = ctx.plan
-        c, home = means[0].numel(), means[0].device
+        c, home, count = means[0].numel(), means[0].device, ctx.count
         packed = torch.cat([torch.stack([g.to(home) for g in grads[0::2]]).sum(0),
                             torch.stack([g.to(home) for g in grads[1::2]]).sum(0)]).to(wide_dtype(home))
-        total = plan.reduce(packed)  # the backward's one collective: over the ranks, if any
-        count = plan.moments.count
-        out: list[torch.Tensor | None] = [None]
+        total = ctx.reduce(packed)
+        out: list[torch.Tensor | None] = [None, None]
         for i, (x, mean) in enumerate(zip(xs, means)):
-            if not ctx.needs_input_grad[1 + i]:
+            if not ctx.needs_input_grad[2 + i]:
                 out.append(None)
             elif count == 0 or x.numel() == 0:
                 out.append(torch.zeros_like(x))
             else:
                 a = (total[:c] / count).to(x.device, mean.dtype)
                 b = (total[c:] * (2.0 / count)).to(x.device, mean.dtype)
-                out.append((x - _channels(mean, x)).mul_(_channels(b, x)).add_(_channels(a, x)).to(x.dtype))
+                shape = [1, -1] + [1] * (x.dim() - 2)
+                out.append((x - mean.view(shape)).mul_(b.view(shape)).add_(a.view(shape)).to(x.dtype))
         return tuple(out)
-
-
-class SyncNormalize(Normalize):
-    """``Normalize`` with constant statistics: the backward computes the whole gradient, with one collective."""
-
-    @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, mean, var, weight = ctx.saved_tensors
-        plan: StatsPlan = ctx.plan
-        need_x, _, _, need_w, need_b = ctx.needs_input_grad[:5]
-        _, gw, gb = _part_sums(dy, x, mean, var, weight, plan.eps, False)
-        dx = None
-        if need_x:
-            total = plan.reduce(torch.cat((gb, gw)).to(wide_dtype(x.device)))  # the backward's one collective
-            dx = torch.zeros_like(x) if x.numel() == 0 else _whole_batch_dx(dy, x, mean, var, weight, total, plan)
-        return (dx, None, None, *_affine_grads(gw, gb, weight, need_w, need_b), None)
-
-
-def _whole_batch_dx(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, var: torch.Tensor,
-                    weight: torch.Tensor | None, total: torch.Tensor, plan: StatsPlan) -> torch.Tensor:
-    """``dx = a * dy + (x - mean) * k1 + k0`` per channel, with ``a = w * invstd``, ``k0 = -a * sum(dy) / M`` and
-    ``k1 = -a * invstd * sum(dy * xhat) / M`` from ``total`` = ``[sum(dy) | sum(dy * xhat)]`` over the whole batch."""
-    invstd = torch.rsqrt(var + plan.eps)
-    a = invstd if weight is None else invstd * weight
-    coef = torch.cat((a, a * invstd)).div_(-plan.moments.count)
-    k0, k1 = total.to(coef.dtype).mul_(coef).view((2, -1) + (1,) * (x.dim() - 2)).unbind(0)
-    # in place after x - mean (not x * k1 - mean * k1, which cancels when |mean| >> std); not addcmul(k0, x - mean,
-    # k1): its broadcast first operand takes a slow kernel on CPU (5x one in-place pass)
-    dx = (x - mean.view(k0.shape)).mul_(k1).addcmul_(dy, a.view(k0.shape)).add_(k0)
-    return dx if dx.dtype == x.dtype else dx.to(x.dtype)
 
 
 def _zeros_all_reduce(numel: int, dtype: torch.dtype, device: torch.device, transport: InspectedTransport) -> None:
@@ -260,25 +250,6 @@ class GroupSum:
         return vec
 
 
-def check_channel(state: JoinState, group: Any, name: str) -> None:
-    """Refuse a join context whose DDP collectives go over the same torch.distributed group as this layer's."""
-    if state.transport.on_group(group):  # the shared-memory transport, or a user's, is a channel of its own
-        raise RuntimeError(
-            f"{name}: DistributedDataParallel.join() cannot shadow SyncBatchNorm when DDP's collectives and "
-            "SyncBatchNorm's share one process group (transport='torch' on the same group): a rank that has joined "
-            "could not reproduce how the two interleave in backward. Give SyncBatchNorm a group of its own "
-            "(convert_sync_batchnorm(model, process_group=torch.distributed.new_group()), on every rank), or use "
-            "the shared-memory transport (transport='shm') where every rank shares a host.")
-
-
-def expect_in_join(state: JoinState, channels: int, device: torch.device, transport: InspectedTransport) -> None:
-    """What a rank that joins before its first step inside the context replays: this layer's forward collective
-    (2C+1 numbers) and its backward collective (2C)."""
-    dtype = wide_dtype(device)
-    state.expect(functools.partial(_zeros_all_reduce, 2 * channels + 1, dtype, device, transport),
-                 functools.partial(_zeros_all_reduce, 2 * channels, dtype, device, transport))
-
-
 class Rendezvous:
     """A barrier with one slot per replica, one meeting after another: the last to arrive combines the payloads in
     replica order (every replica sees the same bits); a replica that never comes, within ``timeout`` seconds, makes
@@ -286,56 +257,41 @@ class Rendezvous:
 
     def __init__(self, parties: int, name: str, timeout: float):
         self.parties, self.name, self.timeout = parties, name, timeout
-        self._cond = threading.Condition()
         self._slots: list[Any] = [_EMPTY] * parties
-        self._round = 0
+        self._barrier = threading.Barrier(parties, self._combine)
+        self._lock = threading.Lock()
+        self._combiner: Callable[[list[Any]], Any] | None = None
         self._result: Any = None
         self._error: BaseException | None = None
 
     def meet(self, index: int, payload: Any, combine: Callable[[list[Any]], Any], what: str) -> Any:
         """Deposit ``payload`` as replica ``index``; once all have, ``combine(payloads)`` runs once (in the last
         replica's thread) and every replica returns its result. ``what`` names the meeting in errors."""
-        with self._cond:
-            if self._error is not None:
-                raise self._failed(what)
-            if self._slots[index] is not _EMPTY:
-                raise RuntimeError(f"{self.name}: replica {index} reached the {what} twice before replicas "
-                                   f"{self._missing()} reached it once")
-            self._slots[index] = payload
-            if not self._missing():
-                payloads, self._slots = self._slots, [_EMPTY] * self.parties
-                try:
-                    self._result = combine(payloads)
-                except BaseException as exc:
-                    self._error = exc
-                    self._cond.notify_all()
-                    raise
-                self._round += 1
-                self._cond.notify_all()
-                return self._result
-            # the result of this round stays until all have read it: the next round cannot complete without them
-            mine = self._round
-            self._cond.wait_for(lambda: self._round != mine or self._error is not None, self.timeout)
-            if self._round != mine:
-                return self._result
-            if self._error is not None:
-                raise self._failed(what)
-            self._error = RuntimeError(
-                f"{self.name}: replica(s) {self._missing()} of {self.parties} did not reach the {what} within "
-                f"{self.timeout:g} s (replica {index} waited). A replica that raised earlier, a backward that "
-                "reached only some replicas, or replicas run one after another instead of concurrently "
-                "(fanfold.DataParallel runs them concurrently); the timeout is $FANFOLD_STALL_TIMEOUT")
-            self._cond.notify_all()
-            raise self._error
+        self._slots[index], self._combiner = payload, combine
+        try:
+            self._barrier.wait(self.timeout)
+        except threading.BrokenBarrierError:
+            with self._lock:
+                if self._error is None:  # a timeout: the first replica to see it names the missing ones
+                    missing = [i for i, s in enumerate(self._slots) if s is _EMPTY]
+                    self._error = RuntimeError(
+                        f"{self.name}: replica(s) {missing} of {self.parties} did not reach the {what} within "
+                        f"{self.timeout:g} s (replica {index} waited). A replica that raised earlier, a backward that "
+                        "reached only some replicas, or replicas run one after another instead of concurrently "
+                        "(fanfold.DataParallel runs them concurrently); the timeout is $FANFOLD_STALL_TIMEOUT")
+                    raise self._error from None
+            raise RuntimeError(f"{self.name}: the replicas cannot meet at the {what}: a meeting failed "
+                               f"({type(self._error).__name__}: {self._error})") from self._error
+        # the result stays until all have read it: the next meeting cannot complete without them
+        return self._result
 
-    def _missing(self) -> list[int]:
-        return [i for i, s in enumerate(self._slots) if s is _EMPTY]
-
-    def _failed(self, what: str) -> RuntimeError:
-        err = RuntimeError(f"{self.name}: the replicas cannot meet at the {what}: a meeting failed "
-                           f"({type(self._error).__name__}: {self._error})")
-        err.__cause__ = self._error
-        return err
+    def _combine(self) -> None:
+        payloads, self._slots = self._slots, [_EMPTY] * self.parties
+        try:
+            self._result = self._combiner(payloads)
+        except BaseException as exc:
+            self._error = exc
+            raise
 
 
 @dataclass(frozen=True)
@@ -348,7 +304,6 @@ class ReplicaLink:
 
 
 def _sum_parts(vecs: list[torch.Tensor], outer: GroupSum | None, phase: int) -> torch.Tensor:
-    """The replicas' vectors summed in replica order, then over the ranks when there are several."""
     total = vecs[0].clone()
     for v in vecs[1:]:
         total += v.to(total.device)
@@ -414,52 +369,46 @@ class SyncBatchNorm(_BatchNorm):
         """Training with the whole batch's statistics; ``factor``: the running statistics' update, if kept."""
         vec = pack_moments(x)
         if link is not None and not link.concurrent_backward and torch.is_grad_enabled():
-            return self._joined(x, vec, factor, link, outer)
+            # autograd's engine runs the replicas' backward one after another: one statistics node joins them all
+            identity = (lambda packed: packed) if outer is None else functools.partial(outer, phase=BACKWARD)
+
+            def combine(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, tuple | None]:
+                total = _sum_parts([v for v, _ in parts], outer, FORWARD)
+                moments = unpack_moments(total, torch.float64)
+                if moments.count == 1:
+                    return total, None  # each replica raises its own error
+                return total, BatchStats.apply(moments, identity, *[p for _, p in parts])
+
+            total, stats = link.rendezvous.meet(link.index, (vec, x), combine, "forward")
+            self._update(total, x, factor)
+            i = link.index
+            return Normalize.apply(x, stats[2 * i], stats[2 * i + 1], self.weight, self.bias, self.eps)
         if link is None:  # ranks only
             moments = self._update(outer(vec, FORWARD), x, factor)
             reduce = functools.partial(outer, phase=BACKWARD)
         else:  # replicas (and ranks, if any), each running its own backward in its own thread
-            rendezvous, i = link.rendezvous, link.index
-            total = rendezvous.meet(i, vec, functools.partial(_sum_parts, outer=outer, phase=FORWARD), "forward")
-            moments = self._update(total, x, factor)
+            meet = functools.partial(link.rendezvous.meet, link.index)
+            moments = self._update(meet(vec, functools.partial(_sum_parts, outer=outer, phase=FORWARD), "forward"), x,
+                                   factor)
 
             def reduce(packed: torch.Tensor) -> torch.Tensor:
-                return rendezvous.meet(i, packed, functools.partial(_sum_parts, outer=outer, phase=BACKWARD),
-                                       "backward").to(packed.device)
-        return SyncNormalize.apply(x, moments.mean, moments.var, self.weight, self.bias,
-                                   StatsPlan(moments, self.eps, reduce))
+                return meet(packed, functools.partial(_sum_parts, outer=outer, phase=BACKWARD), "backward").to(
+                    packed.device)
+        return SyncNormalize.apply(x, moments.mean, moments.var, self.weight, self.bias, self.eps, moments.count,
+                                   reduce)
 
-    def _joined(self, x: torch.Tensor, vec: torch.Tensor, factor: float | None, link: ReplicaLink,
-                outer: GroupSum | None) -> torch.Tensor:
-        """Replicas whose backward autograd's engine runs one after another: one statistics node for all."""
-        identity = (lambda packed: packed) if outer is None else functools.partial(outer, phase=BACKWARD)
-
-        def combine(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, tuple | None]:
-            # run once, by the last replica to arrive
-            total = _sum_parts([v for v, _ in parts], outer, FORWARD)
-            moments = unpack_moments(total, torch.float64)
-            if moments.count == 1:
-                return total, None  # each replica raises its own error
-            return total, BatchStats.apply(StatsPlan(moments, self.eps, identity), *[p for _, p in parts])
-
-        total, stats = link.rendezvous.meet(link.index, (vec, x), combine, "forward")
-        moments = self._update(total, x, factor)
-        i = link.index
-        return Normalize.apply(x, stats[2 * i], stats[2 * i + 1], self.weight, self.bias,
-                               StatsPlan(moments, self.eps, identity))
-
-    def _update(self, total: torch.Tensor, x: torch.Tensor, factor: float | None):
+    def _update(self, total: torch.Tensor, x: torch.Tensor, factor: float | None) -> Moments:
         """The whole batch's moments from the parts' summed vectors; checks the count, moves the running statistics."""
         moments = unpack_moments(total.to(x.device), stats_dtype(x))
         if moments.count == 1:  # as plain BatchNorm, but counted over the whole batch
             raise ValueError(f"Expected more than 1 value per channel when training, got 1 over the whole batch "
                              f"(input size {tuple(x.shape)} here)")
         if factor is not None and moments.count > 0:
-            # no no_grad context needed: the moments come from pack_moments' detached input, never from a graph
+            # the moments come from pack_moments' detached input, never from a graph: no no_grad context needed
             mean, unbiased = moments.mean, moments.var * (moments.count / (moments.count - 1))
             if mean.dtype != self.running_mean.dtype:
                 mean, unbiased = mean.to(self.running_mean.dtype), unbiased.to(self.running_mean.dtype)
-            torch._foreach_lerp_((self.running_mean, self.running_var), (mean, unbiased), factor)  # one dispatch
+            torch._foreach_lerp_((self.running_mean, self.running_var), (mean, unbiased), factor)
         return moments
 
     def _name(self) -> str:
@@ -490,11 +439,23 @@ class SyncBatchNorm(_BatchNorm):
     def set_join_state(self, state: JoinState | None) -> None:
         """Called by DistributedDataParallel.join() on entry (the state) and on exit (None)."""
         if state is not None and rank_world(self.process_group, from_env=False)[1] > 1:
-            check_channel(state, self.process_group, self._name())
+            if state.transport.on_group(self.process_group):  # the shm transport, or a user's, is a channel apart
+                raise RuntimeError(
+                    f"{self._name()}: DistributedDataParallel.join() cannot shadow SyncBatchNorm when DDP's "
+                    "collectives and SyncBatchNorm's share one process group (transport='torch' on the same group): a "
+                    "rank that has joined could not reproduce how the two interleave in backward. Give SyncBatchNorm "
+                    "a group of its own (convert_sync_batchnorm(model, process_group=torch.distributed.new_group()), "
+                    "on every rank), or use the shared-memory transport (transport='shm') where every rank shares a "
+                    "host.")
             if self.training:
+                # what a rank that joins before its first step replays: the forward's collective (2C+1 numbers) and
+                # the backward's (2C)
                 p = self.running_mean if self.running_mean is not None else self.weight
                 device = p.device if p is not None else torch.device("cpu")
-                expect_in_join(state, self.num_features, device, self._own_transport())
+                zeros = functools.partial(_zeros_all_reduce, dtype=wide_dtype(device), device=device,
+                                          transport=self._own_transport())
+                state.expect(functools.partial(zeros, 2 * self.num_features + 1),
+                             functools.partial(zeros, 2 * self.num_features))
         self._join = state
 
     def __getstate__(self) -> dict:

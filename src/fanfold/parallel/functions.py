@@ -77,7 +77,4 @@ class Gather(Function):
 
     @staticmethod
     def backward(ctx, grad):
-        if not torch.is_grad_enabled() and all(s == grad.device for s in ctx.sources):
-            # first order, every replica on the gradient's device: views do (nothing writes into incoming gradients)
-            return (None, None, *grad.split(ctx.sizes, ctx.dim))
         return (None, None, *Scatter.apply(ctx.sources, ctx.sizes, ctx.dim, grad))

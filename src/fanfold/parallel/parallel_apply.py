@@ -118,17 +118,13 @@ def _autocast_state(device_type: str) -> tuple | None:
 
 def _caller_state(devices: list[torch.device], grad: bool | None = None) -> dict:
     """The caller's thread-local state a worker must reproduce; ``grad`` overrides its grad and inference modes."""
-    state = {
+    accelerator = accelerator_type()
+    return {
         "grad": torch.is_grad_enabled() if grad is None else grad,
         "inference": torch.is_inference_mode_enabled() and grad is None,
         "autocast": {d.type: _autocast_state(d.type) for d in devices},
-        "streams": {},
+        "streams": {d: torch.accelerator.current_stream(d) for d in devices if d.type == accelerator},
     }
-    accelerator = accelerator_type()
-    for d in devices:
-        if d.type == accelerator and d not in state["streams"]:
-            state["streams"][d] = torch.accelerator.current_stream(d)
-    return state
 
 
 @contextlib.contextmanager
@@ -166,7 +162,6 @@ def reraise(where: str, exc: BaseException) -> None:
 
 
 def _run(pool: WorkerPool, fns: list, devices: list) -> list:
-    """The results of ``fns`` run by ``pool``; the first failure raised naming its replica and device."""
     results = pool.run(fns)
     for i, (ok, value) in enumerate(results):
         if not ok:

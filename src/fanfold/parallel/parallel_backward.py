@@ -17,12 +17,8 @@ from torch.nn.utils.rnn import PackedSequence
 from .._core.tree import flatten, unflatten
 from .parallel_apply import WorkerPool, _call, _caller_state, _run
 
-# from this many elements in all, the replicas' gradients are summed by the workers, not the caller
-_SPREAD_SUM_NUMEL = 1 << 20
-
 
 def _tensor(leaf: Any) -> torch.Tensor | None:
-    """The tensor a leaf carries (a PackedSequence's data), or None."""
     if isinstance(leaf, PackedSequence):
         return leaf.data
     return leaf if isinstance(leaf, torch.Tensor) else None
@@ -35,7 +31,6 @@ def _with_tensor(leaf: Any, tensor: torch.Tensor) -> Any:
 
 
 def _leaves_of(outputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """The tensors accumulated into (``AccumulateGrad`` nodes) reachable from ``outputs``' graph."""
     seen, leaves = set(), []
     stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
     while stack:
@@ -71,16 +66,6 @@ def _alias_parameters(replicas: Sequence[nn.Module]) -> tuple[list[torch.Tensor]
                     restore[-1].append((m, key, p))
         per_replica.append(list(alias.values()))
     return list(params.values()), per_replica, restore
-
-
-def _sum_into_first(grads: list, owned: bool) -> torch.Tensor | None:
-    present = [g for g in grads if g is not None]
-    if not present:
-        return None
-    total = present[0] if owned else present[0].clone()
-    for g in present[1:]:
-        total.add_(g)
-    return total
 
 
 def _recompute_backward(plan: dict, outs: Sequence[torch.Tensor], grads: Sequence) -> list:
@@ -174,13 +159,13 @@ class _Replicas(Function):
 
         def add(group: list[int]) -> None:
             for k in group:
-                gs = [per_replica[i][k] for i in range(n)]
-                sums[k] = _sum_into_first(gs, gs[0] is not None and owned(gs[0]))
+                gs = [per_replica[i][k] for i in range(n) if per_replica[i][k] is not None]
+                if gs:
+                    mine = per_replica[0][k] is not None and owned(gs[0])
+                    sums[k] = functools.reduce(torch.Tensor.add_, gs[1:], gs[0] if mine else gs[0].clone())
 
-        if sum(t.numel() for t in shared_tensors) >= _SPREAD_SUM_NUMEL:  # the biggest tensors spread over the workers
-            _run(plan["pool"], [functools.partial(add, order[w::n]) for w in range(n)], plan["devices"])
-        else:  # small: waking the workers again would cost more than the additions
-            add(order)
+        # the biggest tensors first, spread over the workers
+        _run(plan["pool"], [functools.partial(add, order[w::n]) for w in range(n)], plan["devices"])
 
         result = [None] * len(plan["originals"]) + sums
         for i in range(n):

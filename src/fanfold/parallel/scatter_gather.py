@@ -51,7 +51,7 @@ def split_sizes(total: int, n: int, weights: Sequence[float] | None = None) -> l
 
 
 def _batch_size(path: str, leaf: Any, dim: int) -> int | None:
-    """The size of ``leaf`` along ``dim`` (a PackedSequence's number of sequences); None if not scattered."""
+    """``leaf``'s size along ``dim`` (a PackedSequence's number of sequences); None if not scattered."""
     if isinstance(leaf, PackedSequence):
         return int(leaf.batch_sizes[0]) if len(leaf.batch_sizes) else 0
     if not isinstance(leaf, torch.Tensor):
@@ -103,12 +103,13 @@ def _scatter_packed(path: str, seq: PackedSequence, devices: list, sizes: list[i
 
 
 def _on(leaf: Any, device: torch.device) -> bool:
-    if isinstance(leaf, PackedSequence):
-        leaf = leaf.data
+    leaf = leaf.data if isinstance(leaf, PackedSequence) else leaf
     return not isinstance(leaf, torch.Tensor) or leaf.device == device
 
 
-def _scatter_leaves(leaves: list, devices: list, dim: int, sizes: list[int] | None) -> list[list]:
+def _split(leaves: list, target_gpus: Sequence[DeviceLike], dim: int, chunk_sizes, weights) -> list[list]:
+    devices = usable_devices(target_gpus, "target_gpus")
+    sizes = _plan(leaves, devices, dim, chunk_sizes, weights)
     n = len(devices) if sizes is None else len(sizes)
     if n == 1 and all(_on(leaf, devices[0]) for _, leaf in leaves):
         # one replica on the caller's device gets the caller's own tensors, exactly like the bare module
@@ -127,11 +128,6 @@ def _scatter_leaves(leaves: list, devices: list, dim: int, sizes: list[int] | No
 def _check_dim(dim: Any) -> None:
     if isinstance(dim, bool) or not isinstance(dim, int):
         raise TypeError(f"dim must be an int, got {type(dim).__name__}: {dim!r}")
-
-
-def _split(leaves: list, target_gpus: Sequence[DeviceLike], dim: int, chunk_sizes, weights) -> list[list]:
-    devices = usable_devices(target_gpus, "target_gpus")
-    return _scatter_leaves(leaves, devices, dim, _plan(leaves, devices, dim, chunk_sizes, weights))
 
 
 def scatter(

@@ -67,7 +67,7 @@ def _fsync_dir(directory: Path) -> None:
 
 
 def _boot_id() -> str:
-    """This boot's identity (Linux), or "" where the system does not say: then no writer is ever judged dead."""
+    """This boot's identity (Linux), or "": then no writer is ever judged dead."""
     try:
         return Path("/proc/sys/kernel/random/boot_id").read_text().strip().replace("-", "")[:16]
     except OSError:
@@ -126,11 +126,9 @@ def _footer(f: BinaryIO, size: int) -> tuple[bytes, int] | None:
 
 
 def has_footer(path: Path) -> bool:
-    try:
-        with open(path, "rb") as f:
-            return _footer(f, os.fstat(f.fileno()).st_size) is not None
-    except OSError:
-        return False
+    with contextlib.suppress(OSError), open(path, "rb") as f:
+        return _footer(f, os.fstat(f.fileno()).st_size) is not None
+    return False
 
 
 def _unpickle(path: Path, f: BinaryIO) -> Any:
@@ -247,10 +245,9 @@ def strip_prefixes(keys: list[str]) -> list[str]:
 
 def unwrap_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:
     """``state_dict`` with wrapper prefixes removed (``module.``, ``_orig_mod.``, ``_forward_module.``, nested)."""
-    keys = list(state_dict)
-    stripped = strip_prefixes(keys)
+    stripped = strip_prefixes(list(state_dict))
     if len(set(stripped)) != len(stripped):
-        raise CheckpointError(f"state dict keys collide once wrapper prefixes are removed: {keys[:10]}")
+        raise CheckpointError(f"state dict keys collide once wrapper prefixes are removed: {list(state_dict)[:10]}")
     return OrderedDict(zip(stripped, state_dict.values()))
 
 
