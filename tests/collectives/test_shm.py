@@ -20,7 +20,7 @@ import fanfold
 from _ddp_models import MODELS, batch, loss_fn, optimizer, single_process, train_ddp
 from fanfold._core.shm import SHM_DIR, pid_namespace
 from fanfold.collectives.select import select_transport
-from fanfold.collectives.shm import peer as shm_peer
+from fanfold.collectives.shm import engine as shm_peer
 from fanfold.collectives.shm.segment import host_key
 from fanfold.collectives.shm.transport import ShmTimeoutError, ShmTransport
 from fanfold.distributed.reducer import SMALL_TENSOR_BYTES
@@ -298,7 +298,7 @@ def _misuse():
         t.reduce_tensors([y[:30], y[30:]]).wait()
         out["fallback"] = (t.peer_read, y.unique().tolist())
     denied = OSError(1, "Operation not permitted")  # what ptrace rules or seccomp answer on one rank
-    with mock.patch("fanfold.collectives.shm.peer._copy", side_effect=denied if r == 1 else shm_peer._copy):
+    with mock.patch("fanfold.collectives.shm.engine._copy", side_effect=denied if r == 1 else shm_peer._copy):
         with ShmTransport(timeout=30) as t:
             out["denied"] = t.peer_read
     if r == 0:
