@@ -70,23 +70,33 @@ def view(buffer: torch.Tensor, slot: Slot) -> torch.Tensor:
 
 
 class Arena:
-    """One direction's slot buffer for one worker: it grows, and must then be sent again, only when a step needs more.
-    Every pack starts at offset 0: one message per direction is in flight, read (or copied) before the answer."""
+    """One direction's slot buffer for one worker, sent again only when it grows. Layouts are kept per structure, so
+    that alternating forward and backward messages are not laid out again each step."""
+
+    _KEEP = 8  # layouts kept; more distinct structures than this are laid out again
 
     def __init__(self) -> None:
         self.buffer = torch.empty(0, dtype=torch.uint8)
+        self._layouts: dict[tuple, tuple[list[Slot], list[torch.Tensor]]] = {}
 
     def pack(self, leaves: Sequence[Any]) -> tuple[list, torch.Tensor | None]:
         """``leaves`` with each plain tensor copied into the buffer and replaced by its Slot; the new buffer if the
         old one was too small, else None."""
         found = [(k, v) for k, v in enumerate(leaves) if _plain(v)]
-        slots, size = layout([t for _, t in found])
+        key = tuple((t.shape, t.dtype, dense_stride(t)) for _, t in found)
         grown = None
-        if size > self.buffer.numel():
-            self.buffer = grown = shared_bytes(max(size, 2 * self.buffer.numel()))
+        known = self._layouts.get(key)
+        if known is None:
+            slots, size = layout([t for _, t in found])
+            if size > self.buffer.numel():
+                self.buffer = grown = shared_bytes(max(size, 2 * self.buffer.numel()))
+                self._layouts.clear()  # their views are of the old buffer
+            if len(self._layouts) >= self._KEEP:
+                self._layouts.clear()
+            known = self._layouts[key] = (slots, [view(self.buffer, slot) for slot in slots])
         packed = list(leaves)
-        for (k, t), slot in zip(found, slots):
-            view(self.buffer, slot).copy_(t.detach() if t.requires_grad else t)
+        for (k, t), slot, target in zip(found, *known):
+            target.copy_(t.detach() if t.requires_grad else t)
             packed[k] = slot
         return packed, grown
 
