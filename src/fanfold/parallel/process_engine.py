@@ -1,6 +1,7 @@
 """``DataParallel(..., engine="process")``: replica 0 in the caller, one worker process per further CPU replica
 sharing the module's memory; the wire between them (shared-memory slots for a message's tensors, small dataclass
-messages, a futex-woken mailbox); ``Remote`` joins the workers' outputs to the caller's graph.
+messages, a futex-woken mailbox where a step's repeated messages cross as a few bytes); ``Remote`` joins the workers'
+outputs to the caller's graph.
 """
 from __future__ import annotations
 
@@ -11,12 +12,13 @@ import multiprocessing as mp
 import os
 import pickle
 import signal
+import struct
 import time
 import traceback
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from itertools import chain
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
@@ -71,7 +73,7 @@ def view(buffer: torch.Tensor, slot: Slot) -> torch.Tensor:
 
 class Arena:
     """One direction's slot buffer for one worker, sent again only when it grows. Layouts are kept per structure, so
-    that alternating forward and backward messages are not laid out again each step."""
+    that alternating forward and backward messages get the same ``Slot`` objects each step (and cross compact)."""
 
     _KEEP = 8  # layouts kept; more distinct structures than this are laid out again
 
@@ -155,12 +157,35 @@ class Failure:
     traceback: str
 
 
+_KINDS = (Forward, Backward, Outputs, Gradients)  # a compact message's first byte: the index + 1
+# a repeat carries the step's numbers (step, grad, release) and takes every other field from the last full message
+_FIXED = {k: [f.name for f in fields(k) if f.name not in ("step", "grad", "release", "arena")] for k in _KINDS}
+_SCALARS = (Slot, type(None), bool, int, float, str)  # leaves that are the same value when they are the same object
+
+
+def _template(msg: Any) -> bool:
+    # later messages may repeat ``msg``: its lists hold values compared by identity, its spec compares by value (no
+    # instance kept as a template: a dataclass, a dict subclass)
+    return all(all(type(v) in _SCALARS for v in x) if isinstance(x, list) else
+               all(n.template is None or isinstance(n.template, type) for n in x.nodes)
+               for x in (getattr(msg, name) for name in _FIXED[type(msg)]))
+
+
+def _repeats(msg: Any, last: Any) -> bool:
+    for name in _FIXED[type(msg)]:
+        a, b = getattr(msg, name), getattr(last, name)
+        if not (len(a) == len(b) and all(x is y for x, y in zip(a, b)) if isinstance(a, list) else a == b):
+            return False
+    return msg.arena is None
+
+
 CALLER, WORKER = 0, 1
 _COUNTER = (0, 64)  # byte offset of each side's counter: cache lines of their own
 _STOP = 128
 _LENGTH = (192, 200)  # int64: the length of each side's current message
 _HEADER = 4096
 _AREA = 1 << 16  # bytes per side's message area; bigger messages are spilled
+_PICKLE = pickle.PROTO[0]  # the first byte of every pickle this side makes (protocol 2 and up)
 
 
 @dataclass
@@ -190,19 +215,46 @@ class Mailbox:
         # one pickler for every message: ForkingPickler.dumps would copy its dispatch table each time
         self._buffer = io.BytesIO()
         self._pickler = ForkingPickler(self._buffer, pickle.HIGHEST_PROTOCOL)
+        self._sent: dict[type, Any] = {}  # per kind, the last full message sent, if later ones may repeat it
+        self._got: dict[type, Any] = {}  # per kind, the last full message received
         self.posted = 0  # messages this side has posted
         self.read = 0  # messages of the other side this side has read
 
     def send(self, message: Any) -> None:
         """Post ``message`` (the other side must have read the previous one: the protocol alternates)."""
-        data = self._pickle(message)
-        if len(data) > _AREA:
-            data = self._pickle(_Spill(torch.frombuffer(bytearray(data), dtype=torch.uint8).share_memory_()))
+        data = self._compact(message)
+        if data is None:
+            data = self._pickle(message)
+            if len(data) > _AREA:
+                data = self._pickle(_Spill(torch.frombuffer(bytearray(data), dtype=torch.uint8).share_memory_()))
+            if type(message) in _KINDS:  # pickled: the receiver will have it
+                self._sent[type(message)] = message if _template(message) else None
         ctypes.memmove(self._base + _HEADER + self.side * _AREA, data, len(data))
         self._lengths[self.side].value = len(data)
         self.posted += 1
         self._mine.value = self.posted & 0xFFFFFFFF
         self._futex.wake(ctypes.addressof(self._mine), 1)
+
+    def _compact(self, msg: Any) -> bytes | None:
+        # ``msg`` as its kind and its numbers when it repeats the last full message of its kind sent
+        last = self._sent.get(type(msg))
+        if last is None or not _repeats(msg, last):
+            return None
+        if type(msg) is Forward:
+            numbers = [msg.step, msg.grad, *msg.release]
+        else:
+            numbers = [msg.step] if type(msg) is Backward else []
+        return struct.pack(f"<B{len(numbers)}q", _KINDS.index(type(msg)) + 1, *numbers)
+
+    def _expand(self, data: bytes) -> Any:
+        kind = _KINDS[data[0] - 1]
+        numbers = struct.unpack_from(f"<{(len(data) - 1) // 8}q", data, 1)
+        if kind is Forward:
+            return replace(self._got[kind], step=numbers[0], grad=bool(numbers[1]), release=list(numbers[2:]),
+                           arena=None)
+        if kind is Backward:
+            return replace(self._got[kind], step=numbers[0], arena=None)
+        return replace(self._got[kind], arena=None)
 
     def _pickle(self, message: Any) -> bytes:
         self._buffer.seek(0)
@@ -219,9 +271,13 @@ class Mailbox:
         self.read += 1
         n = self._lengths[1 - self.side].value
         data = ctypes.string_at(self._base + _HEADER + (1 - self.side) * _AREA, n)
+        if data[0] != _PICKLE:
+            return self._expand(data)
         message = pickle.loads(data)
         if isinstance(message, _Spill):
             message = pickle.loads(ctypes.string_at(message.data.data_ptr(), message.data.numel()))
+        if type(message) in _KINDS:
+            self._got[type(message)] = message
         return message
 
     def wait(self, check: Callable[[], None], deadline: float | None = None) -> None:
