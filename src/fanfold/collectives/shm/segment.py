@@ -108,7 +108,7 @@ class Segment:
         self.rank, self.world_size, self.timeout, self.check_pids = rank, world_size, timeout, check_pids
         self._data_offset = -(-(_RANKS + world_size * _LINE) // 4096) * 4096
         self._mm = self._map(store, self._data_offset + data_bytes)
-        # Every tensor handed out over the mapping (allocate()'s regions, DDP's buckets, .grad) holds it mapped.
+        # Every tensor viewing the mapping (the engine's slots) holds it mapped: close() unmaps once none is left.
         self._bytes = shm.map_tensor(self._mm)
         self.base = self._bytes.data_ptr()
         self.data = self._bytes[self._data_offset:]
@@ -129,8 +129,7 @@ class Segment:
                     _sweep(pidns)
                     name = segment_name(pidns)
                     mm, ident = shm.create_segment(name, size)
-                    ctypes.c_uint32.from_buffer(mm, 0).value = _MAGIC
-                    ctypes.c_uint32.from_buffer(mm, 4).value = self.world_size
+                    (ctypes.c_uint32 * 2).from_buffer(mm)[:] = (_MAGIC, self.world_size)
                 finally:
                     store.set("name", name if mm is not None else "")  # "": the others stop waiting and report
             else:
@@ -166,8 +165,7 @@ class Segment:
                     f"rank {self.rank}: ranks {late} did not attach to the shm transport's segment within "
                     f"{self.timeout:g} s", rank=self.rank, missing=late, seq=0, bucket=None, kind="shm")
             time.sleep(0.002)
-        failed = {r: store.get(k).decode() for r, k in enumerate(keys)}
-        failed = {r: e for r, e in failed.items() if e != "ok"}
+        failed = {r: e for r, k in enumerate(keys) if (e := store.get(k).decode()) != "ok"}
         if any(e.startswith(_NO_SPACE) for e in failed.values()):
             raise SegmentSpaceError(f"rank {self.rank}: no room in {shm.SHM_DIR} for a shared-memory segment: {failed}")
         if failed:

@@ -166,17 +166,14 @@ class Worker:
             with self._lock:
                 self._pending -= 1
 
-    def stop(self, segment: Segment, regions: list[Segment]) -> None:
-        """Finish the queued collectives, stop the thread, let go of the segment and the regions."""
+    def stop(self, segment: Segment) -> None:
+        """Finish the queued collectives, stop the thread, let go of the segment."""
         if self._thread.is_alive():
             self._requests.put(None)
             self._thread.join(5.0)
         if not self._thread.is_alive():
             self.engine.close()
             segment.close()
-            for region in regions:
-                region.close()
-            regions.clear()
 
 
 def _free_mib() -> float:
@@ -190,12 +187,11 @@ def _free_mib() -> float:
 class ShmTransport:
     """The transport interface (``protocol.Transport``) through shared memory, for ranks sharing this host's /dev/shm.
     Collective: every rank of ``group`` (None: the default group) constructs it, in the same order as its other
-    transports. ``timeout`` (seconds or timedelta; default ``$FANFOLD_STALL_TIMEOUT``, else 300; at most the
-    process group's timeout; a ``stall_timeout`` block replaces it for the collectives started in it) bounds every
-    wait for a peer: a peer that never arrives, dies or fails makes the waiting rank raise :class:`ShmTimeoutError`
-    naming both ranks and the collective. ``chunk_bytes``: the pipelining unit (smaller ones, down to
-    :data:`SMALLEST_CHUNK`, where /dev/shm has no room; then :class:`SegmentSpaceError`). ``peer_read`` (None: where
-    the probe allows): whether ranks read their peers' memory. :meth:`close` when done."""
+    transports. ``timeout`` (seconds or timedelta; default ``$FANFOLD_STALL_TIMEOUT``, else 300; at most the process
+    group's timeout) bounds every wait for a peer: one that never arrives, dies or fails makes the waiting rank raise
+    :class:`ShmTimeoutError` naming both ranks and the collective. ``chunk_bytes``: the pipelining unit (smaller, down
+    to :data:`SMALLEST_CHUNK`, where /dev/shm has no room). ``peer_read`` (None: where the probe allows): whether ranks
+    read their peers' memory. :meth:`close` when done."""
 
     def __init__(self, group: Any = None, timeout: float | timedelta | None = None, *, chunk_bytes: int = 1 << 20,
                  peer_read: bool | None = None):
@@ -211,8 +207,6 @@ class ShmTransport:
         self.timeout = bound(self._base, self._limit)
         self._worker = self._segment = None
         self.peer_read = False  # every rank may read its peers' memory (probed below)
-        self._regions: list[Segment] = []  # allocate()'s, closed with the transport
-        self._regions_full = False  # allocate() found /dev/shm full (every rank alike): ordinary memory from then on
         if self.world_size > 1:
             store = group_store(group, "shm", self.rank)
             store.set(f"pidns/{self.rank}", pid_namespace())
@@ -234,7 +228,7 @@ class ShmTransport:
             tables = self._segment.data[ring:] if self.peer_read else None
             engine = Engine(self._segment, self.rank, self.world_size, chunk_bytes, areas, tables)
             self._worker = Worker(engine, f"fanfold-shm-rank{self.rank}", partial(bound, self._base, self._limit))
-            self._finalizer = weakref.finalize(self, self._worker.stop, self._segment, self._regions)
+            self._finalizer = weakref.finalize(self, self._worker.stop, self._segment)
         else:
             self._finalizer = weakref.finalize(self, lambda: None)
         self._chunk_bytes = chunk_bytes
@@ -297,36 +291,8 @@ class ShmTransport:
         return FanfoldWork(self._worker.submit(c, finish), value)
 
     def allocate(self, numel: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
-        """The Protocol's ``allocate``: in a shared-memory region of its own (ordinary memory for one rank, an
-        unsupported dtype, not CPU), which lives until close() and the last tensor viewing it, whichever is last."""
-        if self.world_size == 1 or dtype not in DTYPES or numel <= 0 or torch.device(device).type != "cpu":
-            return torch.zeros(numel, dtype=dtype, device=device)
-        if not self._finalizer.alive:
-            raise RuntimeError(f"rank {self.rank}: allocate on a closed ShmTransport")
-        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
-        stride = -(-nbytes // 4096) * 4096
-        store = group_store(self.group, "region", self.rank)
-        if self._regions_full:
-            return torch.zeros(numel, dtype=dtype)
-        try:
-            region = Segment(store, self.rank, self.world_size, self.world_size * stride, self.timeout,
-                             check_pids=False)
-        except ShmTimeoutError:
-            raise
-        except SegmentSpaceError:  # every rank gets it: all keep to ordinary memory from now on, said once
-            self._regions_full = True
-            if self.rank == 0:
-                warnings.warn(f"fanfold's shm transport: {SHM_DIR} is full ({_free_mib():.0f} MiB free; Docker's "
-                              "default is 64 MB): allocate() falls back to ordinary memory from now on (DDP's "
-                              "buckets are copied into the segment by chunks). Give /dev/shm more room (docker run "
-                              "--shm-size=1g).", stacklevel=2)
-            return torch.zeros(numel, dtype=dtype)
-        except RuntimeError as exc:  # every rank gets this error: all fall back to the ring
-            warnings.warn(f"ShmTransport.allocate({numel}, {dtype}) falls back to ordinary memory: {exc}",
-                          stacklevel=2)
-            return torch.zeros(numel, dtype=dtype)
-        self._regions.append(region)
-        return region.data[self.rank * stride:][:nbytes].view(dtype)
+        """The Protocol's ``allocate``: ordinary memory (both algorithms read any tensor where it lies)."""
+        return torch.zeros(numel, dtype=dtype, device=device)
 
     def all_reduce(self, tensor: torch.Tensor, bucket: int | None = None, divisor: float | None = None, *,
                    inline: bool = False, op: str = "sum") -> FanfoldWork:
