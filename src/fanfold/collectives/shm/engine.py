@@ -29,11 +29,12 @@ DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int
 class Op(IntEnum):
     """The collectives' codes: the ring's (through the segment's slots), then the peer reads' (the peers' tensors)."""
 
-    (ALL_REDUCE, BROADCAST, BARRIER, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL, REDUCE_TENSORS,
-     SCATTER_TENSORS) = range(1, 9)
+    (ALL_REDUCE, BROADCAST, BARRIER, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL, REDUCE_TENSORS, SCATTER_TENSORS,
+     GATHER_PEERS) = range(1, 10)
 
 
-OPS = {op: op.name.lower() for op in Op} | {Op.REDUCE_TENSORS: "all_reduce", Op.SCATTER_TENSORS: "reduce_scatter"}
+OPS = {op: op.name.lower() for op in Op} | {Op.REDUCE_TENSORS: "all_reduce", Op.SCATTER_TENSORS: "reduce_scatter",
+                                            Op.GATHER_PEERS: "all_gather"}
 SUM, MIN, MAX, PRODUCT = range(4)  # SUM is 0: the code of a collective that reduces nothing, too
 REDUCE_OPS = {SUM: "sum", MIN: "min", MAX: "max", PRODUCT: "product"}
 _CODES = {name: code for code, name in REDUCE_OPS.items()}
@@ -240,6 +241,8 @@ class Engine:
         if op == Op.BARRIER:
             self.seg.wait_all(self.seg.arrive(), describe(0))
             check()
+        elif op == Op.GATHER_PEERS:
+            self._peer.all_gather(flat, c.out, describe, check)
         else:  # REDUCE_TENSORS in place, SCATTER_TENSORS into c.out
             self._peer.reduce(c.outs, c.out, describe, check, c.settle, *(c.compress or ()))
 
@@ -562,6 +565,21 @@ class PeerReader:
             else:
                 self.unsettled = end
             base += count
+
+    def all_gather(self, part: torch.Tensor, out: torch.Tensor, describe: Callable, check: Callable[[], None]
+                   ) -> None:
+        """``out`` = every rank's ``part``, by rank, each read straight from the peer's ``out``; returns once every
+        peer has read this rank's part, so the caller may change it at once (ZeRO's next optimizer step)."""
+        m = part.numel()
+        own = out[self.rank * m:][:m]
+        if m and part.data_ptr() != own.data_ptr():
+            own.copy_(part)
+        tables = self._open([out], describe, check, "gathers into", 0)[1][0]
+        nb = m * out.element_size()
+        for p in range(self.n):
+            if p != self.rank and nb:
+                self.read(p, [(out.data_ptr() + p * nb, tables[p][0][0] + p * nb, nb)], describe(0))
+        self.seg.wait_all(self.seg.arrive(), describe(0))  # every peer has read this rank's part
 
     def _open(self, tensors: list[torch.Tensor], describe: Callable, check: Callable[[], None] | None, verb: str,
               first: int) -> tuple[list[tuple[int, int]], tuple[list, list]]:

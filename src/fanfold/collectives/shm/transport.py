@@ -370,7 +370,8 @@ class ShmTransport:
         if tensor.numel() and out.numel() and _overlaps(tensor, out) and not _own_part(tensor, out, self.rank):
             tensor = tensor.clone()  # overlapping other ranks' places in out: the engine would overwrite it
         flat, out_flat, finish = exchange_tensors("all_gather", tensor, out, times=self.world_size)
-        return self._exchange(Collective(Op.ALL_GATHER, 0, flat, bucket, out=out_flat), out, finish)
+        op = Op.GATHER_PEERS if self._reads_peers(out_flat.nbytes) else Op.ALL_GATHER
+        return self._exchange(Collective(op, 0, flat, bucket, out=out_flat), out, finish)
 
     def reduce_scatter(self, tensor: torch.Tensor, out: torch.Tensor, bucket: int | None = None, *,
                        divisor: float | None = None, op: str = "sum") -> FanfoldWork:
