@@ -689,9 +689,8 @@ class ProcessEngine:
         return replies
 
     def exchange(self, count: int, post: Callable[[int], Any], local: Callable[[], Any], what: str) -> tuple:
-        """Post ``post(w)`` to workers 0..count-1 (replicas 1..count), run ``local()`` (replica 0) meanwhile, and
-        collect the workers' answers: (``local()``'s result, answers). A replica's exception is raised here, naming
-        it (replica 0's first); Ctrl-C stops the workers, which may be mid-step."""
+        """Post ``post(w)`` to workers 0..count-1, run ``local()`` (replica 0) meanwhile: (its result, the workers'
+        answers). A replica's exception is raised here, naming it; Ctrl-C stops the workers."""
         posted, failed, mine = [], None, None
         try:
             for w in range(count):

@@ -247,9 +247,8 @@ class Engine:
             self._peer.reduce(c.outs, c.out, describe, check, c.settle, *(c.compress or ()))
 
     def run_small(self, t: torch.Tensor, divisor: float | None, seq: int, bucket: int | None) -> None:
-        """The latency path: collective ``seq``, an all_reduce of contiguous ``t`` (at most a quarter chunk) on the
-        calling thread, step for step the ring's (a peer running ``run`` meets it), with nothing made per call but a
-        closure: the slot views and the header words are made once per area, dtype and shape."""
+        """The latency path: collective ``seq``, an all_reduce of ``t`` on the calling thread, step for step the
+        ring's, with its slot views and header words made once per area, dtype and shape."""
         seg, g = self.seg, self.seg.arrived
         key = (g % self.areas, t.dtype, t.shape)
         views = self._small.get(key)
@@ -522,12 +521,10 @@ class PeerReader:
     def reduce(self, tensors: list[torch.Tensor], out: torch.Tensor | None, describe: Callable,
                check: Callable[[], None], settle: bool, compress: torch.dtype | None = None,
                pre_divisor: float | None = None) -> None:
-        """Sum ``tensors`` laid end to end over the ranks, in rank order, reading every peer's where they lie: into
-        ``out``, this rank's part (``ceil(total / N)`` elements, zeroed past ``total``: ZeRO's layout); with ``out``
-        None, in place (rank r sums its part of each round, then copies every other part from its owner's tensors).
-        ``settle``: return only once no peer reads the tensors any more, else once this rank's next collective has
-        waited. ``compress``: every rank's values divided by ``pre_divisor`` (if given) and rounded to that dtype as
-        they are read, summed, rounded again: the compression hooks' bits."""
+        """Sum ``tensors`` laid end to end over the ranks in rank order, read where they lie: this rank's part
+        (``ceil(total / N)`` elements, zeroed past ``total``) into ``out``, or with ``out`` None every part in place
+        (each rank sums its own, then copies the others from their owners). ``settle``, ``compress``: as
+        ``Transport.reduce_tensors``; ``pre_divisor`` divides every rank's values before they are rounded."""
         self._compress, self._pre = compress, pre_divisor
         lo, hi = _parts(sum(t.numel() for t in tensors), self.n)[self.rank]
         if out is not None:
