@@ -85,7 +85,7 @@ if __name__ == "__main__":
         assert same_rest, f"rank {rank}: the resumed sampler does not continue the saved epoch"
         assert gathered == [2.0 * i for i in range(10)], (rank, gathered)
 
-    from fanfold.parallel.process_worker import _AREA, WORKER, Mailbox
+    from fanfold.parallel.process_engine import _AREA, WORKER, Mailbox
 
     caller = Mailbox()
     worker = Mailbox(caller.block, WORKER)

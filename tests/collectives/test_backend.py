@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 import fanfold
-from fanfold.collectives.shm import peer as shm_peer
+from fanfold.collectives.shm import engine as shm_peer
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32]
 OPS = [dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.MIN, dist.ReduceOp.MAX, dist.ReduceOp.PRODUCT]

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import fanfold
-from fanfold.collectives.shm.peer import PeerReader
+from fanfold.collectives.shm.engine import PeerReader
 from fanfold.collectives.shm.transport import ShmTransport
 
 CHUNK = 64 << 10  # outputs above 16 KB take the peer reads

@@ -7,7 +7,6 @@ import os
 import pickle
 import signal
 import time
-import warnings
 from datetime import timedelta
 from unittest import mock
 
@@ -20,7 +19,7 @@ import fanfold
 from _ddp_models import MODELS, batch, loss_fn, optimizer, single_process, train_ddp
 from fanfold._core.shm import SHM_DIR, pid_namespace
 from fanfold.collectives.select import select_transport
-from fanfold.collectives.shm import peer as shm_peer
+from fanfold.collectives.shm import engine as shm_peer
 from fanfold.collectives.shm.segment import host_key
 from fanfold.collectives.shm.transport import ShmTimeoutError, ShmTransport
 from fanfold.distributed.reducer import SMALL_TENSOR_BYTES
@@ -266,18 +265,6 @@ def _misuse():
         t.all_reduce(region[r:r + (1 << 17)]).wait()
         want = sum(base[q:q + (1 << 17)] * (q + 1) for q in range(dist.get_world_size()))
         out["shared parts"] = torch.equal(region[r:r + (1 << 17)], want)
-    with ShmTransport(timeout=30) as t:  # /dev/shm full where rank 0 creates the region: every rank falls back
-        full = OSError(28, "No space left on device")
-        with mock.patch("os.posix_fallocate", side_effect=full if r == 0 else os.posix_fallocate):
-            with warnings.catch_warnings(record=True) as said:
-                warnings.simplefilter("always")
-                full = t.allocate(1000, torch.float32)
-                again = t.allocate(10, torch.float32)  # no second try, no second warning
-        said = [str(w.message) for w in said]
-        # zeros, in ordinary memory; said once, by rank 0, with the reason
-        out["full"] = (full.tolist() == [0.0] * 1000, not _in_regions(t, full) and not _in_regions(t, again),
-                       len(said) == (r == 0) and all("falls back to ordinary memory" in w and "full" in w
-                                                     for w in said))
     with pytest.raises(RuntimeError, match="closed"):
         t.all_reduce(torch.ones(1))
     with ShmTransport(timeout=30) as t:  # reduce_tensors: bad lists named; same length in other pieces refused
@@ -298,7 +285,7 @@ def _misuse():
         t.reduce_tensors([y[:30], y[30:]]).wait()
         out["fallback"] = (t.peer_read, y.unique().tolist())
     denied = OSError(1, "Operation not permitted")  # what ptrace rules or seccomp answer on one rank
-    with mock.patch("fanfold.collectives.shm.peer._copy", side_effect=denied if r == 1 else shm_peer._copy):
+    with mock.patch("fanfold.collectives.shm.engine._copy", side_effect=denied if r == 1 else shm_peer._copy):
         with ShmTransport(timeout=30) as t:
             out["denied"] = t.peer_read
     if r == 0:
@@ -316,7 +303,6 @@ def test_misuse_is_named(api):
         assert f"rank {r} is in all_reduce of {10 + r} float32 #1 (bucket 4)" in o["mismatch"], o["mismatch"]
         assert f"rank {1 - r} is in all_reduce of {11 - r} float32" in o["mismatch"], o["mismatch"]
         assert "failed earlier" in o["after"]
-        assert o["full"] == (True, True, True)
         assert o["shared parts"]
         assert "tensors 0 and 1 overlap" in o["overlap"] and "tensor 1 must be a contiguous real tensor of " \
             "torch.float32" in o["dtype"] and "tensor 0" in o["strided"], o
@@ -420,23 +406,14 @@ def _train(kind, transport, steps, hook=None, **kwargs):
     # (a bucket of small gradients goes through its flat tensor, one copy each way: reducer.SMALL_TENSOR_BYTES)
     small = [f.numel() * f.element_size() < SMALL_TENSOR_BYTES * len(m) for f, m in zip(r.flats, r.buckets)]
     direct = r._direct and not any(f.any() for f, s in zip(r.flats, small) if not s)
-    # Another hook, or .grad a view of the bucket: the bucket itself is all-reduced, rebuilt in the transport's memory
-    shared = all(_in_regions(inner, f) for f in r.flats)
-    return type(inner).__name__, params, direct, bool(getattr(inner, "peer_read", False)), shared
-
-
-def _in_regions(inner, flat):
-    """Whether ``flat`` lies in memory from the transport's allocate() (a region of its own shared memory)."""
-    spans = [(g.data.data_ptr(), g.data.data_ptr() + g.data.numel()) for g in getattr(inner, "_regions", [])
-             if g.data is not None]
-    return any(lo <= flat.data_ptr() < hi for lo, hi in spans)
+    return type(inner).__name__, params, direct, bool(getattr(inner, "peer_read", False))
 
 
 def _trainings(transport):
     _init()
     runs = {"mlp": _train("mlp", transport, STEPS)}
     if transport == "shm":  # the default: .grad all-reduced where it is, read from the peers' memory
-        # without peer reads, small chunks: the small buckets are summed in place (allocate), not in the ring
+        # without peer reads, small chunks
         bare = dict(timeout=60, chunk_bytes=4096, peer_read=False)
         runs["in place"] = _train("mlp", ShmTransport(**bare), STEPS)
         # and with parameters that get no gradient (the average then goes to fresh tensors, or nowhere)
@@ -460,12 +437,12 @@ def test_ddp_training_equivalent_on_both_transports():
     shm = fanfold.launch(_trainings, "shm", nprocs=2, timeout=180)
     torch_ = fanfold.launch(_trainings, "torch", nprocs=2, timeout=180)
     assert [s["mlp"][0] for s in shm] == ["ShmTransport"] * 2 and torch_[0]["mlp"][0] == "TorchTransport"
-    paths = {run: (s[run][2], s[run][4]) for s in shm for run in s}  # direct, buckets in shared memory
+    paths = {run: s[run][2] for s in shm for run in s}  # direct
     peer = shm[0]["mlp"][3]  # whether this machine lets the ranks read each other's memory (else: fallbacks)
-    plain = (True, False)
+    plain = True
     # "in place": this MLP's buckets hold small gradients, reduced through the flat bucket (the ring)
     assert paths == {"mlp": plain, "in place": plain, "spare": plain, "spare direct": plain, "ring": plain,
-                     "view": (False, True), "lm": plain, "bf16": plain, "bf16 hook": plain, "fp16": plain,
+                     "view": False, "lm": plain, "bf16": plain, "bf16 hook": plain, "fp16": plain,
                      "fp16 hook": plain}, paths
     assert torch_[0]["mlp"][2] is True
     oracle = single_process("mlp", STEPS)

@@ -14,7 +14,6 @@ import pytest
 
 JOB = Path(__file__).with_name("_small_shm_job.py")
 CHUNKS = "it runs with 256 KiB chunks"
-BUCKETS = "allocate() falls back to ordinary memory from now on"
 
 
 def _run(scenario):
@@ -51,8 +50,6 @@ def test_ddp_on_a_small_dev_shm_equals_torchs_ddp(scenario, transport):
         assert o["transport"] == transport and o["chunk"] == 256 << 10, o
         assert o["close"] and o["moved"], o  # torch's DDP over gloo, same model and data, is the oracle
     assert output.count(CHUNKS) == 1, output[-3000:]
-    if scenario == "ddp ring":  # the ring's buckets would live in shared memory: none left for a 10 MB model
-        assert output.count(BUCKETS) == 1, output[-3000:]
     assert result["left"] == [], result
 
 

@@ -1,8 +1,8 @@
-"""Memory fanfold hands out outlives whatever made it: gradients that view DDP's buckets (in the shm transport's
-shared memory) after the wrapper is collected, after the process group is destroyed, after a deepcopy's original is
+"""Memory fanfold hands out outlives whatever made it: gradients that view DDP's buckets after the wrapper is
+collected, after the process group is destroyed, after a deepcopy's original is
 gone; ZeRO's parameters and gradients after the optimizer and the wrapper are deleted (stage 2: with the parameters'
-gather still in flight); an ``allocate()`` region after its transport is closed, and no mapping kept by a closed
-transport that lent nothing out. Each case runs in two launched ranks against torch's own DDP over gloo doing the same
+gather still in flight); ``allocate()``'s memory after its transport is closed, and no mapping kept by a closed
+transport. Each case runs in two launched ranks against torch's own DDP over gloo doing the same
 (same initial weights, same data); a rank that crashes (a read of unmapped memory: exit code -11) fails the launch.
 """
 import copy
@@ -143,14 +143,14 @@ def _region(impl):
         t.all_reduce(x).wait()
         part = x[10:20]
         t.close()
-        mapped = _mappings()  # the region, which x views; not the transport's ring
+        mapped = _mappings()  # none: allocate()'s memory is the process's own, the ring is unmapped by close()
         del t
         gc.collect()
     part.add_(1)
     out = {"sum": x.clone(), "part": part.clone()}
     if impl != "torch":
         del x
-        out["mapped"] = (mapped, _mappings(), part.sum().item())  # part alone keeps the region
+        out["mapped"] = (mapped, _mappings(), part.sum().item())
         del part
         ShmTransport().close()  # never lent out: unmapped by close(), while the object may live on
         out["mapped"] += (_mappings(),)
@@ -207,7 +207,7 @@ def _close(a, b):
 def _check(results):
     for r, res in enumerate(results):
         if "mapped" in res["shm"]:
-            assert res["shm"].pop("mapped") == (1, 1, res["torch"]["part"].sum().item(), 0), r
+            assert res["shm"].pop("mapped") == (0, 0, res["torch"]["part"].sum().item(), 0), r
         assert _close(res["shm"], res["torch"]), f"rank {r}: fanfold differs from torch's DDP"
 
 

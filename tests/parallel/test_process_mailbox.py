@@ -1,4 +1,4 @@
-"""The process engine's mailboxes (process_worker.py): messages in order, big ones spilled, every wait bounded; and,
+"""The process engine's mailboxes (process_engine.py): messages in order, big ones spilled, every wait bounded; and,
 end to end, where the replicas run (replica 0 in the caller) and a spilled argument, against the bare module."""
 import copy
 import os
@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from fanfold import DataParallel
-from fanfold.parallel.process_worker import _AREA, WORKER, Mailbox, Stopped
+from fanfold.parallel.process_engine import _AREA, WORKER, Mailbox, Stopped
 
 TOL = dict(rtol=1e-4, atol=1e-5)
 

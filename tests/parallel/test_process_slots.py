@@ -1,4 +1,4 @@
-"""The process engine's fixed shared-memory slots (process_worker.py), checked against the bare module: slot buffers
+"""The process engine's fixed shared-memory slots (process_engine.py), checked against the bare module: slot buffers
 that grow with the batch, two forwards before one backward (the second must not overwrite what the first one's graph
 saved), non-contiguous and mixed-dtype inputs, a PackedSequence (still pickled); and the caller's intra-op threads."""
 import copy
@@ -8,7 +8,7 @@ from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence
 
 from fanfold import DataParallel
-from fanfold.parallel.process_worker import Arena, layout, unpack, view
+from fanfold.parallel.process_engine import Arena, layout, unpack, view
 
 TOL = dict(rtol=1e-4, atol=1e-5)
 

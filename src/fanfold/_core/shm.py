@@ -1,6 +1,5 @@
-"""Shared memory between the processes of one host, for the collectives and the process engine: named segments in
-/dev/shm (safe names only, never following or reusing an entry), fd-backed buffers, and bounded futex waits on
-32-bit counters in that memory. Linux only; the ordering relies on x86-64's total store order (docs/shm.md).
+"""Shared memory between the processes of one host: named segments in /dev/shm (safe names only, never following or
+reusing an entry), fd-backed buffers, bounded futex waits on 32-bit counters in them. Linux only (docs/shm.md).
 """
 from __future__ import annotations
 
@@ -32,8 +31,8 @@ class _Timespec(ctypes.Structure):
 
 
 class Futex:
-    """``futex(2)`` wait and wake on 32-bit counters in shared memory, through ``ctypes`` (which releases the
-    interpreter lock during the call); ``what`` names the feature in errors. One object per thread (its timespec)."""
+    """``futex(2)`` on 32-bit counters in shared memory, through ``ctypes`` (which releases the interpreter lock);
+    ``what`` names the feature in errors. One object per thread (its timespec)."""
 
     def __init__(self, what: str = "fanfold's shared memory"):
         if _SYS_FUTEX is None:
@@ -50,9 +49,9 @@ class Futex:
         self._call(_SYS_FUTEX, address, _FUTEX_WAKE, count, None, None, 0)
 
     def wait(self, word: Any, target: int, check: Callable[[], float | None], *, yield_core: bool) -> None:
-        """Return once the counter ``word`` (a ``ctypes.c_uint32``) has reached ``target`` (modulo 2**32). Polls for
-        100 us (``yield_core``: giving the core away on each poll), then sleeps in the kernel; ``check()`` runs
-        before each sleep: it raises to give up and returns the most seconds the sleep may last (None: 50 ms)."""
+        """Return once the counter ``word`` (a ``ctypes.c_uint32``) has reached ``target`` (modulo 2**32): polls for
+        100 us, then sleeps in the kernel; ``check()`` runs before each sleep: it raises to give up, or returns the
+        most seconds the sleep may last (None: 50 ms)."""
         k = target & 0xFFFFFFFF
         spin_end = time.perf_counter() + SPIN_S
         while (word.value - k) & 0x80000000:
@@ -158,10 +157,9 @@ def map_tensor(mm: mmap.mmap) -> torch.Tensor:
 
 def unmap(mm: mmap.mmap | None) -> bool:
     """Unmap ``mm`` now (True), or, while a tensor from :func:`map_tensor` views it, when the last view dies."""
-    if mm is None:
-        return True
     try:
-        mm.close()
+        if mm is not None:
+            mm.close()
     except BufferError:
         return False
     return True

@@ -1,47 +1,459 @@
 """``DataParallel(..., engine="process")``: replica 0 in the caller, one worker process per further CPU replica
-(``process_worker.py``) sharing the module's memory; ``Remote`` joins the workers' outputs to the caller's graph and
-sums their gradients in replica order. Every wait is bounded (docs/data-parallel.md).
+sharing the module's memory; the wire between them (shared-memory slots for a message's tensors, small dataclass
+messages, a futex-woken mailbox where a step's repeated messages cross as a few bytes); ``Remote`` joins the workers'
+outputs to the caller's graph.
 """
 from __future__ import annotations
 
+import ctypes
+import io
+import math
 import multiprocessing as mp
 import os
+import pickle
+import signal
+import struct
 import time
+import traceback
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields, replace
 from itertools import chain
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import torch
-import torch.multiprocessing  # noqa: F401  (registers the reductions that send tensors through shared memory)
+import torch.multiprocessing  # noqa: F401  (torch's reductions, which send tensors through shared memory)
 from torch import nn
 from torch.autograd import Function
 
-from .._core.shm import shared_bytes
-from .._core.tree import flatten, unflatten
-from .parallel_backward import _tensor, _with_tensor
-from .process_worker import (
-    Arena,
-    Backward,
-    Failure,
-    Forward,
-    Gradients,
-    Graph,
-    Mailbox,
-    Outputs,
-    Ready,
-    Replica,
-    layout,
-    replica_of,
-    run_backward,
-    run_forward,
-    unpack,
-    view,
-    worker_main,
-)
+from .._core.shm import Futex, alive, shared_bytes
+from .._core.tree import Spec, flatten, unflatten
+from .parallel_backward import _alias_parameters, _tensor, _with_tensor
 from .replicate import replicate
+
+ALIGN = 64  # bytes: every slot starts on a cache line, so any dtype's view of the byte buffer is aligned
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one dense tensor lies in a byte buffer; ``stride`` keeps its memory format (channels_last, say)."""
+
+    offset: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    stride: tuple[int, ...]
+
+
+def dense_stride(t: torch.Tensor) -> tuple[int, ...]:
+    # ``t``'s strides where its layout is dense in some order of the dims (channels_last, a transpose), else the
+    # dense layout ``torch.empty_like`` gives it
+    return tuple(t.stride()) if t.is_contiguous() else tuple(torch.empty_like(t, device="meta").stride())
+
+
+def _plain(value: Any) -> bool:
+    return (type(value) is torch.Tensor and value.layout == torch.strided and value.device.type == "cpu"
+            and not value.is_quantized)
+
+
+def layout(tensors: Sequence[torch.Tensor]) -> tuple[list[Slot], int]:
+    """One slot per tensor, packed in order; and the bytes they take in all."""
+    slots, size = [], 0
+    for t in tensors:
+        slots.append(Slot(size, tuple(t.shape), t.dtype, dense_stride(t)))
+        size += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+    return slots, size
+
+
+def view(buffer: torch.Tensor, slot: Slot) -> torch.Tensor:
+    nbytes = math.prod(slot.shape) * slot.dtype.itemsize
+    return buffer[slot.offset:slot.offset + nbytes].view(slot.dtype).as_strided(slot.shape, slot.stride)
+
+
+class Arena:
+    """One direction's slot buffer for one worker, sent again only when it grows. Layouts are kept per structure, so
+    that alternating forward and backward messages get the same ``Slot`` objects each step (and cross compact)."""
+
+    _KEEP = 8  # layouts kept; more distinct structures than this are laid out again
+
+    def __init__(self) -> None:
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+        self._layouts: dict[tuple, tuple[list[Slot], list[torch.Tensor]]] = {}
+
+    def pack(self, leaves: Sequence[Any]) -> tuple[list, torch.Tensor | None]:
+        """``leaves`` with each plain tensor copied into the buffer and replaced by its Slot; the new buffer if the
+        old one was too small, else None."""
+        found = [(k, v) for k, v in enumerate(leaves) if _plain(v)]
+        key = tuple((t.shape, t.dtype, dense_stride(t)) for _, t in found)
+        grown = None
+        known = self._layouts.get(key)
+        if known is None:
+            slots, size = layout([t for _, t in found])
+            if size > self.buffer.numel():
+                self.buffer = grown = shared_bytes(max(size, 2 * self.buffer.numel()))
+                self._layouts.clear()  # their views are of the old buffer
+            if len(self._layouts) >= self._KEEP:
+                self._layouts.clear()
+            known = self._layouts[key] = (slots, [view(self.buffer, slot) for slot in slots])
+        packed = list(leaves)
+        for (k, t), slot, target in zip(found, *known):
+            target.copy_(t.detach() if t.requires_grad else t)
+            packed[k] = slot
+        return packed, grown
+
+
+def unpack(buffer: torch.Tensor, leaves: Sequence[Any], copy: bool) -> list:
+    """``leaves`` with each Slot read from ``buffer``: a copy where the tensor must outlive the next message."""
+    return [(view(buffer, v).clone() if copy else view(buffer, v)) if isinstance(v, Slot) else v for v in leaves]
+
+
+@dataclass
+class Forward:
+    step: int
+    leaves: list  # the replica's flattened (args, kwargs), tensors detached
+    spec: Spec
+    differentiable: list[int]  # positions in ``leaves`` whose gradient the caller wants
+    grad: bool  # the caller's grad mode
+    training: list[bool]  # module.training of every submodule, in modules() order
+    release: list[int] = field(default_factory=list)  # steps whose graph the caller has dropped
+    arena: torch.Tensor | None = None  # the caller's slot buffer for this worker, when new
+
+
+@dataclass
+class Backward:
+    step: int
+    grads: list  # one per output tensor (its Slot), None where the caller has none
+    arena: torch.Tensor | None = None
+
+
+@dataclass
+class Ready:
+    index: int
+    pid: int
+
+
+@dataclass
+class Outputs:
+    leaves: list  # the output flattened, tensors as Slots of the worker's buffer
+    spec: Spec
+    arena: torch.Tensor | None = None  # the worker's slot buffer, when new
+
+
+@dataclass
+class Gradients:
+    # per parameter that requires grad: True where its gradient slot holds it, None where unused, or the gradient
+    # itself where it is not dense (sparse: nn.Embedding(sparse=True)), pickled
+    parameters: list
+    inputs: list  # one per ``Forward.differentiable`` position: a Slot, or None
+    arena: torch.Tensor | None = None
+
+
+@dataclass
+class Failure:
+    index: int
+    kind: str  # the exception's type name
+    message: str
+    traceback: str
+
+
+_KINDS = (Forward, Backward, Outputs, Gradients)  # a compact message's first byte: the index + 1
+# a repeat carries the step's numbers (step, grad, release) and takes every other field from the last full message
+_FIXED = {k: [f.name for f in fields(k) if f.name not in ("step", "grad", "release", "arena")] for k in _KINDS}
+_SCALARS = (Slot, type(None), bool, int, float, str)  # leaves that are the same value when they are the same object
+
+
+def _template(msg: Any) -> bool:
+    # later messages may repeat ``msg``: its lists hold values compared by identity, its spec compares by value (no
+    # instance kept as a template: a dataclass, a dict subclass)
+    return all(all(type(v) in _SCALARS for v in x) if isinstance(x, list) else
+               all(n.template is None or isinstance(n.template, type) for n in x.nodes)
+               for x in (getattr(msg, name) for name in _FIXED[type(msg)]))
+
+
+def _repeats(msg: Any, last: Any) -> bool:
+    for name in _FIXED[type(msg)]:
+        a, b = getattr(msg, name), getattr(last, name)
+        if not (len(a) == len(b) and all(x is y for x, y in zip(a, b)) if isinstance(a, list) else a == b):
+            return False
+    return msg.arena is None
+
+
+CALLER, WORKER = 0, 1
+_COUNTER = (0, 64)  # byte offset of each side's counter: cache lines of their own
+_STOP = 128
+_LENGTH = (192, 200)  # int64: the length of each side's current message
+_HEADER = 4096
+_AREA = 1 << 16  # bytes per side's message area; bigger messages are spilled
+_PICKLE = pickle.PROTO[0]  # the first byte of every pickle this side makes (protocol 2 and up)
+
+
+@dataclass
+class _Spill:
+    """A message too big for its area: its pickled bytes, in a shared buffer of their own."""
+
+    data: torch.Tensor
+
+
+class Stopped(Exception):
+    """The caller has set the stop word (raised in the worker's wait)."""
+
+
+class Mailbox:
+    """One side of a worker's block: the caller makes it (``Mailbox()``), the worker opens
+    ``Mailbox(block, WORKER)``."""
+
+    def __init__(self, block: torch.Tensor | None = None, side: int = CALLER) -> None:
+        self._futex = Futex("DataParallel(engine='process')")
+        self.block = shared_bytes(_HEADER + 2 * _AREA).zero_() if block is None else block
+        self.side = side
+        self._base = self.block.data_ptr()
+        self._mine = ctypes.c_uint32.from_address(self._base + _COUNTER[side])
+        self._theirs = ctypes.c_uint32.from_address(self._base + _COUNTER[1 - side])
+        self._stop = ctypes.c_uint32.from_address(self._base + _STOP)
+        self._lengths = [ctypes.c_int64.from_address(self._base + at) for at in _LENGTH]
+        # one pickler for every message: ForkingPickler.dumps would copy its dispatch table each time
+        self._buffer = io.BytesIO()
+        self._pickler = ForkingPickler(self._buffer, pickle.HIGHEST_PROTOCOL)
+        self._sent: dict[type, Any] = {}  # per kind, the last full message sent, if later ones may repeat it
+        self._got: dict[type, Any] = {}  # per kind, the last full message received
+        self.posted = 0  # messages this side has posted
+        self.read = 0  # messages of the other side this side has read
+
+    def send(self, message: Any) -> None:
+        """Post ``message`` (the other side must have read the previous one: the protocol alternates)."""
+        data = self._compact(message)
+        if data is None:
+            data = self._pickle(message)
+            if len(data) > _AREA:
+                data = self._pickle(_Spill(torch.frombuffer(bytearray(data), dtype=torch.uint8).share_memory_()))
+            if type(message) in _KINDS:  # pickled: the receiver will have it
+                self._sent[type(message)] = message if _template(message) else None
+        ctypes.memmove(self._base + _HEADER + self.side * _AREA, data, len(data))
+        self._lengths[self.side].value = len(data)
+        self.posted += 1
+        self._mine.value = self.posted & 0xFFFFFFFF
+        self._futex.wake(ctypes.addressof(self._mine), 1)
+
+    def _compact(self, msg: Any) -> bytes | None:
+        # ``msg`` as its kind and its numbers when it repeats the last full message of its kind sent
+        last = self._sent.get(type(msg))
+        if last is None or not _repeats(msg, last):
+            return None
+        if type(msg) is Forward:
+            numbers = [msg.step, msg.grad, *msg.release]
+        else:
+            numbers = [msg.step] if type(msg) is Backward else []
+        return struct.pack(f"<B{len(numbers)}q", _KINDS.index(type(msg)) + 1, *numbers)
+
+    def _expand(self, data: bytes) -> Any:
+        kind = _KINDS[data[0] - 1]
+        numbers = struct.unpack_from(f"<{(len(data) - 1) // 8}q", data, 1)
+        if kind is Forward:
+            return replace(self._got[kind], step=numbers[0], grad=bool(numbers[1]), release=list(numbers[2:]),
+                           arena=None)
+        if kind is Backward:
+            return replace(self._got[kind], step=numbers[0], arena=None)
+        return replace(self._got[kind], arena=None)
+
+    def _pickle(self, message: Any) -> bytes:
+        self._buffer.seek(0)
+        self._buffer.truncate()
+        self._pickler.clear_memo()
+        self._pickler.dump(message)
+        return self._buffer.getvalue()
+
+    def receive(self, check: Callable[[], None], deadline: float | None = None) -> Any:
+        """The other side's next message. Waits for it; ``check()`` runs every 50 ms while waiting (it raises to give
+        up, e.g. when the peer's process is gone). Raises ``TimeoutError`` after ``deadline`` (``time.monotonic()``)
+        and, in the worker, ``Stopped`` once the caller has set the stop word."""
+        self.wait(check, deadline)
+        self.read += 1
+        n = self._lengths[1 - self.side].value
+        data = ctypes.string_at(self._base + _HEADER + (1 - self.side) * _AREA, n)
+        if data[0] != _PICKLE:
+            return self._expand(data)
+        message = pickle.loads(data)
+        if isinstance(message, _Spill):
+            message = pickle.loads(ctypes.string_at(message.data.data_ptr(), message.data.numel()))
+        if type(message) in _KINDS:
+            self._got[type(message)] = message
+        return message
+
+    def wait(self, check: Callable[[], None], deadline: float | None = None) -> None:
+        """Wait for the other side's next message; see ``receive``. Polls without yielding the core (on a busy
+        machine a yield gives away a whole time slice), then sleeps on the other side's counter."""
+        target = (self.read + 1) & 0xFFFFFFFF
+        slept = []  # check() runs only once a sleep has ended without the message: a peer gone is rare
+
+        def between() -> None:
+            if self.side == WORKER and self._stop.value:
+                raise Stopped
+            if slept:
+                check()
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError
+            slept.append(True)
+
+        self._futex.wait(self._theirs, target, between, yield_core=False)
+
+    def stop(self) -> None:
+        """(Caller) set the stop word and wake the worker: it leaves its wait for the next request."""
+        self._stop.value = 1
+        self._futex.wake(self._base + _COUNTER[CALLER], 1)
+
+
+def _private_buffers(module: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    # private copies of ``module``'s (shared) buffers: (shared, private) pairs to refresh them
+    pairs = []
+    for m in module.modules():
+        for key, b in list(m._buffers.items()):
+            if b is not None:
+                m._buffers[key] = b.clone()
+                pairs.append((b, m._buffers[key]))
+    return pairs
+
+
+@dataclass
+class _Buffers:
+    """This worker's slot buffers: the caller's (read), its own (written), its parameter gradients'."""
+
+    inbox: torch.Tensor
+    outbox: Arena
+    grads: list[torch.Tensor]  # per parameter that requires grad, its gradient slot (a view of one shared buffer)
+
+
+def _detach(leaf: Any) -> Any:
+    t = _tensor(leaf)
+    return leaf if t is None else _with_tensor(leaf, t.detach())
+
+
+@dataclass
+class Graph:
+    """One replica's graph of one forward: its outputs and what to differentiate (parameters, then inputs)."""
+
+    outputs: list[torch.Tensor]
+    targets: list[torch.Tensor]
+    num_inputs: int
+
+
+@dataclass
+class Replica:
+    """A replica as ``run_forward`` runs it: the module, its submodules (walked once), its own parameter leaves."""
+
+    module: nn.Module
+    modules: list[nn.Module]
+    params: list[torch.Tensor]
+
+
+def replica_of(module: nn.Module) -> Replica:
+    """``module`` as a replica: each parameter that requires grad swapped for a leaf of its own on the same memory."""
+    _, aliases, _ = _alias_parameters([module])
+    return Replica(module, list(module.modules()), aliases[0])
+
+
+def run_forward(replica: Replica, leaves: list, spec: Spec, differentiable: list[int], grad: bool,
+                training: list[bool]) -> tuple[list, Spec, Graph | None]:
+    """Run one replica on its flattened arguments (tensors detached, owned by this call): its output's leaves, their
+    spec, and its graph (None without grad)."""
+    for m, flag in zip(replica.modules, training):
+        if m.training is not flag:  # nn.Module.__setattr__ is slow: most steps change nothing
+            m.training = flag
+    inputs = []
+    for k in differentiable:
+        t = _tensor(leaves[k]).requires_grad_(grad)
+        inputs.append(t)
+        # a clone, so that the module may modify its argument in place as it may a non-leaf in the caller
+        leaves[k] = _with_tensor(leaves[k], t.clone() if grad else t)
+    args, kwargs = unflatten(spec, leaves)
+    with torch.set_grad_enabled(grad):
+        out = replica.module(*args, **kwargs)
+    out_leaves, out_spec = flatten(out, "output")
+    values = [v for _, v in out_leaves]
+    if not grad:
+        return values, out_spec, None
+    tensors = [t for t in (_tensor(v) for v in values) if t is not None]
+    return values, out_spec, Graph(tensors, replica.params + inputs, len(inputs))
+
+
+def run_backward(graph: Graph, grads: list) -> list:
+    """The gradients of ``graph.targets`` (None where unused) given its outputs' (None where the caller has none); the
+    graph is kept until its owner drops it."""
+    pairs = [(o, g) for o, g in zip(graph.outputs, grads) if g is not None and o.requires_grad]
+    if not pairs or not graph.targets:
+        return [None] * len(graph.targets)
+    return list(torch.autograd.grad([o for o, _ in pairs], graph.targets, [g for _, g in pairs],
+                                    retain_graph=True, allow_unused=True))
+
+
+def _forward(replica: Replica, msg: Forward, graphs: dict, io: _Buffers) -> Outputs:
+    # copies: the graph may save an input for backward, and the caller reuses its buffer for the next forward
+    leaves = unpack(io.inbox, msg.leaves, copy=True)
+    values, spec, graph = run_forward(replica, leaves, msg.spec, msg.differentiable, msg.grad, msg.training)
+    if graph is not None:
+        graphs[msg.step] = graph
+    packed, grown = io.outbox.pack([_detach(v) for v in values])
+    return Outputs(packed, spec, grown)
+
+
+def _backward(msg: Backward, graphs: dict, io: _Buffers) -> Gradients:
+    if msg.step not in graphs:
+        raise RuntimeError("this worker holds no graph of that forward: the workers were restarted since (a "
+                           "structure change, a dead worker or close()); run the forward again")
+    graph = graphs[msg.step]  # kept until the caller releases it
+    grads = run_backward(graph, unpack(io.inbox, msg.grads, copy=False))  # read before answering: no copy needed
+    split = len(graph.targets) - graph.num_inputs
+    with torch.no_grad():
+        for g, slot in zip(grads[:split], io.grads):
+            if g is not None and g.layout == torch.strided:
+                slot.copy_(g)
+    packed, grown = io.outbox.pack(grads[split:])
+    return Gradients([g if g is None or g.layout != torch.strided else True for g in grads[:split]], packed, grown)
+
+
+def _check_caller(pid: int) -> None:
+    if not alive(pid):
+        raise ProcessLookupError(pid)
+
+
+def worker_main(index: int, module: nn.Module, block: torch.Tensor, threads: int, caller: int, grads: torch.Tensor,
+                grad_slots: list[Slot]) -> None:
+    """The worker's entry point: serve its mailbox until told to stop or the caller is gone."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    torch.set_num_threads(threads)
+    replica = replica_of(module)
+    refresh = _private_buffers(module) if index > 0 else []
+    io = _Buffers(torch.empty(0, dtype=torch.uint8), Arena(), [view(grads, slot) for slot in grad_slots])
+    graphs: dict = {}
+    mailbox = Mailbox(block, WORKER)
+    mailbox.send(Ready(index, os.getpid()))
+    while True:
+        try:
+            msg = mailbox.receive(lambda: _check_caller(caller))
+        except (Stopped, OSError):
+            return
+        try:
+            if msg.arena is not None:
+                io.inbox = msg.arena
+            if isinstance(msg, Forward):
+                for step in msg.release:
+                    graphs.pop(step, None)
+                with torch.no_grad():
+                    for shared, private in refresh:
+                        private.copy_(shared)
+                reply: Any = _forward(replica, msg, graphs, io)
+            else:
+                reply = _backward(msg, graphs, io)
+        except Exception as exc:
+            reply = Failure(index, type(exc).__name__, str(exc), traceback.format_exc())
+        del msg
+        try:
+            mailbox.send(reply)
+        except Exception as exc:  # an output that cannot be pickled: the caller must still get an answer
+            io.outbox = Arena()  # it may have grown unsent: the next answer sends a fresh one
+            mailbox.send(Failure(index, type(exc).__name__, f"cannot send the replica's answer: {exc}",
+                                 traceback.format_exc()))
+        del reply
 
 
 def start_context(module: nn.Module) -> tuple[Any, bool]:
@@ -55,8 +467,7 @@ def start_context(module: nn.Module) -> tuple[Any, bool]:
 
 
 def structure(module: nn.Module) -> tuple[list, list[bool]]:
-    """What the workers' copy of ``module`` depends on (compared at every forward), and every submodule's
-    ``training`` flag."""
+    """What the workers' copy of ``module`` depends on (compared at every forward); every submodule's ``training``."""
     sig: list = []
     training = []
     for m in module.modules():
@@ -84,8 +495,8 @@ def stop_workers(procs: list, mailboxes: list, caller_threads: int = 0, set_to: 
 
 @dataclass
 class Step:
-    """What ``Remote`` needs: the engine and its generation, each worker's step number, each replica's outputs' range
-    and positions among the chunk inputs, replica 0's graph."""
+    """What ``Remote`` needs: each worker's step number, each replica's outputs' range and positions among the chunk
+    inputs, replica 0's graph."""
 
     engine: Any
     generation: int
@@ -110,17 +521,10 @@ class _Token:
 
 
 def _sum(local: list, replies: list[Gradients], views: list[list[torch.Tensor]]) -> list:
-    """Per parameter, replica 0's gradient plus the workers', in replica order; a new tensor, or None if unused."""
-    if all(g is not None and g.layout == torch.strided for g in local) and all(
-            all(p is True for p in r.parameters) for r in replies):
-        if not replies:
-            return [g.clone() for g in local]  # autograd may hand a tensor it holds elsewhere: not ours to give away
-        total = torch._foreach_add(local, views[0])
-        for w in range(1, len(replies)):
-            torch._foreach_add_(total, views[w])
-        return total
+    """Per parameter, replica 0's gradient plus the workers' (from their slots, or pickled where sparse), in replica
+    order: a new tensor (autograd may hold the one it handed out elsewhere), or None where no replica used it."""
     sums = []
-    for k, g in enumerate(local):  # some replica did not use a parameter, or a gradient is sparse
+    for k, g in enumerate(local):
         parts = [g] + [views[w][k] if r.parameters[k] is True else r.parameters[k] for w, r in enumerate(replies)]
         parts = [p for p in parts if p is not None]
         total = parts[0].clone() if len(parts) == 1 else torch.add(parts[0], parts[1]) if parts else None
@@ -131,7 +535,7 @@ def _sum(local: list, replies: list[Gradients], views: list[list[torch.Tensor]])
 
 
 class Remote(Function):
-    """``Remote.apply(step, outputs, *chunks, *params)``: see the module docstring."""
+    """``Remote.apply(step, outputs, *chunks, *params)``: every replica's outputs, in the caller's graph."""
 
     @staticmethod
     def forward(ctx, step: Step, outputs: list, *tensors: torch.Tensor) -> tuple:
@@ -221,7 +625,7 @@ class ProcessEngine:
         caller_threads = torch.get_num_threads()
         threads = max(1, caller_threads // self.num_replicas)
         self.params = [p for p in module.parameters() if p.requires_grad]
-        local = replica_of(replicate(module, ["cpu"])[0])  # shares the module's memory; writes its buffers (BatchNorm)
+        local = replica_of(replicate(module, ["cpu"])[0])  # shares the module's memory; writes its buffers
         slots, size = layout(self.params)
         workers = self.num_replicas - 1
         grads = [shared_bytes(max(size, 1)) for _ in range(workers)]
@@ -285,9 +689,8 @@ class ProcessEngine:
         return replies
 
     def exchange(self, count: int, post: Callable[[int], Any], local: Callable[[], Any], what: str) -> tuple:
-        """Post ``post(w)`` to workers 0..count-1 (replicas 1..count), run ``local()`` (replica 0) meanwhile, and
-        collect the workers' answers: (``local()``'s result, answers). A replica's exception is raised here, naming
-        it (replica 0's first); Ctrl-C stops the workers, which may be mid-step."""
+        """Post ``post(w)`` to workers 0..count-1, run ``local()`` (replica 0) meanwhile: (its result, the workers'
+        answers). A replica's exception is raised here, naming it; Ctrl-C stops the workers."""
         posted, failed, mine = [], None, None
         try:
             for w in range(count):

@@ -1,4 +1,3 @@
-"""fanfold.collectives.shm: collectives through one shared-memory segment for ranks on one host, by two algorithms:
-the ring through the segment's slots (``engine``) and direct reads of the peers' tensors (``peer``), chosen in
-``transport``; ``segment`` maps the memory and bounds every wait.
+"""Collectives through one shared-memory segment for the ranks of one host: ``segment`` maps it and bounds every wait,
+``engine`` runs the two algorithms (the ring through its slots, the peer reads), ``transport`` chooses between them.
 """

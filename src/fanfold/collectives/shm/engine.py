@@ -1,38 +1,50 @@
-"""The shared-memory transport's engine: the codes of its collectives and reductions, the :class:`Header` each rank
-publishes for its peers to check, the ring (numbered steps over the segment's areas: each rank writes its slot, then
-reads its peers') and the rank-ordered fold every algorithm sums with; :meth:`Engine.run` also starts the peer reads.
+"""The shared-memory transport's engine: the collectives' codes, the :class:`Header` each rank publishes for its
+peers to check, the rank-ordered fold, and the two algorithms: the ring (numbered steps over the segment's areas) and
+the peer reads (``process_vm_readv`` of the peers' tensors where they lie, where :func:`probe` finds it allowed).
 """
 from __future__ import annotations
 
+import bisect
 import ctypes
+import errno
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import IntEnum
+from itertools import accumulate
 from typing import Any
 
 import torch
 
-from .peer import PeerReader
 from .segment import Segment
 
-__all__ = ["Engine", "combine", "ShmMismatchError", "Collective", "Header", "DTYPES", "OPS", "reduce_code"]
+__all__ = ["Engine", "combine", "ShmMismatchError", "Collective", "Header", "DTYPES", "OPS", "Op", "SUM",
+           "reduce_code", "probe", "allow_peers", "PeerReader", "TABLE_BYTES"]
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.int16,
           torch.int8, torch.uint8]
-# The ring's (ALL_REDUCE .. ALL_TO_ALL, through the segment's slots) and the peer reads' (REDUCE_TENSORS,
-# SCATTER_TENSORS, GATHER_PEERS: straight from the peers' tensors)
-(ALL_REDUCE, BROADCAST, BARRIER, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL, REDUCE_TENSORS, SCATTER_TENSORS,
- GATHER_PEERS) = range(1, 10)
-OPS = {ALL_REDUCE: "all_reduce", BROADCAST: "broadcast", BARRIER: "barrier", REDUCE_TENSORS: "all_reduce",
-       ALL_GATHER: "all_gather", REDUCE_SCATTER: "reduce_scatter", ALL_TO_ALL: "all_to_all",
-       SCATTER_TENSORS: "reduce_scatter", GATHER_PEERS: "all_gather"}
-# SUM is 0: the code of a collective that reduces nothing, too
-SUM, MIN, MAX, PRODUCT = range(4)
+
+
+class Op(IntEnum):
+    """The collectives' codes: the ring's (through the segment's slots), then the peer reads' (the peers' tensors)."""
+
+    (ALL_REDUCE, BROADCAST, BARRIER, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL, REDUCE_TENSORS, SCATTER_TENSORS,
+     GATHER_PEERS) = range(1, 10)
+
+
+OPS = {op: op.name.lower() for op in Op} | {Op.REDUCE_TENSORS: "all_reduce", Op.SCATTER_TENSORS: "reduce_scatter",
+                                            Op.GATHER_PEERS: "all_gather"}
+SUM, MIN, MAX, PRODUCT = range(4)  # SUM is 0: the code of a collective that reduces nothing, too
 REDUCE_OPS = {SUM: "sum", MIN: "min", MAX: "max", PRODUCT: "product"}
 _CODES = {name: code for code, name in REDUCE_OPS.items()}
 _DESC = 16  # in a rank's line (after counter and pid), the headers of its current collective, by seq parity
 _FOLD = {SUM: torch.add, MIN: torch.minimum, MAX: torch.maximum, PRODUCT: torch.mul}
 _HALVES = (torch.bfloat16, torch.float16)
+TABLE_BYTES = 64 << 10  # per rank: (address, bytes) pairs, 4096 tensors a round; longer lists take several rounds
+PR_SET_PTRACER, PR_SET_PTRACER_ANY = 0x59616D61, 2**64 - 1  # <linux/prctl.h>; ANY is (unsigned long)-1
+_IOV_MAX = 1024  # the kernel's limit on iovecs per call, on each side
+_PROBE_ADDR, _PROBE_OK = 64, 72  # offsets in a rank's segment line (0-63: counter, pid, collective descriptors)
 
 
 def reduce_code(op: str, divisor: float | None = None, what: str = "all_reduce") -> int:
@@ -49,9 +61,8 @@ def reduce_code(op: str, divisor: float | None = None, what: str = "all_reduce")
 
 @dataclass(frozen=True, eq=False)
 class Collective:
-    """One collective as :meth:`Engine.run` runs it. ``flat``: the 1-d tensor it works on (the input of the exchanges;
-    None for a barrier); ``seq``: its number, the same on every rank; ``outs``: the peer reads' tensors; ``out``: the
-    exchanges' output; ``splits``: all_to_all's (sent, received) counts; ``timeout``: None keeps the segment's."""
+    """One collective as :meth:`Engine.run` runs it: ``flat`` its 1-d input (None for a barrier), ``outs`` the peer
+    reads' tensors, ``splits`` all_to_all's (sent, received) counts, ``timeout`` None to keep the segment's."""
 
     op: int
     seq: int
@@ -77,38 +88,33 @@ def _dtype_name(code: int) -> str:
 
 
 class Header(ctypes.Structure):
-    """What a rank announces of its current collective, in its segment line: ``dtype`` and ``narrow`` (the dtype a
-    compressed all-reduce rounds to) as index + 1 in DTYPES (0: none), ``src`` a broadcast's root, ``place`` how many
-    tensors the peer reads sum. Each field in its own word: a mismatch names the field that differs."""
+    """What a rank announces of its current collective in its segment line: dtypes as index + 1 in DTYPES (0: none;
+    ``narrow``: compress's), ``place`` how many tensors the peer reads sum. A mismatch names the field that differs."""
 
     _fields_ = [("op", ctypes.c_uint16), ("dtype", ctypes.c_uint8), ("reduce", ctypes.c_uint8),
                 ("src", ctypes.c_uint16), ("narrow", ctypes.c_uint16), ("numel", ctypes.c_uint64),
-                ("place", ctypes.c_uint64)]  # 24 bytes: the line's bytes 64.. are peer.py's
-
-    def fields(self) -> tuple:
-        return tuple(getattr(self, name) for name, _ in self._fields_)
+                ("place", ctypes.c_uint64)]  # 24 bytes: the line's bytes 64.. are the probe's
 
     def reduce_name(self) -> str:
         return REDUCE_OPS.get(self.reduce, f"reduction #{self.reduce}").upper()  # torch's ReduceOp names
 
     def describe(self) -> str:
         name = OPS.get(self.op, f"an unknown collective ({self.op})")
-        if self.op == BARRIER:
+        if self.op == Op.BARRIER:
             return name
         if self.reduce != SUM:  # a sum goes unnamed: it is the reduction of every other collective too
             name += f" ({self.reduce_name()})"
         what = f"{name} of {self.numel} {_dtype_name(self.dtype)}" if self.dtype else name
         if self.narrow:
             what += f" rounded to {_dtype_name(self.narrow)}"
-        return what + (f" from rank {self.src}" if self.op == BROADCAST else "")
+        return what + (f" from rank {self.src}" if self.op == Op.BROADCAST else "")
 
 
 def combine(parts: list[torch.Tensor], out: torch.Tensor, op: int, scratch: torch.Tensor,
             divisor: float | None = None) -> None:
-    """``out`` = ``parts[0]`` op ``parts[1]`` op ... in rank order, a sum then divided by ``divisor``: the bits
-    depend only on the inputs, not on which rank folds. ``out`` may be one of ``parts`` (a rank's own copy in shared
-    memory); ``scratch``: float32 memory for ``out.numel()`` values, where several half-precision values are summed
-    or multiplied and rounded once. MIN and MAX are exact in any dtype (a NaN on any rank gives NaN)."""
+    """``out`` = ``parts[0]`` op ``parts[1]`` op ... in rank order (a sum then divided by ``divisor``): the same bits
+    on every rank. ``out`` may be one of ``parts``; ``scratch``: float32 room for ``out.numel()`` values, where several
+    half-precision values are summed or multiplied and rounded once."""
     fold = _FOLD[op]
     if op in (SUM, PRODUCT) and out.dtype in _HALVES and len(parts) > 2:
         acc, rest = scratch[: out.numel()].copy_(parts[0]), parts[1:]
@@ -130,9 +136,8 @@ def combine(parts: list[torch.Tensor], out: torch.Tensor, op: int, scratch: torc
 
 
 class ShmMismatchError(RuntimeError):
-    """Rank ``rank``, in collective ``seq_text`` (what, number, chunk), found rank ``peer`` in another one under
-    the same number: ``field`` says what differs ("collective", "op", "dtype", "size", "tensors", "root",
-    "compression"), ``detail`` both sides."""
+    """Rank ``rank``, in collective ``seq_text``, found rank ``peer`` in another one under the same number: ``field``
+    says what differs ("collective", "op", "dtype", "size", "root", "compression", "tensors"), ``detail`` both sides."""
 
     def __init__(self, message: str, *, rank: int, peer: int, seq: int, seq_text: str, field: str, detail: str):
         super().__init__(message)
@@ -142,16 +147,15 @@ class ShmMismatchError(RuntimeError):
 
 def _differs(theirs: Header, mine: Header) -> str:
     for field, name in (("op", "collective"), ("reduce", "op"), ("dtype", "dtype"), ("numel", "size"),
-                        ("place", "tensors"), ("src", "root"), ("narrow", "compression")):
+                        ("src", "root"), ("narrow", "compression"), ("place", "tensors")):
         if getattr(theirs, field) != getattr(mine, field):
             return name
     return "collective"
 
 
 class Engine:
-    """The algorithms over one segment, run on one thread at a time. Step g (``Segment.arrive``) writes area
-    g % ``areas``; a rank finishes reading step x before it publishes x + 2 (one chunk of look-ahead), so step g may
-    rewrite its area once every peer's count reached g - areas + 3. ``tables``: the peer reads' tables (or None)."""
+    """The algorithms over one segment, on one thread at a time. Step g writes area g % ``areas``; a rank finishes
+    reading step x before it publishes x + 2, so step g may rewrite its area once every peer reached g - areas + 3."""
 
     def __init__(self, segment: Segment, rank: int, world_size: int, chunk_bytes: int, areas: int,
                  tables: torch.Tensor | None = None):
@@ -199,17 +203,17 @@ class Engine:
         for p in range(self.n):
             theirs = self._desc[p][seq & 1]
             if bytes(theirs) != own:
-                what = theirs.describe()
-                if theirs.reduce != mine.reduce:
+                what, field = theirs.describe(), _differs(theirs, mine)
+                if field == "op":
                     what += f" (op {theirs.reduce_name()}; rank {self.rank}'s: {mine.reduce_name()})"
-                elif theirs.fields()[:-1] == mine.fields()[:-1]:  # the peer reads': as many tensors
+                elif field == "tensors":  # the peer reads': as many tensors
                     what += f" as {theirs.place} tensors (rank {self.rank}: {mine.place})"
                 doing = describe()[0]
                 raise ShmMismatchError(
                     f"fanfold shm transport: rank {self.rank} is in {doing} but rank {p} is in "
                     f"{what}: every rank must issue the same collectives, with the same "
                     "shapes and dtypes, in the same order", rank=self.rank, peer=p, seq=seq, seq_text=doing,
-                    field=_differs(theirs, mine), detail=f"rank {p} is in {what}")
+                    field=field, detail=f"rank {p} is in {what}")
 
     def run(self, c: Collective) -> None:
         op, flat, seq = c.op, c.flat, c.seq
@@ -217,8 +221,8 @@ class Engine:
         if c.timeout is not None:
             self.seg.timeout = c.timeout
         # all_to_all's lengths may differ by rank: its first step checks every pair of splits instead
-        peer = op in (REDUCE_TENSORS, SCATTER_TENSORS)  # c.outs: the tensors, read where they lie
-        numel = (sum(t.numel() for t in c.outs) if peer else 0 if flat is None or op == ALL_TO_ALL else flat.numel())
+        peer = op in (Op.REDUCE_TENSORS, Op.SCATTER_TENSORS)  # c.outs: the tensors, read where they lie
+        numel = sum(t.numel() for t in c.outs) if peer else 0 if flat is None or op == Op.ALL_TO_ALL else flat.numel()
         # by seq parity: rewritten at seq + 2, after the first step of seq + 1, which a peer reaches only once it
         # has checked collective seq
         header = self._desc[self.rank][seq & 1]
@@ -234,27 +238,24 @@ class Engine:
         cap = self.chunk_bytes // (flat.element_size() if flat is not None else 1)
         describe = _describe(header, where, max(1, -(-numel // cap)), c.bucket, seq)
         check = lambda: self.check(seq, header, describe(0))  # noqa: E731
-        if op == BARRIER:
+        if op == Op.BARRIER:
             self.seg.wait_all(self.seg.arrive(), describe(0))
             check()
-        elif op == GATHER_PEERS:
+        elif op == Op.GATHER_PEERS:
             self._peer.all_gather(flat, c.out, describe, check)
-        elif op == REDUCE_TENSORS:
-            self._peer.all_reduce(c.outs, describe, check, c.settle, *(c.compress or ()))
-        else:
-            self._peer.reduce_scatter(c.outs, c.out, describe, check, c.settle, *(c.compress or ()))
+        else:  # REDUCE_TENSORS in place, SCATTER_TENSORS into c.out
+            self._peer.reduce(c.outs, c.out, describe, check, c.settle, *(c.compress or ()))
 
     def run_small(self, t: torch.Tensor, divisor: float | None, seq: int, bucket: int | None) -> None:
-        """The latency path: collective ``seq``, an all_reduce of contiguous ``t`` (at most a quarter chunk) on the
-        calling thread, step for step the ring's (a peer running ``run`` meets it), with nothing made per call but a
-        closure: the slot views and the header words are made once per area, dtype and shape."""
+        """The latency path: collective ``seq``, an all_reduce of ``t`` on the calling thread, step for step the
+        ring's, with its slot views and header words made once per area, dtype and shape."""
         seg, g = self.seg, self.seg.arrived
         key = (g % self.areas, t.dtype, t.shape)
         views = self._small.get(key)
         if views is None:
             if len(self._small) > 512:
                 self._small.clear()
-            words = bytes(Header(op=ALL_REDUCE, dtype=_dtype_code(t.dtype), numel=t.numel()))
+            words = bytes(Header(op=Op.ALL_REDUCE, dtype=_dtype_code(t.dtype), numel=t.numel()))
             views = self._small[key] = ([s[: t.numel()].view(t.shape) for s in self._area(t.dtype, g)], words)
         slots, words = views
         mine = self._desc[self.rank][seq & 1]
@@ -410,5 +411,240 @@ def _all_to_all(engine: Any, c: Collective, header: Header, where: str) -> None:
     _pipeline(engine, c, header, where, count, write, read, checked=False)
 
 
-_RING = {ALL_REDUCE: _all_reduce, BROADCAST: _broadcast, ALL_GATHER: _all_gather, REDUCE_SCATTER: _reduce_scatter,
-         ALL_TO_ALL: _all_to_all}
+_RING = {Op.ALL_REDUCE: _all_reduce, Op.BROADCAST: _broadcast, Op.ALL_GATHER: _all_gather,
+         Op.REDUCE_SCATTER: _reduce_scatter, Op.ALL_TO_ALL: _all_to_all}
+
+
+class _Iovec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+def _readv_fn() -> Any:
+    fn = ctypes.CDLL(None, use_errno=True).process_vm_readv
+    fn.restype = ctypes.c_ssize_t
+    fn.argtypes = [ctypes.c_int, ctypes.POINTER(_Iovec), ctypes.c_ulong, ctypes.POINTER(_Iovec), ctypes.c_ulong,
+                   ctypes.c_ulong]
+    return fn
+
+
+def _copy(fn: Any, pid: int, pieces: list[tuple[int, int, int]]) -> None:
+    # (local address, remote address, bytes) pieces from process ``pid``; OSError on a short read
+    for s in range(0, len(pieces), _IOV_MAX):
+        batch = pieces[s: s + _IOV_MAX]
+        local = (_Iovec * len(batch))(*[(a, n) for a, _, n in batch])
+        remote = (_Iovec * len(batch))(*[(b, n) for _, b, n in batch])
+        want = sum(n for *_, n in batch)
+        got = fn(pid, local, len(batch), remote, len(batch), 0)
+        if got != want:
+            err = ctypes.get_errno() if got < 0 else 0
+            raise OSError(err, f"process_vm_readv from pid {pid} copied {got} of {want} bytes"
+                               + (f": {os.strerror(err)}" if err else ""))
+
+
+def _pieces(table: list[tuple[int, int]], starts: list[int], lo: int, hi: int):
+    # (address, logical offset, bytes) of the parts of ``table`` ((address, bytes) laid end to end from
+    # ``starts``) that cover logical bytes [lo, hi)
+    k = bisect.bisect_right(starts, lo) - 1
+    while lo < hi:
+        addr, n = table[k]
+        start = starts[k]
+        take = min(hi, start + n) - lo
+        if take > 0:
+            yield addr + lo - start, lo, take
+            lo += take
+        k += 1
+
+
+def allow_peers(seg: Any, rank: int, world_size: int) -> None:
+    """Let the peers read this process's memory under Yama's ptrace_scope=1 (Ubuntu's default): PR_SET_PTRACER names
+    the peer itself with two ranks, else any process of this user (what ptrace_scope=0 allows). No-op without Yama."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    tracer = seg.pid(1 - rank) if world_size == 2 else PR_SET_PTRACER_ANY
+    if libc.prctl(PR_SET_PTRACER, ctypes.c_ulong(tracer), 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        if err != errno.EINVAL:  # EINVAL: a kernel without Yama, where nothing needs allowing
+            raise OSError(err, f"prctl(PR_SET_PTRACER): {os.strerror(err)}")
+
+
+def probe(seg: Any, rank: int, world_size: int, enabled: bool = True) -> tuple[bool, str]:
+    """Collective: whether every rank can read every peer's memory (and has ``enabled`` it), and if not why: each
+    rank publishes a word's address, reads each peer's word and publishes the outcome (two steps of ``seg``)."""
+    word = ctypes.c_uint64(0x5EED0000 ^ os.getpid())
+    why = "" if enabled else "disabled (peer_read=False)"
+    try:
+        if enabled:  # before arriving: no peer reads before every rank has allowed it
+            allow_peers(seg, rank, world_size)
+    except (OSError, AttributeError) as exc:
+        why = f"rank {rank} could not allow its peers to read its memory: {exc}"
+    seg.line(rank, ctypes.c_uint64, _PROBE_ADDR).value = ctypes.addressof(word)
+    seg.wait_all(seg.arrive(), lambda: ("the peer-read probe", 0, None))
+    try:
+        fn = _readv_fn()
+        for p in range(world_size):
+            if p != rank and not why:
+                got = ctypes.c_uint64(0)
+                _copy(fn, seg.pid(p), [(ctypes.addressof(got), seg.line(p, ctypes.c_uint64, _PROBE_ADDR).value, 8)])
+                if got.value != 0x5EED0000 ^ seg.pid(p):
+                    why = f"rank {rank} read a wrong value from rank {p}'s memory"
+    except (OSError, AttributeError) as exc:  # EPERM, ENOSYS, another pid namespace (ESRCH), no such libc function
+        why = f"rank {rank} may not read its peers' memory (process_vm_readv: {exc})"
+    seg.line(rank, ctypes.c_uint32, _PROBE_OK).value = 2 if why else 1
+    seg.wait_all(seg.arrive(), lambda: ("the peer-read probe", 0, None))  # peers are done reading `word` too
+    failed = [p for p in range(world_size) if seg.line(p, ctypes.c_uint32, _PROBE_OK).value != 1]
+    if failed and not why:
+        why = f"rank(s) {failed} may not read their peers' memory"
+    return not failed, why
+
+
+def _parts(total: int, n: int) -> list[tuple[int, int]]:
+    # rank p's part of ``total`` elements: [p * ceil(total / n), (p + 1) * ceil(total / n)), cut at ``total``
+    per = -(-total // n)
+    return [(min(total, p * per), min(total, (p + 1) * per)) for p in range(n)]
+
+
+class PeerReader:
+    """The peer reads, on the transport's thread: ``data`` holds the tables (where each rank's tensors lie),
+    ``chunk_bytes`` is the unit read from a peer at a time, ``summer`` the engine's rank-ordered fold."""
+
+    def __init__(self, seg: Any, rank: int, world_size: int, data: torch.Tensor, chunk_bytes: int,
+                 summer: Callable[[list[torch.Tensor], torch.Tensor], None]):
+        self.seg, self.rank, self.n, self.chunk_bytes, self._sum = seg, rank, world_size, chunk_bytes, summer
+        self._tables = [data[p * TABLE_BYTES:][:TABLE_BYTES].view(torch.int64).view(-1, 2) for p in range(world_size)]
+        self._fn = _readv_fn()
+        self._bufs = torch.empty((world_size, chunk_bytes), dtype=torch.uint8)
+        self._narrow: torch.Tensor | None = None  # compress: every rank's chunk and the result, rounded
+        self._compress: torch.dtype | None = None
+        self._pre: float | None = None
+        self.rows = self._tables[0].shape[0]  # tensors a round takes
+        self.unsettled: int | None = None  # the step after which peers may still read this rank's table and tensors
+
+    def reduce(self, tensors: list[torch.Tensor], out: torch.Tensor | None, describe: Callable,
+               check: Callable[[], None], settle: bool, compress: torch.dtype | None = None,
+               pre_divisor: float | None = None) -> None:
+        """Sum ``tensors`` laid end to end over the ranks in rank order, read where they lie: this rank's part
+        (``ceil(total / N)`` elements, zeroed past ``total``) into ``out``, or with ``out`` None every part in place
+        (each rank sums its own, then copies the others from their owners). ``settle``, ``compress``: as
+        ``Transport.reduce_tensors``; ``pre_divisor`` divides every rank's values before they are rounded."""
+        self._compress, self._pre = compress, pre_divisor
+        lo, hi = _parts(sum(t.numel() for t in tensors), self.n)[self.rank]
+        if out is not None:
+            out[hi - lo:].zero_()
+        base, rows = 0, self.rows
+        for s in range(0, max(1, len(tensors)), rows):
+            group = tensors[s: s + rows]
+            verb = "all-reduces" if out is None else "reduce-scatters"
+            mine, tables = self._open(group, describe, check if s == 0 else None, verb, s)
+            size, count = (group[0].element_size() if group else 1), sum(t.numel() for t in group)
+            if out is None:  # every round in parts: each rank sums its part of every round
+                parts = _parts(count, self.n)
+                a, b = parts[self.rank]
+                steps = self._sum_part(group, mine, tables, a * size, b * size, lambda own, x, y: own, describe)
+                self.seg.wait_all(self.seg.arrive(), describe(steps))  # every part holds its result
+                for p, (plo, phi) in enumerate(parts):  # the other parts, from their owners' tensors into this rank's
+                    if p != self.rank and phi > plo:
+                        pieces = []
+                        for laddr, off, m in _pieces(mine, tables[1][self.rank], plo * size, phi * size):
+                            for raddr, roff, rm in _pieces(tables[0][p], tables[1][p], off, off + m):
+                                pieces.append((laddr + roff - off, raddr, rm))
+                        self.read(p, pieces, describe(steps))
+            else:
+                def into(own: torch.Tensor, x: int, y: int, base: int = base, size: int = size) -> torch.Tensor:
+                    at = base + x // size - lo  # where the piece lies in this rank's part
+                    return out[at: at + (y - x) // size]
+
+                a, b = max(0, lo - base), max(0, min(hi - base, count))
+                steps = self._sum_part(group, mine, tables, a * size, b * size, into, describe)
+            # Peers may still read this rank's tensors (its table was read before they summed): they arrive at this
+            # step once done, and the next publish, or any later wait of this rank, waits for that.
+            end = self.seg.arrive()
+            if settle and s + rows >= len(tensors):
+                self.seg.wait_all(end, describe(max(0, steps - 1)))
+            else:
+                self.unsettled = end
+            base += count
+
+    def all_gather(self, part: torch.Tensor, out: torch.Tensor, describe: Callable, check: Callable[[], None]
+                   ) -> None:
+        """``out`` = every rank's ``part``, by rank, each read straight from the peer's ``out``; returns once every
+        peer has read this rank's part, so the caller may change it at once (ZeRO's next optimizer step)."""
+        m = part.numel()
+        own = out[self.rank * m:][:m]
+        if m and part.data_ptr() != own.data_ptr():
+            own.copy_(part)
+        tables = self._open([out], describe, check, "gathers into", 0)[1][0]
+        nb = m * out.element_size()
+        for p in range(self.n):
+            if p != self.rank and nb:
+                self.read(p, [(out.data_ptr() + p * nb, tables[p][0][0] + p * nb, nb)], describe(0))
+        self.seg.wait_all(self.seg.arrive(), describe(0))  # every peer has read this rank's part
+
+    def _open(self, tensors: list[torch.Tensor], describe: Callable, check: Callable[[], None] | None, verb: str,
+              first: int) -> tuple[list[tuple[int, int]], tuple[list, list]]:
+        # A round's first step: this rank's table published (once the peers are done with its last contents), every
+        # peer's read once every rank has published. Every rank passes as many tensors (the header); the bytes must
+        # agree.
+        if self.unsettled is not None:
+            self.seg.wait_all(self.unsettled, describe(0))
+            self.unsettled = None
+        mine = [(t.data_ptr(), t.numel() * t.element_size()) for t in tensors]
+        if mine:
+            self._tables[self.rank][: len(mine)] = torch.tensor(mine, dtype=torch.int64)
+        start = self.seg.arrive()  # the table is written and the tensors hold this rank's values: peers may read
+        self.seg.wait_all(start, describe(0))
+        if check is not None:
+            check()
+        tables = [mine if p == self.rank else [tuple(r) for r in self._tables[p][: len(mine)].tolist()]
+                  for p in range(self.n)]
+        total = sum(nb for _, nb in mine)
+        for p in range(self.n):
+            theirs = sum(nb for _, nb in tables[p])
+            if theirs != total:
+                raise RuntimeError(f"fanfold shm transport: rank {p} {verb} {theirs} bytes in tensors {first}.."
+                                   f"{first + len(tensors) - 1} where rank {self.rank} has {total}, in "
+                                   f"{describe(0)()[0]}: every rank must pass tensors of the same sizes")
+        return mine, (tables, [list(accumulate((n for _, n in t), initial=0)) for t in tables])
+
+    def _sum_part(self, tensors: list[torch.Tensor], mine: list[tuple[int, int]], tables: tuple, a: int, b: int,
+                  into: Callable, describe: Callable) -> int:
+        # bytes [a, b) of this round's tensors laid end to end, a chunk at a time: this rank's values and every
+        # peer's, folded in rank order into ``into(own, x, y)``; the number of chunks
+        starts, steps = tables[1][self.rank], 0
+        size = tensors[0].element_size() if tensors else 1
+        for k, (_, nb) in enumerate(mine):
+            end = min(b, starts[k] + nb)
+            for x in range(max(a, starts[k]), end, self.chunk_bytes):
+                y = min(end, x + self.chunk_bytes)
+                own = tensors[k].view(-1)[(x - starts[k]) // size: (y - starts[k]) // size]
+                self._sum_chunk(own, x, y, tables, into(own, x, y), describe(steps))
+                steps += 1
+        return steps
+
+    def _sum_chunk(self, own: torch.Tensor, x: int, y: int, tables: tuple, into: torch.Tensor,
+                   describe: Callable) -> None:
+        # ``into`` = the rank-ordered fold of bytes [x, y) of every rank's tensors, this rank's being ``own``; each
+        # peer's read into its buffer, rounded first where the collective is compressed
+        parts = []
+        for p in range(self.n):
+            if p == self.rank:
+                parts.append(own)
+                continue
+            buf = self._bufs[p]
+            self.read(p, [(buf.data_ptr() + off - x, raddr, m)
+                          for raddr, off, m in _pieces(tables[0][p], tables[1][p], x, y)], describe)
+            parts.append(buf[: y - x].view(own.dtype))
+        if self._compress is None:
+            self._sum(parts, into)
+            return
+        m = into.numel()
+        if self._narrow is None or self._narrow.dtype != self._compress:
+            self._narrow = torch.empty((self.n + 1, self.chunk_bytes // 4), dtype=self._compress)
+        narrow = [self._narrow[i][:m].copy_(p if self._pre is None else p / self._pre) for i, p in enumerate(parts)]
+        result = self._narrow[self.n][:m]
+        self._sum(narrow, result)
+        into.copy_(result)
+
+    def read(self, p: int, pieces: list[tuple[int, int, int]], describe: Callable) -> None:
+        try:
+            _copy(self._fn, self.seg.pid(p), pieces)
+        except OSError as exc:
+            self.seg.peer_failed(p, describe, exc)  # raises: ShmTimeoutError naming p where p died

@@ -1,6 +1,5 @@
-"""The shared-memory segment of one ``ShmTransport``: rank 0 creates it and publishes its name through the store,
-the others map it, every rank unlinks it once all have reported. A header page (abort word and message), one line per
-rank (step counter, pid, current collective's header: written only by that rank), then the data.
+"""The shared-memory segment of one ``ShmTransport`` (rank 0 creates it, every rank unlinks it once all have mapped
+it): a header page (abort word and message), one line per rank (step counter, pid, current collective), the data.
 """
 from __future__ import annotations
 
@@ -14,19 +13,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from ..._core.shm import (
-    SHM_DIR,
-    FileId,
-    Futex,
-    alive,
-    check_name,
-    create_segment,
-    map_tensor,
-    open_segment,
-    pid_namespace,
-    unlink,
-    unmap,
-)
+from ..._core import shm
 from ..protocol import StallError
 
 __all__ = ["Segment", "ShmTimeoutError", "SegmentSpaceError", "SEGMENT_NAME", "segment_name", "leftover_segments",
@@ -48,19 +35,14 @@ def host_key() -> str:
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
-        st = os.stat(SHM_DIR)
+        st = os.stat(shm.SHM_DIR)
     except OSError:
         return f"no-shm-{os.getpid()}-{id(object())}"  # never equal to another process's key
     return f"{boot}:{st.st_dev}:{st.st_ino}"
 
 
 class ShmTimeoutError(StallError):
-    """``rank`` waited in collective ``seq`` (``bucket``, ``kind``: "all_reduce", ...) for the ranks ``missing``,
-    which never arrived, died or aborted the transport."""
-
-    def __init__(self, message: str, *, rank: int, missing: list[int], seq: int, bucket: int | None,
-                 kind: str = "shm"):
-        super().__init__(message, rank=rank, seq=seq, kind=kind, bucket=bucket, missing=missing)
+    """``rank`` waited in collective ``seq`` for the ranks ``missing``, which never arrived, died or gave up."""
 
 
 class SegmentSpaceError(RuntimeError):
@@ -68,8 +50,7 @@ class SegmentSpaceError(RuntimeError):
 
 
 def _kind(doing: str) -> str:
-    # "all_reduce of 10 float32 #1 (bucket 3), chunk 1 of 1" -> "all_reduce"
-    return doing.split(" of ", 1)[0] if " of " in doing else doing
+    return doing.split(" of ", 1)[0]  # "all_reduce of 10 float32 #1 (bucket 3), chunk 1 of 1" -> "all_reduce"
 
 
 def _reason(exc: BaseException) -> str:
@@ -81,7 +62,7 @@ def _reason(exc: BaseException) -> str:
 def leftover_segments() -> list[str]:
     """Names of fanfold segments in /dev/shm (normally none: they are unlinked right after attaching)."""
     try:
-        return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(_PREFIX))
+        return sorted(n for n in os.listdir(shm.SHM_DIR) if n.startswith(_PREFIX))
     except OSError:
         return []
 
@@ -99,7 +80,7 @@ def _from_store(value: bytes, key: str) -> str | None:
     if not SEGMENT_NAME.fullmatch(name):
         raise ValueError(f"the store's key {key!r} holds {name!r}, which is not a fanfold segment name "
                          f"(fanfold-<pid namespace>-<pid>-<12 hex digits>): refused, nothing opened")
-    return check_name(name)
+    return shm.check_name(name)
 
 
 def _sweep(pidns: str) -> None:
@@ -108,12 +89,12 @@ def _sweep(pidns: str) -> None:
     # regular files of our own user (as root, the sticky /dev/shm would let us remove anyone's).
     for name in leftover_segments():
         m = SEGMENT_NAME.fullmatch(name)
-        if m is None or m.group(1) != pidns or alive(int(m.group(2))):
+        if m is None or m.group(1) != pidns or shm.alive(int(m.group(2))):
             continue
         try:
-            st = os.lstat(os.path.join(SHM_DIR, name))
+            st = os.lstat(os.path.join(shm.SHM_DIR, name))
             if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
-                unlink(name, FileId(st.st_dev, st.st_ino))
+                shm.unlink(name, shm.FileId(st.st_dev, st.st_ino))
         except OSError:
             pass
 
@@ -123,12 +104,12 @@ class Segment:
     Collective: every rank constructs it with the same arguments."""
 
     def __init__(self, store: Any, rank: int, world_size: int, data_bytes: int, timeout: float, check_pids: bool):
-        self._futex = Futex("the shm transport")
+        self._futex = shm.Futex("the shm transport")
         self.rank, self.world_size, self.timeout, self.check_pids = rank, world_size, timeout, check_pids
         self._data_offset = -(-(_RANKS + world_size * _LINE) // 4096) * 4096
         self._mm = self._map(store, self._data_offset + data_bytes)
-        # Every tensor handed out over the mapping (allocate()'s regions, DDP's buckets, .grad) holds it mapped.
-        self._bytes = map_tensor(self._mm)
+        # Every tensor viewing the mapping (the engine's slots) holds it mapped: close() unmaps once none is left.
+        self._bytes = shm.map_tensor(self._mm)
         self.base = self._bytes.data_ptr()
         self.data = self._bytes[self._data_offset:]
         self._counters = [ctypes.c_uint32.from_address(self._line(r)) for r in range(world_size)]
@@ -144,12 +125,11 @@ class Segment:
         try:
             if self.rank == 0:
                 try:
-                    pidns = pid_namespace()
+                    pidns = shm.pid_namespace()
                     _sweep(pidns)
                     name = segment_name(pidns)
-                    mm, ident = create_segment(name, size)
-                    ctypes.c_uint32.from_buffer(mm, 0).value = _MAGIC
-                    ctypes.c_uint32.from_buffer(mm, 4).value = self.world_size
+                    mm, ident = shm.create_segment(name, size)
+                    (ctypes.c_uint32 * 2).from_buffer(mm)[:] = (_MAGIC, self.world_size)
                 finally:
                     store.set("name", name if mm is not None else "")  # "": the others stop waiting and report
             else:
@@ -157,7 +137,7 @@ class Segment:
                 name = _from_store(store.get("name"), "name")
                 if name is None:
                     raise RuntimeError("rank 0 could not create it")
-                mm, ident = open_segment(name, size)
+                mm, ident = shm.open_segment(name, size)
                 header = tuple((ctypes.c_uint32 * 2).from_buffer(mm))
                 if header != (_MAGIC, self.world_size):
                     raise RuntimeError(f"{name} was made for another group (header {header})")
@@ -171,7 +151,7 @@ class Segment:
                 self._wait_reports(store, deadline)
             finally:
                 if ident is not None:  # only the file this rank mapped: never what a name came to point at
-                    unlink(name, ident)
+                    shm.unlink(name, ident)
         if error:
             raise RuntimeError(f"rank {self.rank} could not map the shm transport's segment: {error}")
         return mm
@@ -183,12 +163,11 @@ class Segment:
                 late = [r for r, k in enumerate(keys) if not store.check([k])]
                 raise ShmTimeoutError(
                     f"rank {self.rank}: ranks {late} did not attach to the shm transport's segment within "
-                    f"{self.timeout:g} s", rank=self.rank, missing=late, seq=0, bucket=None)
+                    f"{self.timeout:g} s", rank=self.rank, missing=late, seq=0, bucket=None, kind="shm")
             time.sleep(0.002)
-        failed = {r: store.get(k).decode() for r, k in enumerate(keys)}
-        failed = {r: e for r, e in failed.items() if e != "ok"}
+        failed = {r: e for r, k in enumerate(keys) if (e := store.get(k).decode()) != "ok"}
         if any(e.startswith(_NO_SPACE) for e in failed.values()):
-            raise SegmentSpaceError(f"rank {self.rank}: no room in {SHM_DIR} for a shared-memory segment: {failed}")
+            raise SegmentSpaceError(f"rank {self.rank}: no room in {shm.SHM_DIR} for a shared-memory segment: {failed}")
         if failed:
             raise RuntimeError(f"rank {self.rank}: the shm transport's segment could not be mapped on ranks "
                                f"{sorted(failed)}: {failed}. Do all ranks share /dev/shm? Use FANFOLD_TRANSPORT=torch.")
@@ -208,9 +187,8 @@ class Segment:
         return self.arrived
 
     def wait_all(self, target: int, describe: Any) -> None:
-        """Wait until every peer's count reached ``target``, at most ``timeout`` seconds; ``describe()`` gives
-        (what this rank is doing, seq, bucket) for the error. Between sleeps: the deadline, the abort word, and
-        whether the peer's process still exists."""
+        """Wait until every peer's count reached ``target``, at most ``timeout`` seconds (checking between sleeps
+        the abort word and whether the peer lives); ``describe()`` gives (doing what, seq, bucket) for the error."""
         k = target & 0xFFFFFFFF
         deadline = time.monotonic() + self.timeout
         for p in range(self.world_size):
@@ -225,9 +203,9 @@ class Segment:
         left = deadline - time.monotonic()
         if left <= 0:
             self._fail(describe, p, k, f" within {self.timeout:g} s, the timeout of every wait for a peer")
-        if self.check_pids and not alive(self.pid(p)):
+        if self.check_pids and not shm.alive(self.pid(p)):
             # only the dead are missing: a live peer behind this step is on its way
-            dead = [q for q in self._behind(k) if not alive(self.pid(q))] or [p]
+            dead = [q for q in self._behind(k) if not shm.alive(self.pid(q))] or [p]
             if self._abort.value:  # a survivor that gave up and left is dead too: its diagnosis names the victim
                 self._fail_aborted(describe, p, k)
             gone = "; ".join(f"rank {q}'s process {self.pid(q)} is gone" for q in dead)
@@ -256,15 +234,14 @@ class Segment:
 
     def peer_failed(self, p: int, describe: Any, exc: OSError) -> None:
         """Raise for a failed read of rank ``p``'s memory: :class:`ShmTimeoutError` naming ``p`` when its process is
-        gone (ESRCH, EFAULT or a short copy while its memory is torn down), the abort's when a peer gave up,
-        RuntimeError otherwise."""
+        gone, the abort's when a peer gave up, RuntimeError otherwise."""
         pid = self.pid(p)
         settle = time.monotonic() + 1.0  # a killed process is gone (a zombie at least) within milliseconds
-        while alive(pid) and not self._abort.value and time.monotonic() < settle:
+        while shm.alive(pid) and not self._abort.value and time.monotonic() < settle:
             time.sleep(0.005)
         if self._abort.value:  # p may be a survivor that gave up and left: the first to give up named the victim
             self._fail_aborted(describe, p, None)
-        if not alive(pid) or exc.errno == errno.ESRCH:
+        if not shm.alive(pid) or exc.errno == errno.ESRCH:
             doing, seq, bucket = describe()
             raise ShmTimeoutError(
                 f"fanfold shm transport: rank {self.rank} of {self.world_size} could not read rank {p}'s memory in "
@@ -295,4 +272,4 @@ class Segment:
         self.data = self._bytes = None
         self._abort = None
         mm, self._mm = getattr(self, "_mm", None), None
-        unmap(mm)
+        shm.unmap(mm)

@@ -1,6 +1,5 @@
-"""``ShmTransport``: collectives through shared memory for ranks on one host; ``_reads_peers``, the one rule choosing
-between the ring (``engine.py``) and the peer reads (``peer.py``); the argument checks; the worker that runs the
-collectives in number order (a small all_reduce on the caller's thread when nothing is queued).
+"""``ShmTransport``: collectives through shared memory for ranks on one host, its argument checks, ``_reads_peers``
+(the one rule choosing the ring or the peer reads) and the worker that runs the collectives in number order.
 """
 from __future__ import annotations
 
@@ -23,24 +22,7 @@ from ..._core.shm import SHM_DIR, pid_namespace
 from ..timeouts import StoreGroup, bound, group_store, group_timeout, resolve_stall_timeout
 from ..transport import split_into
 from ..work import FanfoldWork, completed_work
-from .engine import (
-    ALL_GATHER,
-    ALL_REDUCE,
-    ALL_TO_ALL,
-    BARRIER,
-    BROADCAST,
-    DTYPES,
-    GATHER_PEERS,
-    OPS,
-    REDUCE_SCATTER,
-    REDUCE_TENSORS,
-    SCATTER_TENSORS,
-    SUM,
-    Collective,
-    Engine,
-    reduce_code,
-)
-from .peer import TABLE_BYTES, probe
+from .engine import DTYPES, OPS, SUM, TABLE_BYTES, Collective, Engine, Op, probe, reduce_code
 from .segment import Segment, SegmentSpaceError, ShmTimeoutError
 
 __all__ = ["ShmTransport", "ShmTimeoutError", "SegmentSpaceError", "INLINE_BYTES", "SMALLEST_CHUNK", "flat_view"]
@@ -67,7 +49,7 @@ def flat_view(tensor: torch.Tensor, what: str) -> tuple[torch.Tensor, Callable[[
 
 def exchange_tensors(what: str, tensor: torch.Tensor, out: torch.Tensor, times: int = 1, per: int = 1
                      ) -> tuple[torch.Tensor, torch.Tensor, Callable[[], None] | None]:
-    """The flat input and output of an exchange and the copy back into a non-contiguous ``out`` (or None); ``out``
+    """The flat input and output of an exchange, and the copy back into a non-contiguous ``out`` (or None); ``out``
     holds ``times`` / ``per`` times the input's elements (``times=0``: any number)."""
     flat, _ = flat_view(tensor, f"{what} (input)")  # the engine only reads the input: a copy is all it needs
     out_flat, back = flat_view(out, f"{what} (output)")
@@ -111,10 +93,9 @@ class Request:
 
 
 class Worker:
-    """Numbers the collectives of one transport and runs them on ``engine``, one at a time in number order: queued
-    for its thread, or on the caller's thread when nothing is queued or running (``run_small``). After a failure the
-    transport is unusable (the peers were told through the abort word); later collectives get the same error.
-    ``timeout()``: the bound of a collective numbered now (read on the caller's thread)."""
+    """Numbers the collectives of one transport and runs them on ``engine`` one at a time, in number order: on its
+    thread, or on the caller's (``run_small``) when nothing is queued or running. After a failure (the peers told
+    through the abort word) later collectives get the same error. ``timeout()``: the bound of one numbered now."""
 
     def __init__(self, engine: Engine, name: str, timeout: Callable[[], float]):
         self.engine, self._timeout = engine, timeout
@@ -136,9 +117,8 @@ class Worker:
         return fut
 
     def run_small(self, t: torch.Tensor, divisor: float | None, bucket: int | None) -> bool:
-        """An all_reduce of contiguous ``t`` (at most a quarter chunk) on this thread (``Engine.run_small``) if nothing
-        is queued or running: True once done (raising the transport's error, as its handle would). False, with
-        nothing done, when it must queue."""
+        """``Engine.run_small`` on this thread if nothing is queued or running: True once done (raising the
+        transport's error, as its handle would); False, nothing done, when it must queue."""
         with self._lock:
             if self._pending or self._error is not None:
                 return False
@@ -151,23 +131,21 @@ class Worker:
             self._run(lambda: self.engine.run_small(t, divisor, seq, bucket))
         finally:
             self._running.release()
-            self._done()
+            with self._lock:
+                self._pending -= 1
         return True
 
-    def _run(self, work: Callable[[], None]) -> None:
+    def _run(self, work: Callable[[], None], finish: Callable[[], None] | None = None) -> None:
         try:
             work()
+            if finish is not None:
+                finish()
         except BaseException as exc:  # noqa: BLE001 - every peer must learn of the failure
             self._error = exc
             # the peers raise at once, naming the ranks this one found missing (a StallError's), if any
             self.engine.seg.abort(f"rank {self.engine.rank}: {type(exc).__name__}: {exc}",
                                   getattr(exc, "missing", None))
             raise
-
-    def _execute(self, request: Request) -> None:
-        self.engine.run(request.collective)
-        if request.finish is not None:
-            request.finish()
 
     def _serve(self) -> None:
         while True:
@@ -181,27 +159,21 @@ class Worker:
                     request.future.set_exception(error)
                 else:
                     try:
-                        self._run(lambda: self._execute(request))
+                        self._run(lambda: self.engine.run(request.collective), request.finish)
                         request.future.set_result(None)
                     except BaseException as exc:  # noqa: BLE001 - every failure must reach the waiting caller
                         request.future.set_exception(exc)
-            self._done()
+            with self._lock:
+                self._pending -= 1
 
-    def _done(self) -> None:
-        with self._lock:
-            self._pending -= 1
-
-    def stop(self, segment: Segment, regions: list[Segment]) -> None:
-        """Finish the queued collectives, stop the thread, let go of the segment and the regions (``Segment.close``)."""
+    def stop(self, segment: Segment) -> None:
+        """Finish the queued collectives, stop the thread, let go of the segment."""
         if self._thread.is_alive():
             self._requests.put(None)
             self._thread.join(5.0)
         if not self._thread.is_alive():
             self.engine.close()
             segment.close()
-            for region in regions:
-                region.close()
-            regions.clear()
 
 
 def _free_mib() -> float:
@@ -215,12 +187,11 @@ def _free_mib() -> float:
 class ShmTransport:
     """The transport interface (``protocol.Transport``) through shared memory, for ranks sharing this host's /dev/shm.
     Collective: every rank of ``group`` (None: the default group) constructs it, in the same order as its other
-    transports. ``timeout`` (seconds or timedelta; default ``$FANFOLD_STALL_TIMEOUT``, else 300; at most the
-    process group's timeout; a ``stall_timeout`` block replaces it for the collectives started in it) bounds every
-    wait for a peer: a peer that never arrives, dies or fails makes the waiting rank raise :class:`ShmTimeoutError`
-    naming both ranks and the collective. ``chunk_bytes``: the pipelining unit (smaller ones, down to
-    :data:`SMALLEST_CHUNK`, where /dev/shm has no room; then :class:`SegmentSpaceError`). ``peer_read`` (None: where
-    the probe allows): whether ranks read their peers' memory. :meth:`close` when done."""
+    transports. ``timeout`` (seconds or timedelta; default ``$FANFOLD_STALL_TIMEOUT``, else 300; at most the process
+    group's timeout) bounds every wait for a peer: one that never arrives, dies or fails makes the waiting rank raise
+    :class:`ShmTimeoutError` naming both ranks and the collective. ``chunk_bytes``: the pipelining unit (smaller, down
+    to :data:`SMALLEST_CHUNK`, where /dev/shm has no room). ``peer_read`` (None: where the probe allows): whether ranks
+    read their peers' memory. :meth:`close` when done."""
 
     def __init__(self, group: Any = None, timeout: float | timedelta | None = None, *, chunk_bytes: int = 1 << 20,
                  peer_read: bool | None = None):
@@ -236,8 +207,6 @@ class ShmTransport:
         self.timeout = bound(self._base, self._limit)
         self._worker = self._segment = None
         self.peer_read = False  # every rank may read its peers' memory (probed below)
-        self._regions: list[Segment] = []  # allocate()'s, closed with the transport
-        self._regions_full = False  # allocate() found /dev/shm full (every rank alike): ordinary memory from then on
         if self.world_size > 1:
             store = group_store(group, "shm", self.rank)
             store.set(f"pidns/{self.rank}", pid_namespace())
@@ -259,7 +228,7 @@ class ShmTransport:
             tables = self._segment.data[ring:] if self.peer_read else None
             engine = Engine(self._segment, self.rank, self.world_size, chunk_bytes, areas, tables)
             self._worker = Worker(engine, f"fanfold-shm-rank{self.rank}", partial(bound, self._base, self._limit))
-            self._finalizer = weakref.finalize(self, self._worker.stop, self._segment, self._regions)
+            self._finalizer = weakref.finalize(self, self._worker.stop, self._segment)
         else:
             self._finalizer = weakref.finalize(self, lambda: None)
         self._chunk_bytes = chunk_bytes
@@ -293,10 +262,8 @@ class ShmTransport:
         return seg, chunk_bytes
 
     def _reads_peers(self, nbytes: int, listed: bool = False) -> bool:
-        """The one choice between the two algorithms: read the peers' tensors where they lie when every rank may and
-        the data is a list of tensors (``listed``: the ring would copy it into one buffer and back) or one tensor above
-        a quarter chunk (below, the ring's one synchronisation beats a system call per peer); else the ring. From
-        sizes only, so every rank chooses alike."""
+        """The one choice of algorithm (docs/shm.md), from sizes only so that every rank chooses alike: peer reads
+        where every rank may, for a list of tensors or one above a quarter chunk; else the ring."""
         return self.peer_read and (listed or nbytes > self._chunk_bytes // 4)
 
     def _submit(self, op: int, tensor: torch.Tensor | None, bucket: int | None = None, src: int = 0,
@@ -310,8 +277,8 @@ class ShmTransport:
                 finish()
             return completed_work(tensor)
         nbytes = 0 if flat is None else flat.numel() * flat.element_size()
-        if op == ALL_REDUCE and back is None and self._reads_peers(nbytes):
-            c = Collective(REDUCE_TENSORS, 0, flat, bucket, divisor=divisor, outs=[flat], reduce=reduce)
+        if op == Op.ALL_REDUCE and back is None and self._reads_peers(nbytes):
+            c = Collective(Op.REDUCE_TENSORS, 0, flat, bucket, divisor=divisor, outs=[flat], reduce=reduce)
         else:
             c = Collective(op, 0, flat, bucket, src, divisor, reduce=reduce)
         if back is not None:
@@ -324,36 +291,8 @@ class ShmTransport:
         return FanfoldWork(self._worker.submit(c, finish), value)
 
     def allocate(self, numel: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
-        """The Protocol's ``allocate``: in a shared-memory region of its own (ordinary memory for one rank, an
-        unsupported dtype, not CPU), which lives until close() and the last tensor viewing it, whichever is last."""
-        if self.world_size == 1 or dtype not in DTYPES or numel <= 0 or torch.device(device).type != "cpu":
-            return torch.zeros(numel, dtype=dtype, device=device)
-        if not self._finalizer.alive:
-            raise RuntimeError(f"rank {self.rank}: allocate on a closed ShmTransport")
-        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
-        stride = -(-nbytes // 4096) * 4096
-        store = group_store(self.group, "region", self.rank)
-        if self._regions_full:
-            return torch.zeros(numel, dtype=dtype)
-        try:
-            region = Segment(store, self.rank, self.world_size, self.world_size * stride, self.timeout,
-                             check_pids=False)
-        except ShmTimeoutError:
-            raise
-        except SegmentSpaceError:  # every rank gets it: all keep to ordinary memory from now on, said once
-            self._regions_full = True
-            if self.rank == 0:
-                warnings.warn(f"fanfold's shm transport: {SHM_DIR} is full ({_free_mib():.0f} MiB free; Docker's "
-                              "default is 64 MB): allocate() falls back to ordinary memory from now on (DDP's "
-                              "buckets are copied into the segment by chunks). Give /dev/shm more room (docker run "
-                              "--shm-size=1g).", stacklevel=2)
-            return torch.zeros(numel, dtype=dtype)
-        except RuntimeError as exc:  # every rank gets this error: all fall back to the ring
-            warnings.warn(f"ShmTransport.allocate({numel}, {dtype}) falls back to ordinary memory: {exc}",
-                          stacklevel=2)
-            return torch.zeros(numel, dtype=dtype)
-        self._regions.append(region)
-        return region.data[self.rank * stride:][:nbytes].view(dtype)
+        """The Protocol's ``allocate``: ordinary memory (both algorithms read any tensor where it lies)."""
+        return torch.zeros(numel, dtype=dtype, device=device)
 
     def all_reduce(self, tensor: torch.Tensor, bucket: int | None = None, divisor: float | None = None, *,
                    inline: bool = False, op: str = "sum") -> FanfoldWork:
@@ -362,7 +301,7 @@ class ShmTransport:
         reduce = reduce_code(op, divisor, "all_reduce")
         if inline and reduce == SUM and self.run_small(tensor, divisor, bucket):
             return completed_work(tensor)
-        return self._submit(ALL_REDUCE, tensor, bucket, divisor=divisor, reduce=reduce)
+        return self._submit(Op.ALL_REDUCE, tensor, bucket, divisor=divisor, reduce=reduce)
 
     def run_small(self, tensor: torch.Tensor, divisor: float | None = None, bucket: int | None = None) -> bool:
         """Sum a contiguous CPU ``tensor`` of at most :data:`INLINE_BYTES` on this thread if nothing is queued or
@@ -387,23 +326,23 @@ class ShmTransport:
         if pre is not None:
             divisor = None
         nbytes = sum(t.numel() for t in tensors) * tensors[0].element_size()
-        if self.world_size > 1 and self._reads_peers(nbytes, listed=True):
-            return self._enqueue(Collective(REDUCE_TENSORS, 0, tensors[0].view(-1), bucket, divisor=divisor,
+        if self._reads_peers(nbytes, listed=True):
+            return self._enqueue(Collective(Op.REDUCE_TENSORS, 0, tensors[0].view(-1), bucket, divisor=divisor,
                                             outs=tensors, settle=bool(settle),
                                             compress=None if compress is None else (compress, pre)), tensors, None)
         flat = torch.cat([t.view(-1) for t in tensors])
         if compress is not None:
             flat = (flat if pre is None else flat.div_(pre)).to(compress)
-        return self._submit(ALL_REDUCE, flat, bucket, divisor=divisor,
+        return self._submit(Op.ALL_REDUCE, flat, bucket, divisor=divisor,
                             finish=lambda: split_into(flat, [t.view(-1) for t in tensors]))
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         if not isinstance(src, int) or not 0 <= src < self.world_size:
             raise ValueError(f"broadcast: src must be a rank of the group (0..{self.world_size - 1}), got {src!r}")
-        self._submit(BROADCAST, tensor, src=src).wait()
+        self._submit(Op.BROADCAST, tensor, src=src).wait()
 
     def barrier(self) -> None:
-        self._submit(BARRIER, None).wait()
+        self._submit(Op.BARRIER, None).wait()
 
     def abort(self, message: str) -> None:
         """End every rank's waits at once (they raise, naming this rank and ``message``); unusable after."""
@@ -431,20 +370,19 @@ class ShmTransport:
         if tensor.numel() and out.numel() and _overlaps(tensor, out) and not _own_part(tensor, out, self.rank):
             tensor = tensor.clone()  # overlapping other ranks' places in out: the engine would overwrite it
         flat, out_flat, finish = exchange_tensors("all_gather", tensor, out, times=self.world_size)
-        peers = self.world_size > 1 and self._reads_peers(out_flat.nbytes)
-        return self._exchange(Collective(GATHER_PEERS if peers else ALL_GATHER, 0, flat, bucket, out=out_flat), out,
-                              finish)
+        op = Op.GATHER_PEERS if self._reads_peers(out_flat.nbytes) else Op.ALL_GATHER
+        return self._exchange(Collective(op, 0, flat, bucket, out=out_flat), out, finish)
 
     def reduce_scatter(self, tensor: torch.Tensor, out: torch.Tensor, bucket: int | None = None, *,
                        divisor: float | None = None, op: str = "sum") -> FanfoldWork:
         """The Protocol's ``reduce_scatter``; ``op``: "sum", "min", "max" or "product"."""
         reduce = reduce_code(op, divisor, "reduce_scatter")
         flat, out_flat, finish = exchange_tensors("reduce_scatter", tensor, out, per=self.world_size)
-        if reduce == SUM and self.world_size > 1 and self._reads_peers(flat.nbytes) and flat.numel() and \
+        if reduce == SUM and self._reads_peers(flat.nbytes) and flat.numel() and \
                 not (_overlaps(flat, out_flat) or _overlaps(out_flat, flat)):
-            return self._enqueue(Collective(SCATTER_TENSORS, 0, flat, bucket, divisor=divisor, outs=[flat],
+            return self._enqueue(Collective(Op.SCATTER_TENSORS, 0, flat, bucket, divisor=divisor, outs=[flat],
                                             out=out_flat), out, finish)
-        return self._exchange(Collective(REDUCE_SCATTER, 0, flat, bucket, divisor=divisor, out=out_flat,
+        return self._exchange(Collective(Op.REDUCE_SCATTER, 0, flat, bucket, divisor=divisor, out=out_flat,
                                          reduce=reduce), out, finish)
 
     def reduce_scatter_tensors(self, tensors: list[torch.Tensor], out: torch.Tensor, bucket: int | None = None, *,
@@ -470,21 +408,17 @@ class ShmTransport:
         pre = divisor if compress == torch.float16 else None  # float16 divides first, as fp16_compress_hook does
         if pre is not None:
             divisor = None
-        if self.world_size > 1 and self._reads_peers(total * tensors[0].element_size(), listed=True):
-            return self._enqueue(Collective(SCATTER_TENSORS, 0, tensors[0].view(-1), bucket, divisor=divisor,
+        if self._reads_peers(total * tensors[0].element_size(), listed=True):
+            return self._enqueue(Collective(Op.SCATTER_TENSORS, 0, tensors[0].view(-1), bucket, divisor=divisor,
                                             outs=tensors, out=flat_out, settle=bool(settle),
                                             compress=None if compress is None else (compress, pre)), out, None)
-        # No peer reads: one zero-padded copy of the concatenation, reduce-scattered through the ring
-        stage = torch.empty(chunk * self.world_size, dtype=compress or dtype)
-        stage[total:].zero_()
-        if compress is None:
-            torch.cat([t.view(-1) for t in tensors], out=stage[:total])
-            return self.reduce_scatter(stage, flat_out, bucket, divisor=divisor)
+        # No peer reads: one zero-padded copy of the concatenation (rounded, if compressed) through the ring
         wide = torch.cat([t.view(-1) for t in tensors])
+        stage = torch.zeros(chunk * self.world_size, dtype=compress or dtype)
         stage[:total].copy_(wide if pre is None else wide.div_(pre))
-        narrow = torch.empty(chunk, dtype=compress)
-        work = self.reduce_scatter(stage, narrow, bucket, divisor=divisor)
-        return FanfoldWork(work.get_future(), out, lambda: flat_out.copy_(narrow))
+        part = flat_out if compress is None else torch.empty(chunk, dtype=compress)
+        work = self.reduce_scatter(stage, part, bucket, divisor=divisor)
+        return work if compress is None else FanfoldWork(work.get_future(), out, lambda: flat_out.copy_(part))
 
     def all_to_all(self, tensor: torch.Tensor, out: torch.Tensor, send: list[int], recv: list[int]) -> FanfoldWork:
         """Send ``send[q]`` consecutive elements of ``tensor`` to rank q and receive ``recv[p]`` from rank p into
@@ -500,13 +434,13 @@ class ShmTransport:
                                  f"elements of the {'input' if t is tensor else 'output'}")
         scale = flat.numel() // tensor.numel() if tensor.numel() else 1  # complex: pairs of reals
         splits = (tuple(k * scale for k in send), tuple(k * scale for k in recv))
-        return self._exchange(Collective(ALL_TO_ALL, 0, flat, out=out_flat, splits=splits), out, finish)
+        return self._exchange(Collective(Op.ALL_TO_ALL, 0, flat, out=out_flat, splits=splits), out, finish)
 
     def _exchange(self, c: Collective, out: torch.Tensor, finish: Callable[[], None] | None) -> FanfoldWork:
         if 16 * self.world_size > self._chunk_bytes:  # all_to_all's table of counts, a piece per rank in a chunk
             raise ValueError(f"{OPS[c.op]}: {self.world_size} ranks need chunk_bytes >= {16 * self.world_size}")
         if self.world_size == 1:
-            if c.op == REDUCE_SCATTER and c.divisor is not None:
+            if c.op == Op.REDUCE_SCATTER and c.divisor is not None:
                 torch.div(c.flat, c.divisor, out=c.out)
             else:
                 c.out.copy_(c.flat)
