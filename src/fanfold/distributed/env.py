@@ -102,6 +102,4 @@ def barrier() -> None:
 def device() -> torch.device:
     """This process's device: the local-rank accelerator when one is available, else the CPU."""
     acc = accelerator_type()
-    if acc is None:
-        return torch.device("cpu")
-    return torch.device(acc, local_rank())
+    return torch.device("cpu") if acc is None else torch.device(acc, local_rank())

@@ -129,9 +129,8 @@ class Readiness:
         self.reset()
 
     def reset(self) -> None:
-        n = len(self.names)
-        self.ready = [False] * n
-        self.counts = [0] * n
+        self.ready = [False] * len(self.names)
+        self.counts = [0] * len(self.names)
         self.order: list[int] = []
 
     @property
@@ -202,12 +201,6 @@ def _all_gather_varlen(transport: Transport, tensor: torch.Tensor) -> list[torch
     table[transport.rank, : tensor.shape[0]] = tensor
     transport.all_reduce(table).wait()
     return [table[r, :n] for r, n in enumerate(lengths)]
-
-
-def _empty_sparse_like(param: torch.Tensor) -> torch.Tensor:
-    return torch.sparse_coo_tensor(torch.zeros(1, 0, dtype=torch.int64, device=param.device),
-                                   torch.zeros(0, *param.shape[1:], dtype=param.dtype, device=param.device),
-                                   param.shape, check_invariants=False)
 
 
 def all_reduce_sparse(transport: Transport, grad: torch.Tensor, divisor: float) -> torch.Tensor:
@@ -286,11 +279,10 @@ class Reducer:
                "a backward in progress" if self._queued or self._touched else None)
         if why:
             raise ValueError(f"{who} (rank {self.transport.rank}): not supported with {why}")
-        strategy = make(self)
+        self.strategy = make(self)
         self.rebuilt = True
         self.flats = [torch.empty(f.numel(), dtype=f.dtype, device="meta") for f in self.flats]
         self._views = [None if v is None else torch.empty(v.shape, dtype=v.dtype, device="meta") for v in self._views]
-        self.strategy = strategy
 
     def backward_started(self) -> None:
         """The backward reached DDP's outputs (or a parameter): queue the end of backward in this outermost pass."""
@@ -506,7 +498,9 @@ class Reducer:
     def _reduce_sparse(self, k: int, i: int) -> torch.Tensor | None:
         # As torch's: a bucket of its own after the dense ones, the gradient itself a hook's buffer(); None if it raised
         p = self.params[i]
-        grad = p.grad if p.grad is not None and not self._shadowing else _empty_sparse_like(p)
+        grad = p.grad if p.grad is not None and not self._shadowing else torch.sparse_coo_tensor(
+            torch.zeros(1, 0, dtype=torch.int64, device=p.device),
+            torch.zeros(0, *p.shape[1:], dtype=p.dtype, device=p.device), p.shape, check_invariants=False)
         grad = grad.to(self.reduce_dtype or grad.dtype)
         if not self.hook_registered:
             return all_reduce_sparse(self.transport, grad, self.hook_divisor)
