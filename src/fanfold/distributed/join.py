@@ -93,8 +93,7 @@ class DDPParticipant(Protocol):
     """A submodule whose forward or backward issues collectives of its own (implemented in ``fanfold.nn``)."""
 
     def use_transport(self, transport: Any, process_group: Any) -> None:
-        """At ``DistributedDataParallel`` construction: DDP's transport and the process group it spans (None: the
-        default group), where the participant may issue its collectives in step with DDP's own."""
+        """At ``DistributedDataParallel`` construction: DDP's transport and its process group (None: the default)."""
 
     def set_join_state(self, state: JoinState | None) -> None:
         """``DistributedDataParallel.join()`` on entry (the state; may raise to refuse) and on exit (None)."""

@@ -440,8 +440,7 @@ class Reducer:
         return keep
 
     def _restore_local(self, keep: dict[int, torch.Tensor]) -> None:
-        """``.grad`` as torch's unfinished reduction leaves it: this rank's own (gradient_as_bucket_view: a ready
-        parameter's is its bucket view, divided by the world size unless a comm hook is registered)."""
+        # as torch leaves .grad: this rank's own (as a bucket view: divided by the world size, but under a comm hook)
         for i, g in keep.items():
             p = self.params[i]
             if self.as_view and self.readiness.ready[i]:
@@ -452,8 +451,7 @@ class Reducer:
                 p.grad.detach().copy_(g)
 
     def _step_in_backward(self) -> None:
-        """Optimizers in backward step on the averaged gradient, then ``.grad`` is None. One no rank used steps on
-        zeros (torch's hook has them from the bucket), but not under gradient_as_bucket_view or in a skipped bucket."""
+        # One no rank used steps on zeros (torch's hook has them from the bucket), but not as a bucket view or skipped
         for i in self.in_backward:
             p = self.params[i]
             if self.sparse[i] or self._futures[self._bucket_of[i]] is not None:
@@ -477,8 +475,8 @@ class Reducer:
         return used
 
     def _reduce_delayed(self) -> Callable[[], None]:
-        """torch's ``delay_all_reduce_named_params``: issue one flat all-reduce of the delayed gradients (zeros where
-        missing or shadowing; divided by the world size, in join() too, as torch's); returns the wait and write-back."""
+        """One flat all-reduce of the delayed gradients (divided by the world size, in join() too, as torch's); returns
+        the wait and write-back."""
         params, shadow = self.delayed, self._shadowing
         if not params:
             return lambda: None
