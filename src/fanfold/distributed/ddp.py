@@ -406,7 +406,7 @@ class DistributedDataParallel(nn.Module):
         if not self.static_graph and self.reducer.rebuilt:
             raise RuntimeError("DistributedDataParallel._set_static_graph() must be called before the first "
                                "synchronised backward (the first iteration is the one that is observed)")
-        self.static_graph = self.reducer.readiness.static = True
+        self.static_graph = self.reducer.static = True
 
     def register_comm_hook(self, state: Any, hook: Callable) -> None:
         """Reduce each bucket with ``hook(state, bucket) -> future`` (see ``comm_hooks``)."""

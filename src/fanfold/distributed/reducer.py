@@ -119,77 +119,6 @@ def unfinished_message(rank: int, indices: list[int], names: list[str], static: 
             "DistributedDataParallel is built again.")
 
 
-class Readiness:
-    """Which parameters are ready in one synchronised backward: each once, or (``static_graph``) after as many hooks as
-    in the first synchronised backward, which only counts."""
-
-    def __init__(self, names: Sequence[str], rank: int, static_graph: bool = False):
-        self.names, self.rank, self.static = list(names), rank, bool(static_graph)
-        self.expected: list[int] | None = None  # static_graph: hooks per parameter in the first iteration
-        self.reset()
-
-    def reset(self) -> None:
-        self.ready = [False] * len(self.names)
-        self.counts = [0] * len(self.names)
-        self.order: list[int] = []
-
-    @property
-    def counting(self) -> bool:  # the first synchronised backward of a static graph: reduce nothing until its end
-        return self.static and self.expected is None
-
-    @property
-    def static_unused(self) -> list[int]:
-        return [] if self.expected is None else [i for i, c in enumerate(self.expected) if c == 0]
-
-    def hook(self, i: int, loose: bool = False) -> bool:
-        """Parameter ``i``'s hook fired: whether it became ready (``loose``: once, whatever the static graph says)."""
-        self.counts[i] += 1
-        if self.static and not loose:
-            if self.expected is None:  # counting
-                if self.counts[i] == 1:
-                    self.order.append(i)  # the first-seen order: what the buckets are rebuilt from
-                return False
-            if self.counts[i] > self.expected[i]:  # torch raises in the backward, with these words
-                was = "unused" if self.expected[i] == 0 else "used fewer times"
-                raise RuntimeError(
-                    f"DistributedDataParallel (rank {self.rank}): Your training graph has changed in this iteration, "
-                    f"e.g., one parameter is {was} in first iteration, but then got used in the second iteration. "
-                    f"this is not compatible with static_graph set to True. (static_graph=True: parameter "
-                    f"{self.names[i]!r} got {self.counts[i]} gradient(s) where the first iteration gave it "
-                    f"{self.expected[i]}. A parameter unused in the first iteration must stay unused, and a used one "
-                    "must be used the same number of times; pass static_graph=False, with find_unused_parameters=True "
-                    "if some parameters go unused.)")
-            if self.counts[i] < self.expected[i]:
-                return False
-        if self.ready[i]:
-            raise RuntimeError(
-                f"DistributedDataParallel (rank {self.rank}): Expected to mark a variable ready only once: parameter "
-                f"{self.names[i]!r} has been marked as ready twice (it got a second gradient in this backward, after "
-                "its bucket could already be reduced). Typical causes: a block checkpointed with use_reentrant=True "
-                "whose parameters are also used outside it, or a block checkpointed twice; a parameter used outside "
-                "forward. Pass static_graph=True to DistributedDataParallel if the model uses the same parameters the "
-                "same number of times in every iteration, or checkpoint with use_reentrant=False.")
-        self.mark(i)
-        return True
-
-    def mark(self, i: int) -> None:
-        self.ready[i] = True
-        self.order.append(i)
-
-    def learn(self) -> None:  # the end of the first synchronised backward of a static graph
-        self.expected = list(self.counts)
-
-    def short(self) -> list[int]:  # fewer hooks than the static graph expects
-        return [] if self.expected is None else [i for i, (c, e) in enumerate(zip(self.counts, self.expected)) if c < e]
-
-    def changed_message(self, indices: list[int]) -> str:
-        detail = "; ".join(f"{self.names[i]!r} got {self.counts[i]} gradient(s) where the first iteration gave it "
-                           f"{self.expected[i]}" for i in indices)
-        return unfinished_message(self.rank, indices, [self.names[i] for i in indices], static=True,
-                                  detail=f" ({detail}). Pass static_graph=False (with find_unused_parameters=True "
-                                         "if some parameters go unused).")
-
-
 def _all_gather_varlen(transport: Transport, tensor: torch.Tensor) -> list[torch.Tensor]:
     """Every rank's ``tensor`` by rank (any length along dim 0): zero-padded tables only their owner fills, summed."""
     counts = torch.zeros(transport.world_size, dtype=torch.int64, device=tensor.device)
@@ -224,7 +153,7 @@ class Reducer:
         reduce_dtype: torch.dtype | None, skip_unused: bool, delayed: Sequence[torch.nn.Parameter],
     ):
         self.params, self.names, self.delayed, self.sparse = list(params), list(names), list(delayed), list(sparse)
-        self.transport, self.caps, self.reduce_dtype = transport, list(caps), reduce_dtype
+        self.transport, self.rank, self.caps, self.reduce_dtype = transport, transport.rank, list(caps), reduce_dtype
         self.all_reduce = transport.all_reduce  # what GradBucket.all_reduce issues
         self.find_unused, self.as_view, self.skip_unused = find_unused_parameters, gradient_as_bucket_view, skip_unused
         self.divisor = transport.world_size
@@ -233,7 +162,8 @@ class Reducer:
         self.expect_sync = False  # the backward of the last forward synchronises
         self.on_first_ready: Callable[[], None] | None = None  # DDP's join announcement, before any bucket launch
         self.params_back: Callable[[], None] | None = None  # mixed precision: masters back after each backward
-        self.readiness = Readiness(self.names, transport.rank, static_graph)
+        # static_graph: a parameter is ready after as many hooks as in the first synchronised backward (only counted)
+        self.static, self.expected = static_graph, None  # expected: hooks per parameter in that first backward
         self._static_used: list[float] | None = None  # static graph: which parameters some rank used, once
         self._shadowing = False
         self._double = False  # this backward differentiates the gradients of a create_graph one: averaged too
@@ -256,7 +186,9 @@ class Reducer:
         self._temps: dict[int, torch.Tensor] = {}  # reduce_tensors' tensors for parameters without a usable .grad
         self._graph_grads: dict[int, torch.Tensor] = {}  # create_graph: this rank's differentiable gradients
         self._copied: list[tuple[list, list]] = []  # (.grad tensors, their views) copied into the flat buckets
-        self.readiness.reset()
+        self.ready = [False] * len(self.params)
+        self.counts = [0] * len(self.params)
+        self.order: list[int] = []
         self._left = [len(m) for m in self.buckets]
         self._next = 0
         self._futures: list[Any] = [None] * len(self.buckets)
@@ -310,15 +242,70 @@ class Reducer:
         if not self.begin_backward() or self._error is not None:
             return  # no_sync(), or a backward through the module outside DDP.forward: plain local accumulation
         try:
-            r = self.readiness
-            if first and r.static and not r.counting and not self._double:
-                for k in r.static_unused:
-                    r.mark(k)  # a static graph's unused parameters are ready from the start
+            if first and self.static and not self.counting and not self._double:
+                for k in self.static_unused:
+                    self._mark(k)  # a static graph's unused parameters are ready from the start
                     self._take(k, self.params[k])
-            if i is not None and r.hook(i, loose=self._double):
+            if i is not None and self._count(i, loose=self._double):
                 self._take(i, p)
         except Exception as exc:  # raised by the end of backward, once the peers have all their collectives
             self._fail(exc)
+
+    @property
+    def counting(self) -> bool:  # the first synchronised backward of a static graph: reduce nothing until its end
+        return self.static and self.expected is None
+
+    @property
+    def static_unused(self) -> list[int]:
+        return [] if self.expected is None else [i for i, c in enumerate(self.expected) if c == 0]
+
+    def _count(self, i: int, loose: bool) -> bool:
+        """Parameter ``i``'s hook fired: whether it became ready (``loose``: once, whatever the static graph says)."""
+        self.counts[i] += 1
+        if self.static and not loose:
+            if self.expected is None:  # counting
+                if self.counts[i] == 1:
+                    self.order.append(i)  # the first-seen order: what the buckets are rebuilt from
+                return False
+            if self.counts[i] > self.expected[i]:  # torch raises in the backward, with these words
+                was = "unused" if self.expected[i] == 0 else "used fewer times"
+                raise RuntimeError(
+                    f"DistributedDataParallel (rank {self.rank}): Your training graph has changed in this iteration, "
+                    f"e.g., one parameter is {was} in first iteration, but then got used in the second iteration. "
+                    f"this is not compatible with static_graph set to True. (static_graph=True: parameter "
+                    f"{self.names[i]!r} got {self.counts[i]} gradient(s) where the first iteration gave it "
+                    f"{self.expected[i]}. A parameter unused in the first iteration must stay unused, and a used one "
+                    "must be used the same number of times; pass static_graph=False, with find_unused_parameters=True "
+                    "if some parameters go unused.)")
+            if self.counts[i] < self.expected[i]:
+                return False
+        if self.ready[i]:
+            raise RuntimeError(
+                f"DistributedDataParallel (rank {self.rank}): Expected to mark a variable ready only once: parameter "
+                f"{self.names[i]!r} has been marked as ready twice (it got a second gradient in this backward, after "
+                "its bucket could already be reduced). Typical causes: a block checkpointed with use_reentrant=True "
+                "whose parameters are also used outside it, or a block checkpointed twice; a parameter used outside "
+                "forward. Pass static_graph=True to DistributedDataParallel if the model uses the same parameters the "
+                "same number of times in every iteration, or checkpoint with use_reentrant=False.")
+        self._mark(i)
+        return True
+
+    def _mark(self, i: int) -> None:
+        self.ready[i] = True
+        self.order.append(i)
+
+    def _learn(self) -> None:  # the end of the first synchronised backward of a static graph
+        self.expected = list(self.counts)
+
+    def _short(self) -> list[int]:  # fewer hooks than the static graph expects
+        return [] if self.expected is None else [i for i, (c, e) in enumerate(zip(self.counts, self.expected)) if c < e]
+
+    def _changed_message(self, indices: list[int]) -> str:
+        detail = "; ".join(f"{self.names[i]!r} got {self.counts[i]} gradient(s) where the first iteration gave it "
+                           f"{self.expected[i]}" for i in indices)
+        return unfinished_message(self.rank, indices, [self.names[i] for i in indices], static=True,
+                                  detail=f" ({detail}). Pass static_graph=False (with find_unused_parameters=True "
+                                         "if some parameters go unused).")
 
     def _end_of_backward(self) -> None:
         self._queued = self._announced = False
@@ -370,23 +357,23 @@ class Reducer:
         # of whose parameters got a gradient is not reduced; a static graph knows it from the first iteration.
         if not self.skip_unused or self._shadowing or self._double:
             return False
-        unused = set(self.readiness.static_unused) if self.readiness.static else \
+        unused = set(self.static_unused) if self.static else \
             {i for i, u in enumerate(self._used) if not u} if self.find_unused else set()
         return all(i in unused for i in self.buckets[b])
 
     def _finalize(self) -> None:
-        r, double, arm = self.readiness, self._double, bool(self._graph_grads)
-        counting = r.counting and not double
+        double, arm = self._double, bool(self._graph_grads)
+        counting = self.counting and not double
         if counting:
-            r.learn()
-        missing = [i for i, ready in enumerate(r.ready) if not ready]
+            self._learn()
+        missing = [i for i, ready in enumerate(self.ready) if not ready]
         # Where torch's reducer cannot finish (a parameter without gradient and no find_unused_parameters; a static
         # graph's parameter short of its count), .grad is this rank's own and the next forward raises. The collectives
         # still go out, with zeros, so that no peer is left waiting.
-        short = r.short() if not double else []
+        short = self._short() if not double else []
         if short:
-            self.unfinished = r.changed_message(short)
-        elif missing and not (self.find_unused or r.static or double):
+            self.unfinished = self._changed_message(short)
+        elif missing and not (self.find_unused or self.static or double):
             self.unfinished = unfinished_message(self.transport.rank, missing, [self.names[i] for i in missing])
         keep = self._keep_local() if self.unfinished is not None else None
         try:
@@ -443,7 +430,7 @@ class Reducer:
         # as torch leaves .grad: this rank's own (as a bucket view: divided by the world size, but under a comm hook)
         for i, g in keep.items():
             p = self.params[i]
-            if self.as_view and self.readiness.ready[i]:
+            if self.as_view and self.ready[i]:
                 p.grad = self._views[i].copy_(g if self.hook_registered else g / self.divisor)
             elif p.grad is None or p.grad.shape != g.shape:
                 p.grad = g
@@ -463,7 +450,7 @@ class Reducer:
 
     def _used_everywhere(self, counting: bool) -> list[float] | None:
         """Per parameter, how many ranks used it since the last synchronisation (None: all used, not asked)."""
-        if self.readiness.static and not counting and not self._double:
+        if self.static and not counting and not self._double:
             return self._static_used
         if not (self.find_unused or counting or self._double):
             return None
@@ -518,7 +505,7 @@ class Reducer:
         return Future(lambda: None)
 
     def _end_step(self) -> None:
-        self._rebuild(self.readiness.order)
+        self._rebuild(self.order)
         self._used = [False] * len(self.params)
         self._reset()
         self.expect_sync = False
@@ -527,9 +514,9 @@ class Reducer:
         """Issue the collectives of one synchronised backward with zero gradients (a rank that has joined)."""
         for flat in self.flats:
             flat.zero_()
-        counting = self.readiness.counting
+        counting = self.counting
         if counting:
-            self.readiness.learn()
+            self._learn()
         self._shadowing = True
         self._left, self._used = [0] * len(self.buckets), [False] * len(self.params)
         try:
