@@ -18,7 +18,7 @@ class RecordingTransport(TorchTransport):
 
     def all_reduce(self, tensor, bucket=None, divisor=None):
         if bucket is not None:
-            self.calls.append((bucket, len(self.ddp.reducer.readiness.order), len(self.ddp.reducer.params)))
+            self.calls.append((bucket, len(self.ddp.reducer.order), len(self.ddp.reducer.params)))
         return super().all_reduce(tensor, bucket, divisor)
 
 

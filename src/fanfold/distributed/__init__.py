@@ -1,6 +1,5 @@
-"""fanfold.distributed: one process per replica: ``DistributedDataParallel`` (its reducer in ``reducer.py``), the
-torchrun contract (``env.py``), comm hooks and join; re-exports the launcher's ``launch`` and the transports.
-"""
+"""fanfold.distributed: one process per replica: ``DistributedDataParallel``, the torchrun contract (``env.py``), comm
+hooks and join; re-exports the launcher's ``launch`` and the transports."""
 from ..collectives import HierarchicalTransport, ShmTimeoutError, ShmTransport, TorchTransport, select_transport
 from ..collectives.stall import InspectedTransport, StallError
 from ..launcher.spawn import WorkerError, free_port, launch

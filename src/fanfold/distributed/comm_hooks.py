@@ -1,7 +1,5 @@
-"""Communication hooks, torch's shape ``hook(state, bucket) -> future`` (whose ``wait()`` gives the averaged bucket):
-:class:`GradBucket`, a lazily completed :class:`Future`, and the built-in ``allreduce_hook``, ``fp16_compress_hook``
-and ``bf16_compress_hook``. Semantics: docs/ddp.md, "Comm hooks".
-"""
+"""Communication hooks, torch's ``hook(state, bucket) -> future`` (``wait()`` gives the averaged bucket): the bucket,
+a lazily completed future, and the built-in ``allreduce_hook``, ``fp16_compress_hook`` and ``bf16_compress_hook``."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -13,8 +11,7 @@ __all__ = ["Future", "GradBucket", "allreduce_hook", "fp16_compress_hook", "bf16
 
 
 class Future:
-    """A lazily completed result (``wait()`` runs ``wait_fn`` once), shaped like ``torch.futures.Future``: transports
-    whose handles only progress inside ``wait()`` need no callback thread."""
+    """``torch.futures.Future``'s shape, completed lazily by ``wait()``: transports need no callback thread."""
 
     def __init__(self, wait_fn: Callable[[], Any]):
         self._wait_fn, self._done, self._value = wait_fn, False, None
@@ -31,11 +28,7 @@ class Future:
         return self._done
 
     def then(self, callback: Callable[[Future], Any]) -> Future:
-        def chained() -> Any:
-            self.wait()
-            return callback(self)
-
-        return Future(chained)
+        return Future(lambda: (self.wait(), callback(self))[1])
 
 
 class GradBucket:
@@ -66,8 +59,7 @@ class GradBucket:
         return list(self._grads)
 
     def all_reduce(self, tensor: torch.Tensor, divisor: float | None = None) -> Future:
-        """Start an in-place SUM of ``tensor`` over the ranks, divided by ``divisor`` if given (by the transport
-        while the data is in cache, where it can); the future's value is ``tensor``."""
+        """An in-place SUM of ``tensor`` over the ranks, divided by ``divisor`` if given; its value: ``tensor``."""
         handle = self._issue(tensor, self._index, divisor)
         return Future(lambda: (handle.wait(), tensor)[1])
 
@@ -79,18 +71,16 @@ def allreduce_hook(state: Any, bucket: GradBucket) -> Future:
 
 def _compress(bucket: GradBucket, dtype: torch.dtype) -> Future:
     # float16 overflows at 65504: the sum of N gradients could, so divide first. bfloat16 has float32's range: the
-    # average is taken by the all-reduce itself (the shm transport divides while the shard is in cache), which saves
-    # a pass over the float32 buffer.
+    # all-reduce divides, which saves a pass over the float32 buffer.
     divide_first = dtype == torch.float16
-    buffer = bucket.buffer()  # flat, or a sparse gradient's own bucket (reducer.py): cast the sparse tensor
+    buffer = bucket.buffer()  # flat, or a sparse gradient's own bucket
     if divide_first and buffer.is_sparse and buffer.device.type == "cpu":
         # torch's hook fails here too: its all-reduce adds float16 sparse tensors, which the CPU cannot
         raise RuntimeError(
             f"fp16_compress_hook: bucket {bucket.index()} holds a sparse gradient, which float16 cannot sum on the "
             "CPU (torch's hook fails alike: \"cadd_sparse\" not implemented for 'Half'); register another hook or "
             "use sparse=False.")
-    # In place, then cast: a division straight into the narrow type costs several times as much on CPU. The buffer
-    # is overwritten by the result anyway.
+    # in place, then cast: a division straight into the narrow type costs several times as much on CPU
     narrow = (buffer.div_(bucket.divisor) if divide_first else buffer).to(dtype)
     fut = bucket.all_reduce(narrow, None if divide_first else bucket.divisor)
     return fut.then(lambda done: buffer.copy_(done.value()))

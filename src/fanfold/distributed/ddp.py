@@ -1,7 +1,5 @@
-"""DistributedDataParallel: one process per replica, gradients averaged by fanfold's reducer (``reducer.py``); torch's
-keywords checked and given torch's meaning (docs/ddp-compat.md), the construction's collectives, torch's optimizers
-in backward. Design: docs/ddp.md.
-"""
+"""DistributedDataParallel: one process per replica, gradients averaged by ``reducer.py``; every keyword of torch's
+DDP with torch's meaning (docs/ddp-compat.md), the construction's collectives, torch's optimizers in backward."""
 from __future__ import annotations
 
 import hashlib
@@ -26,17 +24,12 @@ from .reducer import Reducer, ShardsGradients, bucket_caps
 
 __all__ = ["DistributedDataParallel", "DDP"]
 
-_PICKLE_GROUP = ("DDP Pickling/Unpickling are only supported when using DDP with the default process group. That "
-                 "is, when you have called init_process_group and have not passed process_group argument to DDP "
-                 "constructor")
-
 # What cannot be combined with optimizers in backward, and why
 _HOOK = ("a comm hook (register_comm_hook) is set: torch's DDP refuses this too, as its step after the all-reduce "
          "is a comm hook of its own and a DDP takes one")
 _MIXED = "mixed_precision is set: torch's DDP refuses this too, as its mixed precision is a comm hook of its own"
 _STAGE2 = "shard_gradients() (ZeRO stage 2) keeps only this rank's part of each averaged gradient"
 _JOIN = "join() (uneven inputs): a rank that has joined has no backward to step the optimizers in"
-_IN_BACKWARD_MODULE = "torch.distributed.optim.apply_optimizer_in_backward"
 BROADCAST_BYTES = 64 * 1024 * 1024
 
 
@@ -113,8 +106,7 @@ def _devices(module: nn.Module, device_ids: list | None, output_device: Any) -> 
 
 
 def _sparse_flags(module: nn.Module, names: Sequence[str]) -> list[bool]:
-    """Whether each named parameter gets sparse gradients: the weight of an nn.Embedding or nn.EmbeddingBag built
-    with sparse=True (the modules torch's DDP treats as sparse)."""
+    # torch's DDP treats as sparse the weight of an nn.Embedding or nn.EmbeddingBag built with sparse=True
     sparse = set()
     for prefix, sub in module.named_modules():
         if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse:
@@ -123,8 +115,7 @@ def _sparse_flags(module: nn.Module, names: Sequence[str]) -> list[bool]:
 
 
 def check_same_model(t: Transport, module: nn.Module, ignored: frozenset = frozenset()) -> None:
-    """Fail on every rank, naming the first differing parameter and the ranks, when the models differ (the
-    ``ignored`` names aside). A fixed-size digest first, the details only on a mismatch: it cannot hang."""
+    """Fail on every rank, naming the first difference, when the models differ: a fixed-size digest first (no hang)."""
     entries = [f"parameter {n!r} shape {tuple(p.shape)} {p.dtype} requires_grad={p.requires_grad}"
                for n, p in module.named_parameters() if n not in ignored]
     entries += [f"buffer {n!r} shape {tuple(b.shape)} {b.dtype}" for n, b in module.named_buffers() if n not in ignored]
@@ -137,18 +128,15 @@ def check_same_model(t: Transport, module: nn.Module, ignored: frozenset = froze
     lists = all_gather_object(entries, transport=t)
     r = differ[0]
     k = next((k for k, (a, b) in enumerate(zip(lists[0], lists[r])) if a != b), min(len(lists[0]), len(lists[r])))
-    mine = lists[0][k] if k < len(lists[0]) else "nothing (its model ends there)"
-    theirs = lists[r][k] if k < len(lists[r]) else "nothing (its model ends there)"
+    mine, theirs = (x[k] if k < len(x) else "nothing (its model ends there)" for x in (lists[0], lists[r]))
     raise RuntimeError(
         f"DistributedDataParallel (rank {t.rank}): the model differs between ranks {[0] + differ}: at entry {k} "
         f"rank 0 has {mine} but rank {r} has {theirs}. Every rank must build the same model (same code, "
-        "arguments and checkpoint) before wrapping it."
-    )
+        "arguments and checkpoint) before wrapping it.")
 
 
 def broadcast_tensors(t: Transport, tensors: list[torch.Tensor], src: int) -> None:
-    """Broadcast ``tensors`` in place from ``src``: their bytes end to end, one flat uint8 tensor per device and at most
-    64 MiB, so that tensors of several dtypes (a BatchNorm's statistics and counter) cost one collective."""
+    """Broadcast ``tensors`` in place from ``src``: their bytes end to end, one collective per device (and 64 MiB)."""
     groups: dict[torch.device, list[list[torch.Tensor]]] = {}
     # widest elements first: every tensor's bytes then start at a multiple of its element size (view(dtype) needs it)
     for tensor in sorted(tensors, key=lambda x: -x.element_size()):
@@ -164,9 +152,9 @@ def broadcast_tensors(t: Transport, tensors: list[torch.Tensor], src: int) -> No
                 x.copy_(part.view(x.dtype).view_as(x))
 
 
-# ---- torch's mixed_precision=_MixedPrecision(param_dtype, reduce_dtype, buffer_dtype), on any device ---------------
 class MixedPrecision:
-    """Low-precision copies of ``module``'s parameters during forward and backward; the masters otherwise."""
+    """torch's ``mixed_precision=_MixedPrecision(...)``, on any device: low-precision copies of ``module``'s parameters
+    during forward and backward; the masters otherwise."""
 
     def __init__(self, config: Any, module: nn.Module):
         if not all(hasattr(config, a) for a in ("param_dtype", "reduce_dtype", "buffer_dtype")):
@@ -189,11 +177,10 @@ class MixedPrecision:
             if buf.is_floating_point():
                 buf.data = buf.data.to(self.buffer_dtype)
 
-    def cast_params(self) -> None:
-        """Before a forward: the parameters' data become low-precision copies of the masters (kept once); before one
-        with grad, an accumulated gradient is cast down too, as torch does (the backward accumulates into it)."""
+    def cast(self, inputs: Any) -> Any:
+        """Before a forward: the parameters' data become low-precision copies of the masters, and so do the inputs."""
         if self.param_dtype is None:
-            return
+            return inputs
         grad = torch.is_grad_enabled()
         self.graph = self.graph or grad
         if self._masters is None:
@@ -201,18 +188,13 @@ class MixedPrecision:
         with torch.no_grad():
             for p, master in self._masters:
                 p.data = master.to(self.param_dtype)
+                # as torch does, since the backward accumulates into it
                 if grad and p.grad is not None and p.grad.dtype != self.param_dtype:
                     p.grad = p.grad.to(self.param_dtype)
-
-    def cast_inputs(self, inputs: Any) -> Any:
-        if self.param_dtype is None:
-            return inputs
-        leaves, spec = flatten(inputs)
-        return unflatten(spec, [x.to(self.param_dtype) if isinstance(x, torch.Tensor) and x.is_floating_point()
-                                else x for _, x in leaves])
+        return _map_tensors(inputs, lambda x: x.to(self.param_dtype) if x.is_floating_point() else x)
 
     def restore(self) -> None:
-        """The masters back; a low-precision gradient becomes full precision. Idempotent."""
+        """The masters back; a low-precision gradient becomes full precision."""
         self.graph = False
         if self._masters is None:
             return
@@ -261,7 +243,6 @@ class DistributedDataParallel(nn.Module):
             warnings.warn("DistributedDataParallel: find_unused_parameters=True is not needed with static_graph=True, "
                           "which finds the unused parameters in the first iteration (they must stay unused).",
                           stacklevel=2)
-        # with mixed_precision .grad is a full-precision copy, as in torch
         self.gradient_as_bucket_view = _flag("gradient_as_bucket_view", gradient_as_bucket_view)
         _flag("batched_grad_copy", batched_grad_copy)  # what fanfold always does: a bucket's copies together
         self._skip_unused = _flag("skip_all_reduce_unused_params", skip_all_reduce_unused_params)
@@ -277,7 +258,6 @@ class DistributedDataParallel(nn.Module):
         self._mp = MixedPrecision(mixed_precision, module) if mixed_precision is not None else None
         self._join: JoinState | None = None
         self._had_buffers = bool(self._module_buffers())  # torch's: else no walk per forward
-        # Every collective is numbered and its wait bounded by the stall inspector (stall.py).
         self.transport = inspected(resolve_transport(transport, self.process_group, stall_timeout), stall_timeout)
         if init_sync:  # first, so that a model that differs between ranks is named as such on every rank
             check_same_model(self.transport, module, self.parameters_to_ignore)
@@ -291,17 +271,14 @@ class DistributedDataParallel(nn.Module):
             self._mp.cast_buffers()
         self._build_reducer()
 
-    # torch's older name of forward_sync_buffers
-    broadcast_buffers = property(lambda self: self.forward_sync_buffers,
+    broadcast_buffers = property(lambda self: self.forward_sync_buffers,  # torch's older name
                                  lambda self, value: setattr(self, "forward_sync_buffers", value))
 
-    # ---- construction ---------------------------------------------------------------------------------------
     def _build_reducer(self) -> None:
         params = dict(self.module.named_parameters())
         names = [n for n, p in params.items() if p.requires_grad and n not in self._delayed and
                  n not in self.parameters_to_ignore]
-        # mixed precision: torch's buckets hold the low precision, and its hook hands back a full-precision .grad
-        # (a copy, not a view, whatever gradient_as_bucket_view says): the reducer's copying path does just that
+        # mixed precision: torch's .grad is a full-precision copy, never a bucket view: the reducer's copying path
         self.reducer = Reducer(
             [params[n] for n in names], names, self.transport, self._caps, self.find_unused_parameters,
             self.gradient_as_bucket_view and self._mp is None, static_graph=self.static_graph,
@@ -316,7 +293,7 @@ class DistributedDataParallel(nn.Module):
                 m.use_transport(self.transport, self.process_group)
 
     def _ensure_built(self) -> None:
-        """After unpickling: the transport and the reducer, built by every rank at the copy's first forward."""
+        """After unpickling: every rank builds the transport and the reducer at the copy's first forward."""
         if self.reducer is None:
             self.transport = inspected(resolve_transport(self._transport_arg, self.process_group, self._stall_timeout),
                                        self._stall_timeout)
@@ -331,15 +308,13 @@ class DistributedDataParallel(nn.Module):
 
     @staticmethod
     def _set_params_and_buffers_to_ignore_for_model(module: nn.Module, params_and_buffers_to_ignore: Any) -> None:
-        """torch's (private, widely used) way to leave parameters and buffers out of DDP, named as in
-        ``module.named_parameters()`` / ``named_buffers()``; call it before wrapping ``module``."""
+        """torch's private, widely used way to leave named parameters and buffers out of DDP; call before wrapping."""
         names = set(params_and_buffers_to_ignore)
         module._ddp_params_and_buffers_to_ignore = params_and_buffers_to_ignore
         for name, t in (*module.named_parameters(), *module.named_buffers()):
             if name in names:
                 t._ddp_ignored = True  # torch's mark, read by its FSDP and by torch.compile's DDP optimizer
 
-    # ---- training step --------------------------------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         inputs, kwargs, sync = self._pre_forward(inputs, kwargs)
         out = self.module(*inputs, **kwargs)
@@ -369,10 +344,9 @@ class DistributedDataParallel(nn.Module):
         if grad:  # as torch: a forward without grad leaves a pending backward's synchronisation alone
             self.reducer.prepare_for_forward(sync)
         if self.device_ids and self.device_ids[0].type != "cpu":
-            inputs, kwargs = _to_device((inputs, kwargs), self.device_ids[0])
+            inputs, kwargs = _map_tensors((inputs, kwargs), lambda x: x.to(self.device_ids[0], non_blocking=True))
         if self._mp is not None:
-            self._mp.cast_params()
-            inputs, kwargs = self._mp.cast_inputs((inputs, kwargs))
+            inputs, kwargs = self._mp.cast((inputs, kwargs))
         return inputs, kwargs, sync
 
     @torch.compiler.disable
@@ -380,23 +354,28 @@ class DistributedDataParallel(nn.Module):
         grad = torch.is_grad_enabled()
         self.require_forward_param_sync = sync
         if grad and (sync or self._mp is not None):
-            self._hook_outputs(out)
+            # The end of backward is queued where the backward reaches an output, in the outermost autograd pass. A
+            # weak reference: outputs kept by the user must not keep the wrapper alive.
+            ref = weakref.ref(self.reducer)
+            for _, t in flatten(out)[0]:
+                if isinstance(t, torch.Tensor) and t.grad_fn is not None:
+                    t.register_hook(lambda grad: None if ref() is None else ref().backward_started())
         elif self._mp is not None and not self._mp.graph:
             # no backward of this forward can follow, nor one of an earlier forward, which saved the copies
             self._mp.restore()
 
     def _take_over_in_backward_optimizers(self) -> None:
-        """torch's DDP at its first forward: optimizers that ``_apply_optimizer_in_backward`` gave its parameters
-        (``param._in_backward_optimizers``) step on the averaged gradient, not on this rank's: their hooks go."""
+        # torch's DDP at its first forward: optimizers that _apply_optimizer_in_backward gave its parameters step on
+        # the averaged gradient, not on this rank's: their hooks go
         r = self.reducer
         conflict = (_HOOK if self._comm_hook is not None else _MIXED if self._mp is not None else
                     _STAGE2 if r.strategy is not None else _JOIN if self._join is not None else None)
         found = [i for i, p in enumerate(r.params) if hasattr(p, "_in_backward_optimizers")]
         if conflict is not None:
             self._refuse_with_in_backward(conflict, found)
-        # The handles live in torch's module, which the user imported to call _apply_optimizer_in_backward; a
-        # parameter given the attribute some other way has no handle to remove.
-        handles = getattr(sys.modules.get(_IN_BACKWARD_MODULE), "param_to_optim_hook_handle_map", {}) if found else {}
+        # the handles live in torch's module, imported by whoever called _apply_optimizer_in_backward
+        torch_module = sys.modules.get("torch.distributed.optim.apply_optimizer_in_backward")
+        handles = getattr(torch_module, "param_to_optim_hook_handle_map", {}) if found else {}
         for i in found:
             for handle in handles.get(r.params[i], ()):
                 handle.remove()
@@ -411,24 +390,9 @@ class DistributedDataParallel(nn.Module):
                 "applied in backward (torch.distributed.optim._apply_optimizer_in_backward), which DDP steps on the "
                 f"averaged gradient. Parameters with such optimizers: {shown}.")
 
-    def _hook_outputs(self, out: Any) -> None:
-        """The backward starts where it reaches an output: the end-of-backward callbacks are queued there, in the
-        outermost autograd pass (a weak reference: outputs kept by the user must not keep the wrapper alive)."""
-        ref = weakref.ref(self.reducer)
-
-        def started(grad: torch.Tensor) -> None:
-            reducer = ref()
-            if reducer is not None:
-                reducer.backward_started()
-
-        for _, t in flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.grad_fn is not None:
-                t.register_hook(started)
-
     @contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Backward passes of forwards run inside accumulate gradients locally; the next synchronised backward
-        averages the sum."""
+        """Backward passes inside accumulate gradients locally; the next synchronised backward averages the sum."""
         old = self.require_backward_grad_sync
         self.require_backward_grad_sync = False
         try:
@@ -442,7 +406,7 @@ class DistributedDataParallel(nn.Module):
         if not self.static_graph and self.reducer.rebuilt:
             raise RuntimeError("DistributedDataParallel._set_static_graph() must be called before the first "
                                "synchronised backward (the first iteration is the one that is observed)")
-        self.static_graph = self.reducer.readiness.static = True
+        self.static_graph = self.reducer.static = True
 
     def register_comm_hook(self, state: Any, hook: Callable) -> None:
         """Reduce each bucket with ``hook(state, bucket) -> future`` (see ``comm_hooks``)."""
@@ -452,9 +416,8 @@ class DistributedDataParallel(nn.Module):
         self._comm_hook = (state, hook)
 
     def shard_gradients(self, optimizer: Any) -> None:
-        """ZeRO stage 2 with ``optimizer`` (a ``fanfold.ZeroRedundancyOptimizer`` over this model's parameters): this
-        rank keeps the average of its part of each bucket, ``.grad`` stays None (``optim/sharded_grads.py``).
-        Collective."""
+        """ZeRO stage 2 with ``optimizer`` (a ``fanfold.ZeroRedundancyOptimizer`` of this model's parameters): this rank
+        keeps the average of its part of each bucket, ``.grad`` stays None. Collective."""
         self._ensure_built()
         self._refuse_with_in_backward(_STAGE2)
         if not isinstance(optimizer, ShardsGradients):
@@ -482,28 +445,20 @@ class DistributedDataParallel(nn.Module):
                                       "have to step its part of the optimizer too")
         self._ensure_built()
         self._refuse_with_in_backward(_JOIN)
-        state = JoinState(self.transport, divide_by_initial_world_size, throw_on_early_termination)
+        state = JoinState(self.transport, throw_on_early_termination)
         state.begin_backward = self.reducer.begin_backward
         participants = [m for m in self.module.modules() if isinstance(m, DDPParticipant)]
-
-        def announce_backward() -> None:
-            alive, _ = state.announce(BACKWARD)
-            if not divide_by_initial_world_size:
-                self.reducer.divisor = alive
-
-        def shadow_backward(alive: int) -> None:
-            if not divide_by_initial_world_size:
-                self.reducer.divisor = alive
-            self.reducer.shadow_backward()
-
-        self.reducer.on_first_ready = announce_backward
+        if not divide_by_initial_world_size:
+            state.on_alive = lambda alive: setattr(self.reducer, "divisor", alive)
+        self.reducer.on_first_ready = lambda: state.announce(BACKWARD)
         try:
             for m in participants:  # may refuse (raises on every rank alike: the same model and settings)
                 m.set_join_state(state)
             self._join = state
             yield
             buffers = self._module_buffers() if self.forward_sync_buffers else []
-            src = state.shadow(lambda s: broadcast_tensors(self.transport, self._module_buffers(), s), shadow_backward)
+            src = state.shadow(lambda s: broadcast_tensors(self.transport, self._module_buffers(), s),
+                               self.reducer.shadow_backward)
             broadcast_tensors(self.transport, self._module_params() + buffers, src)
         finally:
             for m in participants:
@@ -512,7 +467,6 @@ class DistributedDataParallel(nn.Module):
             self.reducer.on_first_ready = None
             self.reducer.divisor = self.transport.world_size
 
-    # ---- module plumbing ------------------------------------------------------------------------------------
     def state_dict(self, *args: Any, **kwargs: Any) -> dict:
         """The wrapped module's state dict: no ``module.`` prefix, loadable without DDP."""
         return self.module.state_dict(*args, **kwargs)
@@ -525,7 +479,9 @@ class DistributedDataParallel(nn.Module):
 
     def __getstate__(self) -> dict:
         if self.process_group is not None:
-            raise RuntimeError(_PICKLE_GROUP)
+            raise RuntimeError("DDP Pickling/Unpickling are only supported when using DDP with the default process "
+                               "group. That is, when you have called init_process_group and have not passed "
+                               "process_group argument to DDP constructor")
         if self._transport_arg is not None and not isinstance(self._transport_arg, str):
             raise RuntimeError(f"DistributedDataParallel can be pickled only with a transport named by a string "
                                f"('torch', 'shm') or chosen by default, not the object {self._transport_arg!r}")
@@ -547,9 +503,9 @@ class DistributedDataParallel(nn.Module):
             return getattr(self.module, name)
 
 
-def _to_device(obj: Any, device: torch.device) -> Any:
+def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     leaves, spec = flatten(obj)
-    return unflatten(spec, [x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x for _, x in leaves])
+    return unflatten(spec, [fn(x) if isinstance(x, torch.Tensor) else x for _, x in leaves])
 
 
 DDP = DistributedDataParallel

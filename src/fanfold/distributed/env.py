@@ -1,6 +1,5 @@
 """The torchrun environment contract (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT): initialise and tear
-down the process group, and ask where this process sits (rank 0 of 1 in a plain single process).
-"""
+down the process group, and ask where this process sits (rank 0 of 1 in a plain single process)."""
 from __future__ import annotations
 
 import os
@@ -16,8 +15,6 @@ from ..collectives.stall import group_transport
 __all__ = ["init_process_group", "destroy_process_group", "is_initialized", "rank", "world_size", "local_rank",
            "is_main_process", "barrier", "device"]
 
-_REQUIRED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-
 
 def _env_int(name: str) -> int:
     value = os.environ[name]
@@ -32,13 +29,13 @@ def init_process_group(backend: str | None = None, timeout: timedelta | float = 
     current device, returned. ``backend``: "nccl" when CUDA is available, else "gloo"; ``timeout`` (seconds or a
     timedelta) bounds every collective. A job secret in the environment (``fanfold run`` and ``fanfold.launch`` set
     one) makes the group's store admit only the job's processes (``fanfold._core.job``)."""
-    missing = [name for name in _REQUIRED if name not in os.environ]
+    missing = [name for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+               if name not in os.environ]
     if missing:
         raise RuntimeError(
             f"fanfold.distributed.init_process_group: environment variables {missing} are not set. Start the script "
             "with `fanfold run -n N script.py` (or torchrun), or call the function through `fanfold.launch(fn, "
-            "nprocs=N)`, which set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT."
-        )
+            "nprocs=N)`, which set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT.")
     if dist.is_initialized():
         raise RuntimeError("fanfold.distributed.init_process_group: the default process group is already initialised")
     if isinstance(timeout, (int, float)):
@@ -51,8 +48,7 @@ def init_process_group(backend: str | None = None, timeout: timedelta | float = 
     if not 0 <= r < n:
         raise RuntimeError(f"RANK={r} is outside WORLD_SIZE={n}")
     acc = accelerator_type()
-    if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     dev = torch.device("cpu")
     if acc is not None:
         count = torch.get_device_module(acc).device_count()
@@ -106,6 +102,4 @@ def barrier() -> None:
 def device() -> torch.device:
     """This process's device: the local-rank accelerator when one is available, else the CPU."""
     acc = accelerator_type()
-    if acc is None:
-        return torch.device("cpu")
-    return torch.device(acc, local_rank())
+    return torch.device("cpu") if acc is None else torch.device(acc, local_rank())

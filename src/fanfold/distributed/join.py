@@ -1,6 +1,5 @@
 """Uneven inputs for ``DistributedDataParallel.join()``: the join-state exchange, the shadow loop of ranks that ran out
-of data (issuing every announced collective with zeros), and ``DDPParticipant`` (``fanfold.SyncBatchNorm``).
-"""
+of data (issuing every announced collective with zeros), and ``DDPParticipant`` (``fanfold.SyncBatchNorm``)."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -17,12 +16,11 @@ _ALIVE, _FWD, _BWD, _BUFS = 0, 1, 2, 3  # slots of the announcement; rank r's ac
 class JoinState:
     """One ``join()`` context of one rank."""
 
-    def __init__(self, transport: Any, divide_by_initial_world_size: bool, throw_on_early_termination: bool):
-        self.transport = transport
-        self.divide_by_initial = divide_by_initial_world_size
-        self.throw = throw_on_early_termination
+    def __init__(self, transport: Any, throw_on_early_termination: bool):
+        self.transport, self.throw = transport, throw_on_early_termination
         self.last_active: list[int] = list(range(transport.world_size))
         self.alive = transport.world_size  # active ranks at the last exchange
+        self.on_alive: Callable[[int], None] = lambda alive: None  # DDP's divisor, at each exchange with active ranks
         # DDP's: starts a synchronised backward (its announcement) if not yet done; False if it does not synchronise
         self.begin_backward: Callable[[], bool] = lambda: False
         self._replays: dict[int, list[Callable[[], None]]] = {FORWARD: [], BACKWARD: []}
@@ -40,6 +38,7 @@ class JoinState:
         if alive:
             self.last_active = [r for r in range(t.world_size) if flag[4 + r] > 0]
             self.alive = alive
+            self.on_alive(alive)
         return flag
 
     def announce(self, what: int, sync_buffers: bool = False) -> tuple[int, int]:
@@ -52,11 +51,10 @@ class JoinState:
             raise RuntimeError(
                 "Detected at least one rank that exhausted inputs. Throwing across all ranks. "
                 f"(DistributedDataParallel.join(throw_on_early_termination=True): rank(s) {gone} ran out of inputs "
-                f"while rank {self.transport.rank} still has some)"
-            )
+                f"while rank {self.transport.rank} still has some)")
         return alive, min(self.last_active)
 
-    def shadow(self, sync_buffers: Callable[[int], None], shadow_backward: Callable[[int], None]) -> int:
+    def shadow(self, sync_buffers: Callable[[int], None], shadow_backward: Callable[[], None]) -> int:
         """Mirror the active ranks' collectives until every rank has joined; returns the authoritative rank."""
         while True:
             flag = self._exchange(0, False, active=False)
@@ -67,8 +65,7 @@ class JoinState:
                 raise RuntimeError(
                     f"Rank {self.transport.rank} exhausted all inputs. (DistributedDataParallel.join("
                     f"throw_on_early_termination=True): rank {self.transport.rank} ran out of inputs while rank(s) "
-                    f"{self.last_active} still have some)"
-                )
+                    f"{self.last_active} still have some)")
             if flag[_FWD] > 0:
                 if flag[_BUFS] > 0:
                     sync_buffers(min(self.last_active))
@@ -79,15 +76,14 @@ class JoinState:
                 # these (on a channel of their own), and wait for the buckets only at the end of backward
                 for replay in self._replays[BACKWARD]:
                     replay()
-                shadow_backward(alive)
+                shadow_backward()
 
     def record(self, phase: int, replay: Callable[[], None]) -> None:
         """A participant issued a collective in this rank's ``phase``; ``replay`` issues it contributing nothing."""
         self._replays[phase].append(replay)
 
     def expect(self, forward: Callable[[], None], backward: Callable[[], None]) -> None:
-        """A participant's replays for a rank that joins before recording a step (called in module order: backwards
-        go first)."""
+        """A participant's replays for a rank that joins before recording a step (backwards in reverse module order)."""
         self._replays[FORWARD].append(forward)
         self._replays[BACKWARD].insert(0, backward)
 
@@ -97,8 +93,7 @@ class DDPParticipant(Protocol):
     """A submodule whose forward or backward issues collectives of its own (implemented in ``fanfold.nn``)."""
 
     def use_transport(self, transport: Any, process_group: Any) -> None:
-        """At ``DistributedDataParallel`` construction: DDP's transport and the process group it spans (None: the
-        default group), where the participant may issue its collectives in step with DDP's own."""
+        """At ``DistributedDataParallel`` construction: DDP's transport and its process group (None: the default)."""
 
     def set_join_state(self, state: JoinState | None) -> None:
         """``DistributedDataParallel.join()`` on entry (the state; may raise to refuse) and on exit (None)."""

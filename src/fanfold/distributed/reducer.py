@@ -1,7 +1,5 @@
-"""The gradient reducer, one object: per-parameter hooks mark gradients ready, each full bucket's reduction starts in
-bucket order on every rank (collectives match by issue order), and the end of backward waits and writes the averages
-into ``.grad``. Readiness, sparse and delayed gradients live here too. Design notes: docs/ddp.md, "The reducer".
-"""
+"""The gradient reducer: per-parameter hooks mark gradients ready, full buckets are reduced in bucket order on every
+rank, and the end of backward writes the averages into ``.grad``; readiness, sparse and delayed gradients too."""
 from __future__ import annotations
 
 import weakref
@@ -16,43 +14,33 @@ from .comm_hooks import Future, GradBucket, allreduce_hook, bf16_compress_hook, 
 __all__ = ["GradientStrategy", "Reducer", "ShardsGradients", "BUILT_IN", "SMALL_TENSOR_BYTES", "MiB", "bucket_caps",
            "assign_buckets", "rebuild_order"]
 
-# The hooks the transport runs itself, on .grad or on the flat bucket: hook -> compression dtype
+# The hooks the transport runs itself: hook -> compression dtype
 BUILT_IN = {allreduce_hook: None, bf16_compress_hook: torch.bfloat16, fp16_compress_hook: torch.float16}
-# Below this mean gradient size a bucket goes through its flat tensor (one foreach copy each way) rather than to
-# reduce_tensors one tensor at a time: the transport's work per tensor costs more than the copies (LayerNorm weights)
+# Below this mean gradient size a bucket goes through its flat tensor: the transport's work per tensor costs more
 SMALL_TENSOR_BYTES = 16 << 10
+MiB = 1024 * 1024
 
 
 class GradientStrategy(Protocol):
-    """Where the averaged gradients go instead of ``.grad`` (ZeRO stage 2). It reduces each bucket itself, from its
-    parameters' ``.grad``, with the reducer's ``transport`` and hook (``hook``, ``hook_state``, ``hook_divisor``); the
-    reducer decides when, in the same order on every rank."""
+    """Where the averaged gradients go instead of ``.grad`` (ZeRO stage 2): it reduces each bucket from its parameters'
+    ``.grad`` with the reducer's transport and hook; the reducer decides when, in the same order on every rank."""
 
     def launch(self, bucket: int) -> None:
         """The ``.grad`` of ``reducer.buckets[bucket]``'s parameters are final (None: zeros): start its reduction."""
-        ...
 
     def finish(self) -> None:
         """Wait for every reduction launched."""
-        ...
 
     def write_back(self, used: list[float] | None) -> None:
         """The end of a synchronised backward without error: ``used[i]`` ranks used parameter i (None: all did)."""
-        ...
 
 
 @runtime_checkable
 class ShardsGradients(Protocol):
-    """An optimizer that steps a reducer's gradients where a strategy of its own leaves them
-    (``fanfold.ZeroRedundancyOptimizer``)."""
+    """An optimizer (``fanfold.ZeroRedundancyOptimizer``) stepping the gradients where its own strategy leaves them."""
 
     def gradient_strategy(self, reducer: Reducer, module: torch.nn.Module | None = None) -> GradientStrategy:
         """Lay the optimizer out after ``reducer``'s buckets (collective; may refuse); the strategy to hand them to."""
-        ...
-
-
-# ---- buckets: which parameters share a flat tensor, in launch order ----------------------------------------------
-MiB = 1024 * 1024
 
 
 def _mib(name: str, value: Any, shown: Any) -> int:
@@ -63,8 +51,7 @@ def _mib(name: str, value: Any, shown: Any) -> int:
 
 def bucket_caps(bucket_cap_mb: float | None = None, first_bucket_cap_mb: float | None = None,
                 bucket_cap_mb_list: Sequence[float] | None = None) -> list[int]:
-    """Bucket caps in bytes: the k-th bucket of a dtype takes ``caps[k]``, the last one after. torch's
-    ``bucket_cap_mb_list`` gives them all; else a small first bucket (1 MiB, never above the rest), then 25 MiB."""
+    """Bucket caps in bytes (a dtype's k-th bucket: ``caps[k]``, the last after); default 1 MiB, then 25 MiB."""
     if bucket_cap_mb_list is not None:
         if first_bucket_cap_mb is not None:
             raise ValueError("DistributedDataParallel: first_bucket_cap_mb and bucket_cap_mb_list both set the first "
@@ -81,9 +68,8 @@ def bucket_caps(bucket_cap_mb: float | None = None, first_bucket_cap_mb: float |
 
 def assign_buckets(nbytes: Sequence[int], keys: Sequence[Hashable], caps: Sequence[int],
                    order: Sequence[int] | None = None) -> list[list[int]]:
-    """Group parameter indices (``nbytes[i]`` bytes of gradient) into buckets that never mix ``keys`` ((dtype,
-    device)), filled in ``order`` (default: reverse): a key's k-th bucket closes at ``caps[k]`` (the last cap after).
-    In launch order: by the position of each bucket's first member in ``order``."""
+    """Group parameter indices into buckets that never mix ``keys``, filled in ``order`` (default: reverse), a key's
+    k-th bucket closing at ``caps[k]`` bytes; sorted by the position of each bucket's first member in ``order``."""
     order = list(range(len(nbytes) - 1, -1, -1)) if order is None else list(order)
     open_: dict[Hashable, tuple[list[int], int]] = {}  # key -> (indices, bytes) of the bucket being filled
     closed: dict[Hashable, int] = {}  # key -> number of its buckets closed so far
@@ -110,7 +96,6 @@ def rebuild_order(ready: Sequence[int], n: int) -> list[int]:
     return [*ready, *(i for i in range(n - 1, -1, -1) if i not in seen)]
 
 
-# ---- readiness: which parameters are ready in one synchronised backward ---------------------------------------------
 # torch's words for a reduction a backward left unfinished (raised at the next forward), which torch's tests match
 _UNFINISHED = "Expected to have finished reduction in the prior iteration before starting a new one. "
 _UNUSED = ("This error indicates that your module has parameters that were not used in producing loss. You can enable "
@@ -134,84 +119,6 @@ def unfinished_message(rank: int, indices: list[int], names: list[str], static: 
             "DistributedDataParallel is built again.")
 
 
-class Readiness:
-    """Which parameters are ready in one synchronised backward: each once, or (``static_graph``) as many times as in
-    the first synchronised backward, which only counts."""
-
-    def __init__(self, names: Sequence[str], rank: int, static_graph: bool = False):
-        self.names, self.rank, self.static = list(names), rank, bool(static_graph)
-        self.expected: list[int] | None = None  # static_graph: hooks per parameter in the first iteration
-        self.reset()
-
-    def reset(self) -> None:
-        n = len(self.names)
-        self.ready = [False] * n
-        self.counts = [0] * n
-        self.order: list[int] = []
-
-    @property
-    def counting(self) -> bool:  # the first synchronised backward of a static graph: reduce nothing until its end
-        return self.static and self.expected is None
-
-    @property
-    def static_unused(self) -> list[int]:
-        return [] if self.expected is None else [i for i, c in enumerate(self.expected) if c == 0]
-
-    def hook(self, i: int, loose: bool = False) -> bool:
-        """Parameter ``i``'s hook fired: whether it became ready now (``loose``: once, whatever the static graph says);
-        RuntimeError when it is one too many."""
-        self.counts[i] += 1
-        if self.static and not loose:
-            if self.expected is None:  # counting
-                if self.counts[i] == 1:
-                    self.order.append(i)  # the first-seen order: what the buckets are rebuilt from
-                return False
-            if self.counts[i] > self.expected[i]:
-                raise RuntimeError(self._changed(i))
-            if self.counts[i] < self.expected[i]:
-                return False
-        if self.ready[i]:
-            raise RuntimeError(
-                f"DistributedDataParallel (rank {self.rank}): Expected to mark a variable ready only once: parameter "
-                f"{self.names[i]!r} has been marked as ready twice (it got a second gradient in this backward, after "
-                "its bucket could already be reduced). Typical causes: a block checkpointed with use_reentrant=True "
-                "whose parameters are also used outside it, or a block checkpointed twice; a parameter used outside "
-                "forward. Pass static_graph=True to DistributedDataParallel if the model uses the same parameters the "
-                "same number of times in every iteration, or checkpoint with use_reentrant=False.")
-        self.mark(i)
-        return True
-
-    def mark(self, i: int) -> None:
-        self.ready[i] = True
-        self.order.append(i)
-
-    def learn(self) -> None:  # the end of the first synchronised backward of a static graph
-        self.expected = list(self.counts)
-
-    def short(self) -> list[int]:  # fewer hooks than the static graph expects
-        if self.expected is None or self.counting:
-            return []
-        return [i for i, (c, e) in enumerate(zip(self.counts, self.expected)) if 0 < e and c < e]
-
-    def changed_message(self, indices: list[int]) -> str:
-        detail = "; ".join(f"{self.names[i]!r} got {self.counts[i]} gradient(s) where the first iteration gave it "
-                           f"{self.expected[i]}" for i in indices)
-        return unfinished_message(self.rank, indices, [self.names[i] for i in indices], static=True,
-                                  detail=f" ({detail}). Pass static_graph=False (with find_unused_parameters=True "
-                                         "if some parameters go unused).")
-
-    def _changed(self, i: int) -> str:
-        # more gradients than the first iteration gave: torch raises in the backward, with these words
-        was = "unused" if self.expected[i] == 0 else "used fewer times"
-        return (f"DistributedDataParallel (rank {self.rank}): Your training graph has changed in this iteration, "
-                f"e.g., one parameter is {was} in first iteration, but then got used in the second iteration. this "
-                f"is not compatible with static_graph set to True. (static_graph=True: parameter {self.names[i]!r} "
-                f"got {self.counts[i]} gradient(s) where the first iteration gave it {self.expected[i]}. A parameter "
-                "unused in the first iteration must stay unused, and a used one must be used the same number of "
-                "times; pass static_graph=False, with find_unused_parameters=True if some parameters go unused.)")
-
-
-# ---- sparse gradients: no flat bucket; every rank's rows gathered, summed, the same tensor on every rank ------------
 def _all_gather_varlen(transport: Transport, tensor: torch.Tensor) -> list[torch.Tensor]:
     """Every rank's ``tensor`` by rank (any length along dim 0): zero-padded tables only their owner fills, summed."""
     counts = torch.zeros(transport.world_size, dtype=torch.int64, device=tensor.device)
@@ -225,15 +132,8 @@ def _all_gather_varlen(transport: Transport, tensor: torch.Tensor) -> list[torch
     return [table[r, :n] for r, n in enumerate(lengths)]
 
 
-def _empty_sparse_like(param: torch.Tensor) -> torch.Tensor:
-    return torch.sparse_coo_tensor(torch.zeros(1, 0, dtype=torch.int64, device=param.device),
-                                   torch.zeros(0, *param.shape[1:], dtype=param.dtype, device=param.device),
-                                   param.shape, check_invariants=False)
-
-
 def all_reduce_sparse(transport: Transport, grad: torch.Tensor, divisor: float) -> torch.Tensor:
-    """The sum over ranks of the sparse ``grad`` (one sparse dimension) / ``divisor``, coalesced from the rows in
-    rank order: bitwise the same on every rank."""
+    """The sum over ranks of the sparse ``grad`` / ``divisor``, from the rows in rank order: the same on every rank."""
     grad = grad.coalesce()
     indices = _all_gather_varlen(transport, grad.indices().t().contiguous())
     values = _all_gather_varlen(transport, grad.values().contiguous())
@@ -243,81 +143,59 @@ def all_reduce_sparse(transport: Transport, grad: torch.Tensor, divisor: float) 
                                    is_coalesced=True, check_invariants=False)
 
 
-# ---- the reducer ----------------------------------------------------------------------------------------------------
-def gradient_hook(ref: weakref.ref, i: int | None) -> Callable[[torch.Tensor], None]:
-    """Parameter ``i``'s post-accumulate-grad hook (None: a delayed parameter's). A weak reference: the parameters
-    must not keep a discarded reducer alive."""
-
-    def hook(param: torch.Tensor) -> None:
-        reducer = ref()
-        if reducer is not None:
-            reducer._on_ready(i, param)
-
-    return hook
-
-
-def _remove_handles(handles: list) -> None:
-    while handles:
-        handles.pop().remove()
-
-
 class Reducer:
-    """Bucketed, overlapped gradient averaging for ``params`` (requiring grad) over ``transport``. ``caps``:
-    bytes per bucket (k-th bucket of a dtype: ``caps[k]``, the last after); ``sparse[i]``: parameter i's gradients are
-    sparse; ``reduce_dtype``: the buckets' dtype; ``delayed``: averaged at the end of backward, outside the buckets."""
+    """Bucketed, overlapped gradient averaging for ``params`` over ``transport`` (``caps``: see ``bucket_caps``);
+    ``reduce_dtype``: the buckets' dtype; ``delayed``: averaged at the end of backward, outside the buckets."""
 
     def __init__(
         self, params: Sequence[torch.nn.Parameter], names: Sequence[str], transport: Transport, caps: Sequence[int],
-        find_unused_parameters: bool = False, gradient_as_bucket_view: bool = False, *, static_graph: bool = False,
-        sparse: Sequence[bool] | None = None, reduce_dtype: torch.dtype | None = None, skip_unused: bool = False,
-        delayed: Sequence[torch.nn.Parameter] = (),
+        find_unused_parameters: bool, gradient_as_bucket_view: bool, *, static_graph: bool, sparse: Sequence[bool],
+        reduce_dtype: torch.dtype | None, skip_unused: bool, delayed: Sequence[torch.nn.Parameter],
     ):
-        self.params, self.names, self.delayed = list(params), list(names), list(delayed)
-        self.sparse = [False] * len(self.params) if sparse is None else list(sparse)
-        self.transport = transport
-        self.find_unused, self.as_view = bool(find_unused_parameters), bool(gradient_as_bucket_view)
-        self.skip_unused = bool(skip_unused)
+        self.params, self.names, self.delayed, self.sparse = list(params), list(names), list(delayed), list(sparse)
+        self.transport, self.rank, self.caps, self.reduce_dtype = transport, transport.rank, list(caps), reduce_dtype
+        self.all_reduce = transport.all_reduce  # what GradBucket.all_reduce issues
+        self.find_unused, self.as_view, self.skip_unused = find_unused_parameters, gradient_as_bucket_view, skip_unused
         self.divisor = transport.world_size
-        self.hook, self.hook_state = allreduce_hook, None  # the comm hook (comm_hooks.py) and its state
+        self.hook, self.hook_state = allreduce_hook, None
         self.hook_registered = False  # by DDP.register_comm_hook: the hook divides by the world size (hook_divisor)
-        self.expect_sync = False  # set by DDP.forward when the backward of this forward must synchronise
+        self.expect_sync = False  # the backward of the last forward synchronises
         self.on_first_ready: Callable[[], None] | None = None  # DDP's join announcement, before any bucket launch
         self.params_back: Callable[[], None] | None = None  # mixed precision: masters back after each backward
-        self.readiness = Readiness(self.names, transport.rank, static_graph)
+        # static_graph: a parameter is ready after as many hooks as in the first synchronised backward (only counted)
+        self.static, self.expected = static_graph, None  # expected: hooks per parameter in that first backward
         self._static_used: list[float] | None = None  # static graph: which parameters some rank used, once
         self._shadowing = False
         self._double = False  # this backward differentiates the gradients of a create_graph one: averaged too
         self._used = [False] * len(self.params)  # got a gradient since the last synchronisation (no_sync included)
         self._device = (self.params or self.delayed or [torch.zeros(0)])[0].device
-        self.strategy: GradientStrategy | None = None  # where the averages go instead of .grad (use_strategy)
-        # optimizers in backward: the parameters whose optimizers step on the average at the end of each synchronised
-        # backward; None until DDP's first forward looks for them, as torch's does
+        self._sparse_ids = [i for i, s in enumerate(self.sparse) if s]
+        self.strategy: GradientStrategy | None = None
+        # optimizers in backward: None until DDP's first forward looks for them, as torch's does
         self.in_backward: list[int] | None = None
-        # torch's error for the next forward with grad, once a backward could not finish its reduction (sticky)
-        self.unfinished: str | None = None
-        self.caps, self.reduce_dtype = list(caps), reduce_dtype
-        self.rebuilt = False  # buckets rebuilt, once, in rank 0's gradient-ready order (_rebuild)
+        self.unfinished: str | None = None  # torch's error for every later forward with grad
+        self.rebuilt = False  # buckets rebuilt, once, in rank 0's gradient-ready order
         self._build(None)
         self._reset()
-        self._handles = [p.register_post_accumulate_grad_hook(gradient_hook(weakref.ref(self), i))
-                         for i, p in [*enumerate(self.params), *((None, p) for p in self.delayed)]]
-        weakref.finalize(self, _remove_handles, self._handles)  # hooks leave with the reducer
+        ref = weakref.ref(self)  # the parameters must not keep a discarded reducer alive
+        for i, p in [*enumerate(self.params), *((None, p) for p in self.delayed)]:
+            handle = p.register_post_accumulate_grad_hook(lambda param, i=i: ref() and ref()._on_ready(i, param))
+            weakref.finalize(self, handle.remove)  # the hooks leave with the reducer
 
     def _reset(self) -> None:
         self._temps: dict[int, torch.Tensor] = {}  # reduce_tensors' tensors for parameters without a usable .grad
         self._graph_grads: dict[int, torch.Tensor] = {}  # create_graph: this rank's differentiable gradients
         self._copied: list[tuple[list, list]] = []  # (.grad tensors, their views) copied into the flat buckets
-        self.readiness.reset()
+        self.ready = [False] * len(self.params)
+        self.counts = [0] * len(self.params)
+        self.order: list[int] = []
         self._left = [len(m) for m in self.buckets]
         self._next = 0
         self._futures: list[Any] = [None] * len(self.buckets)
-        self._queued = False  # the end-of-backward callback is queued
-        self._touched = False  # a parameter's gradient hook fired in this backward
-        self._announced = False  # begin_backward ran in this backward
+        self._queued = self._touched = self._announced = False  # end of backward queued; a hook fired; join announced
         self._error: BaseException | None = None
 
     def prepare_for_forward(self, sync: bool) -> None:
-        """Called by DDP.forward: whether the coming backward synchronises."""
         if self._queued or self._touched:
             self._reset()  # a backward that raised midway never ran its end of backward
         self._double = False
@@ -326,32 +204,27 @@ class Reducer:
     def use_strategy(self, make: Callable[[Reducer], GradientStrategy], who: str) -> None:
         """From now on the buckets (frozen; the reducer's own dropped) go to the strategy ``make(self)`` returns
         (collective; ``make`` may refuse by raising); ``who`` names the caller in the errors."""
-        rank = self.transport.rank
         why = ("mixed_precision (the reduction dtype differs from the parameters')" if self.reduce_dtype else
                "gradient_as_bucket_view=True (there are no full buckets to view)" if self.as_view else
                "sparse gradients (nn.Embedding(sparse=True))" if any(self.sparse) else
                "delay_all_reduce_named_params" if self.delayed else
                "a backward in progress" if self._queued or self._touched else None)
         if why:
-            raise ValueError(f"{who} (rank {rank}): not supported with {why}")
-        strategy = make(self)
+            raise ValueError(f"{who} (rank {self.transport.rank}): not supported with {why}")
+        self.strategy = make(self)
         self.rebuilt = True
         self.flats = [torch.empty(f.numel(), dtype=f.dtype, device="meta") for f in self.flats]
         self._views = [None if v is None else torch.empty(v.shape, dtype=v.dtype, device="meta") for v in self._views]
-        self.strategy = strategy
 
-    # ---- during backward -------------------------------------------------------------------------------------------
     def backward_started(self) -> None:
-        """The backward reached DDP's outputs (or, failing that, a parameter): queue the end of backward in this
-        autograd pass, the outermost one."""
+        """The backward reached DDP's outputs (or a parameter): queue the end of backward in this outermost pass."""
         if self._queued or not (self.expect_sync or self.params_back is not None):
             return
         self._queued = True
         torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def begin_backward(self) -> bool:
-        """Queue the end of backward and make join's announcement, once per backward (from the first gradient hook, or
-        earlier from SyncBatchNorm); whether this backward synchronises."""
+        """Queue the end of backward and make join's announcement, once; whether this backward synchronises."""
         self.backward_started()
         if self.expect_sync and self._error is None and not self._announced:
             self._announced = True
@@ -364,23 +237,75 @@ class Reducer:
         if i is not None and p.grad is not None:
             # the hook also fires for an undefined gradient: a parameter no rank has a gradient for keeps grad=None
             self._used[i] = True
-        if not self._queued:
-            self.backward_started()
         first, self._touched = not self._touched, True
-        if not self.expect_sync or self._error is not None:
+        # join's announcement (once) comes before any bucket, so it may raise here
+        if not self.begin_backward() or self._error is not None:
             return  # no_sync(), or a backward through the module outside DDP.forward: plain local accumulation
-        if not self._announced:
-            self.begin_backward()  # join's announcement (once): before any bucket, so it may raise here
         try:
-            r = self.readiness
-            if first and r.static and not r.counting and not self._double:
-                for k in r.static_unused:
-                    r.mark(k)  # a static graph's unused parameters are ready from the start
+            if first and self.static and not self.counting and not self._double:
+                for k in self.static_unused:
+                    self._mark(k)  # a static graph's unused parameters are ready from the start
                     self._take(k, self.params[k])
-            if i is not None and r.hook(i, loose=self._double):
+            if i is not None and self._count(i, loose=self._double):
                 self._take(i, p)
         except Exception as exc:  # raised by the end of backward, once the peers have all their collectives
             self._fail(exc)
+
+    @property
+    def counting(self) -> bool:  # the first synchronised backward of a static graph: reduce nothing until its end
+        return self.static and self.expected is None
+
+    @property
+    def static_unused(self) -> list[int]:
+        return [] if self.expected is None else [i for i, c in enumerate(self.expected) if c == 0]
+
+    def _count(self, i: int, loose: bool) -> bool:
+        """Parameter ``i``'s hook fired: whether it became ready (``loose``: once, whatever the static graph says)."""
+        self.counts[i] += 1
+        if self.static and not loose:
+            if self.expected is None:  # counting
+                if self.counts[i] == 1:
+                    self.order.append(i)  # the first-seen order: what the buckets are rebuilt from
+                return False
+            if self.counts[i] > self.expected[i]:  # torch raises in the backward, with these words
+                was = "unused" if self.expected[i] == 0 else "used fewer times"
+                raise RuntimeError(
+                    f"DistributedDataParallel (rank {self.rank}): Your training graph has changed in this iteration, "
+                    f"e.g., one parameter is {was} in first iteration, but then got used in the second iteration. "
+                    f"this is not compatible with static_graph set to True. (static_graph=True: parameter "
+                    f"{self.names[i]!r} got {self.counts[i]} gradient(s) where the first iteration gave it "
+                    f"{self.expected[i]}. A parameter unused in the first iteration must stay unused, and a used one "
+                    "must be used the same number of times; pass static_graph=False, with find_unused_parameters=True "
+                    "if some parameters go unused.)")
+            if self.counts[i] < self.expected[i]:
+                return False
+        if self.ready[i]:
+            raise RuntimeError(
+                f"DistributedDataParallel (rank {self.rank}): Expected to mark a variable ready only once: parameter "
+                f"{self.names[i]!r} has been marked as ready twice (it got a second gradient in this backward, after "
+                "its bucket could already be reduced). Typical causes: a block checkpointed with use_reentrant=True "
+                "whose parameters are also used outside it, or a block checkpointed twice; a parameter used outside "
+                "forward. Pass static_graph=True to DistributedDataParallel if the model uses the same parameters the "
+                "same number of times in every iteration, or checkpoint with use_reentrant=False.")
+        self._mark(i)
+        return True
+
+    def _mark(self, i: int) -> None:
+        self.ready[i] = True
+        self.order.append(i)
+
+    def _learn(self) -> None:  # the end of the first synchronised backward of a static graph
+        self.expected = list(self.counts)
+
+    def _short(self) -> list[int]:  # fewer hooks than the static graph expects
+        return [] if self.expected is None else [i for i, (c, e) in enumerate(zip(self.counts, self.expected)) if c < e]
+
+    def _changed_message(self, indices: list[int]) -> str:
+        detail = "; ".join(f"{self.names[i]!r} got {self.counts[i]} gradient(s) where the first iteration gave it "
+                           f"{self.expected[i]}" for i in indices)
+        return unfinished_message(self.rank, indices, [self.names[i] for i in indices], static=True,
+                                  detail=f" ({detail}). Pass static_graph=False (with find_unused_parameters=True "
+                                         "if some parameters go unused).")
 
     def _end_of_backward(self) -> None:
         self._queued = self._announced = False
@@ -432,24 +357,23 @@ class Reducer:
         # of whose parameters got a gradient is not reduced; a static graph knows it from the first iteration.
         if not self.skip_unused or self._shadowing or self._double:
             return False
-        unused = set(self.readiness.static_unused) if self.readiness.static else \
+        unused = set(self.static_unused) if self.static else \
             {i for i, u in enumerate(self._used) if not u} if self.find_unused else set()
         return all(i in unused for i in self.buckets[b])
 
-    # ---- end of backward -------------------------------------------------------------------------------------------
     def _finalize(self) -> None:
-        r, double, arm = self.readiness, self._double, bool(self._graph_grads)
-        counting = r.counting and not double
+        double, arm = self._double, bool(self._graph_grads)
+        counting = self.counting and not double
         if counting:
-            r.learn()
-        missing = [i for i, ready in enumerate(r.ready) if not ready]
-        # torch's reducer cannot finish this reduction (a parameter without its gradient, no find_unused_parameters;
-        # a static graph's parameter short of its count): it hands back this rank's own gradients and raises at the
-        # next forward. The collectives still go out, with zeros, so that no peer is left waiting.
-        short = r.short() if not double else []
+            self._learn()
+        missing = [i for i, ready in enumerate(self.ready) if not ready]
+        # Where torch's reducer cannot finish (a parameter without gradient and no find_unused_parameters; a static
+        # graph's parameter short of its count), .grad is this rank's own and the next forward raises. The collectives
+        # still go out, with zeros, so that no peer is left waiting.
+        short = self._short() if not double else []
         if short:
-            self.unfinished = r.changed_message(short)
-        elif missing and not (self.find_unused or r.static or double):
+            self.unfinished = self._changed_message(short)
+        elif missing and not (self.find_unused or self.static or double):
             self.unfinished = unfinished_message(self.transport.rank, missing, [self.names[i] for i in missing])
         keep = self._keep_local() if self.unfinished is not None else None
         try:
@@ -457,12 +381,7 @@ class Reducer:
                 self._own_grad(i, self.params[i])
                 if not self.sparse[i]:
                     self._left[self._bucket_of[i]] = 0
-            self._launch_ready()
-            used = self._used_everywhere(counting)
-            delayed = self._reduce_delayed()
-            sparse = {i: self._reduce_sparse(k, i) for k, i in enumerate(self._sparse_ids())}
-            (self._wait_all if self.strategy is None else self.strategy.finish)()
-            delayed()
+            used, sparse = self._reduce_rest(counting)
             if self.params_back is not None:
                 self.params_back()
             if self.strategy is not None and self._graph_grads:
@@ -485,9 +404,18 @@ class Reducer:
         if error is not None:
             raise error
 
+    def _reduce_rest(self, counting: bool) -> tuple[list[float] | None, dict[int, torch.Tensor]]:
+        """Launch the buckets left, reduce the delayed and sparse gradients, wait: (``used``, sparse averages)."""
+        self._launch_ready()
+        used = self._used_everywhere(counting)
+        delayed = self._reduce_delayed()
+        sparse = {i: self._reduce_sparse(k, i) for k, i in enumerate(self._sparse_ids)}
+        (self._wait_all if self.strategy is None else self.strategy.finish)()
+        delayed()
+        return used, sparse
+
     def _keep_local(self) -> dict[int, torch.Tensor]:
-        """This rank's own gradients, taken before the buckets left are launched, but those already reduced where
-        ``.grad`` is (under gradient_as_bucket_view torch's are averaged too)."""
+        # not those already reduced where .grad is (under gradient_as_bucket_view torch's are averaged too)
         keep = {}
         for b, members in enumerate(self.buckets):
             if b < self._next and (self.as_view or self._in_grad[b]):
@@ -499,11 +427,10 @@ class Reducer:
         return keep
 
     def _restore_local(self, keep: dict[int, torch.Tensor]) -> None:
-        """``.grad`` as torch's unfinished reduction leaves it: this rank's own (gradient_as_bucket_view: a ready
-        parameter's is its bucket view, divided by the world size unless a comm hook is registered)."""
+        # as torch leaves .grad: this rank's own (as a bucket view: divided by the world size, but under a comm hook)
         for i, g in keep.items():
             p = self.params[i]
-            if self.as_view and self.readiness.ready[i]:
+            if self.as_view and self.ready[i]:
                 p.grad = self._views[i].copy_(g if self.hook_registered else g / self.divisor)
             elif p.grad is None or p.grad.shape != g.shape:
                 p.grad = g
@@ -511,8 +438,7 @@ class Reducer:
                 p.grad.detach().copy_(g)
 
     def _step_in_backward(self) -> None:
-        """Optimizers in backward step on the averaged gradient, then ``.grad`` is None. One no rank used steps on
-        zeros (torch's hook has them from the bucket), but not under gradient_as_bucket_view or in a skipped bucket."""
+        # One no rank used steps on zeros (torch's hook has them from the bucket), but not as a bucket view or skipped
         for i in self.in_backward:
             p = self.params[i]
             if self.sparse[i] or self._futures[self._bucket_of[i]] is not None:
@@ -524,7 +450,7 @@ class Reducer:
 
     def _used_everywhere(self, counting: bool) -> list[float] | None:
         """Per parameter, how many ranks used it since the last synchronisation (None: all used, not asked)."""
-        if self.readiness.static and not counting and not self._double:
+        if self.static and not counting and not self._double:
             return self._static_used
         if not (self.find_unused or counting or self._double):
             return None
@@ -536,8 +462,8 @@ class Reducer:
         return used
 
     def _reduce_delayed(self) -> Callable[[], None]:
-        """torch's ``delay_all_reduce_named_params``: issue one flat all-reduce of the delayed gradients (zeros where
-        missing or shadowing; divided by the world size, in join() too, as torch's); returns the wait and write-back."""
+        """One flat all-reduce of the delayed gradients (divided by the world size, in join() too, as torch's); returns
+        the wait and write-back."""
         params, shadow = self.delayed, self._shadowing
         if not params:
             return lambda: None
@@ -554,14 +480,12 @@ class Reducer:
 
         return write_back
 
-    def _sparse_ids(self) -> list[int]:
-        return [i for i, s in enumerate(self.sparse) if s]
-
     def _reduce_sparse(self, k: int, i: int) -> torch.Tensor | None:
-        """The average of sparse parameter ``i`` (the ``k``-th; None where a hook raised). As torch's, a bucket of its
-        own after the dense ones, handed to a registered hook with the gradient itself as ``buffer()``."""
+        # As torch's: a bucket of its own after the dense ones, the gradient itself a hook's buffer(); None if it raised
         p = self.params[i]
-        grad = p.grad if p.grad is not None and not self._shadowing else _empty_sparse_like(p)
+        grad = p.grad if p.grad is not None and not self._shadowing else torch.sparse_coo_tensor(
+            torch.zeros(1, 0, dtype=torch.int64, device=p.device),
+            torch.zeros(0, *p.shape[1:], dtype=p.dtype, device=p.device), p.shape, check_invariants=False)
         grad = grad.to(self.reduce_dtype or grad.dtype)
         if not self.hook_registered:
             return all_reduce_sparse(self.transport, grad, self.hook_divisor)
@@ -581,51 +505,42 @@ class Reducer:
         return Future(lambda: None)
 
     def _end_step(self) -> None:
-        self._rebuild(self.readiness.order)
+        self._rebuild(self.order)
         self._used = [False] * len(self.params)
         self._reset()
         self.expect_sync = False
 
-    # ---- join: mirror a step this rank does not take ---------------------------------------------------------------
     def shadow_backward(self) -> None:
         """Issue the collectives of one synchronised backward with zero gradients (a rank that has joined)."""
         for flat in self.flats:
             flat.zero_()
-        counting = self.readiness.counting
+        counting = self.counting
         if counting:
-            self.readiness.learn()
+            self._learn()
         self._shadowing = True
+        self._left, self._used = [0] * len(self.buckets), [False] * len(self.params)
         try:
-            for b in range(len(self.buckets)):
-                self._launch(b)
-            self._used = [False] * len(self.params)
-            self._used_everywhere(counting)
-            delayed = self._reduce_delayed()
-            [self._reduce_sparse(k, i) for k, i in enumerate(self._sparse_ids())]
-            self._wait_all()
-            delayed()
+            self._reduce_rest(counting)
         finally:
             self._shadowing = False
-        self._rebuild(self.readiness.order)
-        self._reset()
+        self._end_step()
 
-    # ---- bucket memory: flat tensors, one view per parameter -------------------------------------------------------
     def _build(self, order: list[int] | None) -> None:
         ps, dtype = self.params, lambda p: self.reduce_dtype or p.dtype
-        dense = [i for i in range(len(ps)) if not self.sparse[i]]
-        position = {i: k for k, i in enumerate(dense)}
-        sizes = [ps[i].numel() * torch.empty(0, dtype=dtype(ps[i])).element_size() for i in dense]
-        keys = [(dtype(ps[i]), ps[i].device) for i in dense]
-        groups = assign_buckets(sizes, keys, order=None if order is None else
-                                [position[i] for i in order if i in position], caps=self.caps)
-        groups = [[dense[k] for k in members] for members in groups]
+        order = [i for i in (range(len(ps) - 1, -1, -1) if order is None else order) if not self.sparse[i]]
+        groups = assign_buckets([p.numel() * dtype(p).itemsize for p in ps], [(dtype(p), p.device) for p in ps],
+                                self.caps, order)
         old_views = getattr(self, "_views", None)
         self.buckets, self._views, self._bucket_of = groups, [None] * len(ps), [None] * len(ps)
         self.flats = [torch.empty(sum(ps[i].numel() for i in m), dtype=dtype(ps[m[0]]), device="meta") for m in groups]
         self._choose_path()
+        # The transport's memory (ShmTransport's: reduced in place, no copy into its ring) for the rebuilt buckets
+        # off the direct path: every rank rebuilds the same ones at the same point (allocate is collective)
+        shared = self.rebuilt and not self._direct
         for b, members in enumerate(groups):
-            flat = self.flats[b] = self._bucket_memory(self.flats[b].numel(), self.flats[b].dtype,
-                                                       ps[members[0]].device, not self._direct)
+            meta, dev = self.flats[b], ps[members[0]].device
+            flat = self.flats[b] = (self.transport.allocate(meta.numel(), meta.dtype, dev) if shared else
+                                    torch.zeros_like(meta, device=dev))
             for i, view in zip(members, flat.split([ps[i].numel() for i in members])):
                 self._views[i] = view.view(ps[i].shape)
                 self._bucket_of[i] = b
@@ -634,13 +549,6 @@ class Reducer:
                 if p.grad is not None and p.grad is old_views[i]:
                     self._views[i].copy_(p.grad)
                     p.grad = self._views[i]
-
-    def _bucket_memory(self, numel: int, dtype: torch.dtype, device: torch.device, shared: bool) -> torch.Tensor:
-        # The transport's memory (ShmTransport's: reduced in place, no copy into its ring) for the rebuilt buckets
-        # off the direct path: every rank rebuilds the same ones at the same point (allocate is collective)
-        if self.rebuilt and shared:
-            return self.transport.allocate(numel, dtype, device)
-        return torch.zeros(numel, dtype=dtype, device=device)
 
     def _rebuild(self, ready_order: list[int]) -> None:
         """Adopt rank 0's observed gradient-ready order, once, so that every rank builds the same buckets."""
@@ -654,20 +562,15 @@ class Reducer:
         if [i for i in new if not self.sparse[i]] != current or not self._direct:
             self._build(new)  # a hook's buckets move into the transport's memory
 
-    # ---- each bucket's path: the launch, the wait, the write-back into .grad ---------------------------------------
     def _choose_path(self) -> None:
-        # From settings and sizes only: the same on every rank (docs/ddp.md, "Each bucket's path"). _direct: reduced
-        # where .grad is, not under gradient_as_bucket_view nor mixed precision; small gradients go through the flat.
-        compress = BUILT_IN.get(self.hook)
+        # From settings and sizes only, so the same on every rank (docs/ddp.md, "Each bucket's path")
+        compress = self._compress = BUILT_IN.get(self.hook)
         self._builtin = self.hook in BUILT_IN and (compress is None or
                                                    all(f.dtype == torch.float32 for f in self.flats))
         self._direct = self._builtin and not self.as_view and self.reduce_dtype is None
         self._in_grad = [self._direct and (compress is not None or
                                            f.numel() * f.element_size() >= SMALL_TENSOR_BYTES * len(m))
                          for f, m in zip(self.flats, self.buckets)]
-
-    def all_reduce(self, tensor: torch.Tensor, bucket: int | None = None, divisor: float | None = None) -> Any:
-        return self.transport.all_reduce(tensor, bucket, divisor)
 
     def set_comm_hook(self, state: Any, hook: Callable) -> None:
         if not callable(hook):
@@ -677,8 +580,7 @@ class Reducer:
 
     @property
     def hook_divisor(self) -> int:
-        """torch's hooks divide by ``process_group.size()``; DDP's own reduction by the ranks still active in
-        ``join(divide_by_initial_world_size=False)``."""
+        # torch's hooks divide by the group's size; its own reduction by the ranks active in join() (self.divisor)
         return self.transport.world_size if self.hook_registered else self.divisor
 
     def _grads(self, b: int) -> list[torch.Tensor]:
@@ -692,13 +594,9 @@ class Reducer:
         return out
 
     def _launch(self, b: int) -> None:
-        """Start bucket ``b``'s reduction: built-in hooks by the transport (on .grad or the flat bucket), any other
-        on a :class:`GradBucket`."""
-        last, flat, members = b == len(self.buckets) - 1, self.flats[b], self.buckets[b]
-        compress = BUILT_IN.get(self.hook)
+        last, flat, members, compress = b == len(self.buckets) - 1, self.flats[b], self.buckets[b], self._compress
         if self._in_grad[b]:
-            # Only the last bucket waits for the peers to be done with this rank's gradients (settle): every earlier
-            # bucket's are by then, and nothing changes a gradient before the end of backward.
+            # only the last bucket settles: the earlier ones' peers are done by then, and no gradient changes before
             self._futures[b] = self.transport.reduce_tensors(self._grads(b), bucket=b, divisor=self.hook_divisor,
                                                              settle=last, compress=compress)
             return
@@ -742,9 +640,6 @@ class Reducer:
         """The averages into ``.grad``: ``used[i]`` ranks used parameter i (None: all)."""
         for grads, views in self._copied:
             torch._foreach_copy_(grads, views)
-        if used is None and not sparse and not self._temps and not self._graph_grads and not self.as_view and \
-                self.reduce_dtype is None and all(p.grad is not None for p in self.params):
-            return  # every .grad holds its average already
         for i, p in enumerate(self.params):
             if used is not None and used[i] == 0:
                 continue  # no rank used it: leave .grad as a single process would (None)
