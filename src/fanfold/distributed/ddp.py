@@ -423,9 +423,7 @@ class DistributedDataParallel(nn.Module):
         if not isinstance(optimizer, ShardsGradients):
             raise TypeError(f"DistributedDataParallel.shard_gradients (rank {self.transport.rank}): optimizer must be "
                             f"a fanfold.ZeroRedundancyOptimizer, got {type(optimizer).__name__}")
-        # the module: where reads of the parameters wait for their gather after each step
-        self.reducer.use_strategy(lambda r: optimizer.gradient_strategy(r, self.module),
-                                  "DistributedDataParallel.shard_gradients")
+        self.reducer.use_strategy(optimizer.gradient_strategy, "DistributedDataParallel.shard_gradients")
 
     @contextmanager
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,

@@ -39,7 +39,7 @@ class GradientStrategy(Protocol):
 class ShardsGradients(Protocol):
     """An optimizer (``fanfold.ZeroRedundancyOptimizer``) stepping the gradients where its own strategy leaves them."""
 
-    def gradient_strategy(self, reducer: Reducer, module: torch.nn.Module | None = None) -> GradientStrategy:
+    def gradient_strategy(self, reducer: Reducer) -> GradientStrategy:
         """Lay the optimizer out after ``reducer``'s buckets (collective; may refuse); the strategy to hand them to."""
 
 
@@ -534,13 +534,8 @@ class Reducer:
         self.buckets, self._views, self._bucket_of = groups, [None] * len(ps), [None] * len(ps)
         self.flats = [torch.empty(sum(ps[i].numel() for i in m), dtype=dtype(ps[m[0]]), device="meta") for m in groups]
         self._choose_path()
-        # The transport's memory (ShmTransport's: reduced in place, no copy into its ring) for the rebuilt buckets
-        # off the direct path: every rank rebuilds the same ones at the same point (allocate is collective)
-        shared = self.rebuilt and not self._direct
         for b, members in enumerate(groups):
-            meta, dev = self.flats[b], ps[members[0]].device
-            flat = self.flats[b] = (self.transport.allocate(meta.numel(), meta.dtype, dev) if shared else
-                                    torch.zeros_like(meta, device=dev))
+            flat = self.flats[b] = torch.zeros_like(self.flats[b], device=ps[members[0]].device)
             for i, view in zip(members, flat.split([ps[i].numel() for i in members])):
                 self._views[i] = view.view(ps[i].shape)
                 self._bucket_of[i] = b

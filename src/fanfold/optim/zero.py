@@ -156,9 +156,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         if self._stage2 is not None:
             self._stage2.zero_grad(set_to_none)
 
-    def gradient_strategy(self, reducer: Reducer, module: torch.nn.Module | None = None) -> GradientShards:
+    def gradient_strategy(self, reducer: Reducer) -> GradientShards:
         """Stage 2, for ``DistributedDataParallel.shard_gradients(self)`` on every rank (collective): the slices become
-        this rank's parts of ``reducer``'s buckets, the state moves to match; the reducer's strategy. Not ``module``."""
+        this rank's parts of ``reducer``'s buckets, the state moves to match; the reducer's strategy."""
         shards = GradientShards(reducer)
         self._opt_index = check_shards(shards, self._params, self.rank, self.world_size)
         full = self._full_state()
