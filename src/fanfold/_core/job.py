@@ -4,6 +4,7 @@ only processes that prove the job's secret (HMAC-SHA256 both ways; ``FANFOLD_JOB
 """
 from __future__ import annotations
 
+import contextlib
 import hmac
 import importlib
 import os
@@ -38,12 +39,10 @@ _OK, _TIMEOUT, _ERROR = b"\x00", b"\x01", b"\x02"
 
 
 def is_initialized() -> bool:
-    """True when the default torch.distributed process group is up."""
     return dist.is_available() and dist.is_initialized()
 
 
 def require_initialized(who: str) -> None:
-    """Raise the one error every fanfold object that needs a process group gives without one."""
     if not is_initialized():
         raise RuntimeError(f"{who} needs an initialised process group: call "
                            "fanfold.distributed.init_process_group() first (under `fanfold run` or fanfold.launch)")
@@ -64,7 +63,6 @@ class AuthenticationError(RuntimeError):
 
 
 def new_secret() -> str:
-    """A fresh job secret: 256 random bits, as hex."""
     return secrets.token_hex(32)
 
 
@@ -94,8 +92,7 @@ def job_secret(environ: dict | None = None) -> bytes | None:
         if st.st_mode & 0o077:
             raise PermissionError(f"{SECRET_FILE_ENV}={path!r} has mode {stat.S_IMODE(st.st_mode):04o}: other users "
                                   f"may read or write it; make it readable by its owner only: chmod 600 {path}")
-        with os.fdopen(os.dup(fd), "rb") as f:
-            data = f.read().strip()
+        data = os.read(fd, 1 << 20).strip()  # a regular file: read whole unless it is larger (no secret is)
     finally:
         os.close(fd)
     if not data:
@@ -158,10 +155,8 @@ class StoreServer:
     def close(self) -> None:
         self._closed = True
         for s in [self._sock, *list(self._conns)]:
-            try:
+            with contextlib.suppress(OSError):
                 s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
             s.close()
 
     def _accept(self) -> None:
@@ -193,7 +188,7 @@ class StoreServer:
                 request = _recv(conn)
                 try:
                     answer = self._answer(request[0].decode(), request[1:])
-                except (IndexError, ValueError, UnicodeDecodeError) as exc:  # a malformed request: say so, go on
+                except (IndexError, TypeError, ValueError, UnicodeDecodeError) as exc:  # malformed: say so, go on
                     answer = [_ERROR, f"malformed store request: {type(exc).__name__}: {exc}".encode()]
                 _send(conn, *answer)
         except (OSError, ConnectionError, struct.error):
@@ -214,26 +209,19 @@ class StoreServer:
                 missing = [k for k in keys if not store.check([k])]
                 return [_TIMEOUT, f"keys {missing} not set within {int(args[0]) / 1000:g} s".encode()]
             return [_OK, *(store.multi_get(keys) if op == "get" else [])]
-        if op == "check":
-            return [_OK, b"1" if store.check([k.decode() for k in args]) else b"0"]
-        if op == "delete_key":
-            return [_OK, b"1" if store.delete_key(args[0].decode()) else b"0"]
-        if op == "num_keys":
-            return [_OK, str(store.num_keys()).encode()]
-        if op == "add":
-            return [_OK, str(store.add(args[0].decode(), int(args[1]))).encode()]
-        if op == "compare_set":
-            return [_OK, store.compare_set(args[0].decode(), args[1], args[2])]
-        if op == "set":
-            store.set(args[0].decode(), args[1])
-        elif op == "append":
-            store.append(args[0].decode(), args[1])
-        elif op == "multi_set":
+        if op == "multi_set":
             half = len(args) // 2
-            store.multi_set([k.decode() for k in args[:half]], args[half:])
-        else:
+            args = [[k.decode() for k in args[:half]], args[half:]]
+        elif op == "check":
+            args = [[k.decode() for k in args]]
+        elif op == "add":
+            args = [args[0].decode(), int(args[1])]
+        elif op in ("set", "append", "compare_set", "delete_key"):
+            args = [args[0].decode(), *args[1:]]
+        elif op != "num_keys":
             return [_ERROR, f"unknown store request {op!r}".encode()]
-        return [_OK]
+        result = getattr(store, op)(*args)  # bytes, None, or a number or bool sent as its decimal digits
+        return [_OK] if result is None else [_OK, result if isinstance(result, bytes) else b"%d" % result]
 
 
 def _as_bytes(value: bytes | str) -> bytes:

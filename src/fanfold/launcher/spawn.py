@@ -4,6 +4,7 @@ environment, so ``fn`` calls ``init_process_group()`` as a script under ``fanfol
 """
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import pickle
@@ -98,10 +99,8 @@ def _worker(fn, args, rank: int, env: Mapping[str, str], threads: int, conn, ran
         conn.send_bytes(data)
     finally:
         if dist.is_available() and dist.is_initialized():
-            try:
+            with contextlib.suppress(Exception):
                 dist.destroy_process_group()
-            except Exception:
-                pass
     for stream in streams:  # os._exit skips every flush: what the worker printed must reach the parent first
         stream.close_line()
         stream.flush()
@@ -201,16 +200,17 @@ def _first_failure(failures: dict[int, _Report], running: list[int], nprocs: int
     rank = min(failures, key=lambda r: (not failures[r].died, failures[r].time_ns, r))
     first = failures[rank]
     if first.died:
-        lines = [f"rank {rank} of {nprocs} {first.error} before reporting"]
+        head = f"rank {rank} of {nprocs} {first.error} before reporting"
     else:
-        lines = [f"rank {rank} of {nprocs} failed: {first.error}\n{first.traceback.rstrip()}"]
-    if running:
-        lines.append(f"fanfold.launch: stopped the other workers (ranks {running})")
-    for other, f in sorted(failures.items()):
-        if other != rank:
-            what = f.error if f.died else f.error.split(":", 1)[0]
-            lines.append(f"fanfold.launch: rank {other} also failed, after rank {rank} ({what})")
-    return WorkerError("\n".join(lines), rank)
+        head = f"rank {rank} of {nprocs} failed: {first.error}\n{first.traceback.rstrip()}"
+    later = {r: f.error if f.died else f.error.split(":", 1)[0] for r, f in failures.items() if r != rank}
+    return WorkerError("\n".join([head, *later_failures("fanfold.launch", rank, running, later)]), rank)
+
+
+def later_failures(who: str, rank: int, stopped: list[int], later: dict[int, str]) -> list[str]:
+    """The report's lines after the first failure's (``rank``): the ranks stopped, those that failed later."""
+    lines = [f"{who}: stopped the other workers (ranks {stopped})"] if stopped else []
+    return lines + [f"{who}: rank {r} also failed, after rank {rank} ({what})" for r, what in sorted(later.items())]
 
 
 def launch(

@@ -5,6 +5,7 @@ launcher, ``env://`` routed to the job's store, output in whole lines. Imports n
 from __future__ import annotations
 
 import atexit
+import contextlib
 import faulthandler
 import importlib.util
 import json
@@ -102,12 +103,10 @@ def _die_with_parent() -> None:
     # PR_SET_PDEATHSIG: the agent stops workers on every exit it sees, but a SIGKILLed agent sees nothing.
     if not sys.platform.startswith("linux"):
         return
-    try:
+    with contextlib.suppress(OSError, AttributeError):
         import ctypes
 
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
 
 
 def _stop_own_group() -> None:
@@ -118,10 +117,8 @@ def _stop_own_group() -> None:
     if os.name != "posix" or os.getpgid(0) != os.getpid():
         return
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    try:
+    with contextlib.suppress(OSError):
         os.killpg(0, signal.SIGTERM)
-    except OSError:
-        pass
 
 
 def _user_frames(tb):
@@ -171,12 +168,8 @@ def _own_report(exc: BaseException, text: str) -> str:
 
 
 def main(argv: list[str]) -> int:
-    module = bool(argv) and argv[0] == "-m"
-    if module:
-        argv = argv[1:]
-    if not argv:
-        print("usage: worker_shim.py [-m] target [args...]", file=sys.stderr)
-        return 2
+    module = argv[:1] == ["-m"]  # launch_script passes [-m] target args...
+    argv = argv[module:]
     target = argv[0]
     sys.argv = list(argv)
     prefix = f"[rank {os.environ.get('RANK', '?')}] " if os.environ.get("FANFOLD_RANK_PREFIX") == "1" else ""
