@@ -143,8 +143,7 @@ class StoreServer:
         if not secret:
             raise ValueError("the store's secret is empty")
         self._secret = secret
-        self._sock = socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
-                                          backlog=128)
+        self._sock = socket.create_server((host, 0), backlog=128)
         self.host, self.port = self._sock.getsockname()[:2]
         self.refused = 0
         self._store = dist.HashStore()  # a TCPStore's semantics; its waits release the GIL
@@ -356,9 +355,8 @@ def _loopback(host: str) -> bool:
 
 
 def _rank0_hosted(addr: str, port: int, rank: int, world_size: int, secret: bytes, timeout: timedelta) -> JobStore:
-    # Under torchrun (or a multi-node job): MASTER_ADDR:MASTER_PORT is torch's TCPStore, open to anyone. Rank 0
-    # serves the job's keys itself and puts only its address there; a stranger who rewrites that address makes
-    # the ranks refuse to start (the impostor cannot prove the secret), never join them or read their keys.
+    # Under torchrun, MASTER_ADDR:MASTER_PORT is torch's TCPStore, open to anyone: it holds only the address of the
+    # store rank 0 serves. An impostor who rewrites it makes the ranks refuse to start, never join it.
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True):
         bootstrap = dist.TCPStore(addr, port, is_master=False, timeout=timeout)
     else:

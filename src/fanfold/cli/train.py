@@ -117,11 +117,9 @@ def _launch(args: argparse.Namespace) -> int:
     _check(args)
     created = [d for d in (out, *out.parents) if not d.exists()]  # innermost first
     out.mkdir(parents=True, exist_ok=True)
-    cmd = ["fanfold.cli.train", "--worker", "--out", str(out), "--epochs", str(args.epochs),
-           "--batch-size", str(args.batch_size), "--lr", repr(args.lr), "--seed", str(args.seed),
-           "--checkpoint-every", str(args.checkpoint_every), "--devices", str(args.devices)]
-    if args.sync_bn:
-        cmd.append("--sync-bn")
+    cmd = ["fanfold.cli.train", "--worker", "--out", str(out), *(["--sync-bn"] if args.sync_bn else [])]
+    for key in (*RUN_KEYS, "checkpoint_every", "devices"):
+        cmd += ["--" + key.replace("_", "-"), repr(getattr(args, key))]
     # The workers need a few seconds (torch, the digits, the process group) before their first line: say so now.
     what = f"resuming {ckpt}" if args.resume else f"writing to {out}"
     try:

@@ -69,9 +69,8 @@ def check_script(script: str) -> None:
         if not os.path.isfile(main):
             raise ValueError(f"script {script!r} is a directory without a __main__.py: give the Python file to run "
                              f"(or the package with -m)")
-        _compiles(main, f"script {main!r}")
-        return
-    if not os.path.isfile(script):
+        script = main
+    elif not os.path.isfile(script):
         raise ValueError(f"script {script!r} is not a regular file")
     if not zipfile.is_zipfile(script):  # a zip application is checked by the interpreter that opens it
         _compiles(script, f"script {script!r}")
@@ -79,18 +78,14 @@ def check_script(script: str) -> None:
 
 def _find(name: str, path: list[str] | None):
     # without importing anything: the path finder, then (a top-level name) the other finders (an editable install's)
-    spec = importlib.machinery.PathFinder.find_spec(name, path)
-    if spec is not None or "." in name:
-        return spec
-    for finder in sys.meta_path:
-        if finder is importlib.machinery.PathFinder or not hasattr(finder, "find_spec"):
-            continue
-        try:
-            spec = finder.find_spec(name, None)
-        except Exception:  # a third-party finder that cannot answer without importing: not ours to judge
-            continue
-        if spec is not None:
-            return spec
+    finders = [(importlib.machinery.PathFinder, path)]
+    if "." not in name:
+        finders += [(f, None) for f in sys.meta_path if f is not finders[0][0] and hasattr(f, "find_spec")]
+    for finder, where in finders:
+        with contextlib.suppress(Exception):  # a third-party finder that cannot answer without importing
+            spec = finder.find_spec(name, where)
+            if spec is not None:
+                return spec
     return None
 
 
@@ -254,9 +249,7 @@ class _RestartNotice(logging.Handler):
     """One line on stderr per restart, from torch's two records (the failure, then the restart), e.g. ``fanfold run:
     local rank 1 (pid 41) was killed by signal SIGKILL; restarting (attempt 1 of 2)``."""
 
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self._failure: tuple | None = None
+    _failure: tuple | None = None  # (exit code, local rank, pid) of the failure the agent will restart from
 
     def emit(self, record: logging.LogRecord) -> None:
         text = record.msg if isinstance(record.msg, str) else ""
@@ -274,9 +267,8 @@ class _RestartNotice(logging.Handler):
 
 @contextlib.contextmanager
 def _torch_logs(quiet: bool) -> Iterator[None]:
-    # Quiet: torch's agent logs every SIGTERM it sends and every failure it sees, on loggers with levels of their
-    # own; the report at the end says the same once. Its restart records reach the notice either way. Everything
-    # is restored afterwards: this process may be a user's.
+    # Quiet: torch's loggers (levels of their own) log each SIGTERM and failure that the final report sums up once;
+    # the restart records reach the notice either way. Restored afterwards: this process may be a user's.
     names = [n for n in list(logging.root.manager.loggerDict)
              if quiet and n.startswith(("torch.distributed.elastic", "torch.distributed.launcher"))]
     loggers = [logging.getLogger(n) for n in {*names, _POLL_LOGGER, _AGENT_LOGGER}]

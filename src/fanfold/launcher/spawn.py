@@ -87,8 +87,7 @@ def _worker(fn, args, rank: int, env: Mapping[str, str], threads: int, conn, ran
     install_env_rendezvous()  # a plain dist.init_process_group() joins the launch's authenticated store too
     try:
         report = _Report(True, fn(*args))
-        # Pickled before the process group is torn down: pickling tensors after it was seen to hang for good now
-        # and then (torch's storage pickling, in tests/training/test_checkpoint.py, 3 runs of 8)
+        # pickled before the process group is torn down: torch's storage pickling after it was seen to hang
         data = _pickled(report, rank)
     except BaseException as exc:  # report everything, KeyboardInterrupt included, then exit non-zero
         report = _Report(False, error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc(),
@@ -149,13 +148,12 @@ def _context(fn: Callable, start_method: str | None):
 
 def _kill(procs: Sequence) -> None:
     for p in procs:
-        if p.is_alive():
-            p.terminate()
+        p.terminate()  # a process that has exited is skipped
     deadline = time.monotonic() + 3.0
     for p in procs:
         p.join(max(0.0, deadline - time.monotonic()))
         if p.is_alive():
-            os.kill(p.pid, signal.SIGKILL)
+            p.kill()
             p.join(2.0)
 
 
@@ -163,10 +161,8 @@ _GRACE_S = 2.0  # after a first failure, how long the other ranks' reports are a
 
 
 def _collect(procs: Sequence, conns: Sequence, timeout: float) -> list:
-    # A rank's failure usually makes its peers fail too (gloo: "Connection closed by peer"), read here in any
-    # order: after the first failure the others are awaited a moment, and the earliest by the worker's own clock
-    # (taken before it tore its process group down) is reported. A rank that died without reporting is taken as
-    # the cause: nothing its peers do makes a process vanish.
+    # A rank's failure usually makes its peers fail too: after the first failure the others are awaited a moment,
+    # and the earliest by the worker's own clock is reported; a rank that died without reporting is the cause.
     results: dict[int, Any] = {}
     failures: dict[int, _Report] = {}
     pending = dict(enumerate(conns))  # rank -> its pipe, until read

@@ -110,10 +110,8 @@ def _die_with_parent() -> None:
 
 
 def _stop_own_group() -> None:
-    # The agent signals the process groups of workers still running; a worker that has exited (failed or done)
-    # is skipped, and what it started would outlive the run. We lead our group (the agent starts each worker in a
-    # new session), so stop the group's other members on the way out. Never when started otherwise: the group
-    # would be the caller's.
+    # The agent signals the process groups of running workers only: what an exited worker started would outlive
+    # the run. The agent starts each worker in a new session, so stop our group on the way out (only if we lead it).
     if os.name != "posix" or os.getpgid(0) != os.getpid():
         return
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -154,13 +152,10 @@ def _own_report(exc: BaseException, text: str) -> str:
     # The launcher shows the traceback of the rank that failed first once the run has failed; a failure the agent
     # restarts from is labelled here; --verbose shows every rank's.
     verbose = os.environ.get("FANFOLD_VERBOSE") == "1"
-    try:
-        done, allowed = int(os.environ["TORCHELASTIC_RESTART_COUNT"]), int(os.environ["TORCHELASTIC_MAX_RESTARTS"])
-    except (KeyError, ValueError):
-        return text
-    if not os.environ.get("TORCHELASTIC_ERROR_FILE") or done >= allowed:
-        return text if verbose or not os.environ.get("TORCHELASTIC_ERROR_FILE") else ""
-    rank, label = os.environ.get("RANK", "?"), f"restarting (attempt {done + 1} of {allowed})"
+    done, allowed = int(os.environ["TORCHELASTIC_RESTART_COUNT"]), int(os.environ["TORCHELASTIC_MAX_RESTARTS"])
+    if done >= allowed:
+        return text if verbose else ""
+    rank, label = os.environ["RANK"], f"restarting (attempt {done + 1} of {allowed})"
     if not verbose and any(s in f"{type(exc).__name__}: {exc}" for s in _PEER_GONE):
         return (f"fanfold run: rank {rank} also failed: a peer is gone ({type(exc).__name__}); {label} "
                 f"(--verbose shows its traceback)\n")
