@@ -350,22 +350,15 @@ class JobStore(dist.Store):
                 self._sock = None
 
 
-def _loopback(host: str) -> bool:
-    return host in ("localhost", "::1") or host.startswith("127.")
-
-
-def _rank0_hosted(addr: str, port: int, rank: int, world_size: int, secret: bytes, timeout: timedelta) -> JobStore:
+def _rank0_hosted(bootstrap: dist.Store, addr: str, rank: int, secret: bytes, timeout: timedelta) -> JobStore:
     # Under torchrun, MASTER_ADDR:MASTER_PORT is torch's TCPStore, open to anyone: it holds only the address of the
     # store rank 0 serves. An impostor who rewrites it makes the ranks refuse to start, never join it.
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True):
-        bootstrap = dist.TCPStore(addr, port, is_master=False, timeout=timeout)
-    else:
-        bootstrap = dist.TCPStore(addr, port, world_size, is_master=rank == 0, timeout=timeout, multi_tenant=True)
     key = f"fanfold/job_store/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     server = None
     if rank == 0:
-        server = StoreServer(secret, host="127.0.0.1" if _loopback(addr) else "0.0.0.0")
-        bootstrap.set(key, f"{addr if _loopback(addr) else socket.getfqdn()}:{server.port}")
+        local = addr == "localhost" or addr.startswith("127.")
+        server = StoreServer(secret, host="127.0.0.1" if local else "0.0.0.0")
+        bootstrap.set(key, f"{'127.0.0.1' if local else socket.getfqdn()}:{server.port}")
     bootstrap.wait([key], timeout)
     host, _, served = bootstrap.get(key).decode().rpartition(":")
     store = JobStore(host, int(served), secret, timeout)
@@ -397,7 +390,8 @@ def install_env_rendezvous() -> None:
         if os.environ.get(STORE_ENV) == "1":
             store = JobStore(addr, port, secret, timeout)
         else:
-            store = _rank0_hosted(addr, port, rank, world_size, secret, timeout)
+            bootstrap = rdzv._create_c10d_store(addr, port, rank, world_size, timeout)  # torch's own, agent or not
+            store = _rank0_hosted(bootstrap, addr, rank, secret, timeout)
         try:
             yield store, rank, world_size
         finally:

@@ -87,19 +87,17 @@ def _worker(fn, args, rank: int, env: Mapping[str, str], threads: int, conn, ran
     install_env_rendezvous()  # a plain dist.init_process_group() joins the launch's authenticated store too
     try:
         report = _Report(True, fn(*args))
-        # pickled before the process group is torn down: torch's storage pickling after it was seen to hang
-        data = _pickled(report, rank)
     except BaseException as exc:  # report everything, KeyboardInterrupt included, then exit non-zero
         report = _Report(False, error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc(),
                          time_ns=time.time_ns())
-        # Report before the process group is torn down: tearing it down is what makes the peers fail
-        # ("Connection closed by peer"), and their reports must not overtake this one.
-        data = _pickled(report, rank)
+    # Pickled before the process group is torn down (torch's storage pickling after it was seen to hang); a failure
+    # is sent before too: the teardown makes the peers fail, and their reports must not overtake this one.
+    data = _pickled(report, rank)
+    if not report.ok:
         conn.send_bytes(data)
-    finally:
-        if dist.is_available() and dist.is_initialized():
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group()
+    if dist.is_available() and dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
     for stream in streams:  # os._exit skips every flush: what the worker printed must reach the parent first
         stream.close_line()
         stream.flush()
