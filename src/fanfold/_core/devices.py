@@ -13,7 +13,6 @@ DeviceLike = Union[int, str, torch.device]  # noqa: UP007 (an alias evaluated at
 
 
 def accelerator_type() -> str | None:
-    """The current accelerator's device type (``"cuda"``, ``"xpu"``, ...), or None on a CPU-only machine."""
     if not torch.accelerator.is_available():
         return None
     acc = torch.accelerator.current_accelerator()
@@ -41,7 +40,6 @@ def normalize_device(device: DeviceLike) -> torch.device:
 
 
 def default_device_ids() -> list[int]:
-    """Every accelerator index of this machine, or [] on a CPU-only machine."""
     if accelerator_type() is None:
         return []
     return list(range(torch.accelerator.device_count()))

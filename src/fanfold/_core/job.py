@@ -368,9 +368,8 @@ def _rank0_hosted(bootstrap: dist.Store, addr: str, rank: int, secret: bytes, ti
 
 def install_env_rendezvous() -> None:
     """Make torch's ``env://`` rendezvous join the job's authenticated store when the environment holds a job
-    secret: under fanfold's launchers (``FANFOLD_JOB_STORE=1``) the launcher's server at MASTER_ADDR:MASTER_PORT,
-    else (torchrun) one rank 0 serves. torch cannot replace a registered scheme, so its registry entry is swapped
-    for a handler that delegates to the one it replaced. Idempotent."""
+    secret: the launcher's at MASTER_ADDR:MASTER_PORT (``FANFOLD_JOB_STORE=1``), else (torchrun) one rank 0 serves.
+    torch's registry entry is swapped for a handler that delegates to the one it replaced. Idempotent."""
     rdzv = importlib.import_module("torch.distributed.rendezvous")  # the module: the package exports a function
     torch_env = rdzv._rendezvous_handlers["env"]
     if getattr(torch_env, "fanfold_job_store", False):
