@@ -13,7 +13,6 @@ DeviceLike = Union[int, str, torch.device]  # noqa: UP007 (an alias evaluated at
 
 
 def accelerator_type() -> str | None:
-    """The current accelerator's device type (``"cuda"``, ``"xpu"``, ...), or None on a CPU-only machine."""
     if not torch.accelerator.is_available():
         return None
     acc = torch.accelerator.current_accelerator()
@@ -41,46 +40,36 @@ def normalize_device(device: DeviceLike) -> torch.device:
 
 
 def default_device_ids() -> list[int]:
-    """Every accelerator index of this machine, or [] on a CPU-only machine."""
     if accelerator_type() is None:
         return []
     return list(range(torch.accelerator.device_count()))
 
 
-def _check_present(dev: torch.device, where: str, cpu_spelling: str) -> torch.device:
-    if dev.type in ("cpu", "meta"):
-        return dev
-    acc = accelerator_type()
-    if dev.type != acc:
-        raise ValueError(f"{where} is {dev}, but this machine has no {dev.type} device; {cpu_spelling}")
-    count = torch.accelerator.device_count()
-    if dev.index is not None and dev.index >= count:
-        raise ValueError(f"{where} is {dev}, but this machine has {count} {acc} device{'s' * (count != 1)} "
-                         f"({acc}:0 to {acc}:{count - 1})")
-    return dev
-
-
-def usable_device(device: DeviceLike, name: str) -> torch.device:
+def usable_device(device: DeviceLike, name: str, cpu_spelling: str = "") -> torch.device:
     """``normalize_device(device)``, refused with a ValueError naming ``name`` unless this machine has it."""
     try:
         dev = normalize_device(device)
     except (TypeError, ValueError) as e:
         raise type(e)(f"{name}: {e}") from None
-    return _check_present(dev, name, f"for the CPU give {name}='cpu'")
+    if dev.type in ("cpu", "meta"):
+        return dev
+    acc = accelerator_type()
+    if dev.type != acc:
+        spelling = cpu_spelling or f"for the CPU give {name}='cpu'"
+        raise ValueError(f"{name} is {dev}, but this machine has no {dev.type} device; {spelling}")
+    count = torch.accelerator.device_count()
+    if dev.index is not None and dev.index >= count:
+        raise ValueError(f"{name} is {dev}, but this machine has {count} {acc} device{'s' * (count != 1)} "
+                         f"({acc}:0 to {acc}:{count - 1})")
+    return dev
 
 
 def usable_devices(devices: Iterable[DeviceLike], name: str = "device_ids") -> list[torch.device]:
     """Every device of ``devices`` normalised, refused with an error naming ``name[i]`` unless this machine has it."""
     if isinstance(devices, (int, str, torch.device)):
         raise TypeError(f"{name} must be a list of devices, got a single device {devices!r}")
-    out = []
-    for i, d in enumerate(devices):
-        try:
-            out.append(normalize_device(d))
-        except (TypeError, ValueError) as e:
-            raise type(e)(f"{name}[{i}]: {e}") from None
-    if not out:
+    devices = list(devices)
+    if not devices:
         raise ValueError(f"{name} is empty: give at least one device (e.g. [0] or ['cpu'])")
-    for i, dev in enumerate(out):
-        _check_present(dev, f"{name}[{i}]", f"for CPU replicas give {name}=['cpu'] * {len(out)}")
-    return out
+    cpus = f"for CPU replicas give {name}=['cpu'] * {len(devices)}"
+    return [usable_device(d, f"{name}[{i}]", cpus) for i, d in enumerate(devices)]

@@ -4,6 +4,7 @@ only processes that prove the job's secret (HMAC-SHA256 both ways; ``FANFOLD_JOB
 """
 from __future__ import annotations
 
+import contextlib
 import hmac
 import importlib
 import os
@@ -38,12 +39,10 @@ _OK, _TIMEOUT, _ERROR = b"\x00", b"\x01", b"\x02"
 
 
 def is_initialized() -> bool:
-    """True when the default torch.distributed process group is up."""
     return dist.is_available() and dist.is_initialized()
 
 
 def require_initialized(who: str) -> None:
-    """Raise the one error every fanfold object that needs a process group gives without one."""
     if not is_initialized():
         raise RuntimeError(f"{who} needs an initialised process group: call "
                            "fanfold.distributed.init_process_group() first (under `fanfold run` or fanfold.launch)")
@@ -64,7 +63,6 @@ class AuthenticationError(RuntimeError):
 
 
 def new_secret() -> str:
-    """A fresh job secret: 256 random bits, as hex."""
     return secrets.token_hex(32)
 
 
@@ -94,8 +92,7 @@ def job_secret(environ: dict | None = None) -> bytes | None:
         if st.st_mode & 0o077:
             raise PermissionError(f"{SECRET_FILE_ENV}={path!r} has mode {stat.S_IMODE(st.st_mode):04o}: other users "
                                   f"may read or write it; make it readable by its owner only: chmod 600 {path}")
-        with os.fdopen(os.dup(fd), "rb") as f:
-            data = f.read().strip()
+        data = os.read(fd, 1 << 20).strip()  # a regular file: read whole unless it is larger (no secret is)
     finally:
         os.close(fd)
     if not data:
@@ -146,8 +143,7 @@ class StoreServer:
         if not secret:
             raise ValueError("the store's secret is empty")
         self._secret = secret
-        self._sock = socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
-                                          backlog=128)
+        self._sock = socket.create_server((host, 0), backlog=128)
         self.host, self.port = self._sock.getsockname()[:2]
         self.refused = 0
         self._store = dist.HashStore()  # a TCPStore's semantics; its waits release the GIL
@@ -158,10 +154,8 @@ class StoreServer:
     def close(self) -> None:
         self._closed = True
         for s in [self._sock, *list(self._conns)]:
-            try:
+            with contextlib.suppress(OSError):
                 s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
             s.close()
 
     def _accept(self) -> None:
@@ -193,7 +187,7 @@ class StoreServer:
                 request = _recv(conn)
                 try:
                     answer = self._answer(request[0].decode(), request[1:])
-                except (IndexError, ValueError, UnicodeDecodeError) as exc:  # a malformed request: say so, go on
+                except (IndexError, TypeError, ValueError, UnicodeDecodeError) as exc:  # malformed: say so, go on
                     answer = [_ERROR, f"malformed store request: {type(exc).__name__}: {exc}".encode()]
                 _send(conn, *answer)
         except (OSError, ConnectionError, struct.error):
@@ -214,26 +208,19 @@ class StoreServer:
                 missing = [k for k in keys if not store.check([k])]
                 return [_TIMEOUT, f"keys {missing} not set within {int(args[0]) / 1000:g} s".encode()]
             return [_OK, *(store.multi_get(keys) if op == "get" else [])]
-        if op == "check":
-            return [_OK, b"1" if store.check([k.decode() for k in args]) else b"0"]
-        if op == "delete_key":
-            return [_OK, b"1" if store.delete_key(args[0].decode()) else b"0"]
-        if op == "num_keys":
-            return [_OK, str(store.num_keys()).encode()]
-        if op == "add":
-            return [_OK, str(store.add(args[0].decode(), int(args[1]))).encode()]
-        if op == "compare_set":
-            return [_OK, store.compare_set(args[0].decode(), args[1], args[2])]
-        if op == "set":
-            store.set(args[0].decode(), args[1])
-        elif op == "append":
-            store.append(args[0].decode(), args[1])
-        elif op == "multi_set":
+        if op == "multi_set":
             half = len(args) // 2
-            store.multi_set([k.decode() for k in args[:half]], args[half:])
-        else:
+            args = [[k.decode() for k in args[:half]], args[half:]]
+        elif op == "check":
+            args = [[k.decode() for k in args]]
+        elif op == "add":
+            args = [args[0].decode(), int(args[1])]
+        elif op in ("set", "append", "compare_set", "delete_key"):
+            args = [args[0].decode(), *args[1:]]
+        elif op != "num_keys":
             return [_ERROR, f"unknown store request {op!r}".encode()]
-        return [_OK]
+        result = getattr(store, op)(*args)  # bytes, None, or a number or bool sent as its decimal digits
+        return [_OK] if result is None else [_OK, result if isinstance(result, bytes) else b"%d" % result]
 
 
 def _as_bytes(value: bytes | str) -> bytes:
@@ -363,23 +350,15 @@ class JobStore(dist.Store):
                 self._sock = None
 
 
-def _loopback(host: str) -> bool:
-    return host in ("localhost", "::1") or host.startswith("127.")
-
-
-def _rank0_hosted(addr: str, port: int, rank: int, world_size: int, secret: bytes, timeout: timedelta) -> JobStore:
-    # Under torchrun (or a multi-node job): MASTER_ADDR:MASTER_PORT is torch's TCPStore, open to anyone. Rank 0
-    # serves the job's keys itself and puts only its address there; a stranger who rewrites that address makes
-    # the ranks refuse to start (the impostor cannot prove the secret), never join them or read their keys.
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True):
-        bootstrap = dist.TCPStore(addr, port, is_master=False, timeout=timeout)
-    else:
-        bootstrap = dist.TCPStore(addr, port, world_size, is_master=rank == 0, timeout=timeout, multi_tenant=True)
+def _rank0_hosted(bootstrap: dist.Store, addr: str, rank: int, secret: bytes, timeout: timedelta) -> JobStore:
+    # Under torchrun, MASTER_ADDR:MASTER_PORT is torch's TCPStore, open to anyone: it holds only the address of the
+    # store rank 0 serves. An impostor who rewrites it makes the ranks refuse to start, never join it.
     key = f"fanfold/job_store/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     server = None
     if rank == 0:
-        server = StoreServer(secret, host="127.0.0.1" if _loopback(addr) else "0.0.0.0")
-        bootstrap.set(key, f"{addr if _loopback(addr) else socket.getfqdn()}:{server.port}")
+        local = addr == "localhost" or addr.startswith("127.")
+        server = StoreServer(secret, host="127.0.0.1" if local else "0.0.0.0")
+        bootstrap.set(key, f"{'127.0.0.1' if local else socket.getfqdn()}:{server.port}")
     bootstrap.wait([key], timeout)
     host, _, served = bootstrap.get(key).decode().rpartition(":")
     store = JobStore(host, int(served), secret, timeout)
@@ -389,9 +368,8 @@ def _rank0_hosted(addr: str, port: int, rank: int, world_size: int, secret: byte
 
 def install_env_rendezvous() -> None:
     """Make torch's ``env://`` rendezvous join the job's authenticated store when the environment holds a job
-    secret: under fanfold's launchers (``FANFOLD_JOB_STORE=1``) the launcher's server at MASTER_ADDR:MASTER_PORT,
-    else (torchrun) one rank 0 serves. torch cannot replace a registered scheme, so its registry entry is swapped
-    for a handler that delegates to the one it replaced. Idempotent."""
+    secret: the launcher's at MASTER_ADDR:MASTER_PORT (``FANFOLD_JOB_STORE=1``), else (torchrun) one rank 0 serves.
+    torch's registry entry is swapped for a handler that delegates to the one it replaced. Idempotent."""
     rdzv = importlib.import_module("torch.distributed.rendezvous")  # the module: the package exports a function
     torch_env = rdzv._rendezvous_handlers["env"]
     if getattr(torch_env, "fanfold_job_store", False):
@@ -411,7 +389,8 @@ def install_env_rendezvous() -> None:
         if os.environ.get(STORE_ENV) == "1":
             store = JobStore(addr, port, secret, timeout)
         else:
-            store = _rank0_hosted(addr, port, rank, world_size, secret, timeout)
+            bootstrap = rdzv._create_c10d_store(addr, port, rank, world_size, timeout)  # torch's own, agent or not
+            store = _rank0_hosted(bootstrap, addr, rank, secret, timeout)
         try:
             yield store, rank, world_size
         finally:

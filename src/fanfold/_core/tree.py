@@ -19,8 +19,7 @@ class Node(NamedTuple):
 
 
 class Spec(NamedTuple):
-    """A structure's nodes in preorder, without its leaves. Flat, so that neither a walk over it nor pickling it
-    recurses: nesting depth is limited by memory only."""
+    """A structure's nodes in preorder, without its leaves: flat, so that neither walking nor pickling it recurses."""
 
     nodes: tuple
 
@@ -60,10 +59,8 @@ def _kind(obj: Any) -> str:
         return "leaf"
     if isinstance(obj, tuple):  # a subclass: plain tuples are in _EXACT
         return "namedtuple" if hasattr(obj, "_fields") else "structseq"
-    if isinstance(obj, list):
-        return "list"
-    if isinstance(obj, dict):
-        return "dict"
+    if isinstance(obj, (list, dict)):
+        return "list" if isinstance(obj, list) else "dict"
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return "dataclass"
     return "leaf"

@@ -77,18 +77,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     missing: list[str] = []
-    lines = [("fanfold", f"{__version__} ({os.path.dirname(os.path.dirname(os.path.abspath(__file__)))})"),
-             ("python", f"{platform.python_version()} ({sys.executable})")]
     build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU-only build"
-    lines.append(("torch", f"{torch.__version__} ({build})"))
     usable = threads_per_worker(1)  # the cores this process may run on
-    lines.append(("CPUs", f"{usable} usable by this process of {os.cpu_count()}; torch threads "
-                          f"{torch.get_num_threads()}; `fanfold run -n N` gives each worker max(1, {usable} // N)"))
-    if torch.cuda.is_available():
-        names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-        lines.append(("accelerators", f"{len(names)} CUDA: {', '.join(names)}"))
-    else:
-        lines.append(("accelerators", "none: DataParallel and DDP run CPU replicas (device_ids=['cpu', 'cpu'])"))
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    lines = [("fanfold", f"{__version__} ({os.path.dirname(os.path.dirname(os.path.abspath(__file__)))})"),
+             ("python", f"{platform.python_version()} ({sys.executable})"),
+             ("torch", f"{torch.__version__} ({build})"),
+             ("CPUs", f"{usable} usable by this process of {os.cpu_count()}; torch threads "
+                      f"{torch.get_num_threads()}; `fanfold run -n N` gives each worker max(1, {usable} // N)"),
+             ("accelerators", f"{len(gpus)} CUDA: {', '.join(gpus)}" if gpus else
+              "none: DataParallel and DDP run CPU replicas (device_ids=['cpu', 'cpu'])")]
     if dist.is_available():
         backends = {b: getattr(dist, f"is_{b}_available")() for b in ("gloo", "nccl", "mpi", "ucc")}
         lines.append(("backends", ", ".join(f"{b}: {'yes' if ok else 'no'}" for b, ok in backends.items())))

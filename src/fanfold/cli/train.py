@@ -59,9 +59,9 @@ def _check(args: argparse.Namespace) -> None:
     for name in ("epochs", "batch_size"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.devices is not None and args.devices < 1:
+    if args.devices < 1:
         raise ValueError(f"--devices must be >= 1, got {args.devices}")
-    if args.devices is not None and args.batch_size % args.devices:
+    if args.batch_size % args.devices:
         raise ValueError(f"--batch-size {args.batch_size} does not split evenly over --devices {args.devices}")
     if not args.lr > 0:
         raise ValueError(f"--lr must be > 0, got {args.lr}")
@@ -69,14 +69,11 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError("--max-restarts and --checkpoint-every must be >= 0")
 
 
-def _flag(key: str) -> str:
-    return "--" + key.replace("_", "-")
-
-
 def _setting(key: str, value: object) -> str:
+    flag = "--" + key.replace("_", "-")
     if isinstance(value, bool):  # a switch (--sync-bn): on or off
-        return _flag(key) if value else f"no {_flag(key)}"
-    return f"{_flag(key)} {value}"
+        return flag if value else f"no {flag}"
+    return f"{flag} {value}"
 
 
 def _settings(args: argparse.Namespace, ckpt: Path) -> None:
@@ -120,11 +117,9 @@ def _launch(args: argparse.Namespace) -> int:
     _check(args)
     created = [d for d in (out, *out.parents) if not d.exists()]  # innermost first
     out.mkdir(parents=True, exist_ok=True)
-    cmd = ["fanfold.cli.train", "--worker", "--out", str(out), "--epochs", str(args.epochs),
-           "--batch-size", str(args.batch_size), "--lr", repr(args.lr), "--seed", str(args.seed),
-           "--checkpoint-every", str(args.checkpoint_every), "--devices", str(args.devices)]
-    if args.sync_bn:
-        cmd.append("--sync-bn")
+    cmd = ["fanfold.cli.train", "--worker", "--out", str(out), *(["--sync-bn"] if args.sync_bn else [])]
+    for key in (*RUN_KEYS, "checkpoint_every", "devices"):
+        cmd += ["--" + key.replace("_", "-"), repr(getattr(args, key))]
     # The workers need a few seconds (torch, the digits, the process group) before their first line: say so now.
     what = f"resuming {ckpt}" if args.resume else f"writing to {out}"
     try:

@@ -11,14 +11,16 @@ import os
 import signal
 import sys
 import tempfile
+import unittest.mock
 import uuid
+import zipfile
 from collections.abc import Iterator, Mapping, Sequence
-from datetime import timedelta
 
 from torch.distributed.elastic.rendezvous.api import RendezvousHandler, RendezvousInfo, RendezvousStoreInfo
+from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous
 
 from .._core.job import SECRET_ENV, SECRET_FILE_ENV, STORE_ENV, JobStore, StoreServer, job_secret, new_secret
-from .spawn import LOOPBACK, loopback_env
+from .spawn import LOOPBACK, later_failures, loopback_env
 
 __all__ = ["launch_script", "default_nproc_per_node", "threads_per_worker", "format_failure", "check_script",
            "check_module"]
@@ -67,30 +69,23 @@ def check_script(script: str) -> None:
         if not os.path.isfile(main):
             raise ValueError(f"script {script!r} is a directory without a __main__.py: give the Python file to run "
                              f"(or the package with -m)")
-        _compiles(main, f"script {main!r}")
-        return
-    if not os.path.isfile(script):
+        script = main
+    elif not os.path.isfile(script):
         raise ValueError(f"script {script!r} is not a regular file")
-    with open(script, "rb") as f:
-        zipped = f.read(4) == b"PK\x03\x04"
-    if not zipped:  # a zip application is checked by the interpreter that opens it
+    if not zipfile.is_zipfile(script):  # a zip application is checked by the interpreter that opens it
         _compiles(script, f"script {script!r}")
 
 
 def _find(name: str, path: list[str] | None):
     # without importing anything: the path finder, then (a top-level name) the other finders (an editable install's)
-    spec = importlib.machinery.PathFinder.find_spec(name, path)
-    if spec is not None or "." in name:
-        return spec
-    for finder in sys.meta_path:
-        if finder is importlib.machinery.PathFinder or not hasattr(finder, "find_spec"):
-            continue
-        try:
-            spec = finder.find_spec(name, None)
-        except Exception:  # a third-party finder that cannot answer without importing: not ours to judge
-            continue
-        if spec is not None:
-            return spec
+    finders = [(importlib.machinery.PathFinder, path)]
+    if "." not in name:
+        finders += [(f, None) for f in sys.meta_path if f is not finders[0][0] and hasattr(f, "find_spec")]
+    for finder, where in finders:
+        with contextlib.suppress(Exception):  # a third-party finder that cannot answer without importing
+            spec = finder.find_spec(name, where)
+            if spec is not None:
+                return spec
     return None
 
 
@@ -102,7 +97,6 @@ def check_module(module: str) -> None:
         raise ValueError(f"module {module!r} is not a dotted Python name (to run a file, leave -m out)")
     # a worker runs with the current directory first on sys.path (python -m's rule), then the rest of ours
     search: list[str] | None = [os.getcwd(), *sys.path[1:]]
-    spec = None
     for i in range(len(parts)):
         name = ".".join(parts[: i + 1])
         spec = _find(name, search)
@@ -121,49 +115,28 @@ def check_module(module: str) -> None:
         _compiles(spec.origin, f"module {spec.name!r} ({spec.origin})")
 
 
-class _LoopbackRendezvous(RendezvousHandler):
+class _LoopbackRendezvous(StaticTCPRendezvous):
     """Rendezvous of a single node: this agent is node 0 of 1, the store's socket listens on 127.0.0.1 only."""
 
-    def __init__(self, run_id: str, timeout: timedelta, secret: bytes):
-        self._run_id, self._timeout, self._secret = run_id, timeout, secret
-        self._closed = False
-        self._store = self._server = None
+    def __init__(self, run_id: str, timeout: int, secret: bytes):
+        super().__init__(LOOPBACK, 0, 0, 1, run_id, timeout)
+        self._secret, self._server = secret, None
 
     def get_backend(self) -> str:
-        return _LOOPBACK_BACKEND
-
-    @property
-    def use_agent_store(self) -> bool:
-        return True  # workers connect to this store as clients (TORCHELASTIC_USE_AGENT_STORE): no second listener
+        return _LOOPBACK_BACKEND  # torch checks the handler's backend against the one it asked the registry for
 
     def next_rendezvous(self) -> RendezvousInfo:
         # A fresh store for every round: restarted workers must not read the keys of the round that failed.
-        self.shutdown_store()
+        self.shutdown()
         self._server = StoreServer(self._secret, host=LOOPBACK)
-        self._store = JobStore(LOOPBACK, self._server.port, self._secret, self._timeout)  # the agent's own client
+        self._store = JobStore(LOOPBACK, self._server.port, self._secret, self.timeout)  # the agent's own client
         return RendezvousInfo(self._store, 0, 1, RendezvousStoreInfo(LOOPBACK, self._server.port))
 
-    def shutdown_store(self) -> None:
+    def shutdown(self) -> bool:
         for part in (self._store, self._server):
             if part is not None:
                 part.close()
         self._store = self._server = None
-
-    def is_closed(self) -> bool:
-        return self._closed
-
-    def set_closed(self) -> None:
-        self._closed = True
-
-    def num_nodes_waiting(self) -> int:
-        return 0
-
-    def get_run_id(self) -> str:
-        return self._run_id
-
-    def shutdown(self) -> bool:
-        self.set_closed()
-        self.shutdown_store()
         return True
 
 
@@ -172,7 +145,7 @@ def _create_loopback_handler(params) -> RendezvousHandler:
     secret = job_secret()
     if secret is None:
         raise RuntimeError(f"fanfold run: no job secret in the environment ({SECRET_ENV}); launch_script sets one")
-    return _LoopbackRendezvous(params.run_id, timedelta(seconds=params.get_as_int("timeout", 900)), secret)
+    return _LoopbackRendezvous(params.run_id, params.get_as_int("timeout", 900), secret)
 
 
 def launch_script(
@@ -224,12 +197,16 @@ def launch_script(
     # before anything starts: a typo or a syntax error costs no worker start-up and reads as one line
     check_module(cmd[0]) if module else check_script(cmd[0])
 
-    env = {"OMP_NUM_THREADS": str(threads_per_worker(nproc_per_node))} if "OMP_NUM_THREADS" not in os.environ else {}
+    env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads_per_worker(nproc_per_node))),
+           "FANFOLD_VERBOSE": str(int(verbose)), "FANFOLD_RANK_PREFIX": str(int(rank_prefix))}
     single = max_nodes == 1 and not rdzv_endpoint
     if single:
         rendezvous_handler_registry.register(_LOOPBACK_BACKEND, _create_loopback_handler)  # idempotent
         backend, endpoint, run_id, configs = _LOOPBACK_BACKEND, f"{LOOPBACK}:0", uuid.uuid4().hex, {}
         env.update(loopback_env())
+        if job_secret() is None:  # the workers find it in their environment, never on a command line
+            env[SECRET_ENV] = new_secret()
+        env[STORE_ENV] = "1"  # MASTER_ADDR:MASTER_PORT is the agent's authenticated store
     else:
         if not rdzv_endpoint:
             raise ValueError(f"nnodes={nnodes!r} spans several machines: pass rdzv_endpoint as HOST:PORT")
@@ -237,24 +214,16 @@ def launch_script(
         configs = {"rank": node_rank} if rdzv_backend == "static" else {}
         # The workers' store fresh every round, not the agents' shared one, whose keys carry each agent's own
         # restart count: the counts differ after a restart, and restarted workers would read a stale round's keys.
-        if "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in os.environ:
-            env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
         if job_secret() is None:
             print(f"fanfold run: no {SECRET_ENV} or {SECRET_FILE_ENV} set: this multi-node job's rendezvous is open "
                   f"to anyone who can reach {rdzv_endpoint} (docs/reliability.md)", file=sys.stderr)
     env.update(extra_env or {})
-    if single:
-        if job_secret() is None:  # the workers find it in their environment, never on a command line
-            env[SECRET_ENV] = new_secret()
-        env[STORE_ENV] = "1"  # MASTER_ADDR:MASTER_PORT is the agent's authenticated store
-    if verbose:
-        env["FANFOLD_VERBOSE"] = "1"
-    if rank_prefix:
-        env["FANFOLD_RANK_PREFIX"] = "1"
-
     shim = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker_shim.py")
     args = ["-u", shim, *(["-m"] if module else []), *cmd]
-    with tempfile.TemporaryDirectory(prefix="fanfold-run-") as logs, _environ(env), _torch_logs(quiet=not verbose):
+    # The agent hands os.environ to the workers (and writes to it itself): patch.dict puts everything back.
+    with (tempfile.TemporaryDirectory(prefix="fanfold-run-") as logs, unittest.mock.patch.dict(os.environ, env),
+          _torch_logs(quiet=not verbose)):
         config = LaunchConfig(
             min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=nproc_per_node, run_id=run_id,
             rdzv_endpoint=endpoint, rdzv_backend=backend, rdzv_configs=configs, max_restarts=max_restarts,
@@ -272,18 +241,6 @@ def launch_script(
     return 0
 
 
-@contextlib.contextmanager
-def _environ(changes: Mapping[str, str]) -> Iterator[None]:
-    # The agent hands os.environ to the workers (and writes to it itself); put everything back afterwards.
-    saved = dict(os.environ)
-    os.environ.update(changes)
-    try:
-        yield
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-
-
 _POLL_LOGGER = "torch.distributed.elastic.multiprocessing.api"  # logs "failed (exitcode: ...) local_rank: ..."
 _AGENT_LOGGER = "torch.distributed.elastic.agent.server.api"  # logs "... attempts left; will restart worker group"
 
@@ -292,9 +249,7 @@ class _RestartNotice(logging.Handler):
     """One line on stderr per restart, from torch's two records (the failure, then the restart), e.g. ``fanfold run:
     local rank 1 (pid 41) was killed by signal SIGKILL; restarting (attempt 1 of 2)``."""
 
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self._failure: tuple | None = None
+    _failure: tuple | None = None  # (exit code, local rank, pid) of the failure the agent will restart from
 
     def emit(self, record: logging.LogRecord) -> None:
         text = record.msg if isinstance(record.msg, str) else ""
@@ -303,10 +258,8 @@ class _RestartNotice(logging.Handler):
             self._failure = args[:3]  # exitcode, local rank, pid
         elif "will restart worker group" in text and "attempts left" in text and len(args) >= 4:
             left, total = int(args[2]), int(args[3])
-            what = ""
-            if self._failure is not None:
-                code, local_rank, pid = self._failure
-                what = f"local rank {local_rank} (pid {pid}) {_how(code)}; "
+            code, local_rank, pid = self._failure or (0, 0, 0)
+            what = f"local rank {local_rank} (pid {pid}) {_how(code)}; " if self._failure else ""
             self._failure = None
             print(f"fanfold run: {what}restarting (attempt {total - left + 1} of {total})", file=sys.stderr,
                   flush=True)
@@ -314,9 +267,8 @@ class _RestartNotice(logging.Handler):
 
 @contextlib.contextmanager
 def _torch_logs(quiet: bool) -> Iterator[None]:
-    # Quiet: torch's agent logs every SIGTERM it sends and every failure it sees, on loggers with levels of their
-    # own; the report at the end says the same once. Its restart records reach the notice either way. Everything
-    # is restored afterwards: this process may be a user's.
+    # Quiet: torch's loggers (levels of their own) log each SIGTERM and failure that the final report sums up once;
+    # the restart records reach the notice either way. Restored afterwards: this process may be a user's.
     names = [n for n in list(logging.root.manager.loggerDict)
              if quiet and n.startswith(("torch.distributed.elastic", "torch.distributed.launcher"))]
     loggers = [logging.getLogger(n) for n in {*names, _POLL_LOGGER, _AGENT_LOGGER}]
@@ -367,8 +319,8 @@ def format_failure(err, verbose: bool = False) -> str:
         lines.append("no Python traceback: the process was killed (any output it left is above)")
     else:
         lines.append("no Python exception was raised (sys.exit or os._exit with that code; its output is above)")
-    stopped, after = [], []
-    for other, failure in sorted(err.failures.items()):
+    stopped, later = [], {}
+    for other, failure in err.failures.items():
         msg = failure.error_file_data.get("message")
         if other == rank:
             continue
@@ -376,11 +328,8 @@ def format_failure(err, verbose: bool = False) -> str:
             stopped.append(other)  # the agent's own SIGTERM, sent when the first rank failed
         else:
             text = msg["message"] if isinstance(msg, dict) else ""
-            what = (text if verbose else text.split(":", 1)[0]) or _how(failure.exitcode)
-            after.append(f"fanfold run: rank {other} also failed, after rank {rank} ({what})")
-    if stopped:
-        lines.append(f"fanfold run: stopped the other workers (ranks {stopped})")
-    lines += after
+            later[other] = (text if verbose else text.split(":", 1)[0]) or _how(failure.exitcode)
+    lines += later_failures("fanfold run", rank, sorted(stopped), later)
     lines.append(f"fanfold run: exit code {_exit_code(err)}")
     return "\n".join(lines)
 

@@ -4,6 +4,7 @@ environment, so ``fn`` calls ``init_process_group()`` as a script under ``fanfol
 """
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import pickle
@@ -86,22 +87,17 @@ def _worker(fn, args, rank: int, env: Mapping[str, str], threads: int, conn, ran
     install_env_rendezvous()  # a plain dist.init_process_group() joins the launch's authenticated store too
     try:
         report = _Report(True, fn(*args))
-        # Pickled before the process group is torn down: pickling tensors after it was seen to hang for good now
-        # and then (torch's storage pickling, in tests/training/test_checkpoint.py, 3 runs of 8)
-        data = _pickled(report, rank)
     except BaseException as exc:  # report everything, KeyboardInterrupt included, then exit non-zero
         report = _Report(False, error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc(),
                          time_ns=time.time_ns())
-        # Report before the process group is torn down: tearing it down is what makes the peers fail
-        # ("Connection closed by peer"), and their reports must not overtake this one.
-        data = _pickled(report, rank)
+    # Pickled before the process group is torn down (torch's storage pickling after it was seen to hang); a failure
+    # is sent before too: the teardown makes the peers fail, and their reports must not overtake this one.
+    data = _pickled(report, rank)
+    if not report.ok:
         conn.send_bytes(data)
-    finally:
-        if dist.is_available() and dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:
-                pass
+    if dist.is_available() and dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
     for stream in streams:  # os._exit skips every flush: what the worker printed must reach the parent first
         stream.close_line()
         stream.flush()
@@ -150,13 +146,12 @@ def _context(fn: Callable, start_method: str | None):
 
 def _kill(procs: Sequence) -> None:
     for p in procs:
-        if p.is_alive():
-            p.terminate()
+        p.terminate()  # a process that has exited is skipped
     deadline = time.monotonic() + 3.0
     for p in procs:
         p.join(max(0.0, deadline - time.monotonic()))
         if p.is_alive():
-            os.kill(p.pid, signal.SIGKILL)
+            p.kill()
             p.join(2.0)
 
 
@@ -164,10 +159,8 @@ _GRACE_S = 2.0  # after a first failure, how long the other ranks' reports are a
 
 
 def _collect(procs: Sequence, conns: Sequence, timeout: float) -> list:
-    # A rank's failure usually makes its peers fail too (gloo: "Connection closed by peer"), read here in any
-    # order: after the first failure the others are awaited a moment, and the earliest by the worker's own clock
-    # (taken before it tore its process group down) is reported. A rank that died without reporting is taken as
-    # the cause: nothing its peers do makes a process vanish.
+    # A rank's failure usually makes its peers fail too: after the first failure the others are awaited a moment,
+    # and the earliest by the worker's own clock is reported; a rank that died without reporting is the cause.
     results: dict[int, Any] = {}
     failures: dict[int, _Report] = {}
     pending = dict(enumerate(conns))  # rank -> its pipe, until read
@@ -201,16 +194,17 @@ def _first_failure(failures: dict[int, _Report], running: list[int], nprocs: int
     rank = min(failures, key=lambda r: (not failures[r].died, failures[r].time_ns, r))
     first = failures[rank]
     if first.died:
-        lines = [f"rank {rank} of {nprocs} {first.error} before reporting"]
+        head = f"rank {rank} of {nprocs} {first.error} before reporting"
     else:
-        lines = [f"rank {rank} of {nprocs} failed: {first.error}\n{first.traceback.rstrip()}"]
-    if running:
-        lines.append(f"fanfold.launch: stopped the other workers (ranks {running})")
-    for other, f in sorted(failures.items()):
-        if other != rank:
-            what = f.error if f.died else f.error.split(":", 1)[0]
-            lines.append(f"fanfold.launch: rank {other} also failed, after rank {rank} ({what})")
-    return WorkerError("\n".join(lines), rank)
+        head = f"rank {rank} of {nprocs} failed: {first.error}\n{first.traceback.rstrip()}"
+    later = {r: f.error if f.died else f.error.split(":", 1)[0] for r, f in failures.items() if r != rank}
+    return WorkerError("\n".join([head, *later_failures("fanfold.launch", rank, running, later)]), rank)
+
+
+def later_failures(who: str, rank: int, stopped: list[int], later: dict[int, str]) -> list[str]:
+    """The report's lines after the first failure's (``rank``): the ranks stopped, those that failed later."""
+    lines = [f"{who}: stopped the other workers (ranks {stopped})"] if stopped else []
+    return lines + [f"{who}: rank {r} also failed, after rank {rank} ({what})" for r, what in sorted(later.items())]
 
 
 def launch(

@@ -5,6 +5,7 @@ launcher, ``env://`` routed to the job's store, output in whole lines. Imports n
 from __future__ import annotations
 
 import atexit
+import contextlib
 import faulthandler
 import importlib.util
 import json
@@ -102,26 +103,20 @@ def _die_with_parent() -> None:
     # PR_SET_PDEATHSIG: the agent stops workers on every exit it sees, but a SIGKILLed agent sees nothing.
     if not sys.platform.startswith("linux"):
         return
-    try:
+    with contextlib.suppress(OSError, AttributeError):
         import ctypes
 
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
 
 
 def _stop_own_group() -> None:
-    # The agent signals the process groups of workers still running; a worker that has exited (failed or done)
-    # is skipped, and what it started would outlive the run. We lead our group (the agent starts each worker in a
-    # new session), so stop the group's other members on the way out. Never when started otherwise: the group
-    # would be the caller's.
+    # The agent signals the process groups of running workers only: what an exited worker started would outlive
+    # the run. The agent starts each worker in a new session, so stop our group on the way out (only if we lead it).
     if os.name != "posix" or os.getpgid(0) != os.getpid():
         return
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    try:
+    with contextlib.suppress(OSError):
         os.killpg(0, signal.SIGTERM)
-    except OSError:
-        pass
 
 
 def _user_frames(tb):
@@ -157,13 +152,10 @@ def _own_report(exc: BaseException, text: str) -> str:
     # The launcher shows the traceback of the rank that failed first once the run has failed; a failure the agent
     # restarts from is labelled here; --verbose shows every rank's.
     verbose = os.environ.get("FANFOLD_VERBOSE") == "1"
-    try:
-        done, allowed = int(os.environ["TORCHELASTIC_RESTART_COUNT"]), int(os.environ["TORCHELASTIC_MAX_RESTARTS"])
-    except (KeyError, ValueError):
-        return text
-    if not os.environ.get("TORCHELASTIC_ERROR_FILE") or done >= allowed:
-        return text if verbose or not os.environ.get("TORCHELASTIC_ERROR_FILE") else ""
-    rank, label = os.environ.get("RANK", "?"), f"restarting (attempt {done + 1} of {allowed})"
+    done, allowed = int(os.environ["TORCHELASTIC_RESTART_COUNT"]), int(os.environ["TORCHELASTIC_MAX_RESTARTS"])
+    if done >= allowed:
+        return text if verbose else ""
+    rank, label = os.environ["RANK"], f"restarting (attempt {done + 1} of {allowed})"
     if not verbose and any(s in f"{type(exc).__name__}: {exc}" for s in _PEER_GONE):
         return (f"fanfold run: rank {rank} also failed: a peer is gone ({type(exc).__name__}); {label} "
                 f"(--verbose shows its traceback)\n")
@@ -171,12 +163,8 @@ def _own_report(exc: BaseException, text: str) -> str:
 
 
 def main(argv: list[str]) -> int:
-    module = bool(argv) and argv[0] == "-m"
-    if module:
-        argv = argv[1:]
-    if not argv:
-        print("usage: worker_shim.py [-m] target [args...]", file=sys.stderr)
-        return 2
+    module = argv[:1] == ["-m"]  # launch_script passes [-m] target args...
+    argv = argv[module:]
     target = argv[0]
     sys.argv = list(argv)
     prefix = f"[rank {os.environ.get('RANK', '?')}] " if os.environ.get("FANFOLD_RANK_PREFIX") == "1" else ""
