@@ -181,15 +181,22 @@ def _all_to_all_counts(output: torch.Tensor, input: torch.Tensor, out_splits: li
     return counts[0], counts[1]
 
 
-def _torch_method(name: str, impl: Callable[..., dist.Work]) -> Callable[..., dist.Work]:
-    """torch's ``ProcessGroup`` method ``name``, in every calling form (``_read``), running ``impl``. Under
+def _torch_method(name: str, impl: Callable[..., dist.Work | None], gloo: str | None = None
+                  ) -> Callable[..., dist.Work]:
+    """torch's ``ProcessGroup`` method ``name``, in every calling form (``_read``), running ``impl``, else the gloo
+    backend's method ``gloo`` (default ``name``) with the same arguments, bounded by ``_wait_limit``. Under
     torch.compile dynamo calls it instead of tracing into it (torch's DDP broadcasts its buffers from the traced
     forward): a collective runs the transport's threads, locks and futures, which no graph holds."""
 
     @torch.compiler.disable
     def method(self: FanfoldProcessGroup, *args: Any, **kwargs: Any) -> dist.Work:
         *arguments, opts = _read(name, args, kwargs)
-        return self._handout(impl(self, *arguments, opts), opts.asyncOp)
+        work = impl(self, *arguments, opts)
+        if work is None:
+            # gloo ends a collective after its options' timeout and closes its connections: the peers' waits end too
+            opts.timeout = timedelta(seconds=self._wait_limit()[0])
+            work = getattr(self.gloo, gloo or name)(*arguments, opts)
+        return self._handout(work, opts.asyncOp)
 
     method.__name__ = method.__qualname__ = name
     return method
@@ -299,12 +306,9 @@ class FanfoldProcessGroup(dist.ProcessGroup):
             return seconds, f"the stall timeout (${STALL_ENV_VAR}, default {DEFAULT_STALL_TIMEOUT:g} s)"
         return group, "the timeout of the group"
 
-    def _bounded(self, opts: Any) -> Any:
-        # gloo ends a collective after its options' timeout and closes its connections, so the peers' waits end too
-        opts.timeout = timedelta(seconds=self._wait_limit()[0])
-        return opts
+    # The implementations: None where shared memory does not take the call, which then goes to gloo as it is.
 
-    def _allreduce(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
+    def _allreduce(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work | None:
         # The latency path, tried once, with as few checks as make it safe (run_small checks the tensor): a small
         # SUM, or AVG of floating point, summed on this thread when nothing is queued. Anything else is queued.
         if len(tensors) == 1 and self._decided and isinstance(self.transport, ShmTransport):
@@ -316,74 +320,58 @@ class FanfoldProcessGroup(dist.ProcessGroup):
             except Exception as exc:  # noqa: BLE001 - raised by wait(), as gloo's errors are
                 return failed_work(exc, tensors)
         op = _op_name(opts.reduceOp)
-        shm = self.shared_transport() if len(tensors) == 1 and _supported(tensors, op) else None
-        if shm is None:
-            return self.gloo.allreduce(tensors, self._bounded(opts))
-        # detach: collectives write a tensor's data whatever autograd thinks of it (a Parameter), as gloo does
-        return FanfoldWork(shm.all_reduce(tensors[0].detach(), **self._reduction(op)).get_future(), tensors)
+        if shm := self._exchange_ok(tensors, [], True, op):
+            # detach: collectives write a tensor's data whatever autograd thinks of it (a Parameter), as gloo does
+            return FanfoldWork(shm.all_reduce(tensors[0].detach(), **self._reduction(op)).get_future(), tensors)
 
-    def _allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
+    def _allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work | None:
         op = _op_name(opts.reduceOp)
-        shm = self.shared_transport() if _supported(tensors, op) else None
-        if shm is None:
-            return self.gloo.allreduce_coalesced(tensors, self._bounded(opts))
-        flat = torch.cat([t.detach().reshape(-1) for t in tensors])
-        return FanfoldWork(shm.all_reduce(flat, **self._reduction(op)).get_future(), tensors,
-                           lambda: split_into(flat, tensors))
+        if _supported(tensors, op) and (shm := self.shared_transport()):
+            flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+            return FanfoldWork(shm.all_reduce(flat, **self._reduction(op)).get_future(), tensors,
+                               lambda: split_into(flat, tensors))
 
-    def _broadcast(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
-        shm = self.shared_transport() if len(tensors) == 1 and opts.rootTensor == 0 and _supported(tensors) else None
-        if shm is None:
-            return self.gloo.broadcast(tensors, self._bounded(opts))
-        shm.broadcast(tensors[0].detach(), opts.rootRank)  # returns once done: broadcasts are rare and small
-        return completed_work(tensors)
+    def _broadcast(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work | None:
+        if shm := self._exchange_ok(tensors, [], opts.rootTensor == 0):
+            shm.broadcast(tensors[0].detach(), opts.rootRank)  # returns once done: broadcasts are rare and small
+            return completed_work(tensors)
 
     def _allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
-                   opts: Any) -> dist.Work:
+                   opts: Any) -> dist.Work | None:
         outs = output_tensors[0] if len(output_tensors) == 1 and len(input_tensors) == 1 else []
-        shm = self._exchange_ok(input_tensors, outs, len(outs) == self.size() and
-                                all(o.shape == input_tensors[0].shape for o in outs))
-        if shm is None:
-            return self.gloo.allgather(output_tensors, input_tensors, self._bounded(opts))
-        flat = torch.empty(self.size() * input_tensors[0].numel(), dtype=input_tensors[0].dtype)
-        work = shm.all_gather(input_tensors[0].detach(), flat)
-        return FanfoldWork(work.get_future(), output_tensors, lambda: split_into(flat, outs))
+        if shm := self._exchange_ok(input_tensors, outs, len(outs) == self.size() and
+                                    all(o.shape == input_tensors[0].shape for o in outs)):
+            flat = torch.empty(self.size() * input_tensors[0].numel(), dtype=input_tensors[0].dtype)
+            work = shm.all_gather(input_tensors[0].detach(), flat)
+            return FanfoldWork(work.get_future(), output_tensors, lambda: split_into(flat, outs))
 
-    def _all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> dist.Work:
-        shm = self._exchange_ok([input], [output], output.numel() == self.size() * input.numel())
-        if shm is None:
-            return self.gloo._allgather_base(output, input, self._bounded(opts))
-        return FanfoldWork(shm.all_gather(input.detach(), output.detach()).get_future(), [output])
+    def _all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> dist.Work | None:
+        if shm := self._exchange_ok([input], [output], output.numel() == self.size() * input.numel()):
+            return FanfoldWork(shm.all_gather(input.detach(), output.detach()).get_future(), [output])
 
     def _reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
-                        opts: Any) -> dist.Work:
+                        opts: Any) -> dist.Work | None:
         ins = input_tensors[0] if len(input_tensors) == 1 and len(output_tensors) == 1 else []
         op = _op_name(opts.reduceOp)
-        shm = self._exchange_ok(output_tensors, ins, len(ins) == self.size() and op is not None and all(
-            t.shape == output_tensors[0].shape for t in ins), op)
-        if shm is None:
-            return self.gloo.reduce_scatter(output_tensors, input_tensors, self._bounded(opts))
-        flat = torch.cat([t.detach().reshape(-1) for t in ins])
-        work = shm.reduce_scatter(flat, output_tensors[0].detach(), **self._reduction(op))
-        return FanfoldWork(work.get_future(), output_tensors)
+        if shm := self._exchange_ok(output_tensors, ins, len(ins) == self.size() and all(
+                t.shape == output_tensors[0].shape for t in ins), op):
+            flat = torch.cat([t.detach().reshape(-1) for t in ins])
+            work = shm.reduce_scatter(flat, output_tensors[0].detach(), **self._reduction(op))
+            return FanfoldWork(work.get_future(), output_tensors)
 
-    def _reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> dist.Work:
+    def _reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> dist.Work | None:
         op = _op_name(opts.reduceOp)
-        shm = self._exchange_ok([input], [output], op is not None and input.numel() == self.size() * output.numel(),
-                                op)
-        if shm is None:
-            return self.gloo._reduce_scatter_base(output, input, self._bounded(opts))
-        work = shm.reduce_scatter(input.detach(), output.detach(), **self._reduction(op))
-        return FanfoldWork(work.get_future(), [output])
+        if shm := self._exchange_ok([input], [output], input.numel() == self.size() * output.numel(), op):
+            work = shm.reduce_scatter(input.detach(), output.detach(), **self._reduction(op))
+            return FanfoldWork(work.get_future(), [output])
 
     def _all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
-                           input_split_sizes: list[int], opts: Any) -> dist.Work:
-        counts = _all_to_all_counts(output, input, list(output_split_sizes), list(input_split_sizes), self.size())
-        shm = self._exchange_ok([input], [output], counts is not None)
-        if not isinstance(shm, ShmTransport):  # none, or the hierarchical transport, which has no all_to_all: gloo's
-            return self.gloo.alltoall_base(output, input, output_split_sizes, input_split_sizes, self._bounded(opts))
-        work = shm.all_to_all(input.detach(), output.detach(), counts[0], counts[1])
-        return FanfoldWork(work.get_future(), [output])
+                           input_split_sizes: list[int], opts: Any) -> dist.Work | None:
+        counts = _all_to_all_counts(output, input, output_split_sizes, input_split_sizes, self.size())
+        # the hierarchical transport has no all_to_all: gloo's
+        if isinstance(shm := self._exchange_ok([input], [output], counts is not None), ShmTransport):
+            work = shm.all_to_all(input.detach(), output.detach(), counts[0], counts[1])
+            return FanfoldWork(work.get_future(), [output])
 
     def _reduction(self, op: str) -> dict:
         # an average is a sum with a divisor
@@ -394,14 +382,13 @@ class FanfoldProcessGroup(dist.ProcessGroup):
         # One input, CPU, one supported dtype for inputs and outputs: all equal on every rank of a correct program
         return self.shared_transport() if len(ins) == 1 and shapes_ok and _supported(ins + outs, op) else None
 
-    def _barrier(self, opts: Any) -> dist.Work:
+    def _barrier(self, opts: Any) -> None:
         shm = self.shared_transport()
         if shm is not None:
             shm.barrier()  # every rank has finished its queued shared-memory collectives (names a missing one)
         else:
             self._store_barrier()  # gloo's own would time out naming nobody
         # then gloo's, behind the delegated collectives queued before it
-        return self.gloo.barrier(self._bounded(opts))
 
     def _store_barrier(self) -> None:
         self._barriers += 1
@@ -423,10 +410,11 @@ class FanfoldProcessGroup(dist.ProcessGroup):
     allreduce_coalesced = _torch_method("allreduce_coalesced", _allreduce_coalesced)
     broadcast = _torch_method("broadcast", _broadcast)
     allgather = _torch_method("allgather", _allgather)
-    all_gather_single = _allgather_base = _torch_method("all_gather_single", _all_gather_single)
+    all_gather_single = _allgather_base = _torch_method("all_gather_single", _all_gather_single, "_allgather_base")
     reduce_scatter = _torch_method("reduce_scatter", _reduce_scatter)
-    reduce_scatter_single = _reduce_scatter_base = _torch_method("reduce_scatter_single", _reduce_scatter_single)
-    all_to_all_single = alltoall_base = _torch_method("all_to_all_single", _all_to_all_single)
+    reduce_scatter_single = _reduce_scatter_base = _torch_method("reduce_scatter_single", _reduce_scatter_single,
+                                                                 "_reduce_scatter_base")
+    all_to_all_single = alltoall_base = _torch_method("all_to_all_single", _all_to_all_single, "alltoall_base")
     barrier = _torch_method("barrier", _barrier)
 
     def shutdown(self) -> None:
