@@ -116,11 +116,6 @@ class FanfoldWork(dist._Work):
     def is_completed(self) -> bool:
         return self._future is None or self._result.done()
 
-    def is_success(self) -> bool:
-        if not self.is_completed():
-            raise RuntimeError("is_success on a collective that has not completed")
-        return self.exception() is None
-
     def exception(self) -> BaseException | None:
         if self._future is None or not self._result.done():
             return None

@@ -226,10 +226,10 @@ class InspectedWork:
 class InspectedTransport:
     """``inner`` (a ``collectives.Transport``) with numbered, published, bounded collectives: one numbering per
     instance. ``timeout`` in seconds (default ``$FANFOLD_STALL_TIMEOUT`` or 300, never above the group's timeout);
-    ``group``, ``rank`` and ``world_size`` default to the inner transport's (or the world's); ``store`` to the group's
-    stall namespace; ``feature`` names the issuer in errors. ``barrier()`` goes through the store, bounded too
-    (collectives still in flight are not waited for). The first rank to diagnose a stall raises the group's alarm
-    (key ``alarm``): every rank's pending waits then end with a StallError, and ``inner.abort`` (if any) is called."""
+    ``group``, ``rank`` and ``world_size`` default to the inner transport's; ``store`` to the group's stall namespace;
+    ``feature`` names the issuer in errors. ``barrier()`` goes through the store, bounded too (collectives still in
+    flight are not waited for). The first rank to diagnose a stall raises the group's alarm (key ``alarm``): every
+    rank's pending waits then end with a StallError, and ``inner.abort`` (if any) is called."""
 
     def __init__(self, inner: Transport, *, timeout: float | timedelta | None = None, group: Any = None,
                  store: dist.Store | None = None, rank: int | None = None, world_size: int | None = None,
