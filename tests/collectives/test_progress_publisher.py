@@ -4,7 +4,7 @@ import json
 import threading
 import time
 
-from fanfold.collectives.stall import WRITE_INTERVAL_S, Publisher
+from fanfold.collectives.stall import ALARM_POLL_S, WRITE_INTERVAL_S, Publisher
 
 
 class _CountingStore:
@@ -53,5 +53,36 @@ def test_flush_writes_the_newest_record_at_once():
         assert time.monotonic() - start < WRITE_INTERVAL_S / 2
         with store.lock:
             assert [w[1]["seq"] for w in store.writes] == [1, 2]
+    finally:
+        pub.close()
+
+
+def test_records_keep_their_key_and_the_alarm_is_heard_once_while_idle():
+    class AlarmStore(_CountingStore):
+        def __init__(self):
+            super().__init__()
+            self.keys, self.alarm = [], None
+
+        def set(self, key, value):
+            self.keys.append(key)
+            super().set(key, value)
+
+        def check(self, keys):
+            return self.alarm is not None
+
+        def get(self, key):
+            return self.alarm
+
+    store, heard = AlarmStore(), []
+    pub = Publisher(store, "3", alarm=("alarm", heard.append))
+    try:
+        time.sleep(1.5 * ALARM_POLL_S)  # idle: the writer has looked for the alarm (none yet)
+        pub.post({"seq": 1})
+        pub.flush()
+        store.alarm = json.dumps({"rank": 1})
+        time.sleep(2.5 * ALARM_POLL_S)
+        pub.post({"seq": 2})
+        pub.flush()
+        assert store.keys == ["3", "3"] and heard == [{"rank": 1}]
     finally:
         pub.close()

@@ -1,6 +1,6 @@
-"""fanfold.collectives: how ranks talk. The transport interface (``protocol``) and its implementations (torch's
-``transport``, ``shm/`` on one host, ``hierarchical`` across hosts, chosen by ``select``), the stall inspector every
-feature talks through (``stall``), the one handle (``work``) and the ``fanfold`` torch.distributed backend.
+"""fanfold.collectives: how ranks talk. The transport interface and its one handle (``protocol``), its
+implementations (torch's ``transport``, ``shm/`` on one host, ``hierarchical`` across hosts, chosen by ``select``),
+the stall inspector every feature talks through (``stall``) and the ``fanfold`` torch.distributed backend.
 """
 from .backend import FanfoldProcessGroup
 from .hierarchical import HierarchicalTransport

@@ -1,32 +1,40 @@
 """The ``fanfold`` torch.distributed backend: ``init_process_group("fanfold")`` runs torch's collectives (and so
-torch's DDP, ZeroRedundancyOptimizer and FSDP2) on the group's transport (``select.choose``: shared memory on one
-host, hierarchical across hosts) where the tensors allow it, on an inner gloo backend otherwise. Every path depends
-only on what is the same on every rank (op, dtype, device, number of tensors). docs/backend.md.
+torch's DDP, ZeroRedundancyOptimizer and FSDP2), in every calling form of torch's ``ProcessGroup`` methods, on the
+group's transport (``select.choose``) where the tensors allow it, on an inner gloo backend otherwise. Every path
+depends only on what is the same on every rank (op, dtype, device, number of tensors). docs/backend.md.
 """
 from __future__ import annotations
 
+import inspect
 import os
 import platform
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _create_work_from_future
+from torch._C._distributed_c10d import (
+    AllgatherOptions,
+    AllreduceCoalescedOptions,
+    AllreduceOptions,
+    AllToAllOptions,
+    BarrierOptions,
+    BroadcastOptions,
+    ReduceScatterOptions,
+    _create_work_from_future,
+)
 
-from . import forms
 from .hierarchical import HierarchicalTransport
-from .protocol import StallError, Transport
+from .protocol import FanfoldWork, StallError, Transport, completed_work, failed_work
 from .select import ENV_VAR, choose, host_views
 from .shm.engine import DTYPES
 from .shm.transport import SegmentSpaceError, ShmTransport
 from .timeouts import DEFAULT_STALL_TIMEOUT, StoreGroup, bound, resolve_stall_timeout
 from .timeouts import ENV_VAR as STALL_ENV_VAR
 from .transport import split_into
-from .work import FanfoldWork, completed_work, failed_work
 
 __all__ = ["FanfoldProcessGroup", "register", "BACKEND"]
 
@@ -51,15 +59,144 @@ def _supported(tensors: list[torch.Tensor], op: str | None = "sum") -> bool:
         dtype in DTYPES and (op != "avg" or dtype.is_floating_point))
 
 
-def _torch_method(name: str, impl: Callable[..., dist.Work]) -> Callable[..., dist.Work]:
-    """torch's ``ProcessGroup`` method ``name``, in every calling form (``forms.read``), running ``impl``. Under
+def _of(kind: type, x: Any) -> Any:
+    # a TypeError: the form does not bind, as an argument pybind refuses
+    if not isinstance(x, kind):
+        raise TypeError
+    return x
+
+
+def _tensor(x: Any) -> torch.Tensor:
+    return _of(torch.Tensor, x)
+
+
+def _tensors(x: Any, each: Callable[[Any], Any] = _tensor) -> list:
+    if isinstance(x, torch.Tensor) or not isinstance(x, Sequence):
+        raise TypeError
+    return [each(t) for t in x]
+
+
+def _lists(x: Any) -> list[list[torch.Tensor]]:
+    return _tensors(x, _tensors)
+
+
+def _opts(kind: type, opts: Any) -> Any:
+    return kind() if opts is None else _of(kind, opts)
+
+
+def _made(kind: type, timeout: timedelta | None, **fields: Any) -> Any:
+    if "reduceOp" in fields:
+        _of((dist.ReduceOp, dist.ReduceOp.RedOpType), fields["reduceOp"])
+    opts = kind()
+    for name, value in fields.items():
+        setattr(opts, name, value)
+    if timeout is not None:
+        opts.timeout = _of(timedelta, timeout)
+    return opts
+
+
+def _read(name: str, args: tuple, kwargs: dict) -> tuple:
+    """The arguments of torch's method ``name`` as its first binding form (as pybind takes it) reads them: the
+    tensors (and split sizes), then the options object; none binds: a TypeError listing torch's forms. A Python
+    override replaces every pybind overload at once (torch's DDP calls ``process_group.allreduce(tensor)``)."""
+    forms = _FORMS[name]
+    for form in forms:
+        try:
+            return form(*args, **kwargs)
+        except TypeError:  # the arguments do not bind (or an option refused its value)
+            continue
+    accepted = "; ".join(f"{name}{inspect.signature(f)}" for f in forms)
+    given = ", ".join([type(a).__name__ for a in args] + [f"{k}={type(v).__name__}" for k, v in kwargs.items()])
+    raise TypeError(f"{name}(): incompatible function arguments ({given}); the fanfold backend takes torch's forms: "
+                    f"{accepted}")
+
+
+# Each of torch's overloads, with its parameter names and defaults (the error lists them), in pybind's order: the
+# first is the one torch.distributed and torch's C++ use, so it binds at the first try.
+_FORMS: dict[str, tuple[Callable[..., tuple], ...]] = {
+    "allreduce": (
+        lambda tensors, opts=None: (_tensors(tensors), _opts(AllreduceOptions, opts)),
+        lambda tensors, op=_SUM, timeout=None: (_tensors(tensors), _made(AllreduceOptions, timeout, reduceOp=op)),
+        lambda tensor, op=_SUM, timeout=None: ([_tensor(tensor)], _made(AllreduceOptions, timeout, reduceOp=op)),
+    ),
+    "allreduce_coalesced": (
+        lambda tensors, opts=None: (_tensors(tensors), _opts(AllreduceCoalescedOptions, opts)),
+    ),
+    "broadcast": (
+        lambda tensors, opts=None: (_tensors(tensors), _opts(BroadcastOptions, opts)),
+        lambda tensor, root, timeout=None: (
+            [_tensor(tensor)], _made(BroadcastOptions, timeout, rootRank=_of(int, root), rootTensor=0)),
+    ),
+    "allgather": (
+        lambda output_tensors, input_tensors, opts=None: (
+            _lists(output_tensors), _tensors(input_tensors), _opts(AllgatherOptions, opts)),
+        lambda output_tensors, input_tensor, timeout=None: (
+            [_tensors(output_tensors)], [_tensor(input_tensor)], _made(AllgatherOptions, timeout)),
+    ),
+    "all_gather_single": (
+        lambda output, input, opts=None: (_tensor(output), _tensor(input), _opts(AllgatherOptions, opts)),
+    ),
+    "reduce_scatter": (
+        lambda output_tensors, input_tensors, opts=None: (
+            _tensors(output_tensors), _lists(input_tensors), _opts(ReduceScatterOptions, opts)),
+        lambda output, input, op=_SUM, timeout=None: (
+            [_tensor(output)], [_tensors(input)], _made(ReduceScatterOptions, timeout, reduceOp=op)),
+    ),
+    "reduce_scatter_single": (
+        lambda outputTensor, inputTensor, opts=None: (  # noqa: N803 - torch's keyword names
+            _tensor(outputTensor), _tensor(inputTensor), _opts(ReduceScatterOptions, opts)),
+    ),
+    "all_to_all_single": (
+        lambda output, input, output_split_sizes, input_split_sizes, opts=None: (
+            _tensor(output), _tensor(input), list(output_split_sizes), list(input_split_sizes),
+            _opts(AllToAllOptions, opts)),
+        lambda output, input, output_split_sizes, input_split_sizes, timeout=None: (
+            _tensor(output), _tensor(input), list(output_split_sizes), list(input_split_sizes),
+            _made(AllToAllOptions, timeout)),
+    ),
+    "barrier": (
+        lambda opts=None: (_opts(BarrierOptions, opts),),
+        lambda timeout=None: (_made(BarrierOptions, timeout),),
+    ),
+}
+
+
+def _all_to_all_counts(output: torch.Tensor, input: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                       n: int) -> tuple[list[int], list[int]] | None:
+    """all_to_all_single's element counts (sent to each rank, received from each rank) from torch's split sizes
+    (rows of dim 0; empty: equal parts), or None where they do not describe the tensors (gloo says why)."""
+    if input.dim() == 0 or output.dim() == 0:
+        return None
+    counts = []
+    for t, splits in ((input, in_splits), (output, out_splits)):
+        rows = t.shape[0]
+        if not splits:
+            if rows % n:
+                return None
+            splits = [rows // n] * n
+        if len(splits) != n or sum(splits) != rows or min(splits) < 0:
+            return None
+        row = t.numel() // rows if rows else 0
+        counts.append([k * row for k in splits])
+    return counts[0], counts[1]
+
+
+def _torch_method(name: str, impl: Callable[..., dist.Work | None], gloo: str | None = None
+                  ) -> Callable[..., dist.Work]:
+    """torch's ``ProcessGroup`` method ``name``, in every calling form (``_read``), running ``impl``, else the gloo
+    backend's method ``gloo`` (default ``name``) with the same arguments, bounded by ``_wait_limit``. Under
     torch.compile dynamo calls it instead of tracing into it (torch's DDP broadcasts its buffers from the traced
     forward): a collective runs the transport's threads, locks and futures, which no graph holds."""
 
     @torch.compiler.disable
     def method(self: FanfoldProcessGroup, *args: Any, **kwargs: Any) -> dist.Work:
-        *arguments, opts = forms.read(name, args, kwargs)
-        return self._handout(impl(self, *arguments, opts), opts.asyncOp)
+        *arguments, opts = _read(name, args, kwargs)
+        work = impl(self, *arguments, opts)
+        if work is None:
+            # gloo ends a collective after its options' timeout and closes its connections: the peers' waits end too
+            opts.timeout = timedelta(seconds=self._wait_limit()[0])
+            work = getattr(self.gloo, gloo or name)(*arguments, opts)
+        return self._handout(work, opts.asyncOp)
 
     method.__name__ = method.__qualname__ = name
     return method
@@ -117,13 +254,8 @@ class FanfoldProcessGroup(dist.ProcessGroup):
         return BACKEND
 
     def shared_transport(self) -> Transport | None:
-        """``protocol.TransportOwner``: the group's transport, created now if no fast collective has run yet
-        (collective then, as the first fast collective is); fanfold's DDP on this group runs on it."""
-        return self._fast()
-
-    def _fast(self) -> Transport | None:
-        """The group's transport, created at the first call (collective: every rank makes the same first fast
-        collective); None with one rank per host, or where it is turned off."""
+        """``protocol.TransportOwner``: the group's transport, created at the first call (collective: every rank
+        makes the same first fast collective); None with one rank per host, or where it is turned off."""
         if self._decided:  # set once, under the lock, after transport: no lock on every collective
             return self.transport
         with self._lock:
@@ -167,23 +299,16 @@ class FanfoldProcessGroup(dist.ProcessGroup):
             return None
 
     def _wait_limit(self) -> tuple[float, str]:
-        """How long a wait for a peer may take now, and what set it: the stall timeout (a ``stall_timeout`` block's,
-        else $FANFOLD_STALL_TIMEOUT, else 300 s), or the group's timeout where that is shorter."""
+        """How long a wait for a peer may take now (``timeouts.bound``), and what set it."""
         group = self._timeout.total_seconds()
         seconds = bound(resolve_stall_timeout(), group)
         if seconds < group:
             return seconds, f"the stall timeout (${STALL_ENV_VAR}, default {DEFAULT_STALL_TIMEOUT:g} s)"
         return group, "the timeout of the group"
 
-    def _bounded(self, opts: Any) -> Any:
-        """``opts`` of a collective handed to gloo, bounded as the shared memory's are (``_wait_limit``): gloo ends
-        it after that, and closes its connections, so the peers' waits end too."""
-        opts.timeout = timedelta(seconds=self._wait_limit()[0])
-        return opts
+    # The implementations: None where shared memory does not take the call, which then goes to gloo as it is.
 
-    # The implementations: each falls back to gloo with the same arguments.
-
-    def _allreduce(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
+    def _allreduce(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work | None:
         # The latency path, tried once, with as few checks as make it safe (run_small checks the tensor): a small
         # SUM, or AVG of floating point, summed on this thread when nothing is queued. Anything else is queued.
         if len(tensors) == 1 and self._decided and isinstance(self.transport, ShmTransport):
@@ -195,74 +320,58 @@ class FanfoldProcessGroup(dist.ProcessGroup):
             except Exception as exc:  # noqa: BLE001 - raised by wait(), as gloo's errors are
                 return failed_work(exc, tensors)
         op = _op_name(opts.reduceOp)
-        shm = self._fast() if len(tensors) == 1 and _supported(tensors, op) else None
-        if shm is None:
-            return self.gloo.allreduce(tensors, self._bounded(opts))
-        # detach: collectives write a tensor's data whatever autograd thinks of it (a Parameter), as gloo does
-        return FanfoldWork(shm.all_reduce(tensors[0].detach(), **self._reduction(op)).get_future(), tensors)
+        if shm := self._exchange_ok(tensors, [], True, op):
+            # detach: collectives write a tensor's data whatever autograd thinks of it (a Parameter), as gloo does
+            return FanfoldWork(shm.all_reduce(tensors[0].detach(), **self._reduction(op)).get_future(), tensors)
 
-    def _allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
+    def _allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work | None:
         op = _op_name(opts.reduceOp)
-        shm = self._fast() if _supported(tensors, op) else None
-        if shm is None:
-            return self.gloo.allreduce_coalesced(tensors, self._bounded(opts))
-        flat = torch.cat([t.detach().reshape(-1) for t in tensors])
-        return FanfoldWork(shm.all_reduce(flat, **self._reduction(op)).get_future(), tensors,
-                           lambda: split_into(flat, tensors))
+        if _supported(tensors, op) and (shm := self.shared_transport()):
+            flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+            return FanfoldWork(shm.all_reduce(flat, **self._reduction(op)).get_future(), tensors,
+                               lambda: split_into(flat, tensors))
 
-    def _broadcast(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
-        shm = self._fast() if len(tensors) == 1 and opts.rootTensor == 0 and _supported(tensors) else None
-        if shm is None:
-            return self.gloo.broadcast(tensors, self._bounded(opts))
-        shm.broadcast(tensors[0].detach(), opts.rootRank)  # returns once done: broadcasts are rare and small
-        return completed_work(tensors)
+    def _broadcast(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work | None:
+        if shm := self._exchange_ok(tensors, [], opts.rootTensor == 0):
+            shm.broadcast(tensors[0].detach(), opts.rootRank)  # returns once done: broadcasts are rare and small
+            return completed_work(tensors)
 
     def _allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
-                   opts: Any) -> dist.Work:
+                   opts: Any) -> dist.Work | None:
         outs = output_tensors[0] if len(output_tensors) == 1 and len(input_tensors) == 1 else []
-        shm = self._exchange_ok(input_tensors, outs, len(outs) == self.size() and
-                                all(o.shape == input_tensors[0].shape for o in outs))
-        if shm is None:
-            return self.gloo.allgather(output_tensors, input_tensors, self._bounded(opts))
-        flat = torch.empty(self.size() * input_tensors[0].numel(), dtype=input_tensors[0].dtype)
-        work = shm.all_gather(input_tensors[0].detach(), flat)
-        return FanfoldWork(work.get_future(), output_tensors, lambda: split_into(flat, outs))
+        if shm := self._exchange_ok(input_tensors, outs, len(outs) == self.size() and
+                                    all(o.shape == input_tensors[0].shape for o in outs)):
+            flat = torch.empty(self.size() * input_tensors[0].numel(), dtype=input_tensors[0].dtype)
+            work = shm.all_gather(input_tensors[0].detach(), flat)
+            return FanfoldWork(work.get_future(), output_tensors, lambda: split_into(flat, outs))
 
-    def _all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> dist.Work:
-        shm = self._exchange_ok([input], [output], output.numel() == self.size() * input.numel())
-        if shm is None:
-            return self.gloo._allgather_base(output, input, self._bounded(opts))
-        return FanfoldWork(shm.all_gather(input.detach(), output.detach()).get_future(), [output])
+    def _all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> dist.Work | None:
+        if shm := self._exchange_ok([input], [output], output.numel() == self.size() * input.numel()):
+            return FanfoldWork(shm.all_gather(input.detach(), output.detach()).get_future(), [output])
 
     def _reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
-                        opts: Any) -> dist.Work:
+                        opts: Any) -> dist.Work | None:
         ins = input_tensors[0] if len(input_tensors) == 1 and len(output_tensors) == 1 else []
         op = _op_name(opts.reduceOp)
-        shm = self._exchange_ok(output_tensors, ins, len(ins) == self.size() and op is not None and all(
-            t.shape == output_tensors[0].shape for t in ins), op)
-        if shm is None:
-            return self.gloo.reduce_scatter(output_tensors, input_tensors, self._bounded(opts))
-        flat = torch.cat([t.detach().reshape(-1) for t in ins])
-        work = shm.reduce_scatter(flat, output_tensors[0].detach(), **self._reduction(op))
-        return FanfoldWork(work.get_future(), output_tensors)
+        if shm := self._exchange_ok(output_tensors, ins, len(ins) == self.size() and all(
+                t.shape == output_tensors[0].shape for t in ins), op):
+            flat = torch.cat([t.detach().reshape(-1) for t in ins])
+            work = shm.reduce_scatter(flat, output_tensors[0].detach(), **self._reduction(op))
+            return FanfoldWork(work.get_future(), output_tensors)
 
-    def _reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> dist.Work:
+    def _reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> dist.Work | None:
         op = _op_name(opts.reduceOp)
-        shm = self._exchange_ok([input], [output], op is not None and input.numel() == self.size() * output.numel(),
-                                op)
-        if shm is None:
-            return self.gloo._reduce_scatter_base(output, input, self._bounded(opts))
-        work = shm.reduce_scatter(input.detach(), output.detach(), **self._reduction(op))
-        return FanfoldWork(work.get_future(), [output])
+        if shm := self._exchange_ok([input], [output], input.numel() == self.size() * output.numel(), op):
+            work = shm.reduce_scatter(input.detach(), output.detach(), **self._reduction(op))
+            return FanfoldWork(work.get_future(), [output])
 
     def _all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
-                           input_split_sizes: list[int], opts: Any) -> dist.Work:
-        counts = forms.all_to_all_counts(output, input, list(output_split_sizes), list(input_split_sizes), self.size())
-        shm = self._exchange_ok([input], [output], counts is not None)
-        if not isinstance(shm, ShmTransport):  # none, or the hierarchical transport, which has no all_to_all: gloo's
-            return self.gloo.alltoall_base(output, input, output_split_sizes, input_split_sizes, self._bounded(opts))
-        work = shm.all_to_all(input.detach(), output.detach(), counts[0], counts[1])
-        return FanfoldWork(work.get_future(), [output])
+                           input_split_sizes: list[int], opts: Any) -> dist.Work | None:
+        counts = _all_to_all_counts(output, input, output_split_sizes, input_split_sizes, self.size())
+        # the hierarchical transport has no all_to_all: gloo's
+        if isinstance(shm := self._exchange_ok([input], [output], counts is not None), ShmTransport):
+            work = shm.all_to_all(input.detach(), output.detach(), counts[0], counts[1])
+            return FanfoldWork(work.get_future(), [output])
 
     def _reduction(self, op: str) -> dict:
         # an average is a sum with a divisor
@@ -271,19 +380,17 @@ class FanfoldProcessGroup(dist.ProcessGroup):
     def _exchange_ok(self, ins: list[torch.Tensor], outs: list[torch.Tensor], shapes_ok: bool,
                      op: str | None = "sum") -> Transport | None:
         # One input, CPU, one supported dtype for inputs and outputs: all equal on every rank of a correct program
-        return self._fast() if len(ins) == 1 and shapes_ok and _supported(ins + outs, op) else None
+        return self.shared_transport() if len(ins) == 1 and shapes_ok and _supported(ins + outs, op) else None
 
-    def _barrier(self, opts: Any) -> dist.Work:
-        shm = self._fast()
+    def _barrier(self, opts: Any) -> None:
+        shm = self.shared_transport()
         if shm is not None:
             shm.barrier()  # every rank has finished its queued shared-memory collectives (names a missing one)
         else:
             self._store_barrier()  # gloo's own would time out naming nobody
         # then gloo's, behind the delegated collectives queued before it
-        return self.gloo.barrier(self._bounded(opts))
 
     def _store_barrier(self) -> None:
-        """Every rank reached its barrier of this number, or a :class:`StallError` naming those that did not."""
         self._barriers += 1
         n, rank, size = self._barriers, self.rank(), self.size()
         store = dist.PrefixStore(f"fanfold/barrier/{n}/", self._store)
@@ -298,15 +405,16 @@ class FanfoldProcessGroup(dist.ProcessGroup):
                 f"waiting for ranks {missing}, which never arrived", rank=rank, seq=n, kind="barrier",
                 bucket=None, missing=missing, feature="fanfold backend") from exc
 
-    # torch's methods, in every calling form (forms.py), each handing out a Work that is safe in C++ (_Handout)
+    # torch's methods, in every calling form (_FORMS), each handing out a Work that is safe in C++ (_Handout)
     allreduce = _torch_method("allreduce", _allreduce)
     allreduce_coalesced = _torch_method("allreduce_coalesced", _allreduce_coalesced)
     broadcast = _torch_method("broadcast", _broadcast)
     allgather = _torch_method("allgather", _allgather)
-    all_gather_single = _allgather_base = _torch_method("all_gather_single", _all_gather_single)
+    all_gather_single = _allgather_base = _torch_method("all_gather_single", _all_gather_single, "_allgather_base")
     reduce_scatter = _torch_method("reduce_scatter", _reduce_scatter)
-    reduce_scatter_single = _reduce_scatter_base = _torch_method("reduce_scatter_single", _reduce_scatter_single)
-    all_to_all_single = alltoall_base = _torch_method("all_to_all_single", _all_to_all_single)
+    reduce_scatter_single = _reduce_scatter_base = _torch_method("reduce_scatter_single", _reduce_scatter_single,
+                                                                 "_reduce_scatter_base")
+    all_to_all_single = alltoall_base = _torch_method("all_to_all_single", _all_to_all_single, "alltoall_base")
     barrier = _torch_method("barrier", _barrier)
 
     def shutdown(self) -> None:

@@ -17,12 +17,12 @@ import torch
 import torch.distributed as dist
 
 from .._core.job import require_initialized
+from .protocol import FanfoldWork, completed_work
 from .shm.engine import reduce_code
 from .shm.segment import host_key
 from .shm.transport import ShmTransport, check_reduce_tensors, flat_view, split_into
 from .timeouts import StoreGroup, bound, group_store, group_timeout, resolve_stall_timeout
 from .transport import reduce_through_copy
-from .work import FanfoldWork, completed_work
 
 __all__ = ["HierarchicalTransport", "HostLayout", "host_layout"]
 

@@ -1,15 +1,17 @@
 """The collective interface every fanfold feature that reaches other ranks talks to (:class:`Transport`, every
-method required), and :class:`StallError`, the error of a collective a peer did not complete. Collectives match by
-issue order: every rank calls the same methods with the same sizes in the same order.
+method required), its one handle (:class:`FanfoldWork`) and :class:`StallError`, the error of a collective a peer did
+not complete. Collectives match by issue order: every rank calls the same methods with the same sizes in that order.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+import torch.distributed as dist
 
-__all__ = ["Transport", "Work", "TransportOwner", "StallError"]
+__all__ = ["Transport", "Work", "TransportOwner", "StallError", "FanfoldWork", "completed_work", "failed_work"]
 
 
 class StallError(RuntimeError):
@@ -57,21 +59,18 @@ class Transport(Protocol):
     def reduce_scatter(self, tensor: torch.Tensor, out: torch.Tensor, bucket: int | None = None, *,
                        divisor: float | None = None) -> Work:
         """The sum over the group of ``tensor`` (world_size times ``out``'s elements), divided by ``divisor`` when
-        given; this rank's part (rank r: elements r * n .. (r + 1) * n) into ``out``. ``tensor`` may be overwritten.
-        ZeRO stage 2's gradient reduction."""
+        given; this rank's part (rank r: elements r * n .. (r + 1) * n) into ``out``. ``tensor`` may be overwritten."""
         ...
 
     def all_gather(self, tensor: torch.Tensor, out: torch.Tensor, bucket: int | None = None) -> Work:
-        """Every rank's ``tensor`` (the same size on every rank) into ``out``, by rank. ZeRO's parameter gather."""
+        """Every rank's ``tensor`` (the same size on every rank) into ``out``, by rank."""
         ...
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         """Rank ``src``'s ``tensor`` into every rank's, in place, synchronously."""
         ...
 
-    def barrier(self) -> None:
-        """Return once every rank has reached it."""
-        ...
+    def barrier(self) -> None: ...
 
     def allocate(self, numel: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
         """A zeroed 1-d tensor that this transport all-reduces fastest (DDP's buckets, where a hook fills them).
@@ -87,3 +86,59 @@ class TransportOwner(Protocol):
     def shared_transport(self) -> Transport | None:
         """The group's transport (None: it has none, e.g. ranks on different hosts). Collective at first use."""
         ...
+
+
+class FanfoldWork(dist._Work):
+    """The torch ``Work`` of a fanfold collective: ``future`` completes when this rank has its result (or fails);
+    then ``finish`` (if any) runs, on that thread; ``result`` is what ``get_future()`` yields (gloo's: the output
+    tensors). ``future=None``: completed before the call returned. ``wait()`` raises the collective's error."""
+
+    def __init__(self, future: torch.futures.Future | None, result: Any, finish: Callable[[], None] | None = None):
+        super().__init__()
+        self._future = future
+        if future is None:  # no future made unless asked for: the latency path makes one Work a call
+            self._result, self._value = None, result
+            return
+
+        def done(fut: torch.futures.Future) -> Any:
+            fut.value()
+            if finish is not None:
+                finish()
+            return result
+        self._result = future.then(done)
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        if self._future is not None:
+            self._future.wait()  # the transport's error as it is, not wrapped by the callback's future
+            self._result.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._future is None or self._result.done()
+
+    def exception(self) -> BaseException | None:
+        if self._future is None or not self._result.done():
+            return None
+        try:
+            self._future.value()
+            self._result.value()
+        except Exception as exc:  # noqa: BLE001
+            return exc
+        return None
+
+    def get_future(self) -> torch.futures.Future:
+        if self._future is None:
+            fut = torch.futures.Future()
+            fut.set_result(self._value)
+            return fut
+        return self._result
+
+
+def completed_work(result: Any) -> FanfoldWork:
+    return FanfoldWork(None, result)
+
+
+def failed_work(error: BaseException, result: Any) -> FanfoldWork:
+    fut = torch.futures.Future()
+    fut.set_exception(error)
+    return FanfoldWork(fut, result)

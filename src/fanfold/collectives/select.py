@@ -1,7 +1,6 @@
-"""Which transport a group's collectives take, the same answer on every rank: all ranks on one host, shared memory;
-on several hosts, some with more than one rank, the hierarchical transport; otherwise torch.distributed's group.
-One rule (:func:`choose`), used by fanfold's DDP and ``fanfold doctor`` (:func:`select_transport`,
-:func:`resolve_transport`) and by the ``fanfold`` backend for its own group. docs/hierarchical.md.
+"""Which transport a group's collectives take, the same answer on every rank (:func:`choose`): all ranks on one host,
+shared memory; on several hosts, some with more than one rank, the hierarchical transport; otherwise
+torch.distributed's group. Used by fanfold's DDP, ``fanfold doctor`` and the ``fanfold`` backend. docs/hierarchical.md.
 """
 from __future__ import annotations
 

@@ -96,7 +96,6 @@ class Publisher:
                 self._cond.notify_all()
 
     def flush(self, timeout: float = 10.0) -> None:
-        """Return once the newest record is written (or the store is gone)."""
         with self._cond:
             self._urgent = True
             self._cond.notify_all()
@@ -114,9 +113,13 @@ class Publisher:
                 while not self._cond.wait_for(lambda: self._closed or self._latest is not None,
                                               None if alarm is None else ALARM_POLL_S):
                     self._cond.release()  # no lock held across a store round trip
+                    alarm_key, heard = alarm
                     try:
-                        if _alarm_raised(store, *alarm):
+                        if store.check([alarm_key]):
                             alarm = None
+                            heard(json.loads(store.get(alarm_key)))
+                    except Exception:  # the store is gone (the job is ending): no alarm can come any more
+                        alarm = None
                     finally:
                         self._cond.acquire()
                 # the rest of the interval since the last write, unless a flush wants the record now
@@ -135,20 +138,9 @@ class Publisher:
                 self._cond.notify_all()
 
 
-def _alarm_raised(store: dist.Store, key: str, callback: Callable[[dict], None]) -> bool:
-    try:
-        if not store.check([key]):
-            return False
-        record = json.loads(store.get(key))
-    except Exception:  # the store is gone (the job is ending): no alarm can come any more
-        return True
-    callback(record)
-    return True
-
-
 def _within(seconds: float, fn: Callable[[], object], otherwise: object) -> object:
-    """``fn()``'s result, or ``otherwise`` when it raised or has not returned within ``seconds`` (it goes on in a
-    daemon thread: a store call cannot be cancelled)."""
+    """``fn()``'s result, or ``otherwise`` when it raised or is still running after ``seconds`` (in a daemon thread:
+    a store call cannot be cancelled)."""
     box: list = []
 
     def run() -> None:
@@ -175,48 +167,23 @@ def read_progress(store: dist.Store, rank: int) -> dict | str:
 
 def _process_gone(pid: int, grace_until: float) -> bool:
     """Whether local process ``pid`` has exited, waiting for it until ``grace_until`` (time.monotonic())."""
-    while not _exited(pid):
+    while True:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rpartition(")")[2].split()[0] in ("Z", "X"):  # a zombie has exited, unreaped
+                    return True
+        except OSError:  # no such process
+            return True
         if time.monotonic() >= grace_until:
             return False
         time.sleep(0.05)
-    return True
-
-
-def _exited(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] in ("Z", "X")  # a zombie has exited, unreaped
-    except OSError:  # no such process
-        return True
 
 
 class _GaveUp(Exception):
     """A wait ran out of time or was ended by the group's alarm."""
 
 
-def _bounded_wait(handle: Any, timeout: float, waiting: set, alarmed: Callable[[], bool]) -> Any:
-    """``handle``'s result once it completes, within ``timeout`` seconds and before ``alarmed()`` (the group's
-    alarm sets the events in ``waiting``); _GaveUp otherwise. A handle without a future is bounded by its own
-    transport."""
-    if isinstance(handle, dist.Work) and handle.is_completed():
-        return handle.wait()  # the event costs more than the collective's bookkeeping; skip it when already done
-    future = _future_of(handle)
-    if future is not None and not future.done():
-        done = threading.Event()
-        future.add_done_callback(lambda _: done.set())
-        waiting.add(done)
-        try:
-            if not alarmed():
-                done.wait(timeout)
-        finally:
-            waiting.discard(done)
-        if not future.done():
-            raise _GaveUp()
-    return handle.wait()
-
-
 def _future_of(handle: Any) -> torch.futures.Future | None:
-    """``handle`` if it is a torch future, else the one it offers (``get_future()``), else None."""
     if isinstance(handle, torch.futures.Future):
         return handle
     try:
@@ -227,15 +194,14 @@ def _future_of(handle: Any) -> torch.futures.Future | None:
 
 
 def _is_timeout(exc: BaseException) -> bool:
-    """Whether ``exc`` says a wait ran out of time (gloo's, the store's, the shm transport's) rather than failed."""
+    # gloo's, the store's and the shm transport's words for a wait that ran out of time
     text = str(exc)
     return "Timed out" in text or "timed out" in text or "never arrived within" in text or (
         isinstance(exc, dist.DistStoreError) and "timeout" in text.lower())
 
 
 def _disagreement(cause: BaseException | None) -> Any:
-    """The shm transport's report of a peer in another collective (size, dtype, op), from ``cause`` or the
-    failure that made its transport unusable; None otherwise."""
+    """The shm transport's report of a peer in another collective (size, dtype, op) in ``cause``'s chain."""
     seen = 0
     while cause is not None and seen < 8:
         if isinstance(cause, ShmMismatchError):
@@ -246,8 +212,6 @@ def _disagreement(cause: BaseException | None) -> Any:
 
 class InspectedWork:
     """The handle of an inspected collective: ``wait()`` is bounded and diagnosed; the rest is the inner handle's."""
-
-    __slots__ = ("_transport", "_op", "_handle", "_timeout")
 
     def __init__(self, transport: InspectedTransport, op: Collective, handle: Any, timeout: float):
         self._transport, self._op, self._handle, self._timeout = transport, op, handle, timeout
@@ -262,20 +226,18 @@ class InspectedWork:
 class InspectedTransport:
     """``inner`` (a ``collectives.Transport``) with numbered, published, bounded collectives: one numbering per
     instance. ``timeout`` in seconds (default ``$FANFOLD_STALL_TIMEOUT`` or 300, never above the group's timeout);
-    ``group``, ``rank`` and ``world_size`` default to the inner transport's (or the world's); ``store`` to the group's
-    stall namespace; ``feature`` names the issuer in errors. ``barrier()`` goes through the store, bounded too
-    (collectives still in flight are not waited for). The first rank to diagnose a stall raises the group's alarm
-    (key ``alarm``): every rank's pending waits then end with a StallError, and ``inner.abort`` (if any) is called."""
+    ``group``, ``rank`` and ``world_size`` default to the inner transport's; ``store`` to the group's stall namespace;
+    ``feature`` names the issuer in errors. ``barrier()`` goes through the store, bounded too (collectives still in
+    flight are not waited for). The first rank to diagnose a stall raises the group's alarm (key ``alarm``): every
+    rank's pending waits then end with a StallError, and ``inner.abort`` (if any) is called."""
 
     def __init__(self, inner: Transport, *, timeout: float | timedelta | None = None, group: Any = None,
                  store: dist.Store | None = None, rank: int | None = None, world_size: int | None = None,
                  feature: str | None = None):
         self.inner, self.feature = inner, feature
         group = group if group is not None else getattr(inner, "group", None)
-        rank = rank if rank is not None else getattr(inner, "rank", None)
-        self.rank = dist.get_rank(group) if rank is None else rank
-        world_size = world_size if world_size is not None else getattr(inner, "world_size", None)
-        self.world_size = dist.get_world_size(group) if world_size is None else world_size
+        self.rank = inner.rank if rank is None else rank
+        self.world_size = inner.world_size if world_size is None else world_size
         self._root = group_namespace(group, "stall") if store is None else store
         # Each rank counts its own transports in the store, so the n-th transport of every rank shares key space
         # n without any process-wide state, and two DDP models on one group do not mix their numbering.
@@ -292,13 +254,11 @@ class InspectedTransport:
         # The writer's thread looks for the alarm; it holds the transport weakly, so that the finalizer can run.
         heard = weakref.WeakMethod(self._heard)
         watch = ("alarm", lambda record: (m := heard()) is not None and m(record))
-        # the record's key in the group's store, as self.store names it ("instance/rank")
-        self._publisher = Publisher(self._root, f"{instance}/{self.rank}", watch)
+        self._publisher = Publisher(self._root, f"{instance}/{self.rank}", watch)  # self.store's key str(rank)
         weakref.finalize(self, self._publisher.close)
 
     @property
     def timeout(self) -> float:
-        """The bound of a collective started now (``timeouts.bound``: a ``stall_timeout`` block, the group's)."""
         return bound(self.base, self.limit)
 
     def _start(self, kind: str, bucket: int | None = None) -> Collective:
@@ -315,8 +275,23 @@ class InspectedTransport:
             self._publish()
 
     def _wait(self, op: Collective, handle: Any, timeout: float) -> Any:
+        """``handle``'s result within ``timeout`` and before the group's alarm (which sets the events in
+        ``_waiting``), else a diagnosis. A handle without a future is bounded by its own transport."""
         try:
-            result = _bounded_wait(handle, timeout, self._waiting, lambda: self.alarm is not None)
+            # already done: the event costs more than the collective's bookkeeping
+            future = None if isinstance(handle, dist.Work) and handle.is_completed() else _future_of(handle)
+            if future is not None and not future.done():
+                done = threading.Event()
+                future.add_done_callback(lambda _: done.set())
+                self._waiting.add(done)
+                try:
+                    if self.alarm is None:
+                        done.wait(timeout)
+                finally:
+                    self._waiting.discard(done)
+                if not future.done():
+                    raise _GaveUp()
+            result = handle.wait()
         except _GaveUp:
             raise self._diagnose(op, None, timeout) from None
         except Exception as exc:
@@ -325,14 +300,12 @@ class InspectedTransport:
         return result
 
     def _span(self, op: Collective) -> Any:
-        """The ``fanfold.<kind>`` span of ``op`` under torch.profiler; nothing otherwise."""
-        if torch._C._autograd._profiler_enabled():  # a C call: record_function costs ~5 us, this ~0.1 us
+        if torch._C._autograd._profiler_enabled():  # a C call, far cheaper than entering record_function
             return record_function(f"fanfold.{op.kind.partition('(')[0]}")
         return nullcontext()
 
     def _run(self, kind: str, bucket: int | None, call: Callable[[], Any]) -> Any:
-        """Start ``call()`` as collective ``kind``, its handle's wait inspected; under torch.profiler a
-        ``fanfold.<kind>`` span from the call to its completion."""
+        """Start ``call()`` as collective ``kind``; under torch.profiler a span from the call to its completion."""
         op = self._start(kind, bucket)
         with self._span(op) as span:
             try:
@@ -411,7 +384,6 @@ class InspectedTransport:
             self._heard(record)
 
     def _read_peers(self) -> dict[int, dict | str]:
-        """Every other rank's record (:func:`read_progress`), all read within ``STORE_ANSWER_S``."""
         peers = [r for r in range(self.world_size) if r != self.rank]
         got = _within(STORE_ANSWER_S, lambda: {r: read_progress(self.store, r) for r in peers}, None)
         if isinstance(got, dict):
@@ -478,13 +450,12 @@ class InspectedTransport:
         else:
             verdict = f"failed ({type(cause).__name__})"
         who = "" if self.feature is None else f"{self.feature}'s "
-        found = [f"Ranks that never arrived: {never}." if never else "",
-                 f"Ranks that disagreed: {disagreed}." if disagreed else "",
-                 f"Ranks that arrived and gave up: {gave_up}." if gave_up else "",
-                 f"Ranks already past it: {ahead}." if ahead else "",
-                 f"Ranks whose progress is unknown: {unknown}." if unknown else ""]
-        found = " ".join(f for f in found if f) or ("Every rank arrived: their connections failed (the cause below)."
-                                                   if cause is not None else "Ranks that never arrived: none found.")
+        found = " ".join(f"Ranks {what}: {ranks}." for what, ranks in (
+            ("that never arrived", never), ("that disagreed", disagreed), ("that arrived and gave up", gave_up),
+            ("already past it", ahead), ("whose progress is unknown", unknown)) if ranks)
+        if not found:
+            found = ("Every rank arrived: their connections failed (the cause below)." if cause is not None
+                     else "Ranks that never arrived: none found.")
         headline = f"rank {self.rank} of {self.world_size}: {who}{op} {verdict}. {found}"
         parts = [headline, *lines]
         if cause is not None and clash is None:

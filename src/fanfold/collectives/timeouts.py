@@ -27,9 +27,8 @@ _PHASE: ContextVar[float | None] = ContextVar("fanfold_stall_timeout", default=N
 
 @dataclass(frozen=True)
 class StoreGroup:
-    """A group known by its store, rank and size only: a process group that torch is still constructing (the
-    ``fanfold`` backend's), not yet registered, so neither ``dist.get_rank`` nor the default store applies.
-    ``timeout``: the group's, in seconds (None: unknown)."""
+    """A process group that torch is still constructing (the ``fanfold`` backend's), known by its store, rank, size
+    and timeout (seconds; None: unknown) only: neither ``dist.get_rank`` nor the default store applies yet."""
     store: dist.Store
     rank: int
     world_size: int
@@ -68,8 +67,7 @@ def resolve_stall_timeout(timeout: float | timedelta | None = None) -> float:
 
 
 def group_timeout(group: Any = None) -> float | None:
-    """The timeout of process group ``group`` in seconds (None: the default group; a ``StoreGroup``: its own),
-    where known: no stall timeout is longer."""
+    """The timeout of process group ``group`` in seconds, where known: no stall timeout is longer."""
     if isinstance(group, StoreGroup):
         return group.timeout
     if not dist.is_initialized():
@@ -83,8 +81,8 @@ def group_timeout(group: Any = None) -> float | None:
 
 
 def bound(base: float, group: float | None = None) -> float:
-    """The bound of a collective started now: the open :func:`stall_timeout` block's, else ``base``; never above
-    ``group`` (the group's timeout, where known)."""
+    """The bound of a collective started now: the open :func:`stall_timeout` block's, else ``base``; at most
+    ``group``."""
     phase = _PHASE.get()
     seconds = base if phase is None else phase
     return seconds if group is None or seconds <= group else group

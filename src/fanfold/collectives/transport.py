@@ -1,7 +1,5 @@
 """``TorchTransport``: the collective interface (``protocol.Transport``) on a torch.distributed process group, each
-method torch's collective (``reduce_tensors`` through one flat copy, as torch's DDP buckets; ``compress`` as torch's
-compression hooks), each handle a ``FanfoldWork``.
-"""
+method torch's collective (``reduce_tensors`` through one flat copy, as torch's DDP buckets and compression hooks)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -13,9 +11,8 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions  # torch.distributed does not re-export it
 
 from .._core.job import require_initialized
-from .protocol import Transport
+from .protocol import FanfoldWork, Transport, completed_work
 from .timeouts import bound, group_timeout, resolve_stall_timeout
-from .work import FanfoldWork, completed_work
 
 __all__ = ["TorchTransport", "reduce_through_copy", "split_into"]
 
@@ -43,9 +40,8 @@ class TorchTransport:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.native_scatter = dist.get_backend(group) != "gloo" if native_scatter is None else bool(native_scatter)
-        pg = group if group is not None else dist.distributed_c10d._get_default_group()
-        self._pg = pg
-        self._device_types = {d.type for d in getattr(pg, "_device_types", [])}
+        self._pg = group if group is not None else dist.distributed_c10d._get_default_group()
+        self._device_types = {d.type for d in getattr(self._pg, "_device_types", [])}
         self._base, self._limit = resolve_stall_timeout(timeout), group_timeout(group)
 
     def _options(self, kind: type, **fields: Any) -> Any:
@@ -69,7 +65,6 @@ class TorchTransport:
 
     def _reduce(self, tensor: torch.Tensor, divisor: float | None, result: Any,
                 then: Callable[[], None] | None = None) -> FanfoldWork:
-        """The SUM of ``tensor`` in place, divided by ``divisor``, then ``then()``; the handle yields ``result``."""
         home = self._home(tensor)
         staged = tensor if home is None else tensor.to(home)
         work = self._pg.allreduce([staged], self._options(dist.AllreduceOptions, reduceOp=dist.ReduceOp.SUM))
@@ -99,8 +94,6 @@ class TorchTransport:
     def reduce_tensors(self, tensors: Sequence[torch.Tensor], bucket: int | None = None, *,
                        divisor: float | None = None, settle: bool = True,
                        compress: torch.dtype | None = None) -> FanfoldWork:
-        """``tensors`` all-reduced in place through one flat copy (``settle``: nothing to settle, the copy is
-        private). ``compress``: torch's compression hook on that copy -- cast, divide, all-reduce, copy back."""
         return reduce_through_copy(self, tensors, bucket, divisor, compress)
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
@@ -142,9 +135,8 @@ class TorchTransport:
 
 def reduce_through_copy(transport: Transport, tensors: Sequence[torch.Tensor], bucket: int | None,
                         divisor: float | None, compress: torch.dtype | None) -> FanfoldWork:
-    """``reduce_tensors`` for a transport that has no way of its own to reduce tensors where they lie: one flat copy,
-    ``transport.all_reduce`` of it, the division, the copy back. ``compress``: torch's compression hook on that copy
-    (cast, divide, all-reduce, copy back)."""
+    """``reduce_tensors`` through one flat copy: ``transport.all_reduce`` of it, the division, the copy back.
+    ``compress``: torch's compression hook on that copy (cast, divide, all-reduce, copy back)."""
     if compress not in (None, torch.bfloat16, torch.float16):
         raise ValueError(f"reduce_tensors: compress must be None, torch.bfloat16 or torch.float16, got {compress}")
     tensors = list(tensors)

@@ -19,9 +19,9 @@ import torch.distributed as dist
 
 from ..._core.job import require_initialized
 from ..._core.shm import SHM_DIR, pid_namespace
+from ..protocol import FanfoldWork, completed_work
 from ..timeouts import StoreGroup, bound, group_store, group_timeout, resolve_stall_timeout
 from ..transport import split_into
-from ..work import FanfoldWork, completed_work
 from .engine import DTYPES, OPS, SUM, TABLE_BYTES, Collective, Engine, Op, probe, reduce_code
 from .segment import Segment, SegmentSpaceError, ShmTimeoutError
 
