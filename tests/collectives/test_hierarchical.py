@@ -3,7 +3,7 @@ simulated with a mount namespace per rank (``_simhosts.py``; root needed, skippe
 2 x 1 and an uneven 1 + 2; and forced on one real host (no root needed). Every collective against gloo (bitwise
 for sums of integer-valued floats), the same bits on every rank and run after run, which path each layout takes,
 fanfold's DDP against one process on the whole batch, and the ``fanfold`` backend (torch's collectives and torch's
-DDP against gloo; FSDP2 and HSDP against one process)."""
+DDP against gloo; FSDP2 and HSDP against one process while ``FSDP2_ON_HIERARCHICAL`` is on: off for an open hang)."""
 import os
 import time
 from datetime import timedelta
