@@ -1,6 +1,9 @@
 """The progress publisher writes a rank's newest record at most once per WRITE_INTERVAL_S (records posted meanwhile
-collapse into the newest), and at once when flushed: a stall's diagnosis never reads a stale record."""
+collapse into the newest), and at once when flushed: a stall's diagnosis never reads a stale record. Closed, it waits
+for the store call in flight: the process exits cleanly (the oracle: exit status 0 and silence)."""
 import json
+import subprocess
+import sys
 import threading
 import time
 
@@ -86,3 +89,44 @@ def test_records_keep_their_key_and_the_alarm_is_heard_once_while_idle():
         assert store.keys == ["3", "3"] and heard == [{"rank": 1}]
     finally:
         pub.close()
+
+
+# The writer sits in a C++ store call (a PrefixStore over a slow Python store) when the publisher is closed and the
+# program ends; the call returns while the interpreter finalizes, which SIGSEGVs or SIGABRTs ("terminate called
+# without an active exception") a thread still in C++, unless close() waited for it.
+_EXIT_PROGRAM = """
+import threading, time
+import torch.distributed as dist
+from fanfold.collectives.stall import Publisher
+
+entered = threading.Event()
+
+
+class SlowStore(dist.Store):
+    def __init__(self):
+        super().__init__()
+
+    def clone(self):
+        return self
+
+    def check(self, keys):
+        entered.set()
+        time.sleep(0.2)
+        return False
+
+    def set(self, key, value):
+        pass
+
+
+junk = [[i] for i in range(2_000_000)]  # freed while the interpreter finalizes: the store call returns meanwhile
+slow = SlowStore()  # torch holds only the C++ half
+publisher = Publisher(dist.PrefixStore("p/", slow), "0", ("alarm", print))
+assert entered.wait(10)
+publisher.close()
+"""
+
+
+def test_closing_waits_for_the_store_call_in_flight_so_the_process_exits_cleanly():
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, "-c", _EXIT_PROGRAM], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0 and not proc.stderr.strip(), (proc.returncode, proc.stderr[-2000:])

@@ -32,6 +32,7 @@ __all__ = ["StallError", "InspectedTransport", "Publisher", "inspected", "group_
 
 WRITE_INTERVAL_S = 0.05  # the least time between two writes of a rank's record, unless flushed
 ALARM_POLL_S = 0.5  # how often an idle writer looks for the group's alarm
+CLOSE_WAIT_S = 5.0  # how long closing waits for the writer's store call in flight (a store call is not cancellable)
 # How long a diagnosis waits for the store: over a link that went down a store call blocks in TCP's retransmissions,
 # far past the store's own timeout; the diagnosis must end regardless.
 STORE_ANSWER_S = 3.0
@@ -83,8 +84,9 @@ class Publisher:
         self._busy = self._closed = self._urgent = False
         # Its own connection: a store client serves one request at a time, and the training thread may sit in a
         # long store wait (a barrier) during which the record must still get through.
-        threading.Thread(target=self._run, args=(store.clone(), key, alarm), daemon=True,
-                         name=f"fanfold-stall-{key}").start()
+        self._thread = threading.Thread(target=self._run, args=(store.clone(), key, alarm), daemon=True,
+                                        name=f"fanfold-stall-{key}")
+        self._thread.start()
 
     def post(self, record: dict) -> None:
         with self._cond:
@@ -101,10 +103,14 @@ class Publisher:
             self._cond.notify_all()
             self._cond.wait_for(lambda: self._closed or (self._latest is None and not self._busy), timeout)
 
-    def close(self) -> None:
+    def close(self, timeout: float = CLOSE_WAIT_S) -> None:
+        """Stop the writer and wait (at most ``timeout``) for a store call it is in to return: a daemon thread that
+        returns from C++ into an interpreter already finalizing ends the process with std::terminate (SIGABRT)."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
 
     def _run(self, store: dist.Store, key: str, alarm: tuple[str, Callable[[dict], None]] | None) -> None:
         written = -WRITE_INTERVAL_S
