@@ -1,6 +1,5 @@
 """fanfold: data parallelism for PyTorch. Fan the batch out over devices or processes, fold results and gradients back.
-Public names only; the README's API table mirrors ``__all__``; the layers are declared in pyproject.toml.
-"""
+Public names only; the README's API table mirrors ``__all__``; the layers are declared in pyproject.toml."""
 from . import pipeline
 from .collectives.backend import FanfoldProcessGroup, register
 from .collectives.stall import StallError

@@ -1,7 +1,6 @@
 """One walk over nested data: flatten a structure to (path, leaf) pairs and a spec, rebuild it from new leaves.
 Containers: tuple, list, dict (and subclasses), namedtuple, torch's structseq types, dataclass instances; anything
-else is a leaf, ``PackedSequence`` included. Paths such as ``inputs[1]['mask']`` name leaves in error messages.
-"""
+else is a leaf, ``PackedSequence`` included. Paths such as ``inputs[1]['mask']`` name leaves in error messages."""
 from __future__ import annotations
 
 import copy

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import platform
 import shutil
@@ -43,11 +44,9 @@ def _probe() -> ProbeResult:
 
 
 def _read(path: str) -> str | None:
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError:
-        return None
+    with contextlib.suppress(OSError), open(path) as f:
+        return f.read().strip()
+    return None
 
 
 def _peer_read_reason() -> str:

@@ -1,7 +1,6 @@
 """``fanfold train``: the main job, a small CNN learning scikit-learn's digits over N processes. The parent checks the
 flags and the run directory and starts N workers (``launch_script``), each running this module with ``--worker``
-(``fanfold.training.job.run_worker``). Every flag: docs/main-job.md.
-"""
+(``fanfold.training.job.run_worker``). Every flag: docs/main-job.md."""
 from __future__ import annotations
 
 import argparse
@@ -56,11 +55,9 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> None:
-    for name in ("epochs", "batch_size"):
+    for name in ("epochs", "batch_size", "devices"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.devices < 1:
-        raise ValueError(f"--devices must be >= 1, got {args.devices}")
     if args.batch_size % args.devices:
         raise ValueError(f"--batch-size {args.batch_size} does not split evenly over --devices {args.devices}")
     if not args.lr > 0:

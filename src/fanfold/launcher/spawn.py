@@ -1,7 +1,6 @@
 """``fanfold.launch(fn, *args, nprocs=N)``: run a Python function on N local worker processes with torchrun's
 environment, so ``fn`` calls ``init_process_group()`` as a script under ``fanfold run`` would. Everything listens on
-127.0.0.1 only: the job's store (hosted here, behind the launch's secret) and gloo. docs/launching.md, notebooks.md.
-"""
+127.0.0.1 only: the job's store (hosted here, behind the launch's secret) and gloo. docs/launching.md, notebooks.md."""
 from __future__ import annotations
 
 import contextlib
@@ -21,7 +20,7 @@ from typing import Any
 from .._core.job import SECRET_ENV, STORE_ENV, StoreServer, install_env_rendezvous, new_secret
 from .worker_shim import whole_lines
 
-__all__ = ["launch", "WorkerError", "free_port", "loopback_interface", "LOOPBACK"]
+__all__ = ["launch", "WorkerError", "free_port", "loopback_env", "LOOPBACK"]
 
 LOOPBACK = "127.0.0.1"
 
@@ -33,15 +32,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def loopback_interface() -> str | None:
-    """The name of the loopback network interface (``lo`` on Linux, ``lo0`` on macOS), or None if not found."""
-    names = [name for _, name in socket.if_nameindex()] if hasattr(socket, "if_nameindex") else []
-    return next((n for n in ("lo", "lo0") if n in names), None)
-
-
 def loopback_env() -> dict[str, str]:
-    """The variables that keep gloo's and NCCL's own listening sockets on the loopback interface (unless set)."""
-    lo = loopback_interface()
+    """The variables that keep gloo's and NCCL's own listening sockets on the loopback interface (``lo`` on Linux,
+    ``lo0`` on macOS), those not set already; none where no such interface is found."""
+    names = [name for _, name in socket.if_nameindex()] if hasattr(socket, "if_nameindex") else []
+    lo = next((n for n in ("lo", "lo0") if n in names), None)
     return {var: lo for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if lo and var not in os.environ}
 
 
@@ -65,14 +60,6 @@ class _Report:
     died: bool = False
 
 
-def _pickled(report: _Report, rank: int) -> bytes:
-    try:
-        return pickle.dumps(report)  # plain pickle: tensors are copied, not shared through fds that die with us
-    except Exception as exc:
-        return pickle.dumps(_Report(False, error=f"result of rank {rank} cannot be pickled: {exc}",
-                                    time_ns=time.time_ns()))
-
-
 def _worker(fn, args, rank: int, env: Mapping[str, str], threads: int, conn, rank_prefix: bool) -> None:
     # A forked worker inherits its parent's handlers: one that raises (torch's elastic agent leaves such a handler
     # after `launch_script`) printed a traceback when the launcher stopped this worker. Stopped is stopped.
@@ -92,7 +79,11 @@ def _worker(fn, args, rank: int, env: Mapping[str, str], threads: int, conn, ran
                          time_ns=time.time_ns())
     # Pickled before the process group is torn down (torch's storage pickling after it was seen to hang); a failure
     # is sent before too: the teardown makes the peers fail, and their reports must not overtake this one.
-    data = _pickled(report, rank)
+    try:
+        data = pickle.dumps(report)  # plain pickle: tensors are copied, not shared through fds that die with us
+    except Exception as exc:
+        report = _Report(False, error=f"result of rank {rank} cannot be pickled: {exc}", time_ns=time.time_ns())
+        data = pickle.dumps(report)
     if not report.ok:
         conn.send_bytes(data)
     if dist.is_available() and dist.is_initialized():
@@ -144,23 +135,9 @@ def _context(fn: Callable, start_method: str | None):
     return ctx
 
 
-def _kill(procs: Sequence) -> None:
-    for p in procs:
-        p.terminate()  # a process that has exited is skipped
-    deadline = time.monotonic() + 3.0
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-        if p.is_alive():
-            p.kill()
-            p.join(2.0)
-
-
-_GRACE_S = 2.0  # after a first failure, how long the other ranks' reports are awaited to find the earliest
-
-
 def _collect(procs: Sequence, conns: Sequence, timeout: float) -> list:
-    # A rank's failure usually makes its peers fail too: after the first failure the others are awaited a moment,
-    # and the earliest by the worker's own clock is reported; a rank that died without reporting is the cause.
+    # A rank's failure usually makes its peers fail too: after the first failure the others are awaited a moment
+    # (2 s), and the earliest by the worker's own clock is reported; a rank that died without reporting is the cause.
     results: dict[int, Any] = {}
     failures: dict[int, _Report] = {}
     pending = dict(enumerate(conns))  # rank -> its pipe, until read
@@ -182,23 +159,19 @@ def _collect(procs: Sequence, conns: Sequence, timeout: float) -> list:
                 report = _Report(False, error=f"died with exit code {procs[rank].exitcode}", time_ns=time.time_ns(),
                                  died=True)
             failures[rank] = report
-            end = min(end, time.monotonic() + _GRACE_S)
+            end = min(end, time.monotonic() + 2.0)
     if failures:
-        raise _first_failure(failures, sorted(pending), len(procs))
+        rank = min(failures, key=lambda r: (not failures[r].died, failures[r].time_ns, r))
+        first = failures[rank]
+        if first.died:
+            head = f"rank {rank} of {len(procs)} {first.error} before reporting"
+        else:
+            head = f"rank {rank} of {len(procs)} failed: {first.error}\n{first.traceback.rstrip()}"
+        later = {r: f.error if f.died else f.error.split(":", 1)[0] for r, f in failures.items() if r != rank}
+        raise WorkerError("\n".join([head, *later_failures("fanfold.launch", rank, sorted(pending), later)]), rank)
     if pending:
         raise TimeoutError(f"fanfold.launch: ranks {sorted(pending)} of {len(procs)} still running after {timeout:g} s")
     return [results[r] for r in range(len(procs))]
-
-
-def _first_failure(failures: dict[int, _Report], running: list[int], nprocs: int) -> WorkerError:
-    rank = min(failures, key=lambda r: (not failures[r].died, failures[r].time_ns, r))
-    first = failures[rank]
-    if first.died:
-        head = f"rank {rank} of {nprocs} {first.error} before reporting"
-    else:
-        head = f"rank {rank} of {nprocs} failed: {first.error}\n{first.traceback.rstrip()}"
-    later = {r: f.error if f.died else f.error.split(":", 1)[0] for r, f in failures.items() if r != rank}
-    return WorkerError("\n".join([head, *later_failures("fanfold.launch", rank, running, later)]), rank)
 
 
 def later_failures(who: str, rank: int, stopped: list[int], later: dict[int, str]) -> list[str]:
@@ -257,7 +230,14 @@ def launch(
             procs.append(p)
         return _collect(procs, conns, timeout)
     finally:
-        _kill(procs)
+        for p in procs:
+            p.terminate()  # a process that has exited is skipped
+        deadline = time.monotonic() + 3.0
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join(2.0)
         for c in conns:
             c.close()
         store.close()  # the workers are gone

@@ -1,7 +1,6 @@
 """Each ``fanfold run`` worker: ``python -u worker_shim.py [-m] target args...`` runs the target as ``python`` would,
 plus: its uncaught exception in torch's error file, ``faulthandler``, no worker (nor its helpers) outliving the
-launcher, ``env://`` routed to the job's store, output in whole lines. Imports neither torch nor fanfold.
-"""
+launcher, ``env://`` routed to the job's store, output in whole lines. Imports neither torch nor fanfold."""
 from __future__ import annotations
 
 import atexit
