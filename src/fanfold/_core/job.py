@@ -315,14 +315,12 @@ class JobStore(dist.Store):
     def has_extended_api(self) -> bool:
         return True
 
-    def clone(self) -> JobStore:
-        """Another connection to the same store (torch clones a store for a group it splits off)."""
+    def clone(self) -> JobStore:  # torch clones a store for a group it splits off
         twin = JobStore(*self._address, self._secret, self.timeout)
         self._clones.append(twin)  # torch keeps only the C++ half of the clone: it lives as long as this store
         return twin
 
-    def close(self) -> None:
-        """Close the connection; the store is unusable afterwards (torch must no longer hold it)."""
+    def close(self) -> None:  # the store is unusable afterwards: torch must no longer hold it
         with self._lock:
             if self._sock is not None:
                 self._sock.close()

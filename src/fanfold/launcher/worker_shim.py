@@ -45,9 +45,6 @@ class WholeLines:
         self._target.write(text)
         self._target.flush()
 
-    def flush(self) -> None:
-        self._target.flush()
-
     def close_line(self) -> None:
         with self._lock:
             if self._pending:
@@ -163,9 +160,8 @@ def _own_report(exc: BaseException, text: str) -> str:
 
 def main(argv: list[str]) -> int:
     module = argv[:1] == ["-m"]  # launch_script passes [-m] target args...
-    argv = argv[module:]
-    target = argv[0]
-    sys.argv = list(argv)
+    sys.argv = argv[module:]
+    target = sys.argv[0]
     prefix = f"[rank {os.environ.get('RANK', '?')}] " if os.environ.get("FANFOLD_RANK_PREFIX") == "1" else ""
     streams = whole_lines(prefix)
     faulthandler.enable(file=sys.__stderr__, all_threads=True)
