@@ -12,9 +12,7 @@ DeviceLike = Union[int, str, torch.device]  # noqa: UP007 (an alias evaluated at
 
 
 def accelerator_type() -> str | None:
-    if not torch.accelerator.is_available():
-        return None
-    acc = torch.accelerator.current_accelerator()
+    acc = torch.accelerator.current_accelerator(check_available=True)
     return None if acc is None else acc.type
 
 

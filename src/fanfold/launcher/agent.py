@@ -15,22 +15,18 @@ import uuid
 import zipfile
 from collections.abc import Iterator, Mapping, Sequence
 
+import torch
 from torch.distributed.elastic.rendezvous.api import RendezvousInfo, RendezvousParameters, RendezvousStoreInfo
 from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous
 
 from .._core.job import SECRET_ENV, SECRET_FILE_ENV, STORE_ENV, JobStore, StoreServer, job_secret, new_secret
 from .spawn import LOOPBACK, later_failures, loopback_env
 
-__all__ = ["launch_script", "default_nproc_per_node", "threads_per_worker", "format_failure", "check_script",
-           "check_module"]
-
 _LOOPBACK_BACKEND = "fanfold-loopback"
 
 
 def default_nproc_per_node() -> int:
     """One worker per GPU, or 2 on a CPU-only machine."""
-    import torch
-
     return torch.cuda.device_count() or 2
 
 
@@ -156,7 +152,6 @@ def launch_script(
     rank_prefix: bool = False,
 ) -> int:
     """Run ``python cmd[0] cmd[1:]`` (``python -m`` with ``module=True``) in ``nproc_per_node`` processes; wait.
-
     Returns 0 when every worker succeeded; else prints the rank that failed first and its traceback to stderr and
     returns its exit code; no worker is left running. ``nnodes`` ("N" or "MIN:MAX") of 1 without ``rdzv_endpoint``
     is a rendezvous on 127.0.0.1; more use torch's ``rdzv_backend`` at ``rdzv_endpoint`` (``node_rank``: read by

@@ -9,7 +9,6 @@ import os
 import pickle
 import signal
 import socket
-import sys
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
@@ -17,10 +16,11 @@ from dataclasses import dataclass
 from multiprocessing.connection import wait
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 from .._core.job import SECRET_ENV, STORE_ENV, StoreServer, install_env_rendezvous, new_secret
 from .worker_shim import whole_lines
-
-__all__ = ["launch", "WorkerError", "free_port", "loopback_env", "LOOPBACK"]
 
 LOOPBACK = "127.0.0.1"
 
@@ -67,9 +67,6 @@ def _worker(fn, args, rank: int, env: Mapping[str, str], threads: int, conn, ran
     os.environ.update(env)
     os.environ["RANK"] = os.environ["LOCAL_RANK"] = str(rank)
     streams = whole_lines(f"[rank {rank}] " if rank_prefix else "")  # ranks sharing a notebook cell
-    import torch
-    import torch.distributed as dist
-
     torch.set_num_threads(threads)
     install_env_rendezvous()  # a plain dist.init_process_group() joins the launch's authenticated store too
     try:
@@ -86,7 +83,7 @@ def _worker(fn, args, rank: int, env: Mapping[str, str], threads: int, conn, ran
         data = pickle.dumps(report)
     if not report.ok:
         conn.send_bytes(data)
-    if dist.is_available() and dist.is_initialized():
+    if dist.is_initialized():
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
     for stream in streams:  # os._exit skips every flush: what the worker printed must reach the parent first
@@ -116,8 +113,7 @@ def _context(fn: Callable, start_method: str | None):
         raise ValueError(f"fn {getattr(fn, '__qualname__', fn)!r} is defined in __main__ (a notebook or a script) or "
                          f"is not a module-level function: start_method={start_method!r} cannot find it in the new "
                          f"process; leave start_method=None (fork) or move fn into an importable module")
-    torch = sys.modules.get("torch")
-    if start_method == "fork" and torch is not None:
+    if start_method == "fork":
         # A forked child inherits the parent's CUDA context in a state it cannot use: refuse before starting.
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             raise RuntimeError(
@@ -125,7 +121,7 @@ def _context(fn: Callable, start_method: str | None):
                 "in a notebook (or __main__) are forked, which cannot use it. Restart the kernel and launch before "
                 "any CUDA call in it (no tensor .cuda()/.to('cuda') and no torch.cuda.* query that initialises it), "
                 "or move the function into a module so the workers start fresh")
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
+        if dist.is_initialized():
             raise RuntimeError("fanfold.launch: a process group is initialised in this process; forked workers "
                                "would inherit it: call torch.distributed.destroy_process_group() first")
     ctx = mp.get_context(start_method)
@@ -191,7 +187,6 @@ def launch(
     rank_prefix: bool = False,
 ) -> list:
     """Run ``fn(*args)`` in ``nprocs`` local processes with the torchrun environment; return the results by rank.
-
     An importable module-level ``fn`` starts from a forkserver; one defined in a notebook or ``__main__`` (or a
     lambda, a closure) runs in forked workers, so the parent must not have initialised CUDA (a ``RuntimeError``
     says so). Each worker uses ``threads`` intra-op threads; ``env`` adds environment variables; output arrives

@@ -73,9 +73,7 @@ class _RouteEnvRendezvous:
         if name != self._NAME:
             return None
         sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
+        spec = importlib.util.find_spec(name)  # torch's source file: its loader has exec_module
         run_module = spec.loader.exec_module
 
         def exec_module(module):
@@ -96,10 +94,9 @@ class _RouteEnvRendezvous:
 
 
 def _die_with_parent() -> None:
-    # PR_SET_PDEATHSIG: the agent stops workers on every exit it sees, but a SIGKILLed agent sees nothing.
-    if not sys.platform.startswith("linux"):
-        return
-    with contextlib.suppress(OSError, AttributeError):
+    # PR_SET_PDEATHSIG: the agent stops workers on every exit it sees, but a SIGKILLed agent sees nothing. Linux
+    # only: elsewhere the C library has no prctl (AttributeError) or no default library at all (TypeError).
+    with contextlib.suppress(OSError, AttributeError, TypeError):
         import ctypes
 
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)
