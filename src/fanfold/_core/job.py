@@ -350,9 +350,8 @@ def install_env_rendezvous() -> None:
         if os.environ.get(STORE_ENV) == "1":
             store = JobStore(addr, port, secret, timeout)
         else:
-            # Under torchrun, MASTER_ADDR:MASTER_PORT is torch's TCPStore (agent or not), open to anyone: it holds
-            # only the address of the store rank 0 serves. An impostor who rewrites it makes the ranks refuse to
-            # start, never join it.
+            # Under torchrun, MASTER_ADDR:MASTER_PORT is torch's TCPStore, open to anyone: it holds only the address
+            # of the store rank 0 serves. An impostor who rewrites it makes the ranks refuse to start, never join it.
             bootstrap = rdzv._create_c10d_store(addr, port, rank, world_size, timeout)
             key = f"fanfold/job_store/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
             server = None

@@ -158,9 +158,8 @@ def _build(node: Node, values: list) -> Any:
         return node.template(values)
     if node.template is dict:
         return dict(zip(node.keys, values))
-    # A copy keeps a dict subclass's own state (a defaultdict's factory). A dataclass's fields are set rather than
-    # passed to __init__: __post_init__ checks written for the whole batch must not run on a slice, and init=False
-    # fields and frozen classes work too.
+    # A copy keeps a dict subclass's state (a defaultdict's factory). A dataclass's fields are set, not passed to
+    # __init__: __post_init__ checks meant for the whole batch must not run on a slice; frozen classes work too.
     out = copy.copy(node.template)
     if kind == "dict":
         out.update(zip(node.keys, values))

@@ -86,7 +86,6 @@ def main(args: argparse.Namespace) -> int:
                       f"{torch.get_num_threads()}; `fanfold run -n N` gives each worker max(1, {usable} // N)"),
              ("accelerators", f"{len(gpus)} CUDA: {', '.join(gpus)}" if gpus else
               "none: DataParallel and DDP run CPU replicas (device_ids=['cpu', 'cpu'])")]
-    # (fanfold itself does not import without torch.distributed)
     backends = {b: getattr(dist, f"is_{b}_available")() for b in ("gloo", "nccl", "mpi", "ucc")}
     lines.append(("backends", ", ".join(f"{b}: {'yes' if ok else 'no'}" for b, ok in backends.items())))
     if not backends["gloo"]:

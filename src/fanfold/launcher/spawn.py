@@ -126,7 +126,7 @@ def _context(fn: Callable, start_method: str | None):
                                "would inherit it: call torch.distributed.destroy_process_group() first")
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
-        # torch._dynamo: creating any torch.optim optimizer imports it (4-15 s here); pay that once, not per rank.
+        # torch._dynamo: creating any torch.optim optimizer imports it (seconds); pay that once, not per rank.
         ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.optim", "torch._dynamo", "fanfold"])
     return ctx
 

@@ -94,8 +94,7 @@ class _RouteEnvRendezvous:
 
 
 def _die_with_parent() -> None:
-    # PR_SET_PDEATHSIG: the agent stops workers on every exit it sees, but a SIGKILLed agent sees nothing. Linux
-    # only: elsewhere the C library has no prctl (AttributeError) or no default library at all (TypeError).
+    # PR_SET_PDEATHSIG (Linux; no prctl elsewhere): the agent stops the workers, unless it was SIGKILLed itself
     with contextlib.suppress(OSError, AttributeError, TypeError):
         import ctypes
 
