@@ -114,8 +114,7 @@ def _probe_lines(timeout: float, missing: list[str]) -> list[tuple[str, str]]:
         results = launch(_probe, nprocs=2, timeout=timeout)
     except (WorkerError, TimeoutError, OSError) as exc:
         missing.append("two local workers that can all-reduce over gloo")
-        first = str(exc).splitlines()[0]
-        return [("workers", f"2 local gloo workers FAILED: {first}")]
+        return [("workers", f"2 local gloo workers FAILED: {str(exc).splitlines()[0]}")]
     lines = [("workers", "2 local gloo workers: started, all-reduced")]
     res = results[0]
     if res.shm_sum == 3.0 and all(r.shm_sum == 3.0 for r in results):

@@ -95,21 +95,16 @@ def _worker(fn, args, rank: int, env: Mapping[str, str], threads: int, conn, ran
     os._exit(0 if report.ok else 1)
 
 
-def _by_reference(fn: Callable) -> bool:
-    """Whether a fresh process can find ``fn`` by its module and name, as spawn and forkserver need."""
-    if getattr(fn, "__module__", None) in (None, "__main__"):
-        return False  # a notebook cell's or a script's function: the new process has another __main__
-    try:
-        pickle.dumps(fn)
-    except Exception:  # a lambda, a nested function, a bound method of an unpicklable object
-        return False
-    return True
-
-
 def _context(fn: Callable, start_method: str | None):
+    # spawn and forkserver find fn by its module and name: not a notebook cell's or a script's function (the new
+    # process has another __main__), nor a lambda, a nested function or a method of an unpicklable object
+    try:
+        by_reference = getattr(fn, "__module__", None) not in (None, "__main__") and bool(pickle.dumps(fn))
+    except Exception:
+        by_reference = False
     if start_method is None:
-        start_method = "forkserver" if _by_reference(fn) else "fork"
-    elif start_method != "fork" and not _by_reference(fn):
+        start_method = "forkserver" if by_reference else "fork"
+    elif start_method != "fork" and not by_reference:
         raise ValueError(f"fn {getattr(fn, '__qualname__', fn)!r} is defined in __main__ (a notebook or a script) or "
                          f"is not a module-level function: start_method={start_method!r} cannot find it in the new "
                          f"process; leave start_method=None (fork) or move fn into an importable module")
