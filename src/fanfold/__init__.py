@@ -1,6 +1,5 @@
 """fanfold: data parallelism for PyTorch. Fan the batch out over devices or processes, fold results and gradients back.
-Public names only; the README's API table mirrors ``__all__``; the layers are declared in pyproject.toml.
-"""
+Public names only; the README's API table mirrors ``__all__``; the layers are declared in pyproject.toml."""
 from . import pipeline
 from .collectives.backend import FanfoldProcessGroup, register
 from .collectives.stall import StallError
@@ -9,17 +8,8 @@ from .distributed.ddp import DDP, DistributedDataParallel
 from .launcher import WorkerError, launch, launch_script
 from .nn import SyncBatchNorm, revert_sync_batchnorm
 from .optim import ZeroRedundancyOptimizer, clip_grad_norm_
-from .parallel import (
-    DataParallel,
-    WorkerPool,
-    data_parallel,
-    gather,
-    parallel_apply,
-    replicate,
-    scatter,
-    scatter_kwargs,
-    unwrap,
-)
+from .parallel import DataParallel, WorkerPool, data_parallel, parallel_apply, replicate, unwrap
+from .parallel.scatter_gather import gather, scatter, scatter_kwargs
 from .pipeline import DistributedPipeline, Pipeline
 from .training import CheckpointError, DistributedSampler, data, latest, load, save
 

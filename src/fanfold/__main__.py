@@ -1,6 +1,4 @@
 """``python -m fanfold``: the same as the ``fanfold`` command (see ``fanfold.cli``)."""
-import sys
-
 from .cli import main
 
-sys.exit(main())
+raise SystemExit(main())

@@ -15,7 +15,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from fanfold.launcher.spawn import LOOPBACK, loopback_interface
+from fanfold.launcher.spawn import LOOPBACK, loopback_env
 
 STALL = 2.0
 PROGRAM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_stall_program.py")
@@ -28,10 +28,9 @@ def _run(setup, case, nprocs, folder):
     # a plain TCPStore, as an agent's (TORCHELASTIC_USE_AGENT_STORE): the subject here is stalls, not the job store
     store = dist.TCPStore(LOOPBACK, 0, nprocs, True, timedelta(seconds=DEADLINE), wait_for_workers=False)
     port = store.port
-    lo = loopback_interface()
     base = {**os.environ, "MASTER_ADDR": LOOPBACK, "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True",
             "WORLD_SIZE": str(nprocs), "LOCAL_WORLD_SIZE": str(nprocs), "GROUP_RANK": "0", "OMP_NUM_THREADS": "1",
-            "FANFOLD_STALL_TIMEOUT": str(STALL), **({"GLOO_SOCKET_IFNAME": lo} if lo else {})}
+            "FANFOLD_STALL_TIMEOUT": str(STALL), **loopback_env()}
     procs, outs = [], []
     try:
         for rank in range(nprocs):

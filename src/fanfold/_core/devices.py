@@ -1,7 +1,6 @@
 """Devices, written once: an index, a string or a ``torch.device`` becomes a ``torch.device`` that compares equal
 across spellings ("cpu:0" and "cpu"; "cuda" and "cuda:<current>"); ``usable_device(s)`` also check that the device
-exists here, with a ValueError naming the argument. The accelerator type comes from ``torch.accelerator``.
-"""
+exists here, with a ValueError naming the argument. The accelerator type comes from ``torch.accelerator``."""
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -13,9 +12,7 @@ DeviceLike = Union[int, str, torch.device]  # noqa: UP007 (an alias evaluated at
 
 
 def accelerator_type() -> str | None:
-    if not torch.accelerator.is_available():
-        return None
-    acc = torch.accelerator.current_accelerator()
+    acc = torch.accelerator.current_accelerator(check_available=True)
     return None if acc is None else acc.type
 
 

@@ -1,7 +1,6 @@
 """The job this process belongs to: its rank and world size, and its rendezvous store: a key-value server admitting
 only processes that prove the job's secret (HMAC-SHA256 both ways; ``FANFOLD_JOB_SECRET`` or a 0600 file named by
-``FANFOLD_JOB_SECRET_FILE``) and its client, a ``torch.distributed.Store``. Threat model: docs/reliability.md.
-"""
+``FANFOLD_JOB_SECRET_FILE``) and its client, a ``torch.distributed.Store``. Threat model: docs/reliability.md."""
 from __future__ import annotations
 
 import contextlib
@@ -23,9 +22,6 @@ from urllib.parse import urlparse
 
 import torch.distributed as dist
 
-__all__ = ["is_initialized", "require_initialized", "rank_world", "SECRET_ENV", "SECRET_FILE_ENV", "STORE_ENV",
-           "new_secret", "job_secret", "StoreServer", "JobStore", "AuthenticationError", "install_env_rendezvous"]
-
 SECRET_ENV = "FANFOLD_JOB_SECRET"
 SECRET_FILE_ENV = "FANFOLD_JOB_SECRET_FILE"
 STORE_ENV = "FANFOLD_JOB_STORE"  # "1": MASTER_ADDR:MASTER_PORT is a StoreServer (fanfold's launchers set it)
@@ -34,7 +30,6 @@ _HELLO = b"fanfold-store/1\n"
 _NONCE = 32
 _DIGEST = 32
 _HANDSHAKE_S = 10.0  # a connection that has not proved the secret by then is closed
-_MAX_FIELDS, _MAX_FIELD = 1 << 16, 1 << 31
 _OK, _TIMEOUT, _ERROR = b"\x00", b"\x01", b"\x02"
 
 
@@ -66,15 +61,14 @@ def new_secret() -> str:
     return secrets.token_hex(32)
 
 
-def job_secret(environ: dict | None = None) -> bytes | None:
+def job_secret() -> bytes | None:
     """The job's secret from ``FANFOLD_JOB_SECRET``, else the stripped content of the file named by
     ``FANFOLD_JOB_SECRET_FILE``, which must be a regular file of this user closed to others (PermissionError
     otherwise); None when neither is set."""
-    env = os.environ if environ is None else environ
-    value = env.get(SECRET_ENV)
+    value = os.environ.get(SECRET_ENV)
     if value:
         return value.encode()
-    path = env.get(SECRET_FILE_ENV)
+    path = os.environ.get(SECRET_FILE_ENV)
     if not path:
         return None
     try:
@@ -123,29 +117,19 @@ def _send(sock: socket.socket, *fields: bytes) -> None:
 
 
 def _recv(sock: socket.socket) -> list[bytes]:
+    # read only from a peer that proved the secret: the job's own processes
     (n,) = struct.unpack("!I", _recv_exact(sock, 4))
-    if n > _MAX_FIELDS:
-        raise ConnectionError(f"a store message of {n} fields: refused")
-    fields = []
-    for _ in range(n):
-        (size,) = struct.unpack("!I", _recv_exact(sock, 4))
-        if size > _MAX_FIELD:
-            raise ConnectionError(f"a store message field of {size} bytes: refused")
-        fields.append(_recv_exact(sock, size))
-    return fields
+    return [_recv_exact(sock, struct.unpack("!I", _recv_exact(sock, 4))[0]) for _ in range(n)]
 
 
 class StoreServer:
-    """Serves one job's keys on ``host`` (a free port) to clients that prove ``secret``; ``refused`` counts the
-    connections turned away. One thread accepting, one per connection."""
+    """Serves one job's keys on ``host`` (a free port) to clients that prove ``secret``. One thread accepting, one
+    per connection."""
 
     def __init__(self, secret: bytes, host: str = "127.0.0.1"):
-        if not secret:
-            raise ValueError("the store's secret is empty")
         self._secret = secret
         self._sock = socket.create_server((host, 0), backlog=128)
         self.host, self.port = self._sock.getsockname()[:2]
-        self.refused = 0
         self._store = dist.HashStore()  # a TCPStore's semantics; its waits release the GIL
         self._conns: set[socket.socket] = set()
         self._closed = False
@@ -180,7 +164,6 @@ class StoreServer:
         return True
 
     def _serve(self, conn: socket.socket) -> None:
-        admitted = False
         try:
             admitted = self._admit(conn)
             while admitted and not self._closed:
@@ -193,8 +176,6 @@ class StoreServer:
         except (OSError, ConnectionError, struct.error):
             pass  # the client went away (or never proved the secret in time)
         finally:
-            if not admitted:
-                self.refused += 1
             self._conns.discard(conn)
             conn.close()
 
@@ -208,16 +189,14 @@ class StoreServer:
                 missing = [k for k in keys if not store.check([k])]
                 return [_TIMEOUT, f"keys {missing} not set within {int(args[0]) / 1000:g} s".encode()]
             return [_OK, *(store.multi_get(keys) if op == "get" else [])]
-        if op == "multi_set":
+        if op == "multi_set":  # keys as bytes: HashStore takes them as they are
             half = len(args) // 2
-            args = [[k.decode() for k in args[:half]], args[half:]]
+            args = [args[:half], args[half:]]
         elif op == "check":
-            args = [[k.decode() for k in args]]
+            args = [args]
         elif op == "add":
-            args = [args[0].decode(), int(args[1])]
-        elif op in ("set", "append", "compare_set", "delete_key"):
-            args = [args[0].decode(), *args[1:]]
-        elif op != "num_keys":
+            args = [args[0], int(args[1])]
+        elif op not in ("set", "append", "compare_set", "delete_key", "num_keys"):
             return [_ERROR, f"unknown store request {op!r}".encode()]
         result = getattr(store, op)(*args)  # bytes, None, or a number or bool sent as its decimal digits
         return [_OK] if result is None else [_OK, result if isinstance(result, bytes) else b"%d" % result]
@@ -336,34 +315,16 @@ class JobStore(dist.Store):
     def has_extended_api(self) -> bool:
         return True
 
-    def clone(self) -> JobStore:
-        """Another connection to the same store (torch clones a store for a group it splits off)."""
+    def clone(self) -> JobStore:  # torch clones a store for a group it splits off
         twin = JobStore(*self._address, self._secret, self.timeout)
         self._clones.append(twin)  # torch keeps only the C++ half of the clone: it lives as long as this store
         return twin
 
-    def close(self) -> None:
-        """Close the connection; the store is unusable afterwards (torch must no longer hold it)."""
+    def close(self) -> None:  # the store is unusable afterwards: torch must no longer hold it
         with self._lock:
             if self._sock is not None:
                 self._sock.close()
                 self._sock = None
-
-
-def _rank0_hosted(bootstrap: dist.Store, addr: str, rank: int, secret: bytes, timeout: timedelta) -> JobStore:
-    # Under torchrun, MASTER_ADDR:MASTER_PORT is torch's TCPStore, open to anyone: it holds only the address of the
-    # store rank 0 serves. An impostor who rewrites it makes the ranks refuse to start, never join it.
-    key = f"fanfold/job_store/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-    server = None
-    if rank == 0:
-        local = addr == "localhost" or addr.startswith("127.")
-        server = StoreServer(secret, host="127.0.0.1" if local else "0.0.0.0")
-        bootstrap.set(key, f"{'127.0.0.1' if local else socket.getfqdn()}:{server.port}")
-    bootstrap.wait([key], timeout)
-    host, _, served = bootstrap.get(key).decode().rpartition(":")
-    store = JobStore(host, int(served), secret, timeout)
-    store._server = server  # rank 0 serves for as long as its store is in use
-    return store
 
 
 def install_env_rendezvous() -> None:
@@ -389,8 +350,19 @@ def install_env_rendezvous() -> None:
         if os.environ.get(STORE_ENV) == "1":
             store = JobStore(addr, port, secret, timeout)
         else:
-            bootstrap = rdzv._create_c10d_store(addr, port, rank, world_size, timeout)  # torch's own, agent or not
-            store = _rank0_hosted(bootstrap, addr, rank, secret, timeout)
+            # Under torchrun, MASTER_ADDR:MASTER_PORT is torch's TCPStore, open to anyone: it holds only the address
+            # of the store rank 0 serves. An impostor who rewrites it makes the ranks refuse to start, never join it.
+            bootstrap = rdzv._create_c10d_store(addr, port, rank, world_size, timeout)
+            key = f"fanfold/job_store/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+            server = None
+            if rank == 0:
+                local = addr == "localhost" or addr.startswith("127.")
+                server = StoreServer(secret, host="127.0.0.1" if local else "0.0.0.0")
+                bootstrap.set(key, f"{'127.0.0.1' if local else socket.getfqdn()}:{server.port}")
+            bootstrap.wait([key], timeout)
+            host, _, served = bootstrap.get(key).decode().rpartition(":")
+            store = JobStore(host, int(served), secret, timeout)
+            store._server = server  # rank 0 serves for as long as its store is in use
         try:
             yield store, rank, world_size
         finally:

@@ -1,7 +1,6 @@
 """One walk over nested data: flatten a structure to (path, leaf) pairs and a spec, rebuild it from new leaves.
 Containers: tuple, list, dict (and subclasses), namedtuple, torch's structseq types, dataclass instances; anything
-else is a leaf, ``PackedSequence`` included. Paths such as ``inputs[1]['mask']`` name leaves in error messages.
-"""
+else is a leaf, ``PackedSequence`` included. Paths such as ``inputs[1]['mask']`` name leaves in error messages."""
 from __future__ import annotations
 
 import copy
@@ -27,14 +26,12 @@ class Spec(NamedTuple):
 _LEAF_NODE = Node("leaf")
 
 
-class Path:
+class Path(NamedTuple):
     """A leaf's place, e.g. ``inputs[1]['mask']``, made into text only when printed (eager paths of a structure
     nested n deep would cost n^2 characters)."""
 
-    __slots__ = ("parent", "part")
-
-    def __init__(self, parent: Path | str, part: str):
-        self.parent, self.part = parent, part
+    parent: Path | str
+    part: str
 
     def __str__(self) -> str:
         parts, node = [], self
@@ -66,20 +63,26 @@ def _kind(obj: Any) -> str:
     return "leaf"
 
 
-def child_path(path: Path | str, kind: str, key: Any) -> Path:
-    """The path of one child: ``p[0]`` in sequences, ``p['k']`` in dicts, ``p.field`` in namedtuples/dataclasses."""
+def _child_path(path: Path | str, kind: str, key: Any) -> Path:
     return Path(path, f".{key}" if kind in ("namedtuple", "dataclass") else f"[{key!r}]")
 
 
-def _children(obj: Any, kind: str) -> tuple[tuple, list]:
+def _open(obj: Any, kind: str) -> tuple[tuple, list, Any]:
+    # keys, values, and the template: the type, or an empty copy (dict subclasses, dataclasses), as a spec holds no
+    # leaf: it must not keep a batch alive
     if kind == "dict":
-        return tuple(obj.keys()), list(obj.values())
-    if kind == "namedtuple":
-        return tuple(obj._fields), list(obj)
+        template = dict
+        if type(obj) is not dict:
+            template = copy.copy(obj)
+            template.clear()
+        return tuple(obj.keys()), list(obj.values()), template
     if kind == "dataclass":
+        template = copy.copy(obj)
         names = tuple(f.name for f in dataclasses.fields(obj))
-        return names, [getattr(obj, n) for n in names]
-    return tuple(range(len(obj))), list(obj)
+        for name in names:
+            object.__setattr__(template, name, None)
+        return names, [getattr(obj, n) for n in names], template
+    return tuple(obj._fields if kind == "namedtuple" else range(len(obj))), list(obj), type(obj)
 
 
 _EXIT = object()  # marks, on flatten's stack, the end of a container's children
@@ -105,27 +108,13 @@ def flatten(obj: Any, path: str = "") -> tuple[list[tuple[Path | str, Any]], Spe
         if id(item) in open_ids:
             raise ValueError(f"{where or '<root>'} contains itself: a structure with a cycle cannot be split or "
                              f"rebuilt")
-        keys, values = _children(item, kind)
-        nodes.append(Node(kind, _template(item, kind, keys), keys))
+        keys, values, template = _open(item, kind)
+        nodes.append(Node(kind, template, keys))
         open_ids.add(id(item))
         stack.append((_EXIT, id(item)))
         for key, value in zip(reversed(keys), reversed(values)):
-            stack.append((value, child_path(where, kind, key)))
+            stack.append((value, _child_path(where, kind, key)))
     return leaves, Spec(tuple(nodes))
-
-
-def _template(obj: Any, kind: str, keys: tuple) -> Any:
-    # its type, or an empty copy (dict subclasses, dataclasses): a spec holds no leaf, it must not keep a batch alive
-    if kind == "dict" and type(obj) is not dict:
-        out = copy.copy(obj)
-        out.clear()
-        return out
-    if kind == "dataclass":
-        out = copy.copy(obj)
-        for name in keys:
-            object.__setattr__(out, name, None)
-        return out
-    return type(obj)
 
 
 def unflatten(spec: Spec, leaves: list) -> Any:
@@ -167,16 +156,14 @@ def _build(node: Node, values: list) -> Any:
         return node.template(*values)
     if kind == "structseq":
         return node.template(values)
+    if node.template is dict:
+        return dict(zip(node.keys, values))
+    # A copy keeps a dict subclass's state (a defaultdict's factory). A dataclass's fields are set, not passed to
+    # __init__: __post_init__ checks meant for the whole batch must not run on a slice; frozen classes work too.
+    out = copy.copy(node.template)
     if kind == "dict":
-        if node.template is dict:
-            return dict(zip(node.keys, values))
-        # a copy keeps the subclass's own state (a defaultdict's factory, an OrderedDict's type)
-        out = copy.copy(node.template)
         out.update(zip(node.keys, values))
         return out
-    # dataclass: copy and set the fields rather than call __init__, so that __post_init__ checks written for the
-    # whole batch do not run on a slice, and init=False fields and frozen classes work too
-    out = copy.copy(node.template)
     for name, value in zip(node.keys, values):
         object.__setattr__(out, name, value)
     return out
@@ -200,7 +187,7 @@ def first_difference(a: Spec, b: Spec, path: str = "") -> str | None:
         where: Path | str = path
         if open_nodes:
             top = open_nodes[-1]
-            where = child_path(top[0], top[1], top[2][top[3]])
+            where = _child_path(top[0], top[1], top[2][top[3]])
             top[3] += 1
         (type_a, a_is), (type_b, b_is) = _describe(na), _describe(nb)
         if na.kind != nb.kind or na.keys != nb.keys or type_a is not type_b:

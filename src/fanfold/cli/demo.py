@@ -1,7 +1,6 @@
 """``fanfold demo``: the classic DataParallel tutorial (``Linear(5, 2)`` on ``RandomDataset(5, 100)``, batches of 30),
 on GPUs or CPU replicas: each replica prints its chunk's size, the loop the whole batch's, one locked ``tqdm.write``
-a line. Sample output: docs/data-parallel.md, "Demo".
-"""
+a line. Sample output: docs/data-parallel.md, "Demo"."""
 from __future__ import annotations
 
 import argparse

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import platform
 import shutil
@@ -43,11 +44,9 @@ def _probe() -> ProbeResult:
 
 
 def _read(path: str) -> str | None:
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError:
-        return None
+    with contextlib.suppress(OSError), open(path) as f:
+        return f.read().strip()
+    return None
 
 
 def _peer_read_reason() -> str:
@@ -87,14 +86,10 @@ def main(args: argparse.Namespace) -> int:
                       f"{torch.get_num_threads()}; `fanfold run -n N` gives each worker max(1, {usable} // N)"),
              ("accelerators", f"{len(gpus)} CUDA: {', '.join(gpus)}" if gpus else
               "none: DataParallel and DDP run CPU replicas (device_ids=['cpu', 'cpu'])")]
-    if dist.is_available():
-        backends = {b: getattr(dist, f"is_{b}_available")() for b in ("gloo", "nccl", "mpi", "ucc")}
-        lines.append(("backends", ", ".join(f"{b}: {'yes' if ok else 'no'}" for b, ok in backends.items())))
-        if not backends["gloo"]:
-            missing.append("the gloo backend (CPU process groups)")
-    else:
-        lines.append(("backends", "torch.distributed is not available in this torch build"))
-        missing.append("torch.distributed")
+    backends = {b: getattr(dist, f"is_{b}_available")() for b in ("gloo", "nccl", "mpi", "ucc")}
+    lines.append(("backends", ", ".join(f"{b}: {'yes' if ok else 'no'}" for b, ok in backends.items())))
+    if not backends["gloo"]:
+        missing.append("the gloo backend (CPU process groups)")
     if os.path.isdir("/dev/shm"):
         du = shutil.disk_usage("/dev/shm")
         lines.append(("/dev/shm", f"{_size(du.total)} total, {_size(du.free)} free"))
@@ -119,8 +114,7 @@ def _probe_lines(timeout: float, missing: list[str]) -> list[tuple[str, str]]:
         results = launch(_probe, nprocs=2, timeout=timeout)
     except (WorkerError, TimeoutError, OSError) as exc:
         missing.append("two local workers that can all-reduce over gloo")
-        first = str(exc).splitlines()[0]
-        return [("workers", f"2 local gloo workers FAILED: {first}")]
+        return [("workers", f"2 local gloo workers FAILED: {str(exc).splitlines()[0]}")]
     lines = [("workers", "2 local gloo workers: started, all-reduced")]
     res = results[0]
     if res.shm_sum == 3.0 and all(r.shm_sum == 3.0 for r in results):

@@ -1,7 +1,6 @@
 """``fanfold train``: the main job, a small CNN learning scikit-learn's digits over N processes. The parent checks the
 flags and the run directory and starts N workers (``launch_script``), each running this module with ``--worker``
-(``fanfold.training.job.run_worker``). Every flag: docs/main-job.md.
-"""
+(``fanfold.training.job.run_worker``). Every flag: docs/main-job.md."""
 from __future__ import annotations
 
 import argparse
@@ -56,11 +55,9 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> None:
-    for name in ("epochs", "batch_size"):
+    for name in ("epochs", "batch_size", "devices"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.devices < 1:
-        raise ValueError(f"--devices must be >= 1, got {args.devices}")
     if args.batch_size % args.devices:
         raise ValueError(f"--batch-size {args.batch_size} does not split evenly over --devices {args.devices}")
     if not args.lr > 0:
@@ -80,13 +77,9 @@ def _settings(args: argparse.Namespace, ckpt: Path) -> None:
     """Fill the run settings not given: the defaults, or with --resume the checkpoint's; refuse changed ones before
     any worker starts (they would not continue the same run)."""
     keys = RUN_KEYS + RUN_FLAGS
-    if not args.resume:
-        for key in keys:
-            if getattr(args, key) is None:
-                setattr(args, key, RUN_DEFAULTS[key])
-        return
-    saved = {k: False for k in RUN_FLAGS} | saved_settings(ckpt)  # a flag not recorded was off
-    changed = [key for key in keys if getattr(args, key) is not None and getattr(args, key) != saved[key]]
+    # a flag the checkpoint does not record was off
+    saved = ({k: False for k in RUN_FLAGS} | saved_settings(ckpt)) if args.resume else RUN_DEFAULTS
+    changed = [key for key in keys if args.resume and getattr(args, key) not in (None, saved[key])]
     if changed:
         given = " ".join(_setting(k, getattr(args, k)) for k in changed)
         was = ", ".join(_setting(k, saved[k]) for k in changed)
@@ -94,7 +87,8 @@ def _settings(args: argparse.Namespace, ckpt: Path) -> None:
         raise ValueError(f"--resume: {ckpt} was trained with {was}; {given} would not continue that run. "
                          f"Continue it with its own settings: {advice} (or start a new run with another --out)")
     for key in keys:
-        setattr(args, key, saved[key])
+        if getattr(args, key) is None:
+            setattr(args, key, saved[key])
 
 
 def _launch(args: argparse.Namespace) -> int:

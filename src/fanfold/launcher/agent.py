@@ -1,7 +1,6 @@
 """``fanfold run`` and ``launch_script``: N workers of a script on torch's elastic agent (torchrun's environment,
 rendezvous and restarts), plus: the target checked before any worker starts, a single node's rendezvous on
-127.0.0.1 behind the job's secret, and one report of the rank that failed first. docs/launching.md.
-"""
+127.0.0.1 behind the job's secret, and one report of the rank that failed first. docs/launching.md."""
 from __future__ import annotations
 
 import contextlib
@@ -16,22 +15,18 @@ import uuid
 import zipfile
 from collections.abc import Iterator, Mapping, Sequence
 
-from torch.distributed.elastic.rendezvous.api import RendezvousHandler, RendezvousInfo, RendezvousStoreInfo
+import torch
+from torch.distributed.elastic.rendezvous.api import RendezvousInfo, RendezvousParameters, RendezvousStoreInfo
 from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous
 
 from .._core.job import SECRET_ENV, SECRET_FILE_ENV, STORE_ENV, JobStore, StoreServer, job_secret, new_secret
 from .spawn import LOOPBACK, later_failures, loopback_env
-
-__all__ = ["launch_script", "default_nproc_per_node", "threads_per_worker", "format_failure", "check_script",
-           "check_module"]
 
 _LOOPBACK_BACKEND = "fanfold-loopback"
 
 
 def default_nproc_per_node() -> int:
     """One worker per GPU, or 2 on a CPU-only machine."""
-    import torch
-
     return torch.cuda.device_count() or 2
 
 
@@ -118,9 +113,10 @@ def check_module(module: str) -> None:
 class _LoopbackRendezvous(StaticTCPRendezvous):
     """Rendezvous of a single node: this agent is node 0 of 1, the store's socket listens on 127.0.0.1 only."""
 
-    def __init__(self, run_id: str, timeout: int, secret: bytes):
-        super().__init__(LOOPBACK, 0, 0, 1, run_id, timeout)
-        self._secret, self._server = secret, None
+    def __init__(self, params: RendezvousParameters):
+        super().__init__(LOOPBACK, 0, 0, 1, params.run_id, params.get_as_int("timeout", 900))
+        # from the environment launch_script set up, never from params: torch logs its launch config
+        self._secret, self._server = job_secret(), None
 
     def get_backend(self) -> str:
         return _LOOPBACK_BACKEND  # torch checks the handler's backend against the one it asked the registry for
@@ -140,14 +136,6 @@ class _LoopbackRendezvous(StaticTCPRendezvous):
         return True
 
 
-def _create_loopback_handler(params) -> RendezvousHandler:
-    # The secret comes from the environment launch_script set up, never from params: torch logs its launch config.
-    secret = job_secret()
-    if secret is None:
-        raise RuntimeError(f"fanfold run: no job secret in the environment ({SECRET_ENV}); launch_script sets one")
-    return _LoopbackRendezvous(params.run_id, params.get_as_int("timeout", 900), secret)
-
-
 def launch_script(
     cmd: Sequence[str],
     *,
@@ -164,7 +152,6 @@ def launch_script(
     rank_prefix: bool = False,
 ) -> int:
     """Run ``python cmd[0] cmd[1:]`` (``python -m`` with ``module=True``) in ``nproc_per_node`` processes; wait.
-
     Returns 0 when every worker succeeded; else prints the rank that failed first and its traceback to stderr and
     returns its exit code; no worker is left running. ``nnodes`` ("N" or "MIN:MAX") of 1 without ``rdzv_endpoint``
     is a rendezvous on 127.0.0.1; more use torch's ``rdzv_backend`` at ``rdzv_endpoint`` (``node_rank``: read by
@@ -201,7 +188,7 @@ def launch_script(
            "FANFOLD_VERBOSE": str(int(verbose)), "FANFOLD_RANK_PREFIX": str(int(rank_prefix))}
     single = max_nodes == 1 and not rdzv_endpoint
     if single:
-        rendezvous_handler_registry.register(_LOOPBACK_BACKEND, _create_loopback_handler)  # idempotent
+        rendezvous_handler_registry.register(_LOOPBACK_BACKEND, _LoopbackRendezvous)  # idempotent
         backend, endpoint, run_id, configs = _LOOPBACK_BACKEND, f"{LOOPBACK}:0", uuid.uuid4().hex, {}
         env.update(loopback_env())
         if job_secret() is None:  # the workers find it in their environment, never on a command line
@@ -296,15 +283,15 @@ def _how(exitcode: int) -> str:
     return f"failed with exit code {exitcode}"
 
 
-def _time_ns(failure) -> float:
-    info = failure.error_file_data.get("message")
-    if isinstance(info, dict) and "time_ns" in info.get("extraInfo", {}):
-        return int(info["extraInfo"]["time_ns"])
-    return failure.timestamp * 1e9 + 1e9  # no error file: after any rank that recorded one in the same second
-
-
 def _root_cause(err) -> tuple[int, object]:
-    return min(err.failures.items(), key=lambda kv: (_time_ns(kv[1]), kv[0]))
+    def when(rank_failure: tuple) -> tuple:
+        info = rank_failure[1].error_file_data.get("message")
+        if isinstance(info, dict) and "time_ns" in info.get("extraInfo", {}):
+            return int(info["extraInfo"]["time_ns"]), rank_failure[0]
+        # no error file: after any rank that recorded one in the same second
+        return rank_failure[1].timestamp * 1e9 + 1e9, rank_failure[0]
+
+    return min(err.failures.items(), key=when)
 
 
 def format_failure(err, verbose: bool = False) -> str:

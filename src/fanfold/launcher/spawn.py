@@ -1,7 +1,6 @@
 """``fanfold.launch(fn, *args, nprocs=N)``: run a Python function on N local worker processes with torchrun's
 environment, so ``fn`` calls ``init_process_group()`` as a script under ``fanfold run`` would. Everything listens on
-127.0.0.1 only: the job's store (hosted here, behind the launch's secret) and gloo. docs/launching.md, notebooks.md.
-"""
+127.0.0.1 only: the job's store (hosted here, behind the launch's secret) and gloo. docs/launching.md, notebooks.md."""
 from __future__ import annotations
 
 import contextlib
@@ -10,7 +9,6 @@ import os
 import pickle
 import signal
 import socket
-import sys
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
@@ -18,10 +16,11 @@ from dataclasses import dataclass
 from multiprocessing.connection import wait
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 from .._core.job import SECRET_ENV, STORE_ENV, StoreServer, install_env_rendezvous, new_secret
 from .worker_shim import whole_lines
-
-__all__ = ["launch", "WorkerError", "free_port", "loopback_interface", "LOOPBACK"]
 
 LOOPBACK = "127.0.0.1"
 
@@ -33,15 +32,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def loopback_interface() -> str | None:
-    """The name of the loopback network interface (``lo`` on Linux, ``lo0`` on macOS), or None if not found."""
-    names = [name for _, name in socket.if_nameindex()] if hasattr(socket, "if_nameindex") else []
-    return next((n for n in ("lo", "lo0") if n in names), None)
-
-
 def loopback_env() -> dict[str, str]:
-    """The variables that keep gloo's and NCCL's own listening sockets on the loopback interface (unless set)."""
-    lo = loopback_interface()
+    """The variables that keep gloo's and NCCL's own listening sockets on the loopback interface (``lo`` on Linux,
+    ``lo0`` on macOS), those not set already; none where no such interface is found."""
+    names = [name for _, name in socket.if_nameindex()] if hasattr(socket, "if_nameindex") else []
+    lo = next((n for n in ("lo", "lo0") if n in names), None)
     return {var: lo for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if lo and var not in os.environ}
 
 
@@ -65,14 +60,6 @@ class _Report:
     died: bool = False
 
 
-def _pickled(report: _Report, rank: int) -> bytes:
-    try:
-        return pickle.dumps(report)  # plain pickle: tensors are copied, not shared through fds that die with us
-    except Exception as exc:
-        return pickle.dumps(_Report(False, error=f"result of rank {rank} cannot be pickled: {exc}",
-                                    time_ns=time.time_ns()))
-
-
 def _worker(fn, args, rank: int, env: Mapping[str, str], threads: int, conn, rank_prefix: bool) -> None:
     # A forked worker inherits its parent's handlers: one that raises (torch's elastic agent leaves such a handler
     # after `launch_script`) printed a traceback when the launcher stopped this worker. Stopped is stopped.
@@ -80,9 +67,6 @@ def _worker(fn, args, rank: int, env: Mapping[str, str], threads: int, conn, ran
     os.environ.update(env)
     os.environ["RANK"] = os.environ["LOCAL_RANK"] = str(rank)
     streams = whole_lines(f"[rank {rank}] " if rank_prefix else "")  # ranks sharing a notebook cell
-    import torch
-    import torch.distributed as dist
-
     torch.set_num_threads(threads)
     install_env_rendezvous()  # a plain dist.init_process_group() joins the launch's authenticated store too
     try:
@@ -92,10 +76,14 @@ def _worker(fn, args, rank: int, env: Mapping[str, str], threads: int, conn, ran
                          time_ns=time.time_ns())
     # Pickled before the process group is torn down (torch's storage pickling after it was seen to hang); a failure
     # is sent before too: the teardown makes the peers fail, and their reports must not overtake this one.
-    data = _pickled(report, rank)
+    try:
+        data = pickle.dumps(report)  # plain pickle: tensors are copied, not shared through fds that die with us
+    except Exception as exc:
+        report = _Report(False, error=f"result of rank {rank} cannot be pickled: {exc}", time_ns=time.time_ns())
+        data = pickle.dumps(report)
     if not report.ok:
         conn.send_bytes(data)
-    if dist.is_available() and dist.is_initialized():
+    if dist.is_initialized():
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
     for stream in streams:  # os._exit skips every flush: what the worker printed must reach the parent first
@@ -107,26 +95,20 @@ def _worker(fn, args, rank: int, env: Mapping[str, str], threads: int, conn, ran
     os._exit(0 if report.ok else 1)
 
 
-def _by_reference(fn: Callable) -> bool:
-    """Whether a fresh process can find ``fn`` by its module and name, as spawn and forkserver need."""
-    if getattr(fn, "__module__", None) in (None, "__main__"):
-        return False  # a notebook cell's or a script's function: the new process has another __main__
-    try:
-        pickle.dumps(fn)
-    except Exception:  # a lambda, a nested function, a bound method of an unpicklable object
-        return False
-    return True
-
-
 def _context(fn: Callable, start_method: str | None):
+    # spawn and forkserver find fn by its module and name: not a notebook cell's or a script's function (the new
+    # process has another __main__), nor a lambda, a nested function or a method of an unpicklable object
+    try:
+        by_reference = getattr(fn, "__module__", None) not in (None, "__main__") and bool(pickle.dumps(fn))
+    except Exception:
+        by_reference = False
     if start_method is None:
-        start_method = "forkserver" if _by_reference(fn) else "fork"
-    elif start_method != "fork" and not _by_reference(fn):
+        start_method = "forkserver" if by_reference else "fork"
+    elif start_method != "fork" and not by_reference:
         raise ValueError(f"fn {getattr(fn, '__qualname__', fn)!r} is defined in __main__ (a notebook or a script) or "
                          f"is not a module-level function: start_method={start_method!r} cannot find it in the new "
                          f"process; leave start_method=None (fork) or move fn into an importable module")
-    torch = sys.modules.get("torch")
-    if start_method == "fork" and torch is not None:
+    if start_method == "fork":
         # A forked child inherits the parent's CUDA context in a state it cannot use: refuse before starting.
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             raise RuntimeError(
@@ -134,33 +116,19 @@ def _context(fn: Callable, start_method: str | None):
                 "in a notebook (or __main__) are forked, which cannot use it. Restart the kernel and launch before "
                 "any CUDA call in it (no tensor .cuda()/.to('cuda') and no torch.cuda.* query that initialises it), "
                 "or move the function into a module so the workers start fresh")
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
+        if dist.is_initialized():
             raise RuntimeError("fanfold.launch: a process group is initialised in this process; forked workers "
                                "would inherit it: call torch.distributed.destroy_process_group() first")
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
-        # torch._dynamo: creating any torch.optim optimizer imports it (4-15 s here); pay that once, not per rank.
+        # torch._dynamo: creating any torch.optim optimizer imports it (seconds); pay that once, not per rank.
         ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.optim", "torch._dynamo", "fanfold"])
     return ctx
 
 
-def _kill(procs: Sequence) -> None:
-    for p in procs:
-        p.terminate()  # a process that has exited is skipped
-    deadline = time.monotonic() + 3.0
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-        if p.is_alive():
-            p.kill()
-            p.join(2.0)
-
-
-_GRACE_S = 2.0  # after a first failure, how long the other ranks' reports are awaited to find the earliest
-
-
 def _collect(procs: Sequence, conns: Sequence, timeout: float) -> list:
-    # A rank's failure usually makes its peers fail too: after the first failure the others are awaited a moment,
-    # and the earliest by the worker's own clock is reported; a rank that died without reporting is the cause.
+    # A rank's failure usually makes its peers fail too: after the first failure the others are awaited a moment
+    # (2 s), and the earliest by the worker's own clock is reported; a rank that died without reporting is the cause.
     results: dict[int, Any] = {}
     failures: dict[int, _Report] = {}
     pending = dict(enumerate(conns))  # rank -> its pipe, until read
@@ -182,23 +150,19 @@ def _collect(procs: Sequence, conns: Sequence, timeout: float) -> list:
                 report = _Report(False, error=f"died with exit code {procs[rank].exitcode}", time_ns=time.time_ns(),
                                  died=True)
             failures[rank] = report
-            end = min(end, time.monotonic() + _GRACE_S)
+            end = min(end, time.monotonic() + 2.0)
     if failures:
-        raise _first_failure(failures, sorted(pending), len(procs))
+        rank = min(failures, key=lambda r: (not failures[r].died, failures[r].time_ns, r))
+        first = failures[rank]
+        if first.died:
+            head = f"rank {rank} of {len(procs)} {first.error} before reporting"
+        else:
+            head = f"rank {rank} of {len(procs)} failed: {first.error}\n{first.traceback.rstrip()}"
+        later = {r: f.error if f.died else f.error.split(":", 1)[0] for r, f in failures.items() if r != rank}
+        raise WorkerError("\n".join([head, *later_failures("fanfold.launch", rank, sorted(pending), later)]), rank)
     if pending:
         raise TimeoutError(f"fanfold.launch: ranks {sorted(pending)} of {len(procs)} still running after {timeout:g} s")
     return [results[r] for r in range(len(procs))]
-
-
-def _first_failure(failures: dict[int, _Report], running: list[int], nprocs: int) -> WorkerError:
-    rank = min(failures, key=lambda r: (not failures[r].died, failures[r].time_ns, r))
-    first = failures[rank]
-    if first.died:
-        head = f"rank {rank} of {nprocs} {first.error} before reporting"
-    else:
-        head = f"rank {rank} of {nprocs} failed: {first.error}\n{first.traceback.rstrip()}"
-    later = {r: f.error if f.died else f.error.split(":", 1)[0] for r, f in failures.items() if r != rank}
-    return WorkerError("\n".join([head, *later_failures("fanfold.launch", rank, running, later)]), rank)
 
 
 def later_failures(who: str, rank: int, stopped: list[int], later: dict[int, str]) -> list[str]:
@@ -218,7 +182,6 @@ def launch(
     rank_prefix: bool = False,
 ) -> list:
     """Run ``fn(*args)`` in ``nprocs`` local processes with the torchrun environment; return the results by rank.
-
     An importable module-level ``fn`` starts from a forkserver; one defined in a notebook or ``__main__`` (or a
     lambda, a closure) runs in forked workers, so the parent must not have initialised CUDA (a ``RuntimeError``
     says so). Each worker uses ``threads`` intra-op threads; ``env`` adds environment variables; output arrives
@@ -257,7 +220,14 @@ def launch(
             procs.append(p)
         return _collect(procs, conns, timeout)
     finally:
-        _kill(procs)
+        for p in procs:
+            p.terminate()  # a process that has exited is skipped
+        deadline = time.monotonic() + 3.0
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join(2.0)
         for c in conns:
             c.close()
         store.close()  # the workers are gone

@@ -1,7 +1,6 @@
 """Each ``fanfold run`` worker: ``python -u worker_shim.py [-m] target args...`` runs the target as ``python`` would,
 plus: its uncaught exception in torch's error file, ``faulthandler``, no worker (nor its helpers) outliving the
-launcher, ``env://`` routed to the job's store, output in whole lines. Imports neither torch nor fanfold.
-"""
+launcher, ``env://`` routed to the job's store, output in whole lines. Imports neither torch nor fanfold."""
 from __future__ import annotations
 
 import atexit
@@ -46,9 +45,6 @@ class WholeLines:
         self._target.write(text)
         self._target.flush()
 
-    def flush(self) -> None:
-        self._target.flush()
-
     def close_line(self) -> None:
         with self._lock:
             if self._pending:
@@ -77,9 +73,7 @@ class _RouteEnvRendezvous:
         if name != self._NAME:
             return None
         sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
+        spec = importlib.util.find_spec(name)  # torch's source file: its loader has exec_module
         run_module = spec.loader.exec_module
 
         def exec_module(module):
@@ -100,10 +94,8 @@ class _RouteEnvRendezvous:
 
 
 def _die_with_parent() -> None:
-    # PR_SET_PDEATHSIG: the agent stops workers on every exit it sees, but a SIGKILLed agent sees nothing.
-    if not sys.platform.startswith("linux"):
-        return
-    with contextlib.suppress(OSError, AttributeError):
+    # PR_SET_PDEATHSIG (Linux; no prctl elsewhere): the agent stops the workers, unless it was SIGKILLed itself
+    with contextlib.suppress(OSError, AttributeError, TypeError):
         import ctypes
 
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)
@@ -164,9 +156,8 @@ def _own_report(exc: BaseException, text: str) -> str:
 
 def main(argv: list[str]) -> int:
     module = argv[:1] == ["-m"]  # launch_script passes [-m] target args...
-    argv = argv[module:]
-    target = argv[0]
-    sys.argv = list(argv)
+    sys.argv = argv[module:]
+    target = sys.argv[0]
     prefix = f"[rank {os.environ.get('RANK', '?')}] " if os.environ.get("FANFOLD_RANK_PREFIX") == "1" else ""
     streams = whole_lines(prefix)
     faulthandler.enable(file=sys.__stderr__, all_threads=True)
