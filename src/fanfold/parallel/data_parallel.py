@@ -106,7 +106,7 @@ class DataParallel(nn.Module):
         if not inputs and not kwargs:
             return self.module()
         if len(self.device_ids) == 1 and _on_device(inputs, kwargs, self.src_device_obj):
-            return self.module(*inputs, **kwargs)  # scattering onto one device would only copy the tensors
+            return self.module(*inputs, **kwargs)  # what scatter would hand over, without its walk of the arguments
         inputs, kwargs = self.scatter(inputs, kwargs, self.device_ids)
         if len(self.device_ids) == 1:
             return self.module(*inputs[0], **kwargs[0])
