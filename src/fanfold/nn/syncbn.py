@@ -140,14 +140,10 @@ class SyncNormalize(Function):
             total = ctx.reduce(functools.reduce(torch.Tensor.add_, packed))
             dxs = [None if not need[i] else torch.zeros_like(xs[i]) if xs[i].numel() == 0 else
                    _whole_batch_dx(dys[i], xs[i], means[i], variances[i], weights[i], total, ctx) for i in range(n)]
-        affine: list[torch.Tensor | None] = [None] * (2 * n)
-        for i, ((gw, gb), weight) in enumerate(zip(sums, weights)):
-            # weight and bias exist together, or the bias alone is absent (bias=False): both take the weight's dtype
-            if need[n + i]:
-                affine[i] = gw.to(weight.dtype)
-            if need[2 * n + i]:
-                affine[n + i] = gb.to(weight.dtype)
-        return None, None, None, *dxs, *affine
+        # weight and bias exist together, or the bias alone is absent (bias=False): both take the weight's dtype
+        gws = [gw.to(w.dtype) if need[n + i] else None for i, ((gw, _), w) in enumerate(zip(sums, weights))]
+        gbs = [gb.to(w.dtype) if need[2 * n + i] else None for i, ((_, gb), w) in enumerate(zip(sums, weights))]
+        return None, None, None, *dxs, *gws, *gbs
 
 
 def _whole_batch_dx(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, var: torch.Tensor,
