@@ -116,12 +116,6 @@ def _footer(f: BinaryIO, size: int) -> tuple[bytes, int] | None:
     return digest, length
 
 
-def has_footer(path: Path) -> bool:
-    with contextlib.suppress(OSError), open(path, "rb") as f:
-        return _footer(f, os.fstat(f.fileno()).st_size) is not None
-    return False
-
-
 def _unpickle(path: Path, f: BinaryIO) -> Any:
     f.seek(0)
     try:
@@ -473,4 +467,8 @@ def latest(directory: str | os.PathLike, pattern: str = "*.pt") -> Path | None:
     if not directory.is_dir():
         return None
     files = [p for p in directory.glob(pattern) if p.is_file() and not p.name.startswith(".")]
-    return next((p for p in sorted(files, key=lambda p: p.stat().st_mtime_ns, reverse=True) if has_footer(p)), None)
+    for p in sorted(files, key=lambda p: p.stat().st_mtime_ns, reverse=True):
+        with contextlib.suppress(OSError), open(p, "rb") as f:
+            if _footer(f, os.fstat(f.fileno()).st_size) is not None:
+                return p
+    return None
