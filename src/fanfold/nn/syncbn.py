@@ -49,20 +49,9 @@ def pack_moments(x: torch.Tensor) -> torch.Tensor:
     wide = wide_dtype(x.device)
     if n == 0:
         return torch.zeros(2 * c + 1, dtype=wide, device=x.device)
+    # mean and biased variance per channel by the corrected two-pass algorithm, exact in any memory format (torch's
+    # statistics kernel is not on channels-last CPU inputs)
     data = x if x.dtype == stats_dtype(x) else x.to(stats_dtype(x))
-    if data.is_contiguous() and data.device.type == "cpu":
-        # plain BatchNorm's own statistics kernel: exact on contiguous CPU inputs; not its channels-last path (89x the
-        # variance's error there), nor elsewhere untested
-        mean, var = torch.batch_norm_update_stats(data, None, None, 0.0)
-    else:
-        mean, var = _two_pass(data, n, wide)
-    mean = mean.to(wide)  # addcmul widens var, exactly, by type promotion
-    return torch.cat((mean, torch.addcmul(var, mean, mean), mean.new_ones(1))).mul_(n)
-
-
-def _two_pass(data: torch.Tensor, n: int, wide: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean and biased variance per channel (``wide``) by the corrected two-pass algorithm."""
-    c = data.shape[1]
     guess = data.sum([0, *range(2, data.dim())]).div_(n)  # a float32 sum: off by its own rounding when |mean| >> std
     d = data - guess.view([1, c] + [1] * (data.dim() - 2))
     # sum(d^2) and sum(d) in one pass: the BatchNorm-backward kernel's sum(dy * (x - mean) * invstd) and sum(dy) with
@@ -71,7 +60,8 @@ def _two_pass(data: torch.Tensor, n: int, wide: torch.dtype) -> tuple[torch.Tens
     _, s2, s1 = torch.ops.aten.native_batch_norm_backward(d, d, ones, zeros, zeros, saved, saved, False, 1.0,
                                                           [False, True, True])
     g, s1, s2 = torch.stack([guess, s1, s2]).to(wide).unbind()
-    return g + s1 / n, (s2 - s1.square() / n) / n  # the guess corrected by the mean deviation
+    mean, var = g + s1 / n, (s2 - s1.square() / n) / n  # the guess corrected by the mean deviation
+    return torch.cat((mean, torch.addcmul(var, mean, mean), mean.new_ones(1))).mul_(n)
 
 
 @dataclass
