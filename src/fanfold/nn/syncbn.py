@@ -49,20 +49,9 @@ def pack_moments(x: torch.Tensor) -> torch.Tensor:
     wide = wide_dtype(x.device)
     if n == 0:
         return torch.zeros(2 * c + 1, dtype=wide, device=x.device)
+    # mean and biased variance per channel by the corrected two-pass algorithm, exact in any memory format (torch's
+    # statistics kernel is not on channels-last CPU inputs)
     data = x if x.dtype == stats_dtype(x) else x.to(stats_dtype(x))
-    if data.is_contiguous() and data.device.type == "cpu":
-        # plain BatchNorm's own statistics kernel: exact on contiguous CPU inputs; not its channels-last path (89x the
-        # variance's error there), nor elsewhere untested
-        mean, var = torch.batch_norm_update_stats(data, None, None, 0.0)
-    else:
-        mean, var = _two_pass(data, n, wide)
-    mean = mean.to(wide)  # addcmul widens var, exactly, by type promotion
-    return torch.cat((mean, torch.addcmul(var, mean, mean), mean.new_ones(1))).mul_(n)
-
-
-def _two_pass(data: torch.Tensor, n: int, wide: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean and biased variance per channel (``wide``) by the corrected two-pass algorithm."""
-    c = data.shape[1]
     guess = data.sum([0, *range(2, data.dim())]).div_(n)  # a float32 sum: off by its own rounding when |mean| >> std
     d = data - guess.view([1, c] + [1] * (data.dim() - 2))
     # sum(d^2) and sum(d) in one pass: the BatchNorm-backward kernel's sum(dy * (x - mean) * invstd) and sum(dy) with
@@ -71,7 +60,8 @@ def _two_pass(data: torch.Tensor, n: int, wide: torch.dtype) -> tuple[torch.Tens
     _, s2, s1 = torch.ops.aten.native_batch_norm_backward(d, d, ones, zeros, zeros, saved, saved, False, 1.0,
                                                           [False, True, True])
     g, s1, s2 = torch.stack([guess, s1, s2]).to(wide).unbind()
-    return g + s1 / n, (s2 - s1.square() / n) / n  # the guess corrected by the mean deviation
+    mean, var = g + s1 / n, (s2 - s1.square() / n) / n  # the guess corrected by the mean deviation
+    return torch.cat((mean, torch.addcmul(var, mean, mean), mean.new_ones(1))).mul_(n)
 
 
 @dataclass
@@ -98,72 +88,52 @@ def unpack_moments(total: torch.Tensor, dtype: torch.dtype) -> Moments:
 
 
 def _part_sums(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, var: torch.Tensor, weight: torch.Tensor | None,
-               eps: float, need_dx: bool) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
-    """``(w * invstd * dy if need_dx, sum(dy * xhat), sum(dy))`` over this part, by torch's kernel."""
+               eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sum(dy * xhat), sum(dy))`` over this part, by torch's kernel."""
     if x.numel() == 0:  # the kernel divides by the element count: an empty part contributes nothing
         zeros = var.new_zeros(var.shape)
-        return (torch.zeros_like(x) if need_dx else None), zeros, zeros
+        return zeros, zeros
     # evaluation mode on the given statistics. CUDA's kernel wants every optional tensor defined (on an H100 it failed
     # on None): the saved statistics are empty (it then takes the given ones), a missing weight is ones
     saved = mean.new_empty(0)
-    return torch.ops.aten.native_batch_norm_backward(dy, x, torch.ones_like(var) if weight is None else weight, mean,
-                                                     var, saved, saved, False, eps, [need_dx, True, True])
+    _, gw, gb = torch.ops.aten.native_batch_norm_backward(dy, x, torch.ones_like(var) if weight is None else weight,
+                                                          mean, var, saved, saved, False, eps, [False, True, True])
+    return gw, gb
 
 
-def _affine_grads(gw: torch.Tensor, gb: torch.Tensor, weight: torch.Tensor | None, need_w: bool,
-                  need_b: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    # weight and bias exist together, or the bias alone is absent (bias=False): both take the weight's dtype
-    if (need_w or need_b) and gw.dtype != weight.dtype:
-        gw, gb = gw.to(weight.dtype), gb.to(weight.dtype)
-    return (gw if need_w else None), (gb if need_b else None)
-
-
-class Normalize(Function):
-    """BatchNorm of one part on statistics from ``BatchStats``; backward: the direct ``dx``, ``dL/dmean``,
-    ``dL/dvar`` and the part's own share of the weight's and bias's gradients."""
+class SyncNormalize(Function):
+    """``SyncNormalize.apply(moments, reduce, eps, *xs, *weights, *biases) -> ys``: BatchNorm of each part on the
+    whole batch's ``moments``. Backward: the parts' ``[sum(dy) | sum(dy * xhat)]``, summed and passed to ``reduce``
+    (the backward's one collective, made before the weights' and biases' gradients reach autograd and DDP's hooks),
+    give each part its ``dx``; each part keeps its own share of its weight's and bias's gradients."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, mean: torch.Tensor, var: torch.Tensor, weight: torch.Tensor | None,
-                bias: torch.Tensor | None, eps: float) -> torch.Tensor:
-        ctx.eps = eps
-        ctx.save_for_backward(x, mean, var, weight)
-        return F.batch_norm(x, mean, var, weight, bias, False, 0.0, eps)
+    def forward(ctx: Any, moments: Moments, reduce: Callable, eps: float, *args: torch.Tensor | None) -> tuple:
+        n = len(args) // 3
+        xs, weights, biases = args[:n], args[n:2 * n], args[2 * n:]
+        means = [moments.mean.to(x.device, stats_dtype(x)) for x in xs]
+        variances = [moments.var.to(x.device, stats_dtype(x)) for x in xs]
+        ctx.eps, ctx.count, ctx.reduce = eps, moments.count, reduce
+        ctx.save_for_backward(*xs, *weights, *means, *variances)
+        return tuple(F.batch_norm(*p, False, 0.0, eps) for p in zip(xs, means, variances, weights, biases))
 
     @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, mean, var, weight = ctx.saved_tensors
-        need_x, need_mean, need_var, need_w, need_b = ctx.needs_input_grad[:5]
-        dx, gw, gb = _part_sums(dy, x, mean, var, weight, ctx.eps, need_x)
-        dmean = dvar = None
-        if need_mean or need_var:
-            wide = wide_dtype(var.device)
-            invstd = (var.to(wide) + ctx.eps).rsqrt()
-            scale = invstd if weight is None else invstd * weight.to(wide)
-            dmean = (-scale * gb.to(wide)).to(mean.dtype)
-            dvar = (scale * invstd * gw.to(wide) * -0.5).to(var.dtype)
-        return dx, dmean, dvar, *_affine_grads(gw, gb, weight, need_w, need_b), None
-
-
-class SyncNormalize(Normalize):
-    """``SyncNormalize.apply(x, mean, var, weight, bias, eps, count, reduce)``: ``Normalize`` on constant statistics
-    whose backward computes the whole ``dx`` with one collective (``reduce``), made before the weight's and bias's
-    gradients reach autograd and DDP's hooks (docs/syncbn.md: the gradients)."""
-
-    @staticmethod
-    def forward(ctx: Any, *args: Any) -> torch.Tensor:
-        ctx.count, ctx.reduce = args[6:]
-        return Normalize.forward(ctx, *args[:6])
-
-    @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, mean, var, weight = ctx.saved_tensors
-        need_x, _, _, need_w, need_b = ctx.needs_input_grad[:5]
-        _, gw, gb = _part_sums(dy, x, mean, var, weight, ctx.eps, False)
-        dx = None
-        if need_x:
-            total = ctx.reduce(torch.cat((gb, gw)).to(wide_dtype(x.device)))  # the backward's one collective
-            dx = torch.zeros_like(x) if x.numel() == 0 else _whole_batch_dx(dy, x, mean, var, weight, total, ctx)
-        return dx, None, None, *_affine_grads(gw, gb, weight, need_w, need_b), None, None, None
+    def backward(ctx: Any, *dys: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        n = len(dys)
+        xs, weights, means, variances = (ctx.saved_tensors[i * n:(i + 1) * n] for i in range(4))
+        need = ctx.needs_input_grad[3:]
+        sums = [_part_sums(*p, ctx.eps) for p in zip(dys, xs, means, variances, weights)]
+        dxs: list[torch.Tensor | None] = [None] * n
+        if any(need[:n]):
+            home = means[0].device
+            packed = [torch.cat((gb, gw)).to(home, wide_dtype(home)) for gw, gb in sums]
+            total = ctx.reduce(functools.reduce(torch.Tensor.add_, packed))
+            dxs = [None if not need[i] else torch.zeros_like(xs[i]) if xs[i].numel() == 0 else
+                   _whole_batch_dx(dys[i], xs[i], means[i], variances[i], weights[i], total, ctx) for i in range(n)]
+        # weight and bias exist together, or the bias alone is absent (bias=False): both take the weight's dtype
+        gws = [gw.to(w.dtype) if need[n + i] else None for i, ((gw, _), w) in enumerate(zip(sums, weights))]
+        gbs = [gb.to(w.dtype) if need[2 * n + i] else None for i, ((_, gb), w) in enumerate(zip(sums, weights))]
+        return None, None, None, *dxs, *gws, *gbs
 
 
 def _whole_batch_dx(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, var: torch.Tensor,
@@ -173,49 +143,11 @@ def _whole_batch_dx(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, var: 
     invstd = torch.rsqrt(var + ctx.eps)
     a = invstd if weight is None else invstd * weight
     coef = torch.cat((a, a * invstd)).div_(-ctx.count)
-    k0, k1 = total.to(coef.dtype).mul_(coef).view((2, -1) + (1,) * (x.dim() - 2)).unbind(0)
+    k0, k1 = total.to(x.device, coef.dtype).mul_(coef).view((2, -1) + (1,) * (x.dim() - 2)).unbind(0)
     # in place after x - mean (not x * k1 - mean * k1, which cancels when |mean| >> std); not addcmul(k0, x - mean,
     # k1): its broadcast first operand takes a slow kernel on CPU (5x one in-place pass)
     dx = (x - mean.view(k0.shape)).mul_(k1).addcmul_(dy, a.view(k0.shape)).add_(k0)
     return dx if dx.dtype == x.dtype else dx.to(x.dtype)
-
-
-class BatchStats(Function):
-    """``BatchStats.apply(moments, reduce, *xs) -> (mean_0, var_0, mean_1, var_1, ...)``: the whole batch's statistics
-    for each part, on its device; backward sums the parts' ``[dL/dmean | dL/dvar]`` (2C), then ``reduce`` sums it with
-    every other part's (the backward's one collective), and gives each part its share of ``dx``."""
-
-    @staticmethod
-    def forward(ctx: Any, moments: Moments, reduce: Callable, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        outs: list[torch.Tensor] = []
-        for x in xs:
-            dtype = stats_dtype(x)
-            outs += [moments.mean.to(x.device, dtype), moments.var.to(x.device, dtype)]
-        ctx.count, ctx.reduce = moments.count, reduce
-        ctx.save_for_backward(*xs, *outs[0::2])
-        return tuple(outs)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        saved = ctx.saved_tensors
-        n = len(saved) // 2
-        xs, means = saved[:n], saved[n:]
-        c, home, count = means[0].numel(), means[0].device, ctx.count
-        packed = torch.cat([torch.stack([g.to(home) for g in grads[0::2]]).sum(0),
-                            torch.stack([g.to(home) for g in grads[1::2]]).sum(0)]).to(wide_dtype(home))
-        total = ctx.reduce(packed)
-        out: list[torch.Tensor | None] = [None, None]
-        for i, (x, mean) in enumerate(zip(xs, means)):
-            if not ctx.needs_input_grad[2 + i]:
-                out.append(None)
-            elif count == 0 or x.numel() == 0:
-                out.append(torch.zeros_like(x))
-            else:
-                a = (total[:c] / count).to(x.device, mean.dtype)
-                b = (total[c:] * (2.0 / count)).to(x.device, mean.dtype)
-                shape = [1, -1] + [1] * (x.dim() - 2)
-                out.append((x - mean.view(shape)).mul_(b.view(shape)).add_(a.view(shape)).to(x.dtype))
-        return tuple(out)
 
 
 def _zeros_all_reduce(numel: int, dtype: torch.dtype, device: torch.device, transport: InspectedTransport) -> None:
@@ -368,34 +300,33 @@ class SyncBatchNorm(_BatchNorm):
                       outer: GroupSum | None) -> torch.Tensor:
         """Training with the whole batch's statistics; ``factor``: the running statistics' update, if kept."""
         vec = pack_moments(x)
-        if link is not None and not link.concurrent_backward and torch.is_grad_enabled():
-            # autograd's engine runs the replicas' backward one after another: one statistics node joins them all
-            identity = (lambda packed: packed) if outer is None else functools.partial(outer, phase=BACKWARD)
-
-            def combine(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, tuple | None]:
-                total = _sum_parts([v for v, _ in parts], outer, FORWARD)
-                moments = unpack_moments(total, torch.float64)
-                if moments.count == 1:
-                    return total, None  # each replica raises its own error
-                return total, BatchStats.apply(moments, identity, *[p for _, p in parts])
-
-            total, stats = link.rendezvous.meet(link.index, (vec, x), combine, "forward")
-            self._update(total, x, factor)
-            i = link.index
-            return Normalize.apply(x, stats[2 * i], stats[2 * i + 1], self.weight, self.bias, self.eps)
+        part = (x, self.weight, self.bias)
+        ys = None
         if link is None:  # ranks only
-            moments = self._update(outer(vec, FORWARD), x, factor)
+            total = outer(vec, FORWARD)
             reduce = functools.partial(outer, phase=BACKWARD)
-        else:  # replicas (and ranks, if any), each running its own backward in its own thread
-            meet = functools.partial(link.rendezvous.meet, link.index)
-            moments = self._update(meet(vec, functools.partial(_sum_parts, outer=outer, phase=FORWARD), "forward"), x,
-                                   factor)
+        else:
+            # autograd's engine may run the replicas' backward one after another on one thread, where a replica's node
+            # would wait for replicas not run yet: then one node normalises every replica, joining their graphs
+            serial = not link.concurrent_backward and torch.is_grad_enabled()
+            backward = functools.partial(_sum_parts, outer=outer, phase=BACKWARD)
+
+            def combine(payloads: list[tuple[torch.Tensor, tuple]]) -> tuple[torch.Tensor, tuple | None]:
+                total = _sum_parts([v for v, _ in payloads], outer, FORWARD)
+                if not serial or int(total[-1]) == 1:  # a count of 1: each replica raises its own error
+                    return total, None
+                xs, weights, biases = zip(*[p for _, p in payloads])
+                return total, SyncNormalize.apply(unpack_moments(total, torch.float64), lambda vec: backward([vec]),
+                                                  self.eps, *xs, *weights, *biases)
+
+            total, ys = link.rendezvous.meet(link.index, (vec, part), combine, "forward")
 
             def reduce(packed: torch.Tensor) -> torch.Tensor:
-                return meet(packed, functools.partial(_sum_parts, outer=outer, phase=BACKWARD), "backward").to(
-                    packed.device)
-        return SyncNormalize.apply(x, moments.mean, moments.var, self.weight, self.bias, self.eps, moments.count,
-                                   reduce)
+                return link.rendezvous.meet(link.index, packed, backward, "backward").to(packed.device)
+        moments = self._update(total, x, factor)
+        if ys is not None:
+            return ys[link.index]
+        return SyncNormalize.apply(moments, reduce, self.eps, *part)[0]
 
     def _update(self, total: torch.Tensor, x: torch.Tensor, factor: float | None) -> Moments:
         """The whole batch's moments from the parts' summed vectors; checks the count, moves the running statistics."""

@@ -15,7 +15,7 @@ from .parallel_apply import WorkerPool, parallel_apply
 from .parallel_backward import parallel_apply_backward
 from .process_engine import ProcessEngine
 from .replicate import LinkedReplicas, link_replicas, replicate
-from .scatter_gather import gather, scatter_kwargs
+from .scatter_gather import _check_dim, gather, scatter_kwargs
 
 
 def _accept_unprefixed(module: DataParallel, state_dict: dict, prefix: str, *_: Any) -> None:
@@ -63,8 +63,7 @@ class DataParallel(nn.Module):
                 f"{type(module).__qualname__}. Optimizers and LR schedulers need no wrapping: create them on the "
                 "wrapped model's parameters (model.parameters()) and use them unchanged."
             )
-        if isinstance(dim, bool) or not isinstance(dim, int):
-            raise TypeError(f"dim must be an int, got {type(dim).__name__}: {dim!r}")
+        _check_dim(dim)
         if weights is not None and chunk_sizes is not None:
             raise ValueError("DataParallel: give weights or chunk_sizes, not both")
         self.module = module
@@ -107,7 +106,7 @@ class DataParallel(nn.Module):
         if not inputs and not kwargs:
             return self.module()
         if len(self.device_ids) == 1 and _on_device(inputs, kwargs, self.src_device_obj):
-            return self.module(*inputs, **kwargs)  # scattering onto one device would only copy the tensors
+            return self.module(*inputs, **kwargs)  # what scatter would hand over, without its walk of the arguments
         inputs, kwargs = self.scatter(inputs, kwargs, self.device_ids)
         if len(self.device_ids) == 1:
             return self.module(*inputs[0], **kwargs[0])

@@ -186,8 +186,7 @@ def parallel_apply_backward(
     devices = list(devices)
     n = len(modules)
     params, aliases, restore = _alias_parameters(modules)
-    state = _caller_state(devices)
-    state["grad"] = True
+    state = _caller_state(devices, grad=True)
     # every replica's tensor arguments, detached: leaves of that replica's own graph
     arg_leaves, spec = flatten((list(inputs), list(kwargs_tup)))
     originals: list[torch.Tensor] = []

@@ -15,15 +15,6 @@ from .functions import Broadcast
 M = TypeVar("M", bound=nn.Module)
 
 
-def _check_replicable(network: nn.Module) -> None:
-    # a ScriptModule's children are compiled code: they cannot be re-linked to Python replicas
-    for m in network.modules():
-        if isinstance(m, torch.jit.ScriptModule) and any(
-                not isinstance(c, torch.jit.ScriptModule) for c in m.modules()):
-            name = next(n for n, x in network.named_modules() if x is m) or "the network"
-            raise RuntimeError(f"replicate: cannot replicate {name}: a ScriptModule with Python submodules")
-
-
 def _copies(tensors: list[torch.Tensor], devices: list[torch.device], detach: bool, shared: bool) -> list[list]:
     """``out[j][k]``: what replica j uses for ``tensors[k]``: on its own device the tensor itself (parameters,
     ``shared``: for every replica there; buffers: for the first one only), else a copy (parameters: one per device;
@@ -55,9 +46,13 @@ def replicate(network: M, devices: Sequence[DeviceLike], detach: bool = False) -
     if not isinstance(network, nn.Module):
         raise TypeError(f"replicate: network must be an nn.Module, got {type(network).__name__}")
     devs = usable_devices(devices, "devices")
-    _check_replicable(network)
-
     modules = list(network.modules())
+    for m in modules:
+        # a ScriptModule's children are compiled code: they cannot be re-linked to Python replicas
+        if isinstance(m, torch.jit.ScriptModule) and any(
+                not isinstance(c, torch.jit.ScriptModule) for c in m.modules()):
+            name = next(n for n, x in network.named_modules() if x is m) or "the network"
+            raise RuntimeError(f"replicate: cannot replicate {name}: a ScriptModule with Python submodules")
     params = list(network.parameters())
     buffers = list(network.buffers())
     param_copies = _copies(params, devs, detach, shared=True)

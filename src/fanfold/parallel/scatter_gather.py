@@ -230,10 +230,7 @@ def _gather_leaf(path: str, values: list, device: torch.device, dim: int) -> Any
 
 
 def gather(outputs: Sequence[Any], target_device: DeviceLike, dim: int = 0) -> Any:
-    """Concatenate the replicas' ``outputs`` (same structure each) along ``dim`` on ``target_device``.
-
-    ``target_device=-1`` means the CPU, as in torch.
-    """
+    """Concatenate the replicas' ``outputs`` (same structure each) along ``dim`` on ``target_device`` (-1: the CPU)."""
     _check_dim(dim)
     if len(outputs) == 0:
         raise ValueError("gather: outputs is empty (no replica returned anything)")

@@ -56,24 +56,6 @@ class _HashingWriter:
         self.file.flush()
 
 
-def _fsync_dir(directory: Path) -> None:
-    # The rename is durable only once the directory entry is on disk; some systems cannot open a directory.
-    with contextlib.suppress(OSError):
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def _boot_id() -> str:
-    """This boot's identity (Linux), or "": then no writer is ever judged dead."""
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip().replace("-", "")[:16]
-    except OSError:
-        return ""
-
-
 def remove_dead_writers_files(path: Path, boot: str) -> list[Path]:
     """Remove (and return) the temporary files of ``path`` whose writer died mid-save: named with this boot and a pid
     that no longer exists; a live writer's, or another boot's or host's (a shared filesystem), are never touched."""
@@ -94,7 +76,10 @@ def write_atomic(path: Path, payload: Any) -> None:
     """Write ``payload`` to ``path`` so that a reader sees the old file or the whole new one, never a part."""
     directory = path.parent
     directory.mkdir(parents=True, exist_ok=True)
-    boot = _boot_id()
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip().replace("-", "")[:16]
+    except OSError:  # not Linux: no writer is ever judged dead
+        boot = ""
     remove_dead_writers_files(path, boot)
     # beside the target (os.replace is atomic within one filesystem), named by boot and pid (remove_dead_writers_files)
     tmp = directory / f".{path.name}.{boot or 'noboot'}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
@@ -111,7 +96,13 @@ def write_atomic(path: Path, payload: Any) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
-    _fsync_dir(directory)
+    # the rename is durable only once the directory entry is on disk; some systems cannot open a directory
+    with contextlib.suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def _footer(f: BinaryIO, size: int) -> tuple[bytes, int] | None:
@@ -123,12 +114,6 @@ def _footer(f: BinaryIO, size: int) -> tuple[bytes, int] | None:
     if magic != MAGIC or length != size - FOOTER.size:
         return None
     return digest, length
-
-
-def has_footer(path: Path) -> bool:
-    with contextlib.suppress(OSError), open(path, "rb") as f:
-        return _footer(f, os.fstat(f.fileno()).st_size) is not None
-    return False
 
 
 def _unpickle(path: Path, f: BinaryIO) -> Any:
@@ -306,24 +291,6 @@ def _check_state(state: Any) -> None:
             raise ValueError(f"state: invalid entry name {name!r} (names are str, {META!r} is reserved)")
 
 
-def _payload(state: Mapping[str, Any], rngs: list, world: int) -> dict:
-    payload: dict[str, Any] = {}
-    kinds = {}
-    for name, obj in state.items():
-        if isinstance(obj, nn.Module):
-            # wrappers and a compiled submodule's `_orig_mod` go; other prefixes are the model's own names and stay
-            sd = unwrap(obj).state_dict()
-            kinds[name], data = "module", OrderedDict(zip(drop_orig_mod(list(sd)), sd.values()))
-        elif _stateful(obj):
-            kinds[name], data = "object", obj.state_dict()
-        else:
-            kinds[name], data = "value", obj
-        payload[name] = _plain(data, f"state[{name!r}]")
-    payload[META] = _plain({"version": VERSION, "world_size": world, "kinds": kinds, "rng": rngs,
-                            "torch": str(torch.__version__)}, META)
-    return payload
-
-
 def save(path: str | os.PathLike, state: Mapping[str, Any]) -> None:
     """Write ``state`` to ``path``: rank 0 only, atomically, tensors on CPU, with every rank's RNG states.
 
@@ -344,7 +311,20 @@ def save(path: str | os.PathLike, state: Mapping[str, Any]) -> None:
     error = None
     if rank == 0:
         try:
-            write_atomic(path, _payload(state, rngs, world))
+            payload, kinds = {}, {}
+            for name, obj in state.items():
+                if isinstance(obj, nn.Module):
+                    # wrappers and a compiled submodule's `_orig_mod` go; other prefixes are the model's own names
+                    sd = unwrap(obj).state_dict()
+                    kinds[name], data = "module", OrderedDict(zip(drop_orig_mod(list(sd)), sd.values()))
+                elif _stateful(obj):
+                    kinds[name], data = "object", obj.state_dict()
+                else:
+                    kinds[name], data = "value", obj
+                payload[name] = _plain(data, f"state[{name!r}]")
+            payload[META] = _plain({"version": VERSION, "world_size": world, "kinds": kinds, "rng": rngs,
+                                    "torch": str(torch.__version__)}, META)
+            write_atomic(path, payload)
         except BaseException as exc:  # the other ranks must hear about it rather than wait for the file
             error = exc
     if world > 1:
@@ -355,17 +335,6 @@ def save(path: str | os.PathLike, state: Mapping[str, Any]) -> None:
             raise RuntimeError(f"rank {rank}: rank 0 failed to write checkpoint {path}: {status}")
     if error is not None:
         raise error
-
-
-def _check_optimizer(path: Path, name: str, saved: Any, live: torch.optim.Optimizer) -> None:
-    # torch checks this too, but only after the model may already have been loaded: check before touching anything.
-    if not (isinstance(saved, Mapping) and isinstance(saved.get("param_groups"), list) and "state" in saved):
-        raise CheckpointError(f"{path}: entry {name!r} is not an optimizer state dict")
-    want = [len(g["params"]) for g in live.param_groups]
-    got = [len(g.get("params", ())) if isinstance(g, Mapping) else -1 for g in saved["param_groups"]]
-    if want != got:
-        raise CheckpointError(f"{path}: entry {name!r}: the optimizer has parameter groups of sizes {want}, "
-                              f"the checkpoint {got}")
 
 
 def _plan(path: Path, payload: Any, state: Mapping[str, Any], strict: bool):
@@ -401,7 +370,14 @@ def _plan(path: Path, payload: Any, state: Mapping[str, Any], strict: bool):
             loads.append((name, target, _match_keys(path, name, data, target.state_dict(), strict)))
         elif _stateful(obj):
             if isinstance(obj, torch.optim.Optimizer):
-                _check_optimizer(path, name, data, obj)
+                # torch checks this too, but only after the model may already have been loaded
+                if not (isinstance(data, Mapping) and isinstance(data.get("param_groups"), list) and "state" in data):
+                    raise CheckpointError(f"{path}: entry {name!r} is not an optimizer state dict")
+                want = [len(g["params"]) for g in obj.param_groups]
+                got = [len(g.get("params", ())) if isinstance(g, Mapping) else -1 for g in data["param_groups"]]
+                if want != got:
+                    raise CheckpointError(f"{path}: entry {name!r}: the optimizer has parameter groups of sizes "
+                                          f"{want}, the checkpoint {got}")
             loads.append((name, obj, data))
         else:
             continue
@@ -491,4 +467,8 @@ def latest(directory: str | os.PathLike, pattern: str = "*.pt") -> Path | None:
     if not directory.is_dir():
         return None
     files = [p for p in directory.glob(pattern) if p.is_file() and not p.name.startswith(".")]
-    return next((p for p in sorted(files, key=lambda p: p.stat().st_mtime_ns, reverse=True) if has_footer(p)), None)
+    for p in sorted(files, key=lambda p: p.stat().st_mtime_ns, reverse=True):
+        with contextlib.suppress(OSError), open(p, "rb") as f:
+            if _footer(f, os.fstat(f.fileno()).st_size) is not None:
+                return p
+    return None

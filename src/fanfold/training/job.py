@@ -34,13 +34,6 @@ RUN_FLAGS = ("sync_bn",)
 RUN_DEFAULTS = {"epochs": 10, "batch_size": 64, "lr": 1e-2, "seed": 0, "sync_bn": False}
 
 
-def run_settings(args: argparse.Namespace) -> dict:
-    """The run settings a checkpoint records: every ``RUN_KEYS`` value, and the ``RUN_FLAGS`` that are on."""
-    run = {k: getattr(args, k) for k in RUN_KEYS}
-    run.update({k: True for k in RUN_FLAGS if getattr(args, k, False)})
-    return run
-
-
 def draws_bars(stream) -> bool:
     """True when ``stream`` is a terminal of some width (not a pseudo-terminal nobody sized, as under ``script``)."""
     if not stream.isatty():
@@ -112,7 +105,7 @@ def run_worker(args: argparse.Namespace) -> int:
     total = args.epochs * steps_per_epoch
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=1e-4)
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=total)
-    run = run_settings(args)
+    run = {k: getattr(args, k) for k in RUN_KEYS} | {k: True for k in RUN_FLAGS if getattr(args, k, False)}
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "sampler": sampler,
              "step": 0, "losses": [], "run": run}
     # after a restart by the launcher the workers start afresh: the checkpoint, if any, is where they left off
