@@ -9,9 +9,10 @@ ring or reduce-scatter/all-gather, NCCL's convention), so it compares with the c
 ``size`` bytes per rank, all ranks copying at once. "shm" all-reduces an ordinary (private) tensor with the
 transport's defaults: above a quarter chunk each rank sums its shard from the peers' own memory (process_vm_readv)
 and copies the other shards from theirs, where the machine allows it (what DDP's gradients take); "shm ring" the
-same tensor without peer reads (copied into the transport's ring of shared areas); "shm in place" one in memory from
-``ShmTransport.allocate``, which every rank reads directly. The CPU columns are the median CPU time one operation cost
-rank 0's process (all threads): the transport's own cost, less sensitive than wall time to other load on the machine.
+same tensor without peer reads (copied into the transport's ring of shared areas); "shm in place" a second ordinary
+tensor reduced in place (the transport has no memory of its own to hand out: the same path as "shm"). The CPU
+columns are the median CPU time one operation cost rank 0's process (all threads): the transport's own cost, less
+sensitive than wall time to other load on the machine.
 Prints a markdown table; writes a PNG plot (``--plot``).
 """
 from __future__ import annotations
@@ -67,8 +68,7 @@ def _rank_main(sizes: list[int], chunk_bytes: int) -> dict:
     for size in sizes:
         x = torch.ones(size // 4)
         y = torch.empty_like(x)
-        z = shm.allocate(size // 4, torch.float32)
-        z.fill_(1.0)
+        z = torch.ones(size // 4)
         reps = max(5, min(200, (64 << 20) // size))
         out[size] = {
             "gloo": _time(lambda x=x: dist.all_reduce(x), reps),
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
         xs = [row[0] for row in rows]
         for i, label in ((1, "gloo (busbw)"), (2, "fanfold shm: private tensor, peer reads (busbw)"),
                          (3, "fanfold shm: private tensor, ring (busbw)"),
-                         (4, "fanfold shm: tensor from allocate, in place (busbw)"), (5, "tensor copy (ceiling)")):
+                         (4, "fanfold shm: second tensor, in place (busbw)"), (5, "tensor copy (ceiling)")):
             ax.plot(xs, [row[i] for row in rows], marker="o", label=label, linestyle="--" if i == 5 else "-")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")

@@ -76,7 +76,7 @@ def ddp(peer_read):
     """fanfold's DDP (transport: chosen, or the shm transport with or without peer reads) against torch's DDP."""
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     transport = None if peer_read is None else ShmTransport(peer_read=peer_read)
-    # the ring with gradients as views of buckets (allocate())
+    # the ring with gradients as views of buckets
     model = fanfold.DDP(_model(), transport=transport, gradient_as_bucket_view=peer_read is False)
     ours = _train(model)
     inner = model.transport.inner

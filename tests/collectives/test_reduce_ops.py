@@ -1,7 +1,7 @@
 """MIN, MAX and PRODUCT in shared memory, 2 and 3 ranks: on the ``fanfold`` backend against gloo in the same
 processes (all_reduce, all_reduce_coalesced, reduce_scatter_tensor; exact where the result does not depend on the
 order, within rounding for float products at 3 ranks), bitwise against the rank-order fold computed in one process
-and bitwise equal on every rank; every algorithm of the engine (ring, memory from allocate(), peer reads,
+and bitwise equal on every rank; every algorithm of the engine (ring, a view at an offset, peer reads,
 reduce_scatter) on ``ShmTransport``; NaN propagated where gloo drops some; a mismatched op named on every rank."""
 import hashlib
 import time
@@ -118,11 +118,11 @@ def _paths():
     bad, digests = [], []
     with ShmTransport(timeout=60, chunk_bytes=CHUNK, peer_read=False) as t, \
             ShmTransport(timeout=60, chunk_bytes=CHUNK) as peer:
-        region = t.allocate(4 * CHUNK, torch.float64)  # room for the largest case of any dtype
+        region = torch.zeros(4 * CHUNK, dtype=torch.float64)  # room for the largest case of any dtype
         for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int32):
             for op in OPS:
-                # through the ring, in allocate()'s memory, read from the peers
-                for path, m in (("small", 5), ("ring", 3 * CHUNK // 2 + 1), ("allocate", 3 * CHUNK // 2 + 1),
+                # through the ring, in a view at an offset, read from the peers
+                for path, m in (("small", 5), ("ring", 3 * CHUNK // 2 + 1), ("view", 3 * CHUNK // 2 + 1),
                                 ("peer", 3 * CHUNK // 2 + 1), ("reduce_scatter", 3 * CHUNK // 2 + 1)):
                     xs = [_x(m * (n if path == "reduce_scatter" else 1), q, dtype, seed=m) for q in range(n)]
                     want = fold(xs, op)
@@ -131,7 +131,7 @@ def _paths():
                         t.reduce_scatter(xs[r], y, op=op).wait()
                         want = want[r * m:(r + 1) * m]
                     else:
-                        y = region.view(dtype)[3:3 + m].copy_(xs[r]) if path == "allocate" else xs[r].clone()
+                        y = region.view(dtype)[3:3 + m].copy_(xs[r]) if path == "view" else xs[r].clone()
                         (peer if path == "peer" else t).all_reduce(y, op=op).wait()
                     if not torch.equal(y, want):
                         bad.append((path, op, str(dtype)))

@@ -85,7 +85,7 @@ def _sums():
                 expect += x.to(wide)
             out["dtypes"][str(dtype)] = (_digest(y), torch.equal(y, expect.to(dtype)))
         # divisor=: the average, bitwise the rank-order sum divided afterwards (ring, both algorithms, and in place)
-        region = t.allocate(3 * CHUNK, torch.float32)
+        region = torch.zeros(3 * CHUNK)
         out["divided"] = []
         for tr, size, where in ((t, 5, None), (big, 5, None), (t, 3 * CHUNK // 2 + 1, None),
                                 (big, (1 << 20) + 3, None), (t, 3 * CHUNK // 2 + 1, 1)):
@@ -99,10 +99,10 @@ def _sums():
         base = torch.arange(40.0).view(4, 10) * (r + 1)  # a non-contiguous view: only its elements change
         t.all_reduce(base[:, ::3]).wait()
         out["strided"] = base
-        # Memory from allocate(): summed like any tensor; the rest of the region is untouched.
+        # Views at odd offsets of a larger tensor: summed in place; the rest of the region is untouched.
         out["shared"] = {}
         for dtype in (torch.float32, torch.bfloat16, torch.int64):
-            region = t.allocate(5 * CHUNK + 9, dtype)
+            region = torch.zeros(5 * CHUNK + 9, dtype=dtype)
             region.fill_(7)
             for size in (1, 4097, 3 * CHUNK // 2 + 1, 5 * CHUNK):  # odd lengths, several chunks, odd offsets
                 xs = [_inputs(size, q, dtype) for q in range(n)]
@@ -258,8 +258,8 @@ def _misuse():
     except RuntimeError as e:
         out["after"] = str(e)
     t.close()
-    with ShmTransport(timeout=30) as t:  # parts of allocate()'s memory at different places: each rank's own part
-        region = t.allocate((1 << 17) + 8, torch.float32)
+    with ShmTransport(timeout=30) as t:  # parts of one tensor at different places: each rank's own part
+        region = torch.zeros((1 << 17) + 8)
         base = torch.arange((1 << 17) + 8, dtype=torch.float32)
         region.copy_(base * (r + 1))
         t.all_reduce(region[r:r + (1 << 17)]).wait()

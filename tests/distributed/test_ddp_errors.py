@@ -236,6 +236,6 @@ def test_transport_choice_is_validated(monkeypatch):
     with pytest.raises(ValueError, match="FANFOLD_TRANSPORT must be"):
         resolve_transport(None)
     protocol = (r"\['all_reduce', 'reduce_tensors', 'reduce_scatter', 'all_gather', 'broadcast', 'barrier', "
-                r"'allocate', 'rank', 'world_size'\]")
+                r"'rank', 'world_size'\]")
     with pytest.raises(TypeError, match=rf"lacks {protocol} of fanfold.collectives.Transport"):
         resolve_transport(object())

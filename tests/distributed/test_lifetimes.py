@@ -1,7 +1,7 @@
 """Memory fanfold hands out outlives whatever made it: gradients that view DDP's buckets after the wrapper is
 collected, after the process group is destroyed, after a deepcopy's original is
 gone; ZeRO's parameters and gradients after the optimizer and the wrapper are deleted (stage 2: with the parameters'
-gather still in flight); ``allocate()``'s memory after its transport is closed, and no mapping kept by a closed
+gather still in flight); a tensor reduced by a transport after that transport is closed, and no mapping kept by a closed
 transport. Each case runs in two launched ranks against torch's own DDP over gloo doing the same
 (same initial weights, same data); a rank that crashes (a read of unmapped memory: exit code -11) fails the launch.
 """
@@ -129,7 +129,7 @@ def _copies(impl):
 
 
 def _region(impl):
-    """A region of ``allocate()`` (and a view of it) summed over the ranks, then its transport closed and dropped."""
+    """A tensor (and a view of it) summed over the ranks, then its transport closed and dropped."""
     r = dist.get_rank()
     values = torch.arange(100_000, dtype=torch.float32) * (r + 1)
     if impl == "torch":
@@ -138,12 +138,12 @@ def _region(impl):
         part = x[10:20]
     else:
         t = ShmTransport()
-        x = t.allocate(values.numel(), torch.float32)
+        x = torch.zeros(values.numel())
         x.copy_(values)
         t.all_reduce(x).wait()
         part = x[10:20]
         t.close()
-        mapped = _mappings()  # none: allocate()'s memory is the process's own, the ring is unmapped by close()
+        mapped = _mappings()  # none: the ring is unmapped by close()
         del t
         gc.collect()
     part.add_(1)

@@ -67,7 +67,9 @@ def _of(kind: type, x: Any) -> Any:
 
 
 def _tensor(x: Any) -> torch.Tensor:
-    return _of(torch.Tensor, x)
+    if not isinstance(x, torch.Tensor):
+        raise TypeError
+    return x
 
 
 def _tensors(x: Any, each: Callable[[Any], Any] = _tensor) -> list:
@@ -189,7 +191,12 @@ def _torch_method(name: str, impl: Callable[..., dist.Work | None], gloo: str | 
     forward): a collective runs the transport's threads, locks and futures, which no graph holds."""
 
     @torch.compiler.disable
+    def eager(self: FanfoldProcessGroup, *args: Any, **kwargs: Any) -> dist.Work:
+        return method(self, *args, **kwargs)
+
     def method(self: FanfoldProcessGroup, *args: Any, **kwargs: Any) -> dist.Work:
+        if torch.compiler.is_compiling():  # a graph break to ``eager``; outside dynamo, no disable wrapper a call
+            return eager(self, *args, **kwargs)
         *arguments, opts = _read(name, args, kwargs)
         work = impl(self, *arguments, opts)
         if work is None:
@@ -248,6 +255,7 @@ class FanfoldProcessGroup(dist.ProcessGroup):
         self._decided = False
         self._lock = threading.Lock()
         self._handout = _Handout()
+        self._done = completed_work([])  # a synchronous call's Work is only waited for: one for all
         self._barriers = 0  # this rank's barriers through the store (the n-th of every rank meet)
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
@@ -316,7 +324,7 @@ class FanfoldProcessGroup(dist.ProcessGroup):
             try:
                 if (op == _SUM and self.transport.run_small(t)) or (
                         op == _AVG and t.is_floating_point() and self.transport.run_small(t, self.size())):
-                    return completed_work(tensors)
+                    return completed_work(tensors) if opts.asyncOp else self._done
             except Exception as exc:  # noqa: BLE001 - raised by wait(), as gloo's errors are
                 return failed_work(exc, tensors)
         op = _op_name(opts.reduceOp)

@@ -398,10 +398,6 @@ class HierarchicalTransport:
 
         self._submit(self._scatter.barrier, cross, self._gather.barrier, None).wait()
 
-    def allocate(self, numel: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
-        # ordinary memory: a bucket is read by the host's peers where it lies (peer reads), not shared
-        return torch.zeros(numel, dtype=dtype, device=device)
-
     def close(self) -> None:
         """Finish the queued collectives, stop the thread, close the in-host transports. Idempotent."""
         self._finalizer()

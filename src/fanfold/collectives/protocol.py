@@ -72,11 +72,6 @@ class Transport(Protocol):
 
     def barrier(self) -> None: ...
 
-    def allocate(self, numel: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
-        """A zeroed 1-d tensor that this transport all-reduces fastest (DDP's buckets, where a hook fills them).
-        Collective: every rank allocates the same sizes in the same order."""
-        ...
-
 
 @runtime_checkable
 class TransportOwner(Protocol):

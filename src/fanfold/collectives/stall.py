@@ -491,9 +491,6 @@ class InspectedTransport:
     def broadcast(self, tensor: torch.Tensor, src: int) -> Any:
         return self._run(f"broadcast(src={src})", None, lambda: self.inner.broadcast(tensor, src))
 
-    def allocate(self, numel: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
-        return self.inner.allocate(numel, dtype, device)  # collective through the store, not numbered
-
     def all_reduce_now(self, tensor: torch.Tensor, bucket: int | None = None) -> torch.Tensor:
         """Sum ``tensor`` over the group, in place, and return it once done: a small collective waited for at once
         (SyncBatchNorm's statistics) runs on this thread where the transport can (the shm transport's latency path)."""

@@ -126,9 +126,6 @@ class TorchTransport:
         work = self._pg._allgather_base(got, send, self._options(AllgatherOptions))
         return self._work(work, out, None if got is out else lambda: out.copy_(got))
 
-    def allocate(self, numel: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
-        return torch.zeros(numel, dtype=dtype, device=device)
-
     def __repr__(self) -> str:
         return f"TorchTransport(rank={self.rank}, world_size={self.world_size}, backend={dist.get_backend(self.group)})"
 

@@ -290,10 +290,6 @@ class ShmTransport:
             raise RuntimeError(f"rank {self.rank}: {OPS[c.op]} on a closed ShmTransport")
         return FanfoldWork(self._worker.submit(c, finish), value)
 
-    def allocate(self, numel: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
-        """The Protocol's ``allocate``: ordinary memory (both algorithms read any tensor where it lies)."""
-        return torch.zeros(numel, dtype=dtype, device=device)
-
     def all_reduce(self, tensor: torch.Tensor, bucket: int | None = None, divisor: float | None = None, *,
                    inline: bool = False, op: str = "sum") -> FanfoldWork:
         """The Protocol's ``all_reduce``; ``op``: "sum", "min", "max" or "product" (no divisor). ``inline``: a sum of
