@@ -16,9 +16,6 @@ from typing import Any
 
 import torch
 
-__all__ = ["SHM_DIR", "Futex", "FileId", "check_name", "create_segment", "open_segment", "map_tensor", "unmap",
-           "unlink", "alive", "pid_namespace", "shared_bytes"]
-
 SHM_DIR = "/dev/shm"
 SPIN_S = 100e-6  # polling a word before sleeping in the kernel: the peer is usually that close
 SLICE_S = 0.05  # seconds a sleep lasts at most, so that the caller's checks run between sleeps
@@ -49,9 +46,8 @@ class Futex:
         self._call(_SYS_FUTEX, address, _FUTEX_WAKE, count, None, None, 0)
 
     def wait(self, word: Any, target: int, check: Callable[[], float | None], *, yield_core: bool) -> None:
-        """Return once the counter ``word`` (a ``ctypes.c_uint32``) has reached ``target`` (modulo 2**32): polls for
-        100 us, then sleeps in the kernel; ``check()`` runs before each sleep: it raises to give up, or returns the
-        most seconds the sleep may last (None: 50 ms)."""
+        """Return once the counter ``word`` (a ``ctypes.c_uint32``) has reached ``target`` (modulo 2**32); ``check()``
+        runs before each sleep: it raises to give up, or returns the most seconds the sleep may last (None: 50 ms)."""
         k = target & 0xFFFFFFFF
         spin_end = time.perf_counter() + SPIN_S
         while (word.value - k) & 0x80000000:
@@ -85,8 +81,7 @@ def check_name(name: object, what: str = "segment name") -> str:
 
 @dataclass(frozen=True)
 class FileId:
-    """Which file a process created or opened: what :func:`unlink` compares the name with."""
-
+    # which file a process created or opened: what unlink() compares the name with
     dev: int
     ino: int
 
@@ -150,8 +145,8 @@ def unlink(name: str, owned: FileId) -> bool:
 
 
 def map_tensor(mm: mmap.mmap) -> torch.Tensor:
-    """The mapping as a uint8 tensor whose every view keeps it mapped (an export of a ``memoryview``, which
-    :func:`unmap` respects; ``torch.frombuffer`` on the mmap itself holds none)."""
+    # a uint8 tensor whose every view keeps the mapping (a memoryview's export, which unmap() respects; frombuffer
+    # on the mmap itself holds none)
     return torch.frombuffer(memoryview(mm), dtype=torch.uint8)
 
 
@@ -191,5 +186,5 @@ def pid_namespace() -> str:
 
 
 def shared_bytes(size: int) -> torch.Tensor:
-    """A byte buffer in fd-backed shared memory for a child process (nothing named in /dev/shm)."""
+    # fd-backed shared memory for a child process (nothing named in /dev/shm)
     return torch.empty(size, dtype=torch.uint8).share_memory_()

@@ -72,8 +72,8 @@ def view(buffer: torch.Tensor, slot: Slot) -> torch.Tensor:
 
 
 class Arena:
-    """One direction's slot buffer for one worker, sent again only when it grows. Layouts are kept per structure, so
-    that alternating forward and backward messages get the same ``Slot`` objects each step (and cross compact)."""
+    """One direction's slot buffer for one worker, sent again only when it grows; one layout kept per structure (the
+    same ``Slot`` objects each step: what lets a message cross compact)."""
 
     _KEEP = 8  # layouts kept; more distinct structures than this are laid out again
 
@@ -82,8 +82,7 @@ class Arena:
         self._layouts: dict[tuple, tuple[list[Slot], list[torch.Tensor]]] = {}
 
     def pack(self, leaves: Sequence[Any]) -> tuple[list, torch.Tensor | None]:
-        """``leaves`` with each plain tensor copied into the buffer and replaced by its Slot; the new buffer if the
-        old one was too small, else None."""
+        """``leaves``, each plain tensor copied in and replaced by its Slot; the new buffer if it grew, else None."""
         found = [(k, v) for k, v in enumerate(leaves) if _plain(v)]
         key = tuple((t.shape, t.dtype, dense_stride(t)) for _, t in found)
         grown = None
@@ -190,13 +189,11 @@ _PICKLE = pickle.PROTO[0]  # the first byte of every pickle this side makes (pro
 
 @dataclass
 class _Spill:
-    """A message too big for its area: its pickled bytes, in a shared buffer of their own."""
-
-    data: torch.Tensor
+    data: torch.Tensor  # the pickled bytes of a message too big for its area
 
 
 class Stopped(Exception):
-    """The caller has set the stop word (raised in the worker's wait)."""
+    """The caller has set the stop word."""
 
 
 class Mailbox:
@@ -264,25 +261,9 @@ class Mailbox:
         return self._buffer.getvalue()
 
     def receive(self, check: Callable[[], None], deadline: float | None = None) -> Any:
-        """The other side's next message. Waits for it; ``check()`` runs every 50 ms while waiting (it raises to give
-        up, e.g. when the peer's process is gone). Raises ``TimeoutError`` after ``deadline`` (``time.monotonic()``)
-        and, in the worker, ``Stopped`` once the caller has set the stop word."""
-        self.wait(check, deadline)
-        self.read += 1
-        n = self._lengths[1 - self.side].value
-        data = ctypes.string_at(self._base + _HEADER + (1 - self.side) * _AREA, n)
-        if data[0] != _PICKLE:
-            return self._expand(data)
-        message = pickle.loads(data)
-        if isinstance(message, _Spill):
-            message = pickle.loads(ctypes.string_at(message.data.data_ptr(), message.data.numel()))
-        if type(message) in _KINDS:
-            self._got[type(message)] = message
-        return message
-
-    def wait(self, check: Callable[[], None], deadline: float | None = None) -> None:
-        """Wait for the other side's next message; see ``receive``. Polls without yielding the core (on a busy
-        machine a yield gives away a whole time slice), then sleeps on the other side's counter."""
+        """The other side's next message; ``check()`` runs every 50 ms while waiting (it raises to give up). Raises
+        ``TimeoutError`` after ``deadline`` (``time.monotonic()``) and, in the worker, ``Stopped``."""
+        # polls without yielding the core (on a busy machine a yield gives away a whole time slice), then sleeps
         target = (self.read + 1) & 0xFFFFFFFF
         slept = []  # check() runs only once a sleep has ended without the message: a peer gone is rare
 
@@ -296,9 +277,20 @@ class Mailbox:
             slept.append(True)
 
         self._futex.wait(self._theirs, target, between, yield_core=False)
+        self.read += 1
+        n = self._lengths[1 - self.side].value
+        data = ctypes.string_at(self._base + _HEADER + (1 - self.side) * _AREA, n)
+        if data[0] != _PICKLE:
+            return self._expand(data)
+        message = pickle.loads(data)
+        if isinstance(message, _Spill):
+            message = pickle.loads(ctypes.string_at(message.data.data_ptr(), message.data.numel()))
+        if type(message) in _KINDS:
+            self._got[type(message)] = message
+        return message
 
     def stop(self) -> None:
-        """(Caller) set the stop word and wake the worker: it leaves its wait for the next request."""
+        """(Caller) set the stop word and wake the worker."""
         self._stop.value = 1
         self._futex.wake(self._base + _COUNTER[CALLER], 1)
 
@@ -316,9 +308,7 @@ def _private_buffers(module: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor
 
 @dataclass
 class _Buffers:
-    """This worker's slot buffers: the caller's (read), its own (written), its parameter gradients'."""
-
-    inbox: torch.Tensor
+    inbox: torch.Tensor  # the caller's slot buffer
     outbox: Arena
     grads: list[torch.Tensor]  # per parameter that requires grad, its gradient slot (a view of one shared buffer)
 
@@ -330,20 +320,16 @@ def _detach(leaf: Any) -> Any:
 
 @dataclass
 class Graph:
-    """One replica's graph of one forward: its outputs and what to differentiate (parameters, then inputs)."""
-
     outputs: list[torch.Tensor]
-    targets: list[torch.Tensor]
+    targets: list[torch.Tensor]  # what to differentiate: parameters, then inputs
     num_inputs: int
 
 
 @dataclass
 class Replica:
-    """A replica as ``run_forward`` runs it: the module, its submodules (walked once), its own parameter leaves."""
-
     module: nn.Module
-    modules: list[nn.Module]
-    params: list[torch.Tensor]
+    modules: list[nn.Module]  # module.modules(), walked once
+    params: list[torch.Tensor]  # its own leaves of the parameters that require grad
 
 
 def replica_of(module: nn.Module) -> Replica:
@@ -377,8 +363,7 @@ def run_forward(replica: Replica, leaves: list, spec: Spec, differentiable: list
 
 
 def run_backward(graph: Graph, grads: list) -> list:
-    """The gradients of ``graph.targets`` (None where unused) given its outputs' (None where the caller has none); the
-    graph is kept until its owner drops it."""
+    """The gradients of ``graph.targets`` (None where unused) given its outputs'; the graph is kept."""
     pairs = [(o, g) for o, g in zip(graph.outputs, grads) if g is not None and o.requires_grad]
     if not pairs or not graph.targets:
         return [None] * len(graph.targets)
@@ -418,7 +403,6 @@ def _check_caller(pid: int) -> None:
 
 def worker_main(index: int, module: nn.Module, block: torch.Tensor, threads: int, caller: int, grads: torch.Tensor,
                 grad_slots: list[Slot]) -> None:
-    """The worker's entry point: serve its mailbox until told to stop or the caller is gone."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(threads)
     replica = replica_of(module)
@@ -467,7 +451,7 @@ def start_context(module: nn.Module) -> tuple[Any, bool]:
 
 
 def structure(module: nn.Module) -> tuple[list, list[bool]]:
-    """What the workers' copy of ``module`` depends on (compared at every forward); every submodule's ``training``."""
+    # what the workers' copy of ``module`` depends on (compared at every forward); every submodule's ``training``
     sig: list = []
     training = []
     for m in module.modules():
@@ -479,8 +463,7 @@ def structure(module: nn.Module) -> tuple[list, list[bool]]:
 
 
 def stop_workers(procs: list, mailboxes: list, caller_threads: int = 0, set_to: int = 0) -> None:
-    """Stop the workers (killing those that do not within seconds); give the caller ``caller_threads`` back if its
-    count is still the engine's ``set_to``."""
+    # the caller gets ``caller_threads`` back if its count is still the engine's ``set_to``
     for m in mailboxes:
         m.stop()
     deadline = time.monotonic() + 3.0
@@ -495,20 +478,17 @@ def stop_workers(procs: list, mailboxes: list, caller_threads: int = 0, set_to: 
 
 @dataclass
 class Step:
-    """What ``Remote`` needs: each worker's step number, each replica's outputs' range and positions among the chunk
-    inputs, replica 0's graph."""
-
     engine: Any
     generation: int
-    steps: list[int]
-    slices: list[tuple[int, int]]
-    inputs: list[list[int]]
+    steps: list[int]  # each worker's step number
+    slices: list[tuple[int, int]]  # each replica's outputs' range
+    inputs: list[list[int]]  # each replica's inputs' positions among the chunks
     num_chunks: int
     graph: Graph | None
 
 
 class _Token:
-    """Lives as long as the caller's graph node: when it goes, the workers may drop their graphs of that step."""
+    # lives as long as the caller's graph node: when it goes, the workers may drop their graphs of that step
 
     def __init__(self, engine: Any, steps: list[int]) -> None:
         self.engine, self.steps = weakref.ref(engine), steps
@@ -584,7 +564,7 @@ _ERRORS = {e.__name__: e for e in (ValueError, TypeError, IndexError, KeyError, 
 
 
 class WorkerDied(RuntimeError):
-    """A replica's worker process ended without answering; the engine restarts its workers on the next call."""
+    """A replica's worker process ended without answering (restarted on the next call)."""
 
 
 def _replica_error(index: int, exc: Exception) -> Exception:
@@ -738,7 +718,7 @@ class ProcessEngine:
             wanted = [k for k, v in enumerate(values) if _tensor(v) is not None and _tensor(v).requires_grad]
             positions.append(list(range(len(chunks), len(chunks) + len(wanted))))
             chunks.extend(_tensor(values[k]) for k in wanted)
-            sent = [v if _tensor(v) is None else _with_tensor(v, _tensor(v).detach()) for v in values]
+            sent = [_detach(v) for v in values]
             flat_inputs.append((sent, spec, wanted if grad else []))
         steps = list(range(self._step + 1, self._step + len(inputs)))
         self._step += len(steps)
@@ -754,8 +734,7 @@ class ProcessEngine:
             return run_forward(self._local, sent, spec, wanted, grad, training)
 
         (values, spec, graph), replies = self.exchange(len(steps), post, local, "forward")
-        outputs: list[tuple[list, Any]] = [([v if _tensor(v) is None else _with_tensor(v, _tensor(v).detach())
-                                             for v in values], spec)]
+        outputs: list[tuple[list, Any]] = [([_detach(v) for v in values], spec)]
         reply: Outputs
         for w, reply in enumerate(replies):
             outputs.append((unpack(self.outboxes[w], reply.leaves, copy=True), reply.spec))

@@ -154,8 +154,8 @@ def _differs(theirs: Header, mine: Header) -> str:
 
 
 class Engine:
-    """The algorithms over one segment, on one thread at a time. Step g writes area g % ``areas``; a rank finishes
-    reading step x before it publishes x + 2, so step g may rewrite its area once every peer reached g - areas + 3."""
+    """The algorithms over one segment, one thread at a time. Step g writes area g % ``areas``; a rank finishes
+    reading step x before it publishes x + 2: step g may rewrite its area once every peer reached g - areas + 3."""
 
     def __init__(self, segment: Segment, rank: int, world_size: int, chunk_bytes: int, areas: int,
                  tables: torch.Tensor | None = None):
@@ -180,7 +180,7 @@ class Engine:
         self._peer = None
 
     def step(self, dtype: torch.dtype, describe: Callable) -> tuple[int, list[torch.Tensor]]:
-        """The next step's number, and its area (one slot per rank) as ``dtype`` views, once reusable."""
+        # the next step's number, and its area (one slot per rank) as ``dtype`` views, once reusable
         g = self.seg.arrived
         if g + 3 > self.areas:
             self.seg.wait_all(g + 3 - self.areas, describe)
@@ -247,8 +247,8 @@ class Engine:
             self._peer.reduce(c.outs, c.out, describe, check, c.settle, *(c.compress or ()))
 
     def run_small(self, t: torch.Tensor, divisor: float | None, seq: int, bucket: int | None) -> None:
-        """The latency path: collective ``seq``, an all_reduce of ``t`` on the calling thread, step for step the
-        ring's, with its slot views and header words made once per area, dtype and shape."""
+        # the latency path: the ring's all_reduce of ``t`` on the calling thread, its slot views and header words
+        # made once per area, dtype and shape
         seg, g = self.seg, self.seg.arrived
         key = (g % self.areas, t.dtype, t.shape)
         views = self._small.get(key)
@@ -503,8 +503,7 @@ def _parts(total: int, n: int) -> list[tuple[int, int]]:
 
 
 class PeerReader:
-    """The peer reads, on the transport's thread: ``data`` holds the tables (where each rank's tensors lie),
-    ``chunk_bytes`` is the unit read from a peer at a time, ``summer`` the engine's rank-ordered fold."""
+    """The peer reads: ``data`` holds the tables (where each rank's tensors lie), ``summer`` the rank-ordered fold."""
 
     def __init__(self, seg: Any, rank: int, world_size: int, data: torch.Tensor, chunk_bytes: int,
                  summer: Callable[[list[torch.Tensor], torch.Tensor], None]):
@@ -521,10 +520,9 @@ class PeerReader:
     def reduce(self, tensors: list[torch.Tensor], out: torch.Tensor | None, describe: Callable,
                check: Callable[[], None], settle: bool, compress: torch.dtype | None = None,
                pre_divisor: float | None = None) -> None:
-        """Sum ``tensors`` laid end to end over the ranks in rank order, read where they lie: this rank's part
-        (``ceil(total / N)`` elements, zeroed past ``total``) into ``out``, or with ``out`` None every part in place
-        (each rank sums its own, then copies the others from their owners). ``settle``, ``compress``: as
-        ``Transport.reduce_tensors``; ``pre_divisor`` divides every rank's values before they are rounded."""
+        """Sum ``tensors`` laid end to end over the ranks in rank order: this rank's part (``ceil(total / N)``
+        elements, zeroed past ``total``) into ``out``, or with ``out`` None every part in place (each rank sums its
+        own, then copies the others'). ``pre_divisor`` divides every rank's values before they are rounded."""
         self._compress, self._pre = compress, pre_divisor
         lo, hi = _parts(sum(t.numel() for t in tensors), self.n)[self.rank]
         if out is not None:
@@ -565,8 +563,8 @@ class PeerReader:
 
     def all_gather(self, part: torch.Tensor, out: torch.Tensor, describe: Callable, check: Callable[[], None]
                    ) -> None:
-        """``out`` = every rank's ``part``, by rank, each read straight from the peer's ``out``; returns once every
-        peer has read this rank's part, so the caller may change it at once (ZeRO's next optimizer step)."""
+        """``out`` = every rank's ``part``, read from the peers' ``out``; returns once every peer has read this
+        rank's part (ZeRO's next optimizer step may change it at once)."""
         m = part.numel()
         own = out[self.rank * m:][:m]
         if m and part.data_ptr() != own.data_ptr():

@@ -49,10 +49,6 @@ class SegmentSpaceError(RuntimeError):
     """/dev/shm has no room for the segment (on every rank of the group)."""
 
 
-def _kind(doing: str) -> str:
-    return doing.split(" of ", 1)[0]  # "all_reduce of 10 float32 #1 (bucket 3), chunk 1 of 1" -> "all_reduce"
-
-
 def _reason(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
         return f"{_NO_SPACE} ({exc})"
@@ -60,7 +56,7 @@ def _reason(exc: BaseException) -> str:
 
 
 def leftover_segments() -> list[str]:
-    """Names of fanfold segments in /dev/shm (normally none: they are unlinked right after attaching)."""
+    """Names of fanfold segments in /dev/shm (normally none)."""
     try:
         return sorted(n for n in os.listdir(shm.SHM_DIR) if n.startswith(_PREFIX))
     except OSError:
@@ -173,14 +169,14 @@ class Segment:
                                f"{sorted(failed)}: {failed}. Do all ranks share /dev/shm? Use FANFOLD_TRANSPORT=torch.")
 
     def line(self, r: int, fmt: type, offset: int) -> Any:
-        """A ctypes view of rank ``r``'s line at byte ``offset`` (>= 16: the counter and the pid come first)."""
+        # a ctypes view of rank ``r``'s line at byte ``offset`` (>= 16: the counter and the pid come first)
         return fmt.from_address(self._line(r) + offset)
 
     def pid(self, r: int) -> int:
         return ctypes.c_uint32.from_address(self._line(r) + 8).value
 
     def arrive(self) -> int:
-        """Publish this rank's next step (what it wrote is visible to whoever sees the count); the new count."""
+        # publish this rank's next step (what it wrote is visible to whoever sees the count); the new count
         self.arrived += 1
         self._counters[self.rank].value = self.arrived & 0xFFFFFFFF
         self._futex.wake(self._line(self.rank))
@@ -230,11 +226,10 @@ class Segment:
         who = f"rank {missing[0]}" if len(missing) == 1 else f"ranks {missing}"
         raise ShmTimeoutError(
             f"fanfold shm transport: rank {self.rank} of {self.world_size} waited in {doing} for {who}, which never "
-            f"arrived{why}", rank=self.rank, missing=missing, seq=seq, bucket=bucket, kind=_kind(doing))
+            f"arrived{why}", rank=self.rank, missing=missing, seq=seq, bucket=bucket, kind=doing.split(" of ", 1)[0])
 
     def peer_failed(self, p: int, describe: Any, exc: OSError) -> None:
-        """Raise for a failed read of rank ``p``'s memory: :class:`ShmTimeoutError` naming ``p`` when its process is
-        gone, the abort's when a peer gave up, RuntimeError otherwise."""
+        # a failed read of rank p's memory: ShmTimeoutError naming p where it died, the abort's, else RuntimeError
         pid = self.pid(p)
         settle = time.monotonic() + 1.0  # a killed process is gone (a zombie at least) within milliseconds
         while shm.alive(pid) and not self._abort.value and time.monotonic() < settle:
@@ -246,7 +241,7 @@ class Segment:
             raise ShmTimeoutError(
                 f"fanfold shm transport: rank {self.rank} of {self.world_size} could not read rank {p}'s memory in "
                 f"{doing}: rank {p} died ({exc})", rank=self.rank, missing=[p], seq=seq, bucket=bucket,
-                kind=_kind(doing)) from exc
+                kind=doing.split(" of ", 1)[0]) from exc
         raise RuntimeError(f"fanfold shm transport: rank {self.rank} could not read rank {p}'s memory in "
                            f"{describe()[0]}: {exc}") from exc
 
@@ -267,7 +262,6 @@ class Segment:
             self._futex.wake(self._line(r))
 
     def close(self) -> None:
-        """Unmap now if no tensor views the mapping, else when the last view dies."""
         self._counters = []
         self.data = self._bytes = None
         self._abort = None

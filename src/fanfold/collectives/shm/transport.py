@@ -3,8 +3,8 @@
 """
 from __future__ import annotations
 
-import os
 import queue
+import shutil
 import threading
 import warnings
 import weakref
@@ -83,19 +83,25 @@ def check_reduce_tensors(tensors: list[torch.Tensor], compress: torch.dtype | No
     return tensors
 
 
+def _listed(what: str, tensors: list[torch.Tensor], divisor: float | None, compress: torch.dtype | None
+            ) -> tuple[list[torch.Tensor], float | None, float | None]:
+    # a list of tensors to sum, checked; the divisor after the sum and the one before (float16 overflows on the sum
+    # of a few large gradients: it divides first, as fp16_compress_hook does)
+    reduce_code("sum", divisor, what)
+    tensors = check_reduce_tensors(tensors, compress, what)
+    return (tensors, divisor, None) if compress != torch.float16 else (tensors, None, divisor)
+
+
 @dataclass(frozen=True, eq=False)
 class Request:
-    """A collective queued for the transport's thread; ``future`` completes once it and ``finish`` ran."""
-
-    future: torch.futures.Future
+    future: torch.futures.Future  # completes once the collective and ``finish`` ran
     finish: Callable[[], None] | None
     collective: Collective
 
 
 class Worker:
-    """Numbers the collectives of one transport and runs them on ``engine`` one at a time, in number order: on its
-    thread, or on the caller's (``run_small``) when nothing is queued or running. After a failure (the peers told
-    through the abort word) later collectives get the same error. ``timeout()``: the bound of one numbered now."""
+    """Numbers a transport's collectives and runs them in number order: on its thread, or on the caller's
+    (``run_small``) when nothing is queued or running. After a failure later collectives get the same error."""
 
     def __init__(self, engine: Engine, name: str, timeout: Callable[[], float]):
         self.engine, self._timeout = engine, timeout
@@ -167,21 +173,12 @@ class Worker:
                 self._pending -= 1
 
     def stop(self, segment: Segment) -> None:
-        """Finish the queued collectives, stop the thread, let go of the segment."""
         if self._thread.is_alive():
             self._requests.put(None)
             self._thread.join(5.0)
         if not self._thread.is_alive():
             self.engine.close()
             segment.close()
-
-
-def _free_mib() -> float:
-    try:
-        st = os.statvfs(SHM_DIR)
-    except OSError:
-        return 0.0
-    return st.f_bavail * st.f_frsize / 2**20
 
 
 class ShmTransport:
@@ -255,15 +252,15 @@ class ShmTransport:
                 chunk_bytes = chunk_bytes // 4 // 4096 * 4096
                 tried += 1
         if chunk_bytes != asked and self.rank == 0:
+            free = shutil.disk_usage(SHM_DIR).free >> 20
             warnings.warn(f"fanfold's shm transport: {SHM_DIR} has no room for its {asked >> 10} KiB chunks "
-                          f"({_free_mib():.0f} MiB free; Docker's default is 64 MB): it runs with {chunk_bytes >> 10} "
+                          f"({free} MiB free; Docker's default is 64 MB): it runs with {chunk_bytes >> 10} "
                           f"KiB chunks, slower on large tensors. Give /dev/shm more room (docker run --shm-size=1g).",
                           stacklevel=3)
         return seg, chunk_bytes
 
     def _reads_peers(self, nbytes: int, listed: bool = False) -> bool:
-        """The one choice of algorithm (docs/shm.md), from sizes only so that every rank chooses alike: peer reads
-        where every rank may, for a list of tensors or one above a quarter chunk; else the ring."""
+        # the one choice of algorithm (docs/shm.md), from sizes only so that every rank chooses alike
         return self.peer_read and (listed or nbytes > self._chunk_bytes // 4)
 
     def _submit(self, op: int, tensor: torch.Tensor | None, bucket: int | None = None, src: int = 0,
@@ -311,21 +308,14 @@ class ShmTransport:
     def reduce_tensors(self, tensors: list[torch.Tensor], bucket: int | None = None, *,
                        divisor: float | None = None, settle: bool = True,
                        compress: torch.dtype | None = None) -> FanfoldWork:
-        """The Protocol's ``reduce_tensors``: by peer reads where ``_reads_peers`` allows, else through the ring in
-        one buffer."""
-        reduce_code("sum", divisor, "reduce_tensors")
-        tensors = check_reduce_tensors(tensors, compress)
+        tensors, divisor, pre = _listed("reduce_tensors", tensors, divisor, compress)
         if not tensors:
             return completed_work(tensors)
-        # float16 overflows on the sum of a few large gradients: it divides first (as fp16_compress_hook does)
-        pre = divisor if compress == torch.float16 else None
-        if pre is not None:
-            divisor = None
         nbytes = sum(t.numel() for t in tensors) * tensors[0].element_size()
         if self._reads_peers(nbytes, listed=True):
             return self._enqueue(Collective(Op.REDUCE_TENSORS, 0, tensors[0].view(-1), bucket, divisor=divisor,
                                             outs=tensors, settle=bool(settle),
-                                            compress=None if compress is None else (compress, pre)), tensors, None)
+                                            compress=compress and (compress, pre)), tensors, None)
         flat = torch.cat([t.view(-1) for t in tensors])
         if compress is not None:
             flat = (flat if pre is None else flat.div_(pre)).to(compress)
@@ -341,7 +331,7 @@ class ShmTransport:
         self._submit(Op.BARRIER, None).wait()
 
     def abort(self, message: str) -> None:
-        """End every rank's waits at once (they raise, naming this rank and ``message``); unusable after."""
+        """End every rank's waits at once (they raise, naming this rank and ``message``)."""
         if self._segment is not None and self._finalizer.alive:
             self._segment.abort(f"rank {self.rank}: {message}")
 
@@ -350,7 +340,7 @@ class ShmTransport:
         return 0 if self._worker is None else self._worker.seq
 
     def close(self) -> None:
-        """Finish queued collectives, stop the thread, unmap the segment. Idempotent."""
+        """Finish queued collectives, stop the thread, unmap the segment (idempotent)."""
         self._finalizer()
 
     def __enter__(self) -> ShmTransport:
@@ -371,7 +361,6 @@ class ShmTransport:
 
     def reduce_scatter(self, tensor: torch.Tensor, out: torch.Tensor, bucket: int | None = None, *,
                        divisor: float | None = None, op: str = "sum") -> FanfoldWork:
-        """The Protocol's ``reduce_scatter``; ``op``: "sum", "min", "max" or "product"."""
         reduce = reduce_code(op, divisor, "reduce_scatter")
         flat, out_flat, finish = exchange_tensors("reduce_scatter", tensor, out, per=self.world_size)
         if reduce == SUM and self._reads_peers(flat.nbytes) and flat.numel() and \
@@ -387,8 +376,7 @@ class ShmTransport:
         """This rank's part of the sum of ``tensors`` laid end to end (``total`` elements) into ``out``
         (``ceil(total / world_size)`` elements, zeroed past ``total``): bitwise :meth:`reduce_scatter` of the
         zero-padded concatenation. ``settle``, ``compress``: as :meth:`reduce_tensors`; ``out`` stays float32."""
-        reduce_code("sum", divisor, "reduce_scatter_tensors")
-        tensors = check_reduce_tensors(tensors, compress, "reduce_scatter_tensors")
+        tensors, divisor, pre = _listed("reduce_scatter_tensors", tensors, divisor, compress)
         total = sum(t.numel() for t in tensors)
         chunk = -(-total // self.world_size)
         flat_out, back = flat_view(out, "reduce_scatter_tensors (out)")
@@ -401,13 +389,10 @@ class ShmTransport:
             raise ValueError("reduce_scatter_tensors: out overlaps one of the tensors in memory")
         if not tensors:
             return completed_work(out)
-        pre = divisor if compress == torch.float16 else None  # float16 divides first, as fp16_compress_hook does
-        if pre is not None:
-            divisor = None
         if self._reads_peers(total * tensors[0].element_size(), listed=True):
             return self._enqueue(Collective(Op.SCATTER_TENSORS, 0, tensors[0].view(-1), bucket, divisor=divisor,
                                             outs=tensors, out=flat_out, settle=bool(settle),
-                                            compress=None if compress is None else (compress, pre)), out, None)
+                                            compress=compress and (compress, pre)), out, None)
         # No peer reads: one zero-padded copy of the concatenation (rounded, if compressed) through the ring
         wide = torch.cat([t.view(-1) for t in tensors])
         stage = torch.zeros(chunk * self.world_size, dtype=compress or dtype)
