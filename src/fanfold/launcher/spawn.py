@@ -165,6 +165,16 @@ def _collect(procs: Sequence, conns: Sequence, timeout: float) -> list:
     return [results[r] for r in range(len(procs))]
 
 
+def reap(procs: Sequence, grace_s: float = 3.0) -> None:
+    """Join ``procs`` within ``grace_s`` seconds in all; kill those still running."""
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join(2.0)
+
+
 def later_failures(who: str, rank: int, stopped: list[int], later: dict[int, str]) -> list[str]:
     """The report's lines after the first failure's (``rank``): the ranks stopped, those that failed later."""
     lines = [f"{who}: stopped the other workers (ranks {stopped})"] if stopped else []
@@ -222,12 +232,7 @@ def launch(
     finally:
         for p in procs:
             p.terminate()  # a process that has exited is skipped
-        deadline = time.monotonic() + 3.0
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-            if p.is_alive():
-                p.kill()
-                p.join(2.0)
+        reap(procs)
         for c in conns:
             c.close()
         store.close()  # the workers are gone

@@ -30,6 +30,7 @@ from torch.autograd import Function
 
 from .._core.shm import Futex, alive, shared_bytes
 from .._core.tree import Spec, flatten, unflatten
+from ..launcher.spawn import reap
 from .parallel_backward import _alias_parameters, _tensor, _with_tensor
 from .replicate import replicate
 
@@ -466,12 +467,7 @@ def stop_workers(procs: list, mailboxes: list, caller_threads: int = 0, set_to: 
     # the caller gets ``caller_threads`` back if its count is still the engine's ``set_to``
     for m in mailboxes:
         m.stop()
-    deadline = time.monotonic() + 3.0
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-        if p.is_alive():
-            p.kill()
-            p.join(2.0)
+    reap(procs)
     if caller_threads > 0 and torch.get_num_threads() == set_to != caller_threads:
         torch.set_num_threads(caller_threads)
 
