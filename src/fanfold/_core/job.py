@@ -320,11 +320,23 @@ class JobStore(dist.Store):
         self._clones.append(twin)  # torch keeps only the C++ half of the clone: it lives as long as this store
         return twin
 
-    def close(self) -> None:  # the store is unusable afterwards: torch must no longer hold it
+    def close(self) -> None:  # the store is unusable afterwards: a call that still comes raises DistStoreError
         with self._lock:
-            if self._sock is not None:
+            if getattr(self, "_sock", None) is not None:
                 self._sock.close()
                 self._sock = None
+
+    def __del__(self) -> None:
+        # torch's C++ half of this store (a group's PrefixStore, a clone in a writer thread) can still call it from
+        # another thread while CPython frees it. Freeing a socket, a clone or the server lets other threads run in
+        # the middle of the free, and a call that lands then finds a half-freed object (SIGSEGV). Released here,
+        # while the object is whole, a late call gets a DistStoreError, or brings the object back for its duration.
+        self.close()
+        clones, self._clones = getattr(self, "_clones", []), []
+        for twin in clones:
+            twin.close()
+        del clones
+        self.__dict__.pop("_server", None)
 
 
 def install_env_rendezvous() -> None:
