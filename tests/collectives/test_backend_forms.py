@@ -102,17 +102,27 @@ def _forms():
             except Exception as exc:  # noqa: BLE001 - the test compares what each backend did
                 got[label] = (f"{type(exc).__name__}: {exc}", None)
         out["results"][name] = got
-    # torch's functional collectives reach the group from C++ (torch.ops._c10d_functional)
-    import torch.distributed._functional_collectives as funcol
-    x = torch.randn(6, generator=torch.Generator().manual_seed(r), dtype=torch.float64)
-    for name, fn in (("funcol.all_reduce", lambda g: funcol.all_reduce(x, "sum", g)),
-                     ("funcol.all_gather_tensor", lambda g: funcol.all_gather_tensor(x, 0, g)),
-                     ("funcol.reduce_scatter_tensor", lambda g: funcol.reduce_scatter_tensor(x, "sum", 0, g))):
-        out["results"][name] = {label: (True, [funcol.wait_tensor(fn(group)).clone()])
-                                for label, group in (("gloo", gloo), ("fanfold", fan))}
-    out["shm"] = fan.transport is not None
     # an async collective completed at return (the latency path) says so, as gloo's do once done
     out["completed"] = dist.all_reduce(torch.ones(2), async_op=True).is_completed()
+    # torch's functional collectives reach the group from C++ (torch.ops._c10d_functional), and through the
+    # group's transport (DTensor's full_tensor() and FSDP2 call them)
+    import torch.distributed._functional_collectives as funcol
+    x = torch.randn(6, generator=torch.Generator().manual_seed(r), dtype=torch.float64)
+    out["transport"] = {}
+    for name, fn in (("funcol.all_reduce", lambda g: [funcol.all_reduce(x, "sum", g)]),
+                     ("funcol.all_gather_single", lambda g: [funcol.all_gather_single(x, 0, g)]),
+                     ("funcol.reduce_scatter_single", lambda g: [funcol.reduce_scatter_single(x, "sum", 0, g)]),
+                     ("funcol.all_gather_single_coalesced",
+                      lambda g: funcol.all_gather_single_coalesced([x, 2 * x], g)),
+                     ("funcol.reduce_scatter_single_coalesced",
+                      lambda g: funcol.reduce_scatter_single_coalesced([x, 2 * x], "sum", [0, 0], g))):
+        out["results"][name] = {}
+        for label, group in (("gloo", gloo), ("fanfold", fan)):
+            before = fan.transport.issued
+            out["results"][name][label] = (True, [funcol.wait_tensor(t).clone() for t in fn(group)])
+            if label == "fanfold":
+                out["transport"][name] = fan.transport.issued - before
+    out["shm"] = fan.transport is not None
     dist.destroy_process_group()
     return out
 
@@ -121,6 +131,10 @@ def test_every_calling_form_gives_gloos_result():
     out = fanfold.launch(_forms, nprocs=2, timeout=120)
     for o in out:
         assert o["shm"] and o["completed"]
+        # one collective of the transport a tensor (the latency path counts too)
+        assert o["transport"] == {"funcol.all_reduce": 1, "funcol.all_gather_single": 1,
+                                  "funcol.reduce_scatter_single": 1, "funcol.all_gather_single_coalesced": 2,
+                                  "funcol.reduce_scatter_single_coalesced": 2}, o["transport"]
         for name, got in o["results"].items():
             assert got["gloo"][0] is True, (name, got["gloo"])  # the form is one torch accepts
             assert got["fanfold"][0] is True, (name, got["fanfold"][0])

@@ -68,10 +68,17 @@ def _oracle(steps: int, n: int) -> list[torch.Tensor]:
     return [p.detach() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("which", ["fanfold", "torch"], ids=["fanfold DDP over gloo", "torch DDP over fanfold"])
-@pytest.mark.parametrize("layout", [LAYOUTS["2x2"], LAYOUTS["1+2"]], ids=["2x2", "1+2"])
+@pytest.mark.parametrize("layout, which", [
+    (LAYOUTS["2x2"], "fanfold"), (LAYOUTS["1+2"], "fanfold"), (LAYOUTS["2x2"], "torch"), (LAYOUTS["1+2"], "torch"),
+    (LAYOUTS["2x2"], "fsdp2"), (LAYOUTS["1+2"], "fsdp2"), (LAYOUTS["2x2"], "hsdp"),
+], ids=["2x2-fanfold DDP over gloo", "1+2-fanfold DDP over gloo", "2x2-torch DDP over fanfold",
+        "1+2-torch DDP over fanfold", "2x2-FSDP2 over fanfold", "1+2-FSDP2 over fanfold", "2x2-HSDP over fanfold"])
 def test_ddp_against_one_process(tmp_path, layout, which):
     results = run_job(tmp_path, layout, "ddp", which)
+    if which in ("torch", "fsdp2"):  # the whole group spans the hosts: the hierarchical path
+        assert all(r["transport"] == "HierarchicalTransport" for r in results), [r["transport"] for r in results]
+    if which == "hsdp":  # the shard dimension is one host's ranks: shared memory; replicate: one rank per host, gloo
+        assert all(r["mesh groups"] == ["ShmTransport", "NoneType"] for r in results), results[0]["mesh groups"]
     want = _oracle(3, 12)  # worker.STEPS, worker.GLOBAL_BATCH
     for res in results:
         assert len(res["params"]) == len(want)

@@ -3,8 +3,8 @@ RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT). ``python worker.py SCEN
 writes what it saw to ``OUT_DIR/rank<R>.pt`` for the test to compare with its oracle.
 
 Scenarios: ``collectives`` (every collective through the ``fanfold`` backend, fanfold's own transports and a gloo
-group over the same ranks), ``ddp`` (fanfold's DDP over gloo, or torch's DDP over the ``fanfold`` backend: final
-parameters), ``kill`` (a rank on the last host kills itself before a step; the others' StallError), ``link`` (an
+group over the same ranks), ``ddp`` (fanfold's DDP over gloo, or torch's DDP, FSDP2 or HSDP over the ``fanfold``
+backend: final parameters), ``kill`` (a rank on the last host kills itself before a step; the others' StallError), ``link`` (an
 all_reduce that the test cuts by taking the link down; every rank's StallError), ``tx_bytes`` (the bytes of one
 all_reduce and of one reduce_scatter on the link).
 """
@@ -109,23 +109,43 @@ def collectives(out: dict) -> None:
 
 def ddp(out: dict, which: str) -> None:
     """``STEPS`` SGD steps on this rank's shard of each global batch: ``which`` is "fanfold" (fanfold's DDP, gloo
-    init) or "torch" (torch's DDP on the ``fanfold`` backend)."""
+    init), "torch" (torch's DDP on the ``fanfold`` backend), "fsdp2" (torch's FSDP2 over the whole ``fanfold``
+    group) or "hsdp" (FSDP2 on a 2-D mesh: shard inside a host, replicate across; hosts of equal size)."""
     dist.init_process_group("gloo" if which == "fanfold" else "fanfold", timeout=timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
     model = mlp()
     if which == "fanfold":
         wrapped = fanfold.DistributedDataParallel(model, bucket_cap_mb=0.01)  # several buckets: overlap exercised
-    else:
+    elif which == "torch":
         from torch.nn.parallel import DistributedDataParallel
 
         wrapped = DistributedDataParallel(model, bucket_cap_mb=0.01)
+    else:
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import fully_shard
+
+        if which == "fsdp2":
+            mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
+        else:  # ranks 0..L-1 on the first host, L..2L-1 on the second (tests/multihost/hosts.py)
+            local = int(os.environ["LOCAL_WORLD_SIZE"])
+            mesh = DeviceMesh("cpu", [list(range(h * local, (h + 1) * local)) for h in range(world // local)],
+                              mesh_dim_names=("replicate", "shard"))
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        wrapped = fully_shard(model, mesh=mesh)
     opt = optimizer(model)
     for step in range(STEPS):
         x, y = batch("mlp", step, GLOBAL_BATCH)
         opt.zero_grad()
         loss_fn("mlp", wrapped(shard(x, rank, world)), shard(y, rank, world)).backward()
         opt.step()
-    out["params"] = [p.detach().clone() for p in model.parameters()]
+    # FSDP2's parameters are DTensors: full_tensor() gathers them (torch's functional all-gather)
+    out["params"] = [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+                     for p in model.parameters()]
+    out["transport"] = type(dist.group.WORLD.transport).__name__ if which != "fanfold" else None
+    if which == "hsdp":  # each group's transport, made at its first collective
+        out["mesh groups"] = [type(mesh.get_group(d).transport).__name__ for d in ("shard", "replicate")]
     finish(out)
 
 

@@ -425,6 +425,29 @@ class FanfoldProcessGroup(dist.ProcessGroup):
     all_to_all_single = alltoall_base = _torch_method("all_to_all_single", _all_to_all_single, "alltoall_base")
     barrier = _torch_method("barrier", _barrier)
 
+    def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                    opts: AllgatherOptions | None = None) -> dist.Work:
+        return self._pairwise(self.all_gather_single, outputs, inputs, opts or AllgatherOptions())
+
+    def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                        opts: ReduceScatterOptions | None = None) -> dist.Work:
+        return self._pairwise(self.reduce_scatter_single, outputs, inputs, opts or ReduceScatterOptions())
+
+    def _pairwise(self, method: Callable[..., dist.Work], outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                  opts: Any) -> dist.Work:
+        # torch's functional collectives (DTensor's redistribute and full_tensor(), FSDP2's) call the coalesced
+        # forms. Left to torch's C++, they went into gloo's queue with the caller holding the GIL, while a gloo
+        # worker freeing the previous work (its tensors' Python objects) took the GIL under the queue's lock: a
+        # deadlock until gloo's timeout. Pair by pair through the group's methods, they take the transport like
+        # every other collective, and gloo's Python binding, which lets the GIL go, where it does not take them.
+        outputs, inputs = _tensors(outputs), _tensors(inputs)
+        if len(outputs) != len(inputs):
+            raise ValueError(f"{len(outputs)} output tensors for {len(inputs)} input tensors: one each")
+        works = [method(out, inp, opts) for out, inp in zip(outputs, inputs)]
+        for work in works[:-1]:
+            work.wait()
+        return works[-1] if works else self._done
+
     def shutdown(self) -> None:
         """Close the transport (its queued collectives finish first), then torch's own shutdown (gloo's)."""
         if self.transport is not None:
