@@ -66,6 +66,26 @@ def test_duals_give_the_expected_gradients():
     assert torch.equal(x.grad, torch.tensor([2.0, 2, 3, 3, 3]))  # Gather of the chunk gradients
 
 
+def test_gather_backward_is_torch_cat_backward():
+    # the oracle is torch.cat: the same gradients, and on the gradient's device the same memory (views, not copies)
+    a, b = torch.randn(2, 3, requires_grad=True), torch.randn(4, 3, requires_grad=True)
+    a2, b2 = a.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()
+    g = torch.randn(6, 3)
+    Gather.apply("cpu", 0, a, b).backward(g)
+    torch.cat([a2, b2]).backward(g)
+    assert torch.equal(a.grad, a2.grad) and torch.equal(b.grad, b2.grad)
+    assert [t.grad.data_ptr() == g.data_ptr() for t in (a, a2)] == [True, True]
+    # double backward: a gradient penalty through Gather equals one through torch.cat
+    x = _double(5, 2)
+    x2 = x.detach().clone().requires_grad_()
+    outs = []
+    for t, cat in ((x, lambda *ts: Gather.apply("cpu", 0, *ts)), (x2, lambda *ts: torch.cat(ts))):
+        y = cat(*(p * p for p in t.split([2, 3])))
+        (grad,) = torch.autograd.grad(y, t, torch.ones_like(y) * 3, create_graph=True)
+        outs.append(torch.autograd.grad(grad.pow(2).sum(), t)[0])
+    torch.testing.assert_close(outs[0], outs[1])
+
+
 def test_broadcast_of_a_frozen_tensor_does_not_require_grad():
     w, buf = torch.randn(2, requires_grad=True), torch.randn(2)
     outs = Broadcast.apply(["cpu", "cpu"], w, buf)

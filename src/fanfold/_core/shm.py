@@ -45,11 +45,13 @@ class Futex:
     def wake(self, address: int, count: int = 0x7FFFFFFF) -> None:
         self._call(_SYS_FUTEX, address, _FUTEX_WAKE, count, None, None, 0)
 
-    def wait(self, word: Any, target: int, check: Callable[[], float | None], *, yield_core: bool) -> None:
-        """Return once the counter ``word`` (a ``ctypes.c_uint32``) has reached ``target`` (modulo 2**32); ``check()``
-        runs before each sleep: it raises to give up, or returns the most seconds the sleep may last (None: 50 ms)."""
+    def wait(self, word: Any, target: int, check: Callable[[], float | None], *, yield_core: bool,
+             spin_s: float = SPIN_S) -> None:
+        """Return once the counter ``word`` (a ``ctypes.c_uint32``) has reached ``target`` (modulo 2**32), polling it
+        ``spin_s`` seconds before sleeping; ``check()`` runs before each sleep: it raises to give up, or returns the
+        most seconds the sleep may last (None: 50 ms)."""
         k = target & 0xFFFFFFFF
-        spin_end = time.perf_counter() + SPIN_S
+        spin_end = time.perf_counter() + spin_s
         while (word.value - k) & 0x80000000:
             if time.perf_counter() > spin_end:
                 break

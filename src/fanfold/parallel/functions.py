@@ -1,6 +1,6 @@
 """Differentiable copies between devices of one process, any device type, a device possibly repeated (``["cpu",
-"cpu"]``): ``Broadcast``/``ReduceAdd`` and ``Scatter``/``Gather``, each backward its dual's ``apply`` (so higher-order
-gradients work). Every result is a new tensor, sharing no memory with the inputs.
+"cpu"]``): ``Broadcast``/``ReduceAdd`` and ``Scatter``/``Gather``, each backward its dual (so higher-order gradients
+work). Every forward result is a new tensor, sharing no memory with the inputs.
 """
 from __future__ import annotations
 
@@ -77,4 +77,7 @@ class Gather(Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return (None, None, *Scatter.apply(ctx.sources, ctx.sizes, ctx.dim, grad))
+        # Scatter's split without its copies or its Function call, as torch.cat's own backward: views on the
+        # gradient's device (a gradient is read, never written in place); split and to() are autograd's own ops, so
+        # double backward still works
+        return (None, None, *(g.to(d) for g, d in zip(grad.split(ctx.sizes, ctx.dim), ctx.sources)))

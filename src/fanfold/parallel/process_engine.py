@@ -11,6 +11,7 @@ import math
 import multiprocessing as mp
 import os
 import pickle
+import select
 import signal
 import struct
 import time
@@ -18,7 +19,7 @@ import traceback
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from itertools import chain
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
@@ -28,7 +29,7 @@ import torch.multiprocessing  # noqa: F401  (torch's reductions, which send tens
 from torch import nn
 from torch.autograd import Function
 
-from .._core.shm import Futex, alive, shared_bytes
+from .._core.shm import SPIN_S, Futex, alive, shared_bytes
 from .._core.tree import Spec, flatten, unflatten
 from ..launcher.spawn import reap
 from .parallel_backward import _alias_parameters, _tensor, _with_tensor
@@ -186,6 +187,11 @@ _LENGTH = (192, 200)  # int64: the length of each side's current message
 _HEADER = 4096
 _AREA = 1 << 16  # bytes per side's message area; bigger messages are spilled
 _PICKLE = pickle.PROTO[0]  # the first byte of every pickle this side makes (protocol 2 and up)
+# how long a side polls for the other's message before sleeping, where every replica has a core: a step's serial work
+# between two messages (the loss, the optimizer step, the next batch's scatter) takes some hundred microseconds, and
+# a futex wake-up costs about as much again on each side (issue 25); with fewer cores the short default of the
+# shared-memory layer (SPIN_S) leaves the core to a replica that computes
+_SPIN_S = 1e-3
 
 
 @dataclass
@@ -199,10 +205,11 @@ class Stopped(Exception):
 
 class Mailbox:
     """One side of a worker's block: the caller makes it (``Mailbox()``), the worker opens
-    ``Mailbox(block, WORKER)``."""
+    ``Mailbox(block, WORKER)``; ``spin_s``: seconds a wait polls before it sleeps."""
 
-    def __init__(self, block: torch.Tensor | None = None, side: int = CALLER) -> None:
+    def __init__(self, block: torch.Tensor | None = None, side: int = CALLER, spin_s: float = SPIN_S) -> None:
         self._futex = Futex("DataParallel(engine='process')")
+        self._spin_s = spin_s
         self.block = shared_bytes(_HEADER + 2 * _AREA).zero_() if block is None else block
         self.side = side
         self._base = self.block.data_ptr()
@@ -245,14 +252,18 @@ class Mailbox:
         return struct.pack(f"<B{len(numbers)}q", _KINDS.index(type(msg)) + 1, *numbers)
 
     def _expand(self, data: bytes) -> Any:
+        # built directly: dataclasses.replace walks the fields each call, on both sides of every step
         kind = _KINDS[data[0] - 1]
         numbers = struct.unpack_from(f"<{(len(data) - 1) // 8}q", data, 1)
+        t = self._got[kind]
         if kind is Forward:
-            return replace(self._got[kind], step=numbers[0], grad=bool(numbers[1]), release=list(numbers[2:]),
-                           arena=None)
+            return Forward(numbers[0], t.leaves, t.spec, t.differentiable, bool(numbers[1]), t.training,
+                           list(numbers[2:]))
         if kind is Backward:
-            return replace(self._got[kind], step=numbers[0], arena=None)
-        return replace(self._got[kind], arena=None)
+            return Backward(numbers[0], t.grads)
+        if kind is Outputs:
+            return Outputs(t.leaves, t.spec)
+        return Gradients(t.parameters, t.inputs)
 
     def _pickle(self, message: Any) -> bytes:
         self._buffer.seek(0)
@@ -277,7 +288,7 @@ class Mailbox:
                     raise TimeoutError
             slept.append(True)
 
-        self._futex.wait(self._theirs, target, between, yield_core=False)
+        self._futex.wait(self._theirs, target, between, yield_core=False, spin_s=self._spin_s)
         self.read += 1
         n = self._lengths[1 - self.side].value
         data = ctypes.string_at(self._base + _HEADER + (1 - self.side) * _AREA, n)
@@ -403,14 +414,14 @@ def _check_caller(pid: int) -> None:
 
 
 def worker_main(index: int, module: nn.Module, block: torch.Tensor, threads: int, caller: int, grads: torch.Tensor,
-                grad_slots: list[Slot]) -> None:
+                grad_slots: list[Slot], spin_s: float) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(threads)
     replica = replica_of(module)
     refresh = _private_buffers(module) if index > 0 else []
     io = _Buffers(torch.empty(0, dtype=torch.uint8), Arena(), [view(grads, slot) for slot in grad_slots])
     graphs: dict = {}
-    mailbox = Mailbox(block, WORKER)
+    mailbox = Mailbox(block, WORKER, spin_s)
     mailbox.send(Ready(index, os.getpid()))
     while True:
         try:
@@ -581,6 +592,7 @@ class ProcessEngine:
         self._step = 0
         self.released: list[list[int]] = []  # per worker, the steps whose graph the caller has dropped
         self._finalizer: Any = None
+        self._exits: Any = None  # select.poll() of the workers' sentinels: readable once one has exited
         self._local: Replica | None = None  # replica 0, run by the caller
         self.params: list[torch.Tensor] = []  # the module's parameters that require grad
         self.inboxes: list[Arena] = []  # per worker, the caller's slot buffer (inputs, output gradients)
@@ -591,6 +603,7 @@ class ProcessEngine:
         if self._finalizer is not None:
             self._finalizer()  # runs stop_workers once
         self._procs, self._mailboxes, self._signature, self._finalizer, self._local = [], [], None, None, None
+        self._exits = None
         self.generation += 1
 
     def _start(self, module: nn.Module) -> None:
@@ -609,15 +622,16 @@ class ProcessEngine:
         self.inboxes = [Arena() for _ in range(workers)]
         self.outboxes = [torch.empty(0, dtype=torch.uint8) for _ in range(workers)]
         self.released = [[] for _ in range(workers)]
+        spin_s = _SPIN_S if self.num_replicas <= len(os.sched_getaffinity(0)) else SPIN_S
         procs: list = []
         mailboxes: list[Mailbox] = []
-        self._procs, self._mailboxes = procs, mailboxes
+        self._procs, self._mailboxes, self._exits = procs, mailboxes, select.poll()
         self._finalizer = weakref.finalize(self, stop_workers, procs, mailboxes, caller_threads, threads)
         try:
             for w in range(workers):
-                mailbox = Mailbox()
+                mailbox = Mailbox(spin_s=spin_s)
                 p = ctx.Process(target=worker_main, args=(w + 1, module, mailbox.block, 1 if forked else threads,
-                                                          os.getpid(), grads[w], slots),
+                                                          os.getpid(), grads[w], slots, spin_s),
                                 name=f"fanfold-replica-{w + 1}", daemon=True)
                 with warnings.catch_warnings():  # the caller's hooks stay in the caller: the workers need none
                     warnings.filterwarnings("ignore", "backward hook .* will not be serialized")
@@ -629,6 +643,7 @@ class ProcessEngine:
                                            "be picklable, or use engine='thread'") from exc
                 procs.append(p)
                 mailboxes.append(mailbox)
+                self._exits.register(p.sentinel, select.POLLIN)
             torch.set_num_threads(threads)  # the replicas share the caller's cores
             ready = self._collect(list(range(workers)), START_TIMEOUT, "start")
             if not all(isinstance(r, Ready) for r in ready):
@@ -641,6 +656,9 @@ class ProcessEngine:
         self.generation += 1
 
     def _check_alive(self, what: str) -> None:
+        # every forward: one poll() of the sentinels, not is_alive() per worker (a selector made and closed each)
+        if self._exits is not None and not self._exits.poll(0):
+            return
         for w, p in enumerate(self._procs):
             if not p.is_alive():
                 code = p.exitcode
