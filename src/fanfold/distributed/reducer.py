@@ -143,6 +143,18 @@ def all_reduce_sparse(transport: Transport, grad: torch.Tensor, divisor: float) 
                                    is_coalesced=True, check_invariants=False)
 
 
+def _gradient_hook(ref: weakref.ref, i: int | None) -> Callable[[torch.Tensor], None]:
+    """Parameter ``i``'s post-accumulate-grad hook, holding the reducer weakly (a parameter must not keep a
+    discarded reducer alive)."""
+
+    def hook(param: torch.Tensor) -> None:
+        reducer = ref()
+        if reducer is not None:
+            reducer._on_ready(i, param)
+
+    return hook
+
+
 class Reducer:
     """Bucketed, overlapped gradient averaging for ``params`` over ``transport`` (``caps``: see ``bucket_caps``);
     ``reduce_dtype``: the buckets' dtype; ``delayed``: averaged at the end of backward, outside the buckets."""
@@ -179,7 +191,7 @@ class Reducer:
         self._reset()
         ref = weakref.ref(self)  # the parameters must not keep a discarded reducer alive
         for i, p in [*enumerate(self.params), *((None, p) for p in self.delayed)]:
-            handle = p.register_post_accumulate_grad_hook(lambda param, i=i: ref() and ref()._on_ready(i, param))
+            handle = p.register_post_accumulate_grad_hook(_gradient_hook(ref, i))
             weakref.finalize(self, handle.remove)  # the hooks leave with the reducer
 
     def _reset(self) -> None:
@@ -215,6 +227,7 @@ class Reducer:
         self.rebuilt = True
         self.flats = [torch.empty(f.numel(), dtype=f.dtype, device="meta") for f in self.flats]
         self._views = [None if v is None else torch.empty(v.shape, dtype=v.dtype, device="meta") for v in self._views]
+        self._bucket_views = [[self._views[i] for i in m] for m in self.buckets]
 
     def backward_started(self) -> None:
         """The backward reached DDP's outputs (or a parameter): queue the end of backward in this outermost pass."""
@@ -233,21 +246,36 @@ class Reducer:
         return self.expect_sync
 
     def _on_ready(self, i: int | None, p: torch.Tensor) -> None:
-        """Parameter ``i``'s gradient hook (None: a delayed parameter's)."""
-        if i is not None and p.grad is not None:
+        """Parameter ``i``'s gradient hook (None: a delayed parameter's). It runs once per parameter and step (800
+        times on benchmarks/small_params.py's model), hence the few calls: see docs/benchmarks.md, 2026-11-27."""
+        g = p.grad
+        if i is not None and g is not None:
             # the hook also fires for an undefined gradient: a parameter no rank has a gradient for keeps grad=None
             self._used[i] = True
         first, self._touched = not self._touched, True
-        # join's announcement (once) comes before any bucket, so it may raise here
-        if not self.begin_backward() or self._error is not None:
+        # join's announcement (once) comes before any bucket, so it may raise here; once made (which implies a
+        # synchronising backward with its end queued) begin_backward has nothing left to do in this backward
+        if not (self._announced or self.begin_backward()) or self._error is not None:
             return  # no_sync(), or a backward through the module outside DDP.forward: plain local accumulation
         try:
             if first and self.static and not self.counting and not self._double:
                 for k in self.static_unused:
                     self._mark(k)  # a static graph's unused parameters are ready from the start
-                    self._take(k, self.params[k])
-            if i is not None and self._count(i, loose=self._double):
-                self._take(i, p)
+                    self._take(k, self.params[k].grad)
+            if i is None or (self.static and not self._double and not self._count(i)):
+                return  # a static graph's parameter short of its count of hooks is not ready yet
+            if self.ready[i]:
+                raise RuntimeError(
+                    f"DistributedDataParallel (rank {self.rank}): Expected to mark a variable ready only once: "
+                    f"parameter {self.names[i]!r} has been marked as ready twice (it got a second gradient in this "
+                    "backward, after its bucket could already be reduced). Typical causes: a block checkpointed with "
+                    "use_reentrant=True whose parameters are also used outside it, or a block checkpointed twice; a "
+                    "parameter used outside forward. Pass static_graph=True to DistributedDataParallel if the model "
+                    "uses the same parameters the same number of times in every iteration, or checkpoint with "
+                    "use_reentrant=False.")
+            self.ready[i] = True  # _mark, inline (as the rest of this path: it runs for every parameter of every step)
+            self.order.append(i)
+            self._take(i, g)
         except Exception as exc:  # raised by the end of backward, once the peers have all their collectives
             self._fail(exc)
 
@@ -259,36 +287,24 @@ class Reducer:
     def static_unused(self) -> list[int]:
         return [] if self.expected is None else [i for i, c in enumerate(self.expected) if c == 0]
 
-    def _count(self, i: int, loose: bool) -> bool:
-        """Parameter ``i``'s hook fired: whether it became ready (``loose``: once, whatever the static graph says)."""
+    def _count(self, i: int) -> bool:
+        """A static graph's parameter ``i``'s hook fired: whether it is ready by its count (never while counting)."""
         self.counts[i] += 1
-        if self.static and not loose:
-            if self.expected is None:  # counting
-                if self.counts[i] == 1:
-                    self.order.append(i)  # the first-seen order: what the buckets are rebuilt from
-                return False
-            if self.counts[i] > self.expected[i]:  # torch raises in the backward, with these words
-                was = "unused" if self.expected[i] == 0 else "used fewer times"
-                raise RuntimeError(
-                    f"DistributedDataParallel (rank {self.rank}): Your training graph has changed in this iteration, "
-                    f"e.g., one parameter is {was} in first iteration, but then got used in the second iteration. "
-                    f"this is not compatible with static_graph set to True. (static_graph=True: parameter "
-                    f"{self.names[i]!r} got {self.counts[i]} gradient(s) where the first iteration gave it "
-                    f"{self.expected[i]}. A parameter unused in the first iteration must stay unused, and a used one "
-                    "must be used the same number of times; pass static_graph=False, with find_unused_parameters=True "
-                    "if some parameters go unused.)")
-            if self.counts[i] < self.expected[i]:
-                return False
-        if self.ready[i]:
+        if self.expected is None:  # counting
+            if self.counts[i] == 1:
+                self.order.append(i)  # the first-seen order: what the buckets are rebuilt from
+            return False
+        if self.counts[i] > self.expected[i]:  # torch raises in the backward, with these words
+            was = "unused" if self.expected[i] == 0 else "used fewer times"
             raise RuntimeError(
-                f"DistributedDataParallel (rank {self.rank}): Expected to mark a variable ready only once: parameter "
-                f"{self.names[i]!r} has been marked as ready twice (it got a second gradient in this backward, after "
-                "its bucket could already be reduced). Typical causes: a block checkpointed with use_reentrant=True "
-                "whose parameters are also used outside it, or a block checkpointed twice; a parameter used outside "
-                "forward. Pass static_graph=True to DistributedDataParallel if the model uses the same parameters the "
-                "same number of times in every iteration, or checkpoint with use_reentrant=False.")
-        self._mark(i)
-        return True
+                f"DistributedDataParallel (rank {self.rank}): Your training graph has changed in this iteration, "
+                f"e.g., one parameter is {was} in first iteration, but then got used in the second iteration. "
+                f"this is not compatible with static_graph set to True. (static_graph=True: parameter "
+                f"{self.names[i]!r} got {self.counts[i]} gradient(s) where the first iteration gave it "
+                f"{self.expected[i]}. A parameter unused in the first iteration must stay unused, and a used one "
+                "must be used the same number of times; pass static_graph=False, with find_unused_parameters=True "
+                "if some parameters go unused.)")
+        return self.counts[i] == self.expected[i]
 
     def _mark(self, i: int) -> None:
         self.ready[i] = True
@@ -319,13 +335,15 @@ class Reducer:
             if self.params_back is not None:
                 self.params_back()
 
-    def _take(self, i: int, p: torch.Tensor) -> None:
-        self._own_grad(i, p)
+    def _take(self, i: int, g: torch.Tensor | None) -> None:
+        """Parameter ``i`` is ready with gradient ``g`` (its ``.grad``): one fewer in its bucket to wait for."""
+        if g is not None and (g.requires_grad or g.is_sparse != self.sparse[i]):
+            self._own_grad(i, self.params[i])
         if self.sparse[i]:
             return  # reduced at the end of backward
-        b = self._bucket_of[i]
-        self._left[b] -= 1
-        if self._left[b] == 0:
+        b, left = self._bucket_of[i], self._left
+        left[b] -= 1
+        if left[b] == 0:
             self._launch_ready()
 
     def _own_grad(self, i: int, p: torch.Tensor) -> None:
@@ -366,7 +384,7 @@ class Reducer:
         counting = self.counting and not double
         if counting:
             self._learn()
-        missing = [i for i, ready in enumerate(self.ready) if not ready]
+        missing = [] if all(self.ready) else [i for i, ready in enumerate(self.ready) if not ready]
         # Where torch's reducer cannot finish (a parameter without gradient and no find_unused_parameters; a static
         # graph's parameter short of its count), .grad is this rank's own and the next forward raises. The collectives
         # still go out, with zeros, so that no peer is left waiting.
@@ -539,6 +557,7 @@ class Reducer:
             for i, view in zip(members, flat.split([ps[i].numel() for i in members])):
                 self._views[i] = view.view(ps[i].shape)
                 self._bucket_of[i] = b
+        self._bucket_views = [[self._views[i] for i in m] for m in groups]  # _launch's lists, made once
         if self.as_view and old_views is not None:
             for i, p in enumerate(ps):  # keep .grad a view into the (new) bucket
                 if p.grad is not None and p.grad is old_views[i]:
@@ -596,16 +615,19 @@ class Reducer:
                                                              settle=last, compress=compress)
             return
         if not self._shadowing:  # joined: the bucket holds zeros, its .grad stays
-            views, grads = [], []
-            for i in members:
-                p, view = self.params[i], self._views[i]
-                if p.grad is None:
-                    view.zero_()
-                elif p.grad is not view:
-                    views.append(view)
-                    grads.append(p.grad)
-                    if self.as_view:
-                        p.grad = view  # from now on autograd accumulates straight into the bucket
+            # Outside gradient_as_bucket_view a .grad is never a view of the bucket: with every gradient there, the
+            # bucket's views and its .grad tensors are the two lists of one foreach copy, no loop in Python.
+            views, grads = self._bucket_views[b], [self.params[i].grad for i in members]
+            if self.as_view or any(g is None for g in grads):
+                pairs = []
+                for i, view, g in zip(members, views, grads):
+                    if g is None:
+                        view.zero_()
+                    elif g is not view:
+                        pairs.append((view, g))
+                        if self.as_view:
+                            self.params[i].grad = view  # from now on autograd accumulates straight into the bucket
+                views, grads = [v for v, _ in pairs], [g for _, g in pairs]
             if views:
                 torch._foreach_copy_(views, grads)
                 if not self.as_view and self.reduce_dtype is None:
@@ -635,7 +657,11 @@ class Reducer:
         """The averages into ``.grad``: ``used[i]`` ranks used parameter i (None: all)."""
         for grads, views in self._copied:
             torch._foreach_copy_(grads, views)
-        for i, p in enumerate(self.params):
+        # Every .grad holds its average already (the ordinary step): the loop below would change nothing, at a
+        # Python iteration per parameter (autograd keeps a .grad in its parameter's dtype).
+        settled = used is None and not (sparse or self._temps or self.as_view or self.reduce_dtype is not None) and \
+            all(p.grad is not None for p in self.params)
+        for i, p in enumerate(() if settled else self.params):
             if used is not None and used[i] == 0:
                 continue  # no rank used it: leave .grad as a single process would (None)
             temp = self._temps.get(i)
