@@ -4,9 +4,9 @@ writes what it saw to ``OUT_DIR/rank<R>.pt`` for the test to compare with its or
 
 Scenarios: ``collectives`` (every collective through the ``fanfold`` backend, fanfold's own transports and a gloo
 group over the same ranks), ``ddp`` (fanfold's DDP over gloo, or torch's DDP, FSDP2 or HSDP over the ``fanfold``
-backend: final parameters), ``kill`` (a rank on the last host kills itself before a step; the others' StallError), ``link`` (an
-all_reduce that the test cuts by taking the link down; every rank's StallError), ``tx_bytes`` (the bytes of one
-all_reduce and of one reduce_scatter on the link).
+backend: final parameters), ``kill`` (a rank on the last host kills itself before a step; the others'
+StallError), ``link`` (an all_reduce that the test cuts by taking the link down; every rank's StallError),
+``tx_bytes`` (the bytes of one all_reduce and of one reduce_scatter on the link).
 """
 from __future__ import annotations
 
