@@ -249,7 +249,9 @@ class SyncBatchNorm(_BatchNorm):
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
                  track_running_stats: bool = True, process_group: Any = None, device: Any = None,
                  dtype: torch.dtype | None = None, *, bias: bool = True) -> None:
-        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype, bias=bias)
+        # torch before 2.13 has no ``bias`` keyword (its layers always carry one): passed only when it says no bias
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype,
+                         **({} if bias else {"bias": False}))
         self.process_group = process_group
         self.converted_from: type[nn.Module] | None = None  # set by convert_sync_batchnorm; used to revert
         self._join: JoinState | None = None
@@ -441,7 +443,7 @@ def _rebuild(old: _BatchNorm, cls: type, name: str, **extra: Any) -> _BatchNorm:
         raise ValueError(f"{name or 'the module'} is a lazy BatchNorm that has not seen an input yet: run one "
                          "forward before converting it")
     new = cls(old.num_features, old.eps, old.momentum, old.affine, old.track_running_stats, device="meta",
-              bias=old.bias is not None or not old.affine, **extra)
+              **({} if old.bias is not None or not old.affine else {"bias": False}), **extra)
     for key in new._parameters:
         new._parameters[key] = old._parameters[key]
     for key in new._buffers:
