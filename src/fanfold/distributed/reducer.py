@@ -187,6 +187,7 @@ class Reducer:
         self._temps: dict[int, torch.Tensor] = {}  # reduce_tensors' tensors for parameters without a usable .grad
         self._graph_grads: dict[int, torch.Tensor] = {}  # create_graph: this rank's differentiable gradients
         self._copied: list[tuple[list, list]] = []  # (.grad tensors, their views) copied into the flat buckets
+        self._gaps = False  # a bucket was launched with a parameter whose .grad was None (zeros in its place)
         self.ready = [False] * len(self.params)
         self.counts = [0] * len(self.params)
         self.order: list[int] = []
@@ -624,6 +625,7 @@ class Reducer:
                 for i, view, g in zip(members, views, grads):
                     if g is None:
                         view.zero_()
+                        self._gaps = True
                     elif g is not view:
                         pairs.append((view, g))
                         if self.as_view:
@@ -660,8 +662,8 @@ class Reducer:
             torch._foreach_copy_(grads, views)
         # Every .grad holds its average already (the ordinary step): the loop below would change nothing, at a
         # Python iteration per parameter (autograd keeps a .grad in its parameter's dtype).
-        settled = used is None and not (sparse or self._temps or self.as_view or self.reduce_dtype is not None) and \
-            all(p.grad is not None for p in self.params)
+        settled = used is None and not (sparse or self._temps or self.as_view or self.reduce_dtype is not None or
+                                        self._gaps)
         for i, p in enumerate(() if settled else self.params):
             if used is not None and used[i] == 0:
                 continue  # no rank used it: leave .grad as a single process would (None)
