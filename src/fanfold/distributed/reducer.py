@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Hashable, Sequence
+from functools import partial
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -143,18 +144,6 @@ def all_reduce_sparse(transport: Transport, grad: torch.Tensor, divisor: float) 
                                    is_coalesced=True, check_invariants=False)
 
 
-def _gradient_hook(ref: weakref.ref, i: int | None) -> Callable[[torch.Tensor], None]:
-    """Parameter ``i``'s post-accumulate-grad hook, holding the reducer weakly (a parameter must not keep a
-    discarded reducer alive)."""
-
-    def hook(param: torch.Tensor) -> None:
-        reducer = ref()
-        if reducer is not None:
-            reducer._on_ready(i, param)
-
-    return hook
-
-
 class Reducer:
     """Bucketed, overlapped gradient averaging for ``params`` over ``transport`` (``caps``: see ``bucket_caps``);
     ``reduce_dtype``: the buckets' dtype; ``delayed``: averaged at the end of backward, outside the buckets."""
@@ -191,13 +180,14 @@ class Reducer:
         self._reset()
         ref = weakref.ref(self)  # the parameters must not keep a discarded reducer alive
         for i, p in [*enumerate(self.params), *((None, p) for p in self.delayed)]:
-            handle = p.register_post_accumulate_grad_hook(_gradient_hook(ref, i))
+            handle = p.register_post_accumulate_grad_hook(partial(Reducer._on_ready, ref, i))
             weakref.finalize(self, handle.remove)  # the hooks leave with the reducer
 
     def _reset(self) -> None:
         self._temps: dict[int, torch.Tensor] = {}  # reduce_tensors' tensors for parameters without a usable .grad
         self._graph_grads: dict[int, torch.Tensor] = {}  # create_graph: this rank's differentiable gradients
         self._copied: list[tuple[list, list]] = []  # (.grad tensors, their views) copied into the flat buckets
+        self._gaps = False  # a bucket was launched with a parameter whose .grad was None (zeros in its place)
         self.ready = [False] * len(self.params)
         self.counts = [0] * len(self.params)
         self.order: list[int] = []
@@ -245,9 +235,14 @@ class Reducer:
                 self.on_first_ready()
         return self.expect_sync
 
-    def _on_ready(self, i: int | None, p: torch.Tensor) -> None:
-        """Parameter ``i``'s gradient hook (None: a delayed parameter's). It runs once per parameter and step (800
-        times on benchmarks/small_params.py's model), hence the few calls: see docs/benchmarks.md, 2026-11-27."""
+    @staticmethod
+    def _on_ready(ref: weakref.ref, i: int | None, p: torch.Tensor) -> None:
+        """Parameter ``i``'s gradient hook (None: a delayed parameter's), with the reducer ``ref()``. It runs once per
+        parameter and step (800 times on benchmarks/small_params.py's model), hence one Python frame and the few
+        calls: see docs/benchmarks.md, 2026-11-27."""
+        self = ref()
+        if self is None:
+            return
         g = p.grad
         if i is not None and g is not None:
             # the hook also fires for an undefined gradient: a parameter no rank has a gradient for keeps grad=None
@@ -273,9 +268,16 @@ class Reducer:
                     "parameter used outside forward. Pass static_graph=True to DistributedDataParallel if the model "
                     "uses the same parameters the same number of times in every iteration, or checkpoint with "
                     "use_reentrant=False.")
-            self.ready[i] = True  # _mark, inline (as the rest of this path: it runs for every parameter of every step)
+            self.ready[i] = True  # _mark and _take, inline (this path runs for every parameter of every step)
             self.order.append(i)
-            self._take(i, g)
+            if g is not None and (g.requires_grad or g.is_sparse != self.sparse[i]):
+                self._own_grad(i, p)
+            b = self._bucket_of[i]  # None: sparse, reduced at the end of backward
+            if b is not None:
+                left = self._left
+                left[b] -= 1
+                if not left[b]:
+                    self._launch_ready()
         except Exception as exc:  # raised by the end of backward, once the peers have all their collectives
             self._fail(exc)
 
@@ -623,6 +625,7 @@ class Reducer:
                 for i, view, g in zip(members, views, grads):
                     if g is None:
                         view.zero_()
+                        self._gaps = True
                     elif g is not view:
                         pairs.append((view, g))
                         if self.as_view:
@@ -659,8 +662,8 @@ class Reducer:
             torch._foreach_copy_(grads, views)
         # Every .grad holds its average already (the ordinary step): the loop below would change nothing, at a
         # Python iteration per parameter (autograd keeps a .grad in its parameter's dtype).
-        settled = used is None and not (sparse or self._temps or self.as_view or self.reduce_dtype is not None) and \
-            all(p.grad is not None for p in self.params)
+        settled = used is None and not (sparse or self._temps or self.as_view or self.reduce_dtype is not None or
+                                        self._gaps)
         for i, p in enumerate(() if settled else self.params):
             if used is not None and used[i] == 0:
                 continue  # no rank used it: leave .grad as a single process would (None)
