@@ -45,7 +45,6 @@ def paired_ddp(model: str, batch: int, warmup: int, block: int, rounds: int) -> 
     import copy
 
     import ddp
-    import dp_engines
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -59,6 +58,8 @@ def paired_ddp(model: str, batch: int, warmup: int, block: int, rounds: int) -> 
     if model in ("mlp", "lm"):
         base, (x, y) = ddp.build(model)
     else:
+        import dp_engines  # imports the digits CNN from fanfold.training, which commits before 8570002 lack
+
         base, x, y = dp_engines.build(model, batch)
         rank, world = dist.get_rank(), dist.get_world_size()
         x, y = x.chunk(world)[rank], y.chunk(world)[rank]

@@ -55,6 +55,17 @@ def _latency_path():
     if not all(torch.equal(a, b) for a, b in zip((big, small, larger), wants)):
         out["bad"].append("queued")
     out["queued"] = list(threads)
+    # right after a queued collective is waited nothing is left unfinished: the next small one is inline again
+    # (its caller used to wake before the transport's thread had counted the queued one done, and queue behind it)
+    out["after"] = []
+    for k in range(20):
+        queued, after = _x(100_000, r, 20 + k), _x(10, r, 40 + k)
+        want = after.clone()
+        dist.all_reduce(want, group=gloo)
+        dist.all_reduce(queued, async_op=True).wait()
+        threads.clear()
+        work = dist.all_reduce(after, async_op=True)
+        out["after"].append(threads == [True] and work.is_completed() and torch.equal(after, want))
     engine.run, engine.run_small = run, run_small
     dist.destroy_process_group()
     return out
@@ -67,6 +78,7 @@ def test_small_all_reduce_runs_on_the_callers_thread_in_order(nprocs):
         assert out["inline"] == [True, True, True], out["inline"]
         # the small one behind the large one went through the transport's thread; so did the one above 64 KiB
         assert out["queued"][1:] == [False, False], out["queued"]
+        assert all(out["after"]), out["after"]
 
 
 def _latency_path_errors():

@@ -158,19 +158,24 @@ class Worker:
             request = self._requests.get()
             if request is None:
                 return
+            error = None
             with self._running:  # behind a collective running on a caller's thread, numbered before this one
                 if self._error is not None:
                     error = RuntimeError(f"the shm transport failed earlier and cannot be used: {self._error}")
                     error.__cause__ = self._error  # what failed, for the stall inspector's diagnosis
-                    request.future.set_exception(error)
                 else:
                     try:
                         self._run(lambda: self.engine.run(request.collective), request.finish)
-                        request.future.set_result(None)
                     except BaseException as exc:  # noqa: BLE001 - every failure must reach the waiting caller
-                        request.future.set_exception(exc)
+                        error = exc
+            # counted done before its caller wakes, whose next small collective may then run on its own thread; and
+            # completed outside the engine's lock, so that a callback may issue one there too
             with self._lock:
                 self._pending -= 1
+            if error is None:
+                request.future.set_result(None)
+            else:
+                request.future.set_exception(error)
 
     def stop(self, segment: Segment) -> None:
         if self._thread.is_alive():
