@@ -268,16 +268,9 @@ class Reducer:
                     "parameter used outside forward. Pass static_graph=True to DistributedDataParallel if the model "
                     "uses the same parameters the same number of times in every iteration, or checkpoint with "
                     "use_reentrant=False.")
-            self.ready[i] = True  # _mark and _take, inline (this path runs for every parameter of every step)
+            self.ready[i] = True  # _mark, inline (this path runs for every parameter of every step)
             self.order.append(i)
-            if g is not None and (g.requires_grad or g.is_sparse != self.sparse[i]):
-                self._own_grad(i, p)
-            b = self._bucket_of[i]  # None: sparse, reduced at the end of backward
-            if b is not None:
-                left = self._left
-                left[b] -= 1
-                if not left[b]:
-                    self._launch_ready()
+            self._take(i, g)
         except Exception as exc:  # raised by the end of backward, once the peers have all their collectives
             self._fail(exc)
 
@@ -341,12 +334,12 @@ class Reducer:
         """Parameter ``i`` is ready with gradient ``g`` (its ``.grad``): one fewer in its bucket to wait for."""
         if g is not None and (g.requires_grad or g.is_sparse != self.sparse[i]):
             self._own_grad(i, self.params[i])
-        if self.sparse[i]:
-            return  # reduced at the end of backward
-        b, left = self._bucket_of[i], self._left
-        left[b] -= 1
-        if left[b] == 0:
-            self._launch_ready()
+        b = self._bucket_of[i]  # None: sparse, reduced at the end of backward
+        if b is not None:
+            left = self._left
+            left[b] -= 1
+            if not left[b]:
+                self._launch_ready()
 
     def _own_grad(self, i: int, p: torch.Tensor) -> None:
         g = p.grad
