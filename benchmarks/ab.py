@@ -148,8 +148,6 @@ def paired_process_engine(batch: int, warmup: int, block: int, rounds: int) -> d
 def measure(row: str, quick: bool) -> dict[str, float]:
     """In the measuring interpreter: seconds per step or call of fanfold's ``row`` and of its reference, and the
     median over rounds of their ratio."""
-    import statistics
-
     import ab
 
     import fanfold
