@@ -18,6 +18,13 @@ does not depend on fanfold's version, inside the same processes, taking turns wi
 gloo's all_reduce on a gloo group for the all_reduce rows, torch's DDP + ZeroRedundancyOptimizer for zero2, the
 bare module for the process engine's rows. The second ratio is then the median over pairs of new/old of
 (fanfold's time / the reference's time of the same rounds), the launch's own speed divided out.
+
+``--malloc fixed`` runs both versions with glibc's heap thresholds fixed (``MALLOC_MMAP_THRESHOLD_`` 32 MiB,
+``MALLOC_TRIM_THRESHOLD_`` 4 GiB). By default glibc adapts them to what was freed and gives the top of the heap back to
+the kernel when enough of it is free; whether a step's freed gradients sit at the top then depends on the order of
+every allocation since the start, and when they do the next backward faults the pages in again (the MLP: 900-1,500
+page faults a step more in one version than in another with the same per-step allocations). Fixed, neither version
+hands memory back, and the ratio measures fanfold's code rather than that luck (docs/benchmarks.md, "Round 7").
 """
 from __future__ import annotations
 
@@ -191,8 +198,12 @@ def measure(row: str, quick: bool) -> dict[str, float]:
             "ratio": ratio}
 
 
-def run_one(src: Path, row: str, quick: bool) -> dict[str, float]:
-    env = dict(os.environ, PYTHONPATH=f"{src}{os.pathsep}{HERE}", OMP_NUM_THREADS="1")
+FIXED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(4 << 30)}
+
+
+def run_one(src: Path, row: str, quick: bool, malloc: str) -> dict[str, float]:
+    env = dict(os.environ, PYTHONPATH=f"{src}{os.pathsep}{HERE}", OMP_NUM_THREADS="1",
+               **(FIXED_MALLOC if malloc == "fixed" else {}))
     cmd = [sys.executable, str(Path(__file__).resolve()), "--measure", row] + (["--quick"] if quick else [])
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     if done.returncode != 0:
@@ -207,6 +218,8 @@ def main() -> int:
     p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of: {', '.join(ROWS)}")
     p.add_argument("--pairs", type=int, default=10)
     p.add_argument("--quick", action="store_true", help="tiny measures: checks the set-up only")
+    p.add_argument("--malloc", choices=("default", "fixed"), default="default",
+                   help="fixed: glibc's heap thresholds fixed for both versions (see the module's docstring)")
     p.add_argument("--measure", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.measure:
@@ -232,12 +245,12 @@ def main() -> int:
             order = ("old", "new") if k % 2 == 0 else ("new", "old")
             for row in rows:
                 for who in order:
-                    out = run_one(srcs[who], row, args.quick)
+                    out = run_one(srcs[who], row, args.quick, args.malloc)
                     got[row, who].append(out)
                     print(f"pair {k + 1}/{args.pairs} {row:16s} {who}: {1e3 * out['fanfold']:9.3f} ms, reference "
                           f"{1e3 * out['reference']:9.3f} ms, ratio {out['ratio']:.3f}", file=sys.stderr, flush=True)
-    print(f"old {args.old}, new {args.new or 'this tree'}; {args.pairs} alternating pairs; load average "
-          f"{os.getloadavg()[0]:.1f} at the end\n")
+    print(f"old {args.old}, new {args.new or 'this tree'}; {args.pairs} alternating pairs; malloc {args.malloc}; "
+          f"load average {os.getloadavg()[0]:.1f} at the end\n")
     print("| row | median old (ms) | median new (ms) | median of new/old | reference (same processes) | "
           "median of new/old, each over its reference |")
     print("|---|---|---|---|---|---|")

@@ -548,7 +548,10 @@ class Reducer:
         self.flats = [torch.empty(sum(ps[i].numel() for i in m), dtype=dtype(ps[m[0]]), device="meta") for m in groups]
         self._choose_path()
         for b, members in enumerate(groups):
-            flat = self.flats[b] = torch.zeros_like(self.flats[b], device=ps[members[0]].device)
+            # a bucket reduced where .grad is holds no data: its views only give the shapes (no memory taken)
+            if not self._in_grad[b]:
+                self.flats[b] = torch.zeros_like(self.flats[b], device=ps[members[0]].device)
+            flat = self.flats[b]
             for i, view in zip(members, flat.split([ps[i].numel() for i in members])):
                 self._views[i] = view.view(ps[i].shape)
                 self._bucket_of[i] = b
@@ -585,7 +588,7 @@ class Reducer:
         if not callable(hook):
             raise TypeError(f"hook must be callable as hook(state, bucket), got {hook!r}")
         self.hook, self.hook_state, self.hook_registered = hook, state, True
-        self._choose_path()
+        self._build([i for members in self.buckets for i in members])  # the hook's buckets need their memory
 
     @property
     def hook_divisor(self) -> int:
@@ -597,8 +600,9 @@ class Reducer:
         out = []
         for i in self.buckets[b]:
             g, view = None if self._shadowing else self.params[i].grad, self._views[i]  # joined: its .grad stays
-            if g is None or g is view or not g.is_contiguous() or g.dtype != view.dtype:
-                g = self._temps[i] = torch.zeros_like(view) if g is None else torch.empty_like(view).copy_(g)
+            if g is None or not g.is_contiguous() or g.dtype != view.dtype:
+                temp = torch.zeros(view.shape, dtype=view.dtype, device=self._device)
+                g = self._temps[i] = temp if g is None else temp.copy_(g)
             out.append(g)
         return out
 
