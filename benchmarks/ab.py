@@ -22,9 +22,10 @@ bare module for the process engine's rows. The second ratio is then the median o
 ``--malloc fixed`` runs both versions with glibc's heap thresholds fixed (``MALLOC_MMAP_THRESHOLD_`` 32 MiB,
 ``MALLOC_TRIM_THRESHOLD_`` 4 GiB). By default glibc adapts them to what was freed and gives the top of the heap back to
 the kernel when enough of it is free; whether a step's freed gradients sit at the top then depends on the order of
-every allocation since the start, and when they do the next backward faults the pages in again (the MLP: 900-1,500
-page faults a step more in one version than in another with the same per-step allocations). Fixed, neither version
-hands memory back, and the ratio measures fanfold's code rather than that luck (docs/benchmarks.md, "Round 7").
+every allocation since the start, and when they do the next backward faults the pages in again (the MLP, one launch
+each: 274-282 page faults a step for 8570002, 1,898-1,996 for e4e8391, with the same allocations a step). Fixed,
+neither version hands memory back, and the ratio measures fanfold's code rather than that luck (docs/benchmarks.md,
+"Round 7").
 """
 from __future__ import annotations
 

@@ -601,8 +601,8 @@ class Reducer:
         for i in self.buckets[b]:
             g, view = None if self._shadowing else self.params[i].grad, self._views[i]  # joined: its .grad stays
             if g is None or not g.is_contiguous() or g.dtype != view.dtype:
-                temp = torch.zeros(view.shape, dtype=view.dtype, device=self._device)
-                g = self._temps[i] = temp if g is None else temp.copy_(g)
+                temp = torch.empty(view.shape, dtype=view.dtype, device=self._device)
+                g = self._temps[i] = temp.zero_() if g is None else temp.copy_(g)
             out.append(g)
         return out
 
