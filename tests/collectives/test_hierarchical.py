@@ -135,6 +135,14 @@ def _transport_checks():
         t.reduce_scatter(x, part, divisor=divisor, op=op).wait()
         want = want[r * numel:(r + 1) * numel] / (divisor or 1)
         checks[f"reduce_scatter {numel} {op}"] = torch.equal(part, want) and torch.equal(x, kept)
+    # reduce_scatter_tensors: this rank's part of gloo's reduction of the zero-padded concatenation
+    pieces = [_ints(k, r, torch.float32, 160 + k) for k in (5, 0, 2 * n + 3)]
+    total = sum(p.numel() for p in pieces)
+    size = -(-total // n)
+    want, got = torch.cat(pieces + [torch.zeros(size * n - total)]), torch.empty(size)
+    dist.all_reduce(want)
+    t.reduce_scatter_tensors(pieces, got, divisor=2).wait()
+    checks["reduce_scatter_tensors"] = torch.equal(got, want[r * size:(r + 1) * size] / 2)
     # all_gather: gloo's; also in place (this rank's tensor is its place in out, as ZeRO's)
     for dtype in (torch.float32, torch.int64):
         x = _ints(13, r, dtype, 110)

@@ -1,6 +1,6 @@
 """The collective interface (``fanfold.collectives.Transport``): both transports and the stall inspector implement it
 in full, and TorchTransport.reduce_tensors gives what torch's own comm hooks give on the same gradients (the
-oracle: torch's ``default_hooks`` run in the same gloo processes)."""
+oracle: torch's ``default_hooks`` run in the same gloo processes), reduce_scatter_tensors this rank's part of it."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -39,6 +39,20 @@ def _reduce_both_ways():
         else:
             expect = hook(None, (bucket,)).wait()
         out[str(compress)] = (torch.equal(torch.cat(ours), expect), torch.cat(ours), torch.cat(_gradients(r)))
+        # reduce_scatter_tensors: this rank's part of the hook's result on the zero-padded bucket
+        grads = _gradients(r)
+        total = sum(g.numel() for g in grads)
+        part = -(-total // n)
+        got = torch.full((part,), 7.0)
+        torch_t.reduce_scatter_tensors(grads, got, bucket=1, divisor=n, compress=compress).wait()
+        padded = torch.cat(grads + [torch.zeros(part * n - total)])
+        if hook is None:
+            dist.all_reduce(padded)
+            expect = padded / n
+        else:
+            expect = hook(None, (padded,)).wait()
+        out[f"scatter {compress}"] = (torch.equal(got, expect[r * part:(r + 1) * part]),
+                                      torch.equal(torch.cat(grads), torch.cat(_gradients(r))))
     shm_t.close()
     dist.destroy_process_group()
     return out
@@ -52,6 +66,7 @@ def test_both_transports_implement_the_protocol_and_torch_reduce_tensors_is_torc
             same, ours, mine = out[compress]
             assert same, compress
             assert not torch.equal(ours, mine)  # really reduced
+            assert out[f"scatter {compress}"] == (True, True), compress  # the part, the inputs untouched
     assert torch.equal(results[0]["torch.bfloat16"][1], results[1]["torch.bfloat16"][1])
     # compressed: rounded, and within a few roundings of the exact average (relative to the inputs' magnitudes)
     exact = results[0]["None"][1]
@@ -79,6 +94,6 @@ class _Partial:
 
 def test_a_transport_object_must_implement_the_whole_protocol():
     assert not isinstance(_Partial(), Transport)
-    missing = r"\['reduce_tensors', 'reduce_scatter', 'all_gather'\]"
+    missing = r"\['reduce_tensors', 'reduce_scatter', 'reduce_scatter_tensors', 'all_gather'\]"
     with pytest.raises(TypeError, match=rf"lacks {missing} of fanfold.collectives.Transport"):
         resolve_transport(_Partial())

@@ -42,7 +42,7 @@ def _ranks():
     init_process_group(timeout=60)
     torch.set_num_threads(1)
     calls = {"scatter": 0, "all_reduce": 0}
-    scatter, reduce = ShmTransport.reduce_scatter, ShmTransport.reduce_tensors
+    scatter, reduce = ShmTransport.reduce_scatter_tensors, ShmTransport.reduce_tensors
 
     def counted(name, fn):
         def call(self, *args, **kwargs):
@@ -51,7 +51,7 @@ def _ranks():
         return call
 
     out = {}
-    with mock.patch.object(ShmTransport, "reduce_scatter", counted("scatter", scatter)), \
+    with mock.patch.object(ShmTransport, "reduce_scatter_tensors", counted("scatter", scatter)), \
             mock.patch.object(ShmTransport, "reduce_tensors", counted("all_reduce", reduce)):
         for accumulate in (False, True):
             out[accumulate] = _train(accumulate)

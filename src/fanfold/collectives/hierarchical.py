@@ -22,7 +22,7 @@ from .shm.engine import reduce_code
 from .shm.segment import host_key
 from .shm.transport import ShmTransport, check_reduce_tensors, flat_view, split_into
 from .timeouts import StoreGroup, bound, group_store, group_timeout, resolve_stall_timeout
-from .transport import reduce_through_copy
+from .transport import reduce_through_copy, scatter_through_copy
 
 __all__ = ["HierarchicalTransport", "HostLayout", "host_layout"]
 
@@ -337,6 +337,13 @@ class HierarchicalTransport:
                 out_flat.div_(divisor)
 
         return FanfoldWork(self._submit(self._host_stage(pieces, part, bucket, op), cross, then, back), out)
+
+    def reduce_scatter_tensors(self, tensors: Sequence[torch.Tensor], out: torch.Tensor, bucket: int | None = None,
+                               *, divisor: float | None = None, settle: bool = True,
+                               compress: torch.dtype | None = None) -> FanfoldWork:
+        """The protocol's, through one flat copy (``settle``: always settled)."""
+        return scatter_through_copy(self, check_reduce_tensors(list(tensors), compress, "reduce_scatter_tensors"),
+                                    out, bucket, divisor, compress)
 
     def all_gather(self, tensor: torch.Tensor, out: torch.Tensor, bucket: int | None = None) -> FanfoldWork:
         """Every rank's ``tensor`` into ``out`` by rank: across hosts first (a host with fewer ranks sends zeros for

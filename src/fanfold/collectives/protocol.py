@@ -62,6 +62,15 @@ class Transport(Protocol):
         given; this rank's part (rank r: elements r * n .. (r + 1) * n) into ``out``. ``tensor`` may be overwritten."""
         ...
 
+    def reduce_scatter_tensors(self, tensors: Sequence[torch.Tensor], out: torch.Tensor, bucket: int | None = None,
+                               *, divisor: float | None = None, settle: bool = True,
+                               compress: torch.dtype | None = None) -> Work:
+        """``reduce_scatter`` of ``tensors`` laid end to end and zero-padded to world_size times ``out``'s
+        elements (``ceil(total / world_size)``): ZeRO stage 2's gradients where autograd left them, this rank's part
+        into ``out``. ``divisor``, ``settle``, ``compress``: as ``reduce_tensors`` (``out`` keeps the tensors'
+        dtype when compressed)."""
+        ...
+
     def all_gather(self, tensor: torch.Tensor, out: torch.Tensor, bucket: int | None = None) -> Work:
         """Every rank's ``tensor`` (the same size on every rank) into ``out``, by rank."""
         ...

@@ -107,7 +107,8 @@ def resolve_transport(transport: Any = None, group: Any = None, timeout: float |
         if transport == "hierarchical":
             return HierarchicalTransport(group, timeout)
         raise ValueError(f"{source} must be 'torch', 'shm', 'hierarchical' or a transport object, got {transport!r}")
-    methods = ("all_reduce", "reduce_tensors", "reduce_scatter", "all_gather", "broadcast", "barrier")
+    methods = ("all_reduce", "reduce_tensors", "reduce_scatter", "reduce_scatter_tensors", "all_gather", "broadcast",
+               "barrier")
     missing = [m for m in methods if not callable(getattr(transport, m, None))]
     missing += [a for a in ("rank", "world_size") if not isinstance(getattr(transport, a, None), int)]
     if missing:

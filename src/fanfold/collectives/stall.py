@@ -485,6 +485,12 @@ class InspectedTransport:
         return self._run("reduce_scatter", bucket, lambda: self.inner.reduce_scatter(
             tensor, out, bucket, divisor=divisor))
 
+    def reduce_scatter_tensors(self, tensors: Sequence[torch.Tensor], out: torch.Tensor, bucket: int | None = None,
+                               *, divisor: float | None = None, settle: bool = True,
+                               compress: torch.dtype | None = None) -> Any:
+        return self._run("reduce_scatter", bucket, lambda: self.inner.reduce_scatter_tensors(
+            tensors, out, bucket, divisor=divisor, settle=settle, compress=compress))
+
     def all_gather(self, tensor: torch.Tensor, out: torch.Tensor, bucket: int | None = None) -> Any:
         return self._run("all_gather", bucket, lambda: self.inner.all_gather(tensor, out, bucket))
 

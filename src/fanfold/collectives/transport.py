@@ -14,7 +14,7 @@ from .._core.job import require_initialized
 from .protocol import FanfoldWork, Transport, completed_work
 from .timeouts import bound, group_timeout, resolve_stall_timeout
 
-__all__ = ["TorchTransport", "reduce_through_copy", "split_into"]
+__all__ = ["TorchTransport", "reduce_through_copy", "scatter_through_copy", "split_into"]
 
 
 def split_into(flat: torch.Tensor, outs: Sequence[torch.Tensor]) -> None:
@@ -117,6 +117,11 @@ class TorchTransport:
                                                                         reduceOp=dist.ReduceOp.SUM))
         return self._work(work, out, None if divisor is None else lambda: out.div_(divisor))
 
+    def reduce_scatter_tensors(self, tensors: Sequence[torch.Tensor], out: torch.Tensor, bucket: int | None = None,
+                               *, divisor: float | None = None, settle: bool = True,
+                               compress: torch.dtype | None = None) -> FanfoldWork:
+        return scatter_through_copy(self, tensors, out, bucket, divisor, compress)
+
     def all_gather(self, tensor: torch.Tensor, out: torch.Tensor, bucket: int | None = None) -> FanfoldWork:
         home = self._home(out)
         got = out if home is None else torch.empty_like(out, device=home)
@@ -154,3 +159,30 @@ def reduce_through_copy(transport: Transport, tensors: Sequence[torch.Tensor], b
         split_into(flat, tensors)
 
     return FanfoldWork(work.get_future(), tensors, finish)
+
+
+def scatter_through_copy(transport: Transport, tensors: Sequence[torch.Tensor], out: torch.Tensor,
+                         bucket: int | None, divisor: float | None, compress: torch.dtype | None) -> FanfoldWork:
+    """``reduce_scatter_tensors`` through one zero-padded flat copy: ``transport.reduce_scatter`` of it, this rank's
+    part into ``out``. ``compress``: cast, divide, reduce, cast back, as ``reduce_through_copy``."""
+    if compress not in (None, torch.bfloat16, torch.float16):
+        raise ValueError(f"reduce_scatter_tensors: compress must be None, torch.bfloat16 or torch.float16, got "
+                         f"{compress}")
+    tensors = list(tensors)
+    total, n = sum(t.numel() for t in tensors), transport.world_size
+    part = -(-total // n)
+    if out.numel() != part or not out.is_contiguous() or any(t.dtype != out.dtype for t in tensors):
+        raise ValueError(f"reduce_scatter_tensors: out must be a contiguous {out.dtype} tensor of ceil({total} / {n}) "
+                         f"= {part} elements, as the tensors' dtype; got {tuple(out.shape)} for tensors of "
+                         f"{sorted({str(t.dtype) for t in tensors})}")
+    stage = torch.zeros(part * n, dtype=compress or out.dtype, device=out.device)
+    offset = 0
+    for t in tensors:
+        stage[offset:offset + t.numel()].copy_(t.reshape(-1))
+        offset += t.numel()
+    if compress is not None and divisor is not None:
+        stage.div_(divisor)
+        divisor = None
+    narrow = out if compress is None else torch.empty(part, dtype=compress, device=out.device)
+    work = transport.reduce_scatter(stage, narrow, bucket, divisor=divisor)
+    return work if narrow is out else FanfoldWork(work.get_future(), out, lambda: out.copy_(narrow))

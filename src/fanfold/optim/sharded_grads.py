@@ -8,18 +8,19 @@ from typing import Any
 import torch
 
 from ..distributed.comm_hooks import GradBucket
-from ..distributed.reducer import BUILT_IN, Reducer
+from ..distributed.reducer import BUILT_IN, SMALL_TENSOR_BYTES, Reducer
 from .layout import Space, laid_end_to_end
 
 __all__ = ["GradientShards", "check_shards"]
 
 
 @dataclass
-class _Flight:  # the bucket under reduction: its handle (None: done), its result (the part, or a temporary to add)
+class _Flight:  # the bucket under reduction: its handle, its result (the part, or a temporary to add), its inputs
     bucket: int
     handle: Any
     result: torch.Tensor
     accumulate: bool
+    grads: list[torch.Tensor]  # read by the collective until its wait returns: kept alive until then
 
 
 class GradientShards:
@@ -35,60 +36,44 @@ class GradientShards:
         self.parts = [torch.zeros(s.shard, dtype=s.dtype, device=s.device) for s in self.layout]
         self.filled = [False] * len(self.layout)  # parts[b] holds gradients not yet zeroed: they accumulate
         self.present = [False] * len(self.params)  # parameter i has a gradient: some rank used it
-        self._staging: dict[tuple, torch.Tensor] = {}  # one buffer per (dtype, device): the largest bucket's size
         self._flight: _Flight | None = None
         self._launched: list[int] = []
         self.flats: list[torch.Tensor] = []  # the parameters laid flat, one tensor per bucket (lay_flat)
 
-    def _stage(self, s: Space) -> torch.Tensor:
-        key = (s.dtype, s.device)
-        if key not in self._staging:
-            size = max(x.shard for x in self.layout if (x.dtype, x.device) == key) * self.world_size
-            self._staging[key] = torch.empty(size, dtype=s.dtype, device=s.device)
-        return self._staging[key][:s.shard * self.world_size]
-
     def launch(self, b: int) -> None:
-        """Bucket ``b`` is full: its gradients into the staging buffer (``.grad`` freed), its reduction started."""
+        """Bucket ``b`` is full: its reduction started on the gradients where autograd left them (``.grad`` let go;
+        a parameter unused here contributes zeros)."""
         r, s = self.reducer, self.layout[b]
         self._launched.append(b)
-        self.finish()  # the bucket in flight gives the staging buffer back
-        flat = self._stage(s)
-        for i, start, numel in zip(s.indices, s.starts, s.numels):
-            p, view = self.params[i], flat[start:start + numel]
-            if p.grad is None:
-                view.zero_()  # unused here (find_unused_parameters): contributes zeros
-            else:
-                view.copy_(p.grad.reshape(-1))
-                p.grad = None
-        flat[s.total:].zero_()
-        accumulate = self.filled[b]
-        if r.hook in BUILT_IN:
-            narrow, divisor = BUILT_IN[r.hook], r.hook_divisor
-            if narrow == torch.float16:  # divide first: the sum of N gradients could overflow float16
-                flat.div_(divisor)
-                divisor = None
-            send = flat if narrow is None else flat.to(narrow)
-            out = self.parts[b] if narrow is None and not accumulate else \
-                torch.empty(s.shard, dtype=send.dtype, device=s.device)
-            if self.world_size == 1:  # no collective: the part is the whole bucket
-                out.copy_(send if divisor is None else send / divisor)
-                handle: Any = None
-            else:
-                handle = r.transport.reduce_scatter(send, out, b, divisor=divisor)
-        else:  # any other hook reduces the whole bucket; this rank keeps its part
+        self.finish()  # one bucket in flight: its gradients are the only ones held past their reduction
+        grads = []
+        for i in s.indices:
+            p = self.params[i]
+            grads.append(torch.zeros(p.numel(), dtype=s.dtype, device=s.device) if p.grad is None
+                         else p.grad.reshape(-1))
+            p.grad = None
+        if s.total * grads[0].element_size() < SMALL_TENSOR_BYTES * len(grads):
+            grads = [torch.cat(grads)]  # small gradients: one copy costs less than the transport's work per tensor
+        accumulate, narrow = self.filled[b], BUILT_IN.get(r.hook)
+        if r.hook in BUILT_IN and (narrow is None or s.dtype == torch.float32):  # as the reducer's built-in path
+            out = torch.empty(s.shard, dtype=s.dtype, device=s.device) if accumulate else self.parts[b]
+            handle: Any = r.transport.reduce_scatter_tensors(grads, out, b, divisor=r.hook_divisor,
+                                                             compress=narrow)
+        else:  # any other hook (or a compression of other dtypes) reduces the whole bucket; this rank keeps its part
+            flat = torch.zeros(s.shard * self.world_size, dtype=s.dtype, device=s.device)
+            torch.cat(grads, out=flat[:s.total])
             out = torch.empty(s.shard, dtype=s.dtype, device=s.device)
             handle = _HookPart(r, b, s, s.slice(self.rank), flat, out)
-        self._flight = _Flight(b, handle, out, accumulate)
+        self._flight = _Flight(b, handle, out, accumulate, grads)
 
     def finish(self) -> None:
         f, self._flight = self._flight, None
         if f is None:
             return
-        if f.handle is not None:
-            f.handle.wait()
+        f.handle.wait()
         part = self.parts[f.bucket]
         if f.accumulate:
-            part.add_(f.result.to(part.dtype))
+            part.add_(f.result)
         elif f.result is not part:
             part.copy_(f.result)
         self.filled[f.bucket] = True
