@@ -235,7 +235,7 @@ def test_transport_choice_is_validated(monkeypatch):
     monkeypatch.setenv("FANFOLD_TRANSPORT", "bogus")
     with pytest.raises(ValueError, match="FANFOLD_TRANSPORT must be"):
         resolve_transport(None)
-    protocol = (r"\['all_reduce', 'reduce_tensors', 'reduce_scatter', 'all_gather', 'broadcast', 'barrier', "
-                r"'rank', 'world_size'\]")
+    protocol = (r"\['all_reduce', 'reduce_tensors', 'reduce_scatter', 'reduce_scatter_tensors', 'all_gather', "
+                r"'broadcast', 'barrier', 'rank', 'world_size'\]")
     with pytest.raises(TypeError, match=rf"lacks {protocol} of fanfold.collectives.Transport"):
         resolve_transport(object())
