@@ -289,10 +289,11 @@ def test_skipped_backward_is_diagnosed_on_both_ranks():
     # bucket a step. Rank 1 skips step 1's backward, so its barrier meets rank 0's last bucket: both are #6.
     (r0, (msg0, missing0, seq0)), (r1, (msg1, missing1, seq1)) = _timed("skip")
     assert (r0, r1, seq0, seq1, missing0, missing1) == ("ok", "ok", 6, 6, [1], [0])
-    assert msg0.startswith(f"rank 0 of 2: all_reduce #6 (bucket 0) started at {_line('BACKWARD')} did not complete "
-                           f"within {STALL:g} s. Ranks that never arrived: [1].")
+    assert msg0.startswith(f"rank 0 of 2: DistributedDataParallel's all_reduce #6 (bucket 0) started at "
+                           f"{_line('BACKWARD')} did not complete within {STALL:g} s. Ranks that never arrived: [1].")
     assert f"rank 1: in a different collective with the same number: barrier #6 started at {_line('BARRIER')}" in msg0
-    assert msg1.startswith(f"rank 1 of 2: barrier #6 started at {_line('BARRIER')} did not complete")
+    assert msg1.startswith(f"rank 1 of 2: DistributedDataParallel's barrier #6 started at {_line('BARRIER')} did not "
+                           "complete")
     assert ("rank 0: in a different collective with the same number: all_reduce #6 (bucket 0) started at "
             f"{_line('BACKWARD')}") in msg1
 
@@ -300,8 +301,8 @@ def test_skipped_backward_is_diagnosed_on_both_ranks():
 def test_extra_step_is_diagnosed_by_the_rank_that_took_it():
     (r0, res0), (r1, (msg1, missing1, seq1)) = _timed("extra")
     assert (r0, res0, r1, missing1, seq1) == ("ok", "finished", "ok", [0], 7)
-    assert msg1.startswith(f"rank 1 of 2: all_reduce #7 (bucket 0) started at {_line('BACKWARD')} did not complete "
-                           f"within {STALL:g} s. Ranks that never arrived: [0].")
+    assert msg1.startswith(f"rank 1 of 2: DistributedDataParallel's all_reduce #7 (bucket 0) started at "
+                           f"{_line('BACKWARD')} did not complete within {STALL:g} s. Ranks that never arrived: [0].")
     assert (f"rank 0: behind: its last collective is all_reduce #6 (bucket 0) started at {_line('BACKWARD')}, "
             "completed it") in msg1
 
@@ -310,7 +311,8 @@ def test_killed_rank_is_diagnosed_at_once_as_gone():
     (r0, (msg0, missing0, seq0)), (r1, code) = _timed("kill")
     assert (r0, missing0, seq0, r1, code) == ("ok", [1], 5, "died", -signal.SIGKILL)
     backward = _line("BACKWARD")
-    assert msg0.startswith(f"rank 0 of 2: all_reduce #5 (bucket 0) started at {backward} failed (RuntimeError).")
+    assert msg0.startswith(f"rank 0 of 2: DistributedDataParallel's all_reduce #5 (bucket 0) started at {backward} "
+                           "failed (RuntimeError).")
     assert re.search(rf"rank 1: behind: its last collective is broadcast\(src=0\) #4 started at {re.escape(backward)}, "
                      r"completed it; its process \d+ is gone", msg0)
     assert "cause: RuntimeError: " in msg0 and "Connection" in msg0  # gloo's own words

@@ -98,7 +98,7 @@ def test_every_rank_diagnoses_and_exits_within_the_stall_timeout(setup, case, np
     # The culprit waits in the collective it went on to, bounded too: it gives up on its own (naming it) or is
     # ended by the victim's alarm, whichever comes first (here they entered within milliseconds of each other).
     culprit_in = {"skip_backward": "fanfold.save's all_gather #1", "missing_barrier": "fanfold.save's all_gather #1",
-                  "missing_save": "barrier #"}
+                  "missing_save": "DistributedDataParallel's barrier #"}
     if case in culprit_in:
         assert c["type"] == "StallError" and c["missing"] == [0], logs
         assert c["message"].startswith(f"rank 1 of 2: {culprit_in[case]}"), logs
@@ -106,19 +106,19 @@ def test_every_rank_diagnoses_and_exits_within_the_stall_timeout(setup, case, np
     if case == "skip_backward":
         # rank 0 waits in its last backward's all_reduce; rank 1 skipped it and waits in fanfold.save
         assert victim["type"] == "StallError" and victim["missing"] == [1], logs
-        assert victim["message"].startswith("rank 0 of 2: all_reduce #6 (bucket 0) "), logs
+        assert victim["message"].startswith("rank 0 of 2: DistributedDataParallel's all_reduce #6 (bucket 0) "), logs
         assert f"did not complete within {STALL:g} s. Ranks that never arrived: [1]." in victim["message"], logs
         assert "rank 1: behind: its last collective is all_reduce #5 (bucket 0)" in victim["message"], logs
     elif case == "skip_to_dist_barrier":
         # rank 1 waits in torch's own dist.barrier(): gloo ends rank 0's all_reduce at the stall timeout and closes
         # its connections, so that barrier fails at once instead of at the group's timeout (60 s)
         assert victim["type"] == "StallError" and victim["missing"] == [1], logs
-        assert victim["message"].startswith("rank 0 of 2: all_reduce #6 (bucket 0) "), logs
+        assert victim["message"].startswith("rank 0 of 2: DistributedDataParallel's all_reduce #6 (bucket 0) "), logs
         assert "Ranks that never arrived: [1]." in victim["message"], logs
         assert c["type"] in ("RuntimeError", "DistBackendError"), logs
     elif case == "missing_barrier":
         assert victim["type"] == "StallError" and victim["missing"] == [1], logs
-        assert victim["message"].startswith("rank 0 of 2: barrier #7 "), logs
+        assert victim["message"].startswith("rank 0 of 2: DistributedDataParallel's barrier #7 "), logs
         assert "Ranks that never arrived: [1]." in victim["message"], logs
     elif case == "extra_all_reduce":
         # both meet in the shared memory under one number: each names the other's collective and the difference

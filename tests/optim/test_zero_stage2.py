@@ -40,7 +40,8 @@ def _held(*roots, params=()):
         elif isinstance(obj, dict):
             stack.extend(obj.values())
         elif type(obj).__module__.startswith("fanfold") and hasattr(obj, "__dict__"):
-            stack.extend(v for k, v in vars(obj).items() if k not in ("transport", "inspector", "optim"))
+            stack.extend(v for k, v in vars(obj).items()
+                         if not k.endswith("transport") and k not in ("inspector", "optim"))
     return sum(storages.values())
 
 

@@ -27,8 +27,8 @@ from .shm.transport import ShmTransport
 from .timeouts import ENV_VAR, bound, group_namespace, group_timeout, resolve_stall_timeout
 from .transport import TorchTransport
 
-__all__ = ["StallError", "InspectedTransport", "Publisher", "inspected", "group_transport", "caller_line",
-           "read_progress", "WRITE_INTERVAL_S"]
+__all__ = ["StallError", "InspectedTransport", "Publisher", "inspected", "for_feature", "group_transport",
+           "caller_line", "read_progress", "WRITE_INTERVAL_S"]
 
 WRITE_INTERVAL_S = 0.05  # the least time between two writes of a rank's record, unless flushed
 ALARM_POLL_S = 0.5  # how often an idle writer looks for the group's alarm
@@ -520,6 +520,14 @@ def inspected(transport: Transport, timeout: float | timedelta | None = None, fe
     if isinstance(transport, InspectedTransport):
         return transport
     return InspectedTransport(transport, timeout=timeout, feature=feature)
+
+
+def for_feature(transport: Transport, feature: str) -> InspectedTransport:
+    """``transport``'s collectives numbered and published apart, their errors naming ``feature``: over its inner
+    transport, with its stall timeout, when it is inspected already. Collective: every rank makes it in one order."""
+    if isinstance(transport, InspectedTransport):
+        return InspectedTransport(transport.inner, timeout=transport.base, feature=feature)
+    return InspectedTransport(transport, feature=feature)
 
 
 def group_transport(group: Any = None, feature: str | None = None) -> InspectedTransport:

@@ -258,7 +258,8 @@ class DistributedDataParallel(nn.Module):
         self._mp = MixedPrecision(mixed_precision, module) if mixed_precision is not None else None
         self._join: JoinState | None = None
         self._had_buffers = bool(self._module_buffers())  # torch's: else no walk per forward
-        self.transport = inspected(resolve_transport(transport, self.process_group, stall_timeout), stall_timeout)
+        self.transport = inspected(resolve_transport(transport, self.process_group, stall_timeout), stall_timeout,
+                                   "DistributedDataParallel")
         if init_sync:  # first, so that a model that differs between ranks is named as such on every rank
             check_same_model(self.transport, module, self.parameters_to_ignore)
         if not self._delayed and not any(p.requires_grad for p in module.parameters()):
@@ -296,7 +297,7 @@ class DistributedDataParallel(nn.Module):
         """After unpickling: every rank builds the transport and the reducer at the copy's first forward."""
         if self.reducer is None:
             self.transport = inspected(resolve_transport(self._transport_arg, self.process_group, self._stall_timeout),
-                                       self._stall_timeout)
+                                       self._stall_timeout, "DistributedDataParallel")
             self._build_reducer()
 
     def _module_buffers(self) -> list[torch.Tensor]:

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from ..collectives.stall import for_feature
 from ..distributed.comm_hooks import GradBucket
 from ..distributed.reducer import BUILT_IN, SMALL_TENSOR_BYTES, Reducer
 from .layout import Space, laid_end_to_end
@@ -39,6 +40,8 @@ class GradientShards:
         self._flight: _Flight | None = None
         self._launched: list[int] = []
         self.flats: list[torch.Tensor] = []  # the parameters laid flat, one tensor per bucket (lay_flat)
+        # step()'s all-gather over DDP's transport, numbered apart: a rank that skips step() is named as ZeRO's
+        self.gather_transport = for_feature(reducer.transport, "ZeroRedundancyOptimizer")
 
     def launch(self, b: int) -> None:
         """Bucket ``b`` is full: its reduction started on the gradients where autograd left them (``.grad`` let go;
@@ -114,7 +117,7 @@ class GradientShards:
     def gather_params(self) -> None:
         if self.world_size == 1:
             return
-        t = self.reducer.transport
+        t = self.gather_transport
         for work in [t.all_gather(flat[self.rank * s.shard:][:s.shard], flat, b)
                      for b, (s, flat) in enumerate(zip(self.layout, self.flats))]:
             work.wait()
