@@ -25,6 +25,7 @@ import datetime
 import hashlib
 import pathlib
 import signal
+import subprocess
 import sys
 import time
 
@@ -111,6 +112,19 @@ def _table(tally: Tally, what: str, prefixes=None) -> list[str]:
     return out
 
 
+def _commit() -> str:
+    """", on commit <short hash>" of the tree under test ("+ changes" where src/ differs from it); "" where git
+    cannot say (an archive, no git)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=REPORT.parent, capture_output=True, text=True, timeout=10,
+                              check=True).stdout.strip()
+    try:
+        head, dirty = git("rev-parse", "--short", "HEAD"), git("status", "--porcelain", "--", "src")
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return f", on commit {head}{' + changes' if dirty else ''}"
+
+
 def report(runner: Runner, command: str, wall: float, drawn: dict, partial: str | None) -> str:
     ddp, zero = runner.tallies["DDP"], runner.tallies["ZeRO"]
     n_ddp, n_zero = sum(ddp.outcomes.values()), sum(zero.outcomes.values())
@@ -121,8 +135,8 @@ def report(runner: Runner, command: str, wall: float, drawn: dict, partial: str 
     if partial:
         out += [f"**PARTIAL: {partial}; the counts below are what ran before it stopped.**", ""]
     made = " (what `make fuzz` runs)" if command.endswith(".py") else ""
-    out += [f"Run of {when}: `{command}`{made}, {wall / 60:.1f} minutes on this machine (two cores shared with other "
-            f"jobs). Drawn: {drawn['ddp']} distinct DDP configurations ({drawn['ddp_dup']} duplicate draws dropped) "
+    out += [f"Run of {when}{_commit()}: `{command}`{made}, {wall / 60:.1f} minutes on this machine's two cores. "
+            f"Drawn: {drawn['ddp']} distinct DDP configurations ({drawn['ddp_dup']} duplicate draws dropped) "
             f"and {drawn['zero']} ZeRO ones ({drawn['zero_dup']} dropped). Run: **{n_ddp - skipped} DDP "
             f"configurations** ({skipped} more skipped as known defects) and **{n_zero} ZeRO configurations**; "
             f"**{failed} differences, crashes or hangs**.", "",
