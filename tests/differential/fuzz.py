@@ -116,7 +116,7 @@ def _commit() -> str:
     """", on commit <short hash>" of the tree under test ("+ changes" where src/ differs from it); "" where git
     cannot say (an archive, no git)."""
     def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=REPORT.parent, capture_output=True, text=True, timeout=10,
+        return subprocess.run(["git", *args], cwd=REPORT.parents[1], capture_output=True, text=True, timeout=10,
                               check=True).stdout.strip()
     try:
         head, dirty = git("rev-parse", "--short", "HEAD"), git("status", "--porcelain", "--", "src")
