@@ -173,6 +173,7 @@ def test_peer_broken_by_the_failure_is_not_shown_as_its_cause(tmp_path):
     assert "ValueError: user error on rank 1" in lines
     assert res.stderr.count("Traceback (most recent call last)") == 1
     assert "GLHF" not in res.stderr and "Connection closed" not in res.stderr
+    assert "Fatal Python error" not in res.stderr  # rank 0 exits as python would, not aborted in finalization
     # rank 0 either raised gloo's error after rank 1 (named by its type only) or was stopped by the agent
     assert lines[-2] in ("fanfold run: rank 0 also failed, after rank 1 (RuntimeError)",
                          "fanfold run: stopped the other workers (ranks [0])"), res.stderr
@@ -181,6 +182,27 @@ def test_peer_broken_by_the_failure_is_not_shown_as_its_cause(tmp_path):
     assert verbose.returncode == 1
     assert verbose.stderr.count("ValueError: user error on rank 1") >= 2  # as it happened, and in the report
     assert any(ln[:1] in "WE" and "torch/distributed/elastic" in ln for ln in verbose.stderr.splitlines())
+
+
+LAST = textwrap.dedent("""
+    import atexit, sys
+    atexit.register(lambda: open("last", "a").write(f"{sys.last_value!r} {sys.last_traceback is not None}\\n"))
+    raise ValueError("kept")
+""")
+
+
+def test_failed_script_keeps_its_exception_until_exit_as_python_does(tmp_path):
+    # Python keeps an uncaught exception, and so its frames, in sys.last_value until it exits. Without that, a
+    # collective's failed work could be freed on torch's thread during finalization: the worker aborted (SIGABRT).
+    (tmp_path / "last.py").write_text(LAST)
+    plain = subprocess.run([sys.executable, "last.py"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert plain.returncode == 1
+    oracle = (tmp_path / "last").read_text()
+    assert oracle == "ValueError('kept') True\n", oracle
+    (tmp_path / "last").unlink()
+    res = _run(tmp_path, "-n", "1", "last.py")
+    assert res.returncode == 1, res.stderr
+    assert (tmp_path / "last").read_text() == oracle
 
 
 SLEEPER = textwrap.dedent("""

@@ -174,6 +174,12 @@ def main(argv: list[str]) -> int:
     except SystemExit:
         raise
     except BaseException as exc:  # KeyboardInterrupt too: the launcher reports it like any other failure
+        # As python does for an uncaught exception: the exception and its frames live until the interpreter exits.
+        # Freed here instead, a collective's last Python reference to a failed torch work can go first, and the
+        # backend's thread then frees the work's tensors during finalization: torch aborts the worker (SIGABRT).
+        sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc, exc.__traceback__
+        if sys.version_info >= (3, 12):
+            sys.last_exc = exc
         text = "".join(traceback.format_exception(type(exc), exc, _user_frames(exc.__traceback__)))
         sys.stderr.write(_own_report(exc, text))
         sys.stderr.flush()
