@@ -299,9 +299,7 @@ def classify(config, results) -> Outcome:
     # during the optimizer's step (5 runs of one configuration, 3 different gradients). Compared until that step.
     racy = _unfinished_step(config) if config.kw().get("gradient_as_bucket_view") else None
     for res in results:
-        # inside join() the buffers come from the lowest rank still training, torch's from the highest (listed)
-        diff = compare_runs(_until(res.runs["fanfold"], racy), _until(res.runs["torch"], racy), tol,
-                            buffers=not config.join)
+        diff = compare_runs(_until(res.runs["fanfold"], racy), _until(res.runs["torch"], racy), tol)
         if diff:
             return Outcome("DIFFER", f"rank {res.rank}: {diff}")
     if t_raised:

@@ -1,5 +1,6 @@
 """DDP.join() with uneven inputs (5 vs 8 batches, and 0 vs 2) and the comm hooks (bf16, fp16, a torch-style hook
-returning a torch future, a custom hook on the bucket API), on 2 gloo ranks against single-process oracles."""
+returning a torch future, a custom hook on the bucket API), on 2 gloo ranks against single-process oracles; join()
+with ranks whose models disagree, on 2 and 3 ranks, against torch's DDP over gloo."""
 import copy
 
 import pytest
@@ -76,14 +77,14 @@ def results():
 def _oracle_uneven(counts, divide_by_initial):
     """Steps where both ranks train average both shards' gradients; afterwards the last rank's gradient is divided
     by the initial world size (or by 1). From the second step on, each forward starts from the buffers of the
-    lowest active rank; the final model is the last active rank's."""
+    highest active rank; the final model is the highest last joiner's (torch's DDP's choices, both)."""
     model = norm_mlp()
     opt = optimizer(model)
     replicas = [copy.deepcopy(model) for _ in range(2)]
     for step in range(max(counts)):
         x, y = batch("mlp", step)
         grads, active = [], [r for r in range(2) if step < counts[r]]
-        buffers = {k: v.clone() for k, v in replicas[active[0]].named_buffers()} if step > 0 else {}
+        buffers = {k: v.clone() for k, v in replicas[active[-1]].named_buffers()} if step > 0 else {}
         for r in active:
             rep = replicas[r]
             rep.load_state_dict({**rep.state_dict(), **buffers, **dict(model.named_parameters())})
@@ -94,7 +95,7 @@ def _oracle_uneven(counts, divide_by_initial):
         for i, p in enumerate(model.parameters()):
             p.grad = sum(g[i] for g in grads) / divisor
         opt.step()
-    last = max(range(2), key=lambda r: (counts[r], -r))
+    last = max(range(2), key=lambda r: (counts[r], r))
     return [t.detach().clone() for t in {**replicas[last].state_dict(), **dict(model.named_parameters())}.values()]
 
 
@@ -122,3 +123,41 @@ def test_torch_style_and_custom_hooks(results):
     for name in ("torch", "custom"):
         assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(r0[name], exact)), name
     assert r0["seen"] == [(0, False, 2, 2), (1, False, 2, 2), (2, True, 2, 2)]
+
+
+def _disagreeing(counts):
+    """Both DDPs in one job on the same data: each rank nudges its parameters by its own amount after every step
+    (a rank-local update DDP does not synchronise), so which rank's model join() ends with, and which rank's
+    BatchNorm statistics each forward starts from, show in the result."""
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    init_process_group(timeout=60)
+    r, world = rank(), len(counts)
+    gloo = dist.new_group(backend="gloo")
+    out = {}
+    for name in ("torch", "fanfold"):
+        model = norm_mlp()
+        wrapped = (TorchDDP(model, process_group=gloo, bucket_cap_mb=0.002) if name == "torch"
+                   else fanfold.DDP(model, bucket_cap_mb=0.002, first_bucket_cap_mb=0.001))
+        opt = optimizer(model)
+        with wrapped.join():
+            for step in range(counts[r]):
+                x, y = batch("mlp", step)
+                opt.zero_grad()
+                loss_fn("mlp", wrapped(shard(x, r, world)), shard(y, r, world)).backward()
+                opt.step()
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.add_(0.01 * (r + 1))
+        out[name] = [t.detach().clone() for t in model.state_dict().values()]
+    return out
+
+
+@pytest.mark.parametrize("counts", [(3, 5), (4, 2, 4)])
+def test_join_ends_with_torchs_authoritative_rank(counts):
+    # (3, 5): one last joiner; buffers during join come from the highest active rank. (4, 2, 4): ranks 0 and 2
+    # join last and disagree; torch's DDP keeps rank 2's model
+    results = fanfold.launch(_disagreeing, counts, nprocs=len(counts), timeout=240)
+    for r, out in enumerate(results):
+        assert all(torch.equal(a, b) for a, b in zip(out["fanfold"], results[0]["fanfold"])), r
+        assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(out["fanfold"], out["torch"])), r

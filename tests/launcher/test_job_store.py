@@ -384,3 +384,50 @@ def test_torchrun_with_the_users_secret_file_gets_an_authenticated_store(tmp_pat
                    tmp_path, env)
     assert [r["sum"] for r in out] == [[3.0, 3.0]] * 2
     assert {r["store"] for r in out} == {"JobStore"}  # rank 0 serves it; torchrun's store holds only its address
+
+
+_OWN_CLIENT = """
+import json, os, sys, time
+from datetime import timedelta
+sys.path.insert(0, sys.argv[1])
+import torch.distributed as dist
+
+addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+start = time.monotonic()
+try:
+    dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=60))
+    error = None
+except Exception as exc:
+    error = f"{type(exc).__name__}: {exc}"
+took = time.monotonic() - start
+rank = int(os.environ["RANK"])
+store, _, world = next(dist.rendezvous("env://"))  # the first way the message names; the iterator is dropped
+store.set(f"own/{rank}", str(rank * 10))
+seen = [store.get(f"own/{r}").decode() for r in range(world)]
+dist.init_process_group("gloo")
+default = dist.distributed_c10d._get_default_store()  # the second way
+default.set(f"pg/{rank}", str(rank * 100))
+seen_pg = [default.get(f"pg/{r}").decode() for r in range(world)]
+print(json.dumps({"rank": rank, "error": error, "took": took, "seen": seen, "seen_pg": seen_pg}), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_a_torch_tcpstore_client_of_the_job_store_fails_at_once_saying_how_to_get_a_store(tmp_path):
+    # torch's client takes the store's greeting for a failed ping and retries until its timeout (60 s here); under
+    # `fanfold run` it raises at once, naming the port and two ways to a shared store, both of which are shown working
+    script = tmp_path / "own_client.py"
+    script.write_text(_OWN_CLIENT)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FANFOLD_JOB_")}
+    env.update(PYTHONPATH=SRC, OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-m", "fanfold", "run", "-n", "2", str(script), SRC], env=env,
+                          capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-4000:]
+    out = sorted((json.loads(m) for m in re.findall(r'\{[^{}]*"rank"[^{}]*\}', done.stdout)), key=lambda r: r["rank"])
+    assert [r["rank"] for r in out] == [0, 1]
+    for r in out:
+        assert r["error"] and r["error"].startswith("DistStoreError: MASTER_ADDR:MASTER_PORT"), r["error"]
+        assert "fanfold's job store" in r["error"] and 'rendezvous("env://")' in r["error"]
+        assert "_get_default_store()" in r["error"]
+        assert r["took"] < 30, r  # torch's own client would wait out its 60 s
+        assert r["seen"] == ["0", "10"] and r["seen_pg"] == ["0", "100"]

@@ -380,10 +380,10 @@ def install_env_rendezvous() -> None:
         finally:
             # torch drops this generator once init_process_group is done, and keeps the store in C++ only: from
             # here the default group keeps it alive, and closes it when the group is freed (at exit, the OS does).
+            # Otherwise (a caller's own `next(dist.rendezvous("env://"))`, or a failed init_process_group) the
+            # store closes when its holder lets it go.
             if is_initialized():
                 weakref.finalize(dist.group.WORLD, store.close).atexit = False
-            else:
-                store.close()
         raise RuntimeError("env:// rendezvous of fanfold's job store cannot be re-run")
 
     env_handler.fanfold_job_store = True

@@ -430,7 +430,8 @@ class DistributedDataParallel(nn.Module):
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
              throw_on_early_termination: bool = False) -> Iterator[None]:
         """Train on uneven inputs: a rank that leaves the block shadows the others' collectives until all leave;
-        then every rank takes the parameters of the last rank still training."""
+        then every rank takes the parameters and buffers of the highest of the ranks that joined last, as torch's DDP
+        does (and during the block, buffers come from the highest active rank, as torch's)."""
         if not enable:
             yield
             return

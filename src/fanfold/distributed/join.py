@@ -42,7 +42,8 @@ class JoinState:
         return flag
 
     def announce(self, what: int, sync_buffers: bool = False) -> tuple[int, int]:
-        """Before an active rank's forward or backward: (active ranks, the rank buffers come from)."""
+        """Before an active rank's forward or backward: (active ranks, the rank buffers come from: the highest active
+        rank, as torch's DDP under join)."""
         flag = self._exchange(what, sync_buffers, active=True)
         self._replays[what] = []  # what participants issue from here on is this phase's new record
         alive = int(flag[_ALIVE])
@@ -52,15 +53,16 @@ class JoinState:
                 "Detected at least one rank that exhausted inputs. Throwing across all ranks. "
                 f"(DistributedDataParallel.join(throw_on_early_termination=True): rank(s) {gone} ran out of inputs "
                 f"while rank {self.transport.rank} still has some)")
-        return alive, min(self.last_active)
+        return alive, max(self.last_active)
 
     def shadow(self, sync_buffers: Callable[[int], None], shadow_backward: Callable[[], None]) -> int:
-        """Mirror the active ranks' collectives until every rank has joined; returns the authoritative rank."""
+        """Mirror the active ranks' collectives until every rank has joined; returns the authoritative rank, torch's
+        DDP's: the highest of the ranks that joined last (those active at the last exchange)."""
         while True:
             flag = self._exchange(0, False, active=False)
             alive = int(flag[_ALIVE])
             if alive == 0:
-                return min(self.last_active) if self.last_active else 0
+                return max(self.last_active)  # every rank, if none was ever active: all joined last
             if self.throw:
                 raise RuntimeError(
                     f"Rank {self.transport.rank} exhausted all inputs. (DistributedDataParallel.join("
@@ -68,7 +70,7 @@ class JoinState:
                     f"{self.last_active} still have some)")
             if flag[_FWD] > 0:
                 if flag[_BUFS] > 0:
-                    sync_buffers(min(self.last_active))
+                    sync_buffers(max(self.last_active))
                 for replay in self._replays[FORWARD]:
                     replay()
             if flag[_BWD] > 0:

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from .._core.job import SECRET_ENV, STORE_ENV, StoreServer, install_env_rendezvous, new_secret
-from .worker_shim import whole_lines
+from .worker_shim import refuse_job_store_clients, whole_lines
 
 LOOPBACK = "127.0.0.1"
 
@@ -69,6 +69,7 @@ def _worker(fn, args, rank: int, env: Mapping[str, str], threads: int, conn, ran
     streams = whole_lines(f"[rank {rank}] " if rank_prefix else "")  # ranks sharing a notebook cell
     torch.set_num_threads(threads)
     install_env_rendezvous()  # a plain dist.init_process_group() joins the launch's authenticated store too
+    refuse_job_store_clients(dist.TCPStore)  # MASTER_PORT is that store: a TCPStore client fails at once
     try:
         report = _Report(True, fn(*args))
     except BaseException as exc:  # report everything, KeyboardInterrupt included, then exit non-zero

@@ -1,6 +1,7 @@
 """Each ``fanfold run`` worker: ``python -u worker_shim.py [-m] target args...`` runs the target as ``python`` would,
 plus: its uncaught exception in torch's error file, ``faulthandler``, no worker (nor its helpers) outliving the
-launcher, ``env://`` routed to the job's store, output in whole lines. Imports neither torch nor fanfold."""
+launcher, ``env://`` routed to the job's store, a ``TCPStore`` client of the job's store refused at once, output in
+whole lines. Imports neither torch nor fanfold."""
 from __future__ import annotations
 
 import atexit
@@ -12,6 +13,7 @@ import os
 import re
 import runpy
 import signal
+import socket
 import sys
 import threading
 import time
@@ -63,9 +65,47 @@ def whole_lines(prefix: str = "") -> tuple[WholeLines, WholeLines]:
     return sys.stdout, sys.stderr
 
 
+def _same_host(a: str, b: str) -> bool:
+    if a == b:
+        return True
+    try:
+        return socket.gethostbyname(a) == socket.gethostbyname(b)
+    except (OSError, UnicodeError):
+        return False
+
+
+def refuse_job_store_clients(tcp_store: type) -> None:
+    """Make ``tcp_store`` (torch's ``TCPStore`` class) raise at once, naming what the port is and how to get a store,
+    when a process of this job (``FANFOLD_JOB_STORE=1``) opens one at ``MASTER_ADDR:MASTER_PORT``: that port is
+    fanfold's authenticated store, whose greeting torch's client takes for a failed ping and retries until its
+    timeout (torch retries every network error in its constructor: no answer of the server can stop it sooner)."""
+    if os.environ.get("FANFOLD_JOB_STORE") != "1" or getattr(tcp_store.__init__, "fanfold_refuses", False):
+        return
+    addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
+    torch_init = tcp_store.__init__
+
+    def init(self, *args, **kwargs):
+        host = args[0] if args else kwargs.get("host_name", "")
+        to = args[1] if len(args) > 1 else kwargs.get("port", -1)
+        if str(to) == port and isinstance(host, str) and _same_host(host, addr):
+            from torch.distributed import DistStoreError
+
+            raise DistStoreError(
+                f"MASTER_ADDR:MASTER_PORT ({addr}:{port}) is fanfold's job store, which admits only this job's "
+                f"processes proving its secret: torch's TCPStore client cannot use it. For a store all ranks share, "
+                f"use `store, rank, world_size = next(torch.distributed.rendezvous(\"env://\"))` (before or "
+                f"without init_process_group), or `torch.distributed.distributed_c10d._get_default_store()` after "
+                f"init_process_group (docs/launching.md)")
+        torch_init(self, *args, **kwargs)
+
+    init.fanfold_refuses = True
+    tcp_store.__init__ = init
+
+
 class _RouteEnvRendezvous:
     """An import hook: once ``torch.distributed.rendezvous`` is imported, the first use of its ``env://`` handler
-    installs ``fanfold._core.job.install_env_rendezvous`` (fanfold is imported only then)."""
+    installs ``fanfold._core.job.install_env_rendezvous`` (fanfold is imported only then), and a ``TCPStore``
+    client of the job's store is refused (:func:`refuse_job_store_clients`)."""
 
     _NAME = "torch.distributed.rendezvous"
 
@@ -88,6 +128,7 @@ class _RouteEnvRendezvous:
                 yield from module._rendezvous_handlers["env"](url, *args, **kwargs)
 
             module._rendezvous_handlers["env"] = env_handler
+            refuse_job_store_clients(module.TCPStore)
 
         spec.loader.exec_module = exec_module
         return spec
