@@ -5,6 +5,7 @@ nothing stopping at the first difference; the report goes into docs/differential
     python tests/differential/fuzz.py --seeds a --ddp 100   # a shorter run
     python tests/differential/fuzz.py --minutes 20          # stop after 20 minutes, report what ran
     python tests/differential/fuzz.py --no-report           # print only
+    python tests/differential/fuzz.py --seeds elm fir --hogs 4   # new seeds, 4 CPU-bound processes beside the run
 
 The configurations are drawn first, then run: rounds over the named seeds, ``CHUNK`` draws from each seed per round
 (hypothesis seeds "alder/0", "birch/0", ..., "alder/1", ...: one seed's draws stay close to its first ones, fresh
@@ -125,7 +126,20 @@ def _commit() -> str:
     return f", on commit {head}{' + changes' if dirty else ''}"
 
 
-def report(runner: Runner, command: str, wall: float, drawn: dict, partial: str | None) -> str:
+def start_hogs(count: int) -> list[subprocess.Popen]:
+    """``count`` CPU-bound Python processes, a busy machine's other jobs; the run kills them (by their own ids)."""
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"], stdin=subprocess.DEVNULL)
+            for _ in range(count)]
+
+
+def stop_hogs(hogs: list[subprocess.Popen]) -> None:
+    for hog in hogs:
+        hog.kill()
+    for hog in hogs:
+        hog.wait(timeout=30)
+
+
+def report(runner: Runner, command: str, wall: float, drawn: dict, partial: str | None, hogs: int = 0) -> str:
     ddp, zero = runner.tallies["DDP"], runner.tallies["ZeRO"]
     n_ddp, n_zero = sum(ddp.outcomes.values()), sum(zero.outcomes.values())
     skipped = ddp.outcomes.get("known-defect", 0)
@@ -135,7 +149,9 @@ def report(runner: Runner, command: str, wall: float, drawn: dict, partial: str 
     if partial:
         out += [f"**PARTIAL: {partial}; the counts below are what ran before it stopped.**", ""]
     made = " (what `make fuzz` runs)" if command.endswith(".py") else ""
-    out += [f"Run of {when}{_commit()}: `{command}`{made}, {wall / 60:.1f} minutes on this machine's two cores. "
+    beside = f", with {hogs} CPU-bound processes running beside it" if hogs else ""
+    out += [f"Run of {when}{_commit()}: `{command}`{made}, {wall / 60:.1f} minutes on this machine's two "
+            f"cores{beside}. "
             f"Drawn: {drawn['ddp']} distinct DDP configurations ({drawn['ddp_dup']} duplicate draws dropped) "
             f"and {drawn['zero']} ZeRO ones ({drawn['zero_dup']} dropped). Run: **{n_ddp - skipped} DDP "
             f"configurations** ({skipped} more skipped as known defects) and **{n_zero} ZeRO configurations**; "
@@ -211,6 +227,8 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=float("inf"), help="stop after this long")
     parser.add_argument("--no-report", action="store_true")
     parser.add_argument("-v", "--verbose", action="store_true", help="print every configuration with its time")
+    parser.add_argument("--hogs", type=int, default=0, metavar="N",
+                        help="run N CPU-bound processes beside the run (a busy machine)")
     args = parser.parse_args()
     command = " ".join(["python tests/differential/fuzz.py", *sys.argv[1:]])
     signal.signal(signal.SIGTERM, _stop)
@@ -222,6 +240,7 @@ def main() -> None:
     print(f"drawn in {time.monotonic() - start:.0f} s: {drawn}", flush=True)
     runner = Runner()
     partial = None
+    hogs = start_hogs(args.hogs)
     try:
         for i, config in enumerate(interleave(ddp, zero), 1):
             if time.monotonic() - start > args.minutes * 60:
@@ -241,8 +260,9 @@ def main() -> None:
     except KeyboardInterrupt as stop:
         partial = f"interrupted ({stop or 'Ctrl-C'})"
     finally:
+        stop_hogs(hogs)
         runner.close()
-    text = report(runner, command, time.monotonic() - start, drawn, partial)
+    text = report(runner, command, time.monotonic() - start, drawn, partial, args.hogs)
     print(text)
     if not args.no_report:
         write_report(text)
