@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from .._core.job import SECRET_ENV, STORE_ENV, StoreServer, install_env_rendezvous, new_secret
-from .worker_shim import DEBUG_ENV, debug_tracebacks, format_failure, headline, whole_lines
+from .worker_shim import DEBUG_ENV, debug_tracebacks, format_traceback, headline, whole_lines
 
 LOOPBACK = "127.0.0.1"
 
@@ -77,7 +77,7 @@ def _worker(fn, args, rank: int, env: Mapping[str, str], threads: int, conn, ran
         report = _Report(True, fn(*args))
     except BaseException as exc:  # report everything, KeyboardInterrupt included, then exit non-zero
         try:
-            shown, full, line = format_failure(exc), format_failure(exc, debug=True), headline(exc)
+            shown, full, line = format_traceback(exc), format_traceback(exc, debug=True), headline(exc)
         except Exception:  # noqa: BLE001 - the failure must be reported, if not as fanfold would show it
             shown = full = traceback.format_exc()
             line = None

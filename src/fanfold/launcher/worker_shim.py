@@ -181,7 +181,7 @@ class _Frames:
         return traceback.StackSummary.from_list(kept), into_fanfold or len(kept) < last + 1
 
 
-def format_failure(exc: BaseException, debug: bool = False) -> str:
+def format_traceback(exc: BaseException, debug: bool = False) -> str:
     """``exc``'s traceback as a failed worker shows it, its chained exceptions included. Unless ``debug``:
     fanfold's own frames cut (:meth:`_Frames.cut`); a chained exception raised and caught inside fanfold (no frame
     of the user's) dropped where the message after it names it already (a ``StallError``'s ``cause:`` line), else
@@ -271,7 +271,7 @@ def main(argv: list[str]) -> int:
         if sys.version_info >= (3, 12):
             sys.last_exc = exc
         try:
-            text, line = format_failure(exc, debug_tracebacks()), headline(exc)
+            text, line = format_traceback(exc, debug_tracebacks()), headline(exc)
         except Exception:  # noqa: BLE001 - the failure must be reported, if not as fanfold would show it
             text, line = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)), None
         sys.stderr.write(_own_report(exc, text if line is None else f"fanfold: {line}\n{text}"))
