@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import traceback
 from pathlib import Path
 
 import pytest
@@ -149,3 +150,26 @@ def test_a_skipped_backward_reads_first_under_fanfold_launch():
                             r"#\d+: did it skip a backward\?\)", lines[0]), lines
         end = next(i for i, line in enumerate(lines) if line.startswith("fanfold.launch: "))
         _check(lines[1:end], frame, debug=debug)
+
+
+def test_the_cut_keeps_the_users_frames_and_torchs_between_them():
+    import torch
+
+    from fanfold.launcher.worker_shim import _Frames
+
+    def frame(path: str) -> traceback.FrameSummary:
+        return traceback.FrameSummary(path, 1, "f", line="x")
+
+    tree = os.path.dirname(torch.__file__)
+    shim, user, user2 = frame(f"{PACKAGE}/launcher/worker_shim.py"), frame("/u/train.py"), frame("/u/model.py")
+    call, module, linear = frame(f"{tree}/_tensor.py"), frame(f"{tree}/nn/modules/module.py"), frame(f"{tree}/f.py")
+    ours, ours2 = frame(f"{PACKAGE}/distributed/reducer.py"), frame(f"{PACKAGE}/collectives/stall.py")
+    frames = _Frames()
+    # an error out of fanfold: the user's call is the last frame, the torch frames that led in go too
+    assert frames.cut([shim, user, call, ours, ours2], debug=False) == ([user], True)
+    # an error in the user's module, called through fanfold's forward: torch's frames between the user's stay
+    assert frames.cut([shim, user, module, ours, module, user2, linear], debug=False) == (
+        [user, module, module, user2, linear], True)
+    assert frames.cut([shim, user, linear], debug=False) == ([user, linear], False)  # nothing of fanfold's
+    assert frames.cut([shim, ours, ours2], debug=False) == ([ours, ours2], False)  # no frame of the user's
+    assert frames.cut([shim, user, call, ours], debug=True) == ([user, call, ours], False)  # the launcher's only

@@ -175,10 +175,11 @@ class _Frames:
             return traceback.StackSummary.from_list(stack), False
         last = users[-1]
         kept = [f for f, k in zip(stack[:last + 1], kinds[:last + 1]) if k not in ("fanfold", "launcher")]
+        cut_between = len(kept) < last + 1
         into_fanfold = any(k in ("fanfold", "launcher") for k in kinds[last + 1:])
         if not into_fanfold:
             kept += stack[last + 1:]
-        return traceback.StackSummary.from_list(kept), into_fanfold or len(kept) < last + 1
+        return traceback.StackSummary.from_list(kept), cut_between or into_fanfold
 
 
 def format_traceback(exc: BaseException, debug: bool = False) -> str:
