@@ -189,6 +189,10 @@ class _GaveUp(Exception):
     """A wait ran out of time or was ended by the group's alarm."""
 
 
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
+
+
 def _future_of(handle: Any) -> torch.futures.Future | None:
     if isinstance(handle, torch.futures.Future):
         return handle
@@ -411,10 +415,12 @@ class InspectedTransport:
         grace_until = time.monotonic() + (1.0 if cause is not None else 0.0)
         time.sleep(2 * WRITE_INTERVAL_S)
         never, gave_up, disagreed, ahead, unknown, lines = [], [], [], [], [], []
+        notes: dict[int, str] = {}  # a rank that never arrived: where it is, in a few words (for the headline)
         for r, p in sorted(self._read_peers().items()):
             if isinstance(p, str):
                 lines.append(f"  rank {r}: {p}")
                 (never if p.startswith("has not") else unknown).append(r)
+                notes[r] = "no collective issued yet"
                 continue
             last = Collective(*p["last"])
             pending = {o[0]: Collective(*o) for o in p["pending"]}
@@ -429,10 +435,12 @@ class InspectedTransport:
                 else:
                     what = f"in a different collective with the same number: {theirs}"
                     never.append(r)
+                    notes[r] = f"in {theirs.kind} #{theirs.seq} instead"
             elif last.seq < op.seq:
                 state = "still waiting on it" if last.seq in pending else "completed it"
                 what = f"behind: its last collective is {last}, {state}"
                 never.append(r)
+                notes[r] = f"behind, at {last.kind} #{last.seq}"
             else:
                 what = f"ahead: past #{op.seq}, its last collective is {last}"
                 ahead.append(r)
@@ -440,6 +448,7 @@ class InspectedTransport:
                 what += f"; it gave up waiting on #{p['gave_up']}"
             if gone:
                 what += f"; its process {p['pid']} is gone"
+                notes[r] = f"{notes[r]}; its process is gone" if r in notes else "its process is gone"
             lines.append(f"  rank {r}: {what}")
         clash = _disagreement(cause)
         if clash is not None:  # the transport saw a peer in another size, dtype or op: that, not a wait, is the fault
@@ -469,8 +478,53 @@ class InspectedTransport:
         parts.append(_HINT)
         if alarm is None:
             self._raise_alarm(headline.partition(" started at ")[0] + f"; never arrived: {never}")
+        short = self._headline(op, timeout, cause, clash, alarm, never=never, notes=notes, gave_up=gave_up,
+                               ahead=ahead, unknown=unknown)
         return StallError("\n".join(parts), rank=self.rank, seq=op.seq, kind=op.kind, bucket=op.bucket,
-                          missing=sorted(never + disagreed + ahead), feature=self.feature)
+                          missing=sorted(never + disagreed + ahead), feature=self.feature, headline=short)
+
+    def _headline(self, op: Collective, timeout: float, cause: BaseException | None, clash: Any, alarm: dict | None,
+                  *, never: list[int], notes: dict[int, str], gave_up: list[int], ahead: list[int],
+                  unknown: list[int]) -> str:
+        """The diagnosis in one line, for the top of a failed rank's report: what this rank was in, where the
+        user's code started it, and who is missing, e.g. ``rank 0 of 2 stalled 5 s in DistributedDataParallel's
+        all_reduce #7 (bucket 0) at train.py:20: rank 1 never arrived (behind, at all_reduce #6: did it skip a
+        backward?)``."""
+        if clash is not None:
+            verb = "failed in"
+        elif alarm is not None:
+            verb = "gave up on"
+        elif cause is None or _is_timeout(cause):
+            verb = f"stalled {timeout:g} s in"
+        else:
+            verb = "failed in"
+        who = "" if self.feature is None else f"{self.feature}'s "
+        where = "" if op.bucket is None else f" (bucket {op.bucket})"
+        path, _, rest = op.line.partition(":")  # "path:line in function"; the user's frame has the full path
+        at = "" if op.line.startswith("<") else f" at {os.path.basename(path)}:{rest.partition(' ')[0]}"
+        if clash is not None:
+            blame = f"rank {clash.peer} disagreed ({clash.field}): {clash.detail}"
+        elif alarm is not None:
+            by = "this rank" if alarm["rank"] == self.rank else f"rank {alarm['rank']}"
+            blame = f"{by} had diagnosed a stall ({alarm['headline']})"
+        else:
+            said = []
+            for r in never:
+                note = notes.get(r, "")
+                # a live rank one collective behind in DDP's gradient all-reduce: the classic uneven backward
+                if (self.feature == "DistributedDataParallel" and op.kind == "all_reduce"
+                        and note.startswith("behind") and "gone" not in note):
+                    note += ": did it skip a backward?"
+                said.append(f"rank {r} never arrived" + (f" ({note})" if note else ""))
+            said += [f"rank {r} is already past it" for r in ahead]
+            said += [f"rank {r}'s progress is unknown" for r in unknown]
+            if not said and gave_up:
+                said.append(f"every rank arrived; {_ranks(gave_up)} gave up or died there")
+            if not said:
+                said.append("every rank arrived" + ("" if cause is None else
+                                                    f"; their connection failed ({type(cause).__name__})"))
+            blame = "; ".join(said)
+        return f"rank {self.rank} of {self.world_size} {verb} {who}{op.kind} #{op.seq}{where}{at}: {blame}"
 
     def all_reduce(self, tensor: torch.Tensor, bucket: int | None = None, divisor: float | None = None) -> Any:
         return self._run("all_reduce", bucket, lambda: self.inner.all_reduce(tensor, bucket, divisor))

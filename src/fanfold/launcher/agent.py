@@ -301,6 +301,8 @@ def format_failure(err, verbose: bool = False) -> str:
     info = first.error_file_data.get("message")
     lines = [f"fanfold run: rank {rank} (local rank {first.local_rank}, pid {first.pid}) {_how(first.exitcode)}"]
     if isinstance(info, dict):
+        if info["extraInfo"].get("headline"):  # a fanfold diagnosis: before the traceback that ends with its details
+            lines.append(f"fanfold: {info['extraInfo']['headline']}")
         lines += [f"Traceback of rank {rank}:", info["extraInfo"]["py_callstack"].rstrip()]
     elif first.exitcode < 0:
         lines.append("no Python traceback: the process was killed (any output it left is above)")

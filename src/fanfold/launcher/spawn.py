@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from .._core.job import SECRET_ENV, STORE_ENV, StoreServer, install_env_rendezvous, new_secret
-from .worker_shim import refuse_job_store_clients, whole_lines
+from .worker_shim import DEBUG_ENV, debug_tracebacks, format_traceback, headline, refuse_job_store_clients, whole_lines
 
 LOOPBACK = "127.0.0.1"
 
@@ -50,12 +50,16 @@ class WorkerError(RuntimeError):
 
 @dataclass(frozen=True)
 class _Report:
-    """A worker's result, or its failure and when it happened (to find the first); ``died``: it never reported."""
+    """A worker's result, or its failure and when it happened (to find the first); ``died``: it never reported. A
+    failure's ``traceback`` comes as the user reads it and in ``full`` (``FANFOLD_DEBUG=1`` in the launching process
+    chooses), with the ``headline`` of a fanfold error."""
 
     ok: bool
     value: Any = None
     error: str = ""
     traceback: str = ""
+    full: str = ""
+    headline: str | None = None
     time_ns: int = 0
     died: bool = False
 
@@ -73,7 +77,12 @@ def _worker(fn, args, rank: int, env: Mapping[str, str], threads: int, conn, ran
     try:
         report = _Report(True, fn(*args))
     except BaseException as exc:  # report everything, KeyboardInterrupt included, then exit non-zero
-        report = _Report(False, error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc(),
+        try:
+            shown, full, line = format_traceback(exc), format_traceback(exc, debug=True), headline(exc)
+        except Exception:  # noqa: BLE001 - the failure must be reported, if not as fanfold would show it
+            shown = full = traceback.format_exc()
+            line = None
+        report = _Report(False, error=f"{type(exc).__name__}: {exc}", traceback=shown, full=full, headline=line,
                          time_ns=time.time_ns())
     # Pickled before the process group is torn down (torch's storage pickling after it was seen to hang); a failure
     # is sent before too: the teardown makes the peers fail, and their reports must not overtake this one.
@@ -127,7 +136,7 @@ def _context(fn: Callable, start_method: str | None):
     return ctx
 
 
-def _collect(procs: Sequence, conns: Sequence, timeout: float) -> list:
+def _collect(procs: Sequence, conns: Sequence, timeout: float, debug: bool = False) -> list:
     # A rank's failure usually makes its peers fail too: after the first failure the others are awaited a moment
     # (2 s), and the earliest by the worker's own clock is reported; a rank that died without reporting is the cause.
     results: dict[int, Any] = {}
@@ -158,7 +167,10 @@ def _collect(procs: Sequence, conns: Sequence, timeout: float) -> list:
         if first.died:
             head = f"rank {rank} of {len(procs)} {first.error} before reporting"
         else:
-            head = f"rank {rank} of {len(procs)} failed: {first.error}\n{first.traceback.rstrip()}"
+            # a fanfold error's one-line diagnosis first (it names the rank), then the traceback with its details
+            title = (f"fanfold: {first.headline}" if first.headline
+                     else f"rank {rank} of {len(procs)} failed: {first.error}")
+            head = f"{title}\n{(first.full if debug else first.traceback).rstrip()}"
         later = {r: f.error if f.died else f.error.split(":", 1)[0] for r, f in failures.items() if r != rank}
         raise WorkerError("\n".join([head, *later_failures("fanfold.launch", rank, sorted(pending), later)]), rank)
     if pending:
@@ -197,7 +209,8 @@ def launch(
     lambda, a closure) runs in forked workers, so the parent must not have initialised CUDA (a ``RuntimeError``
     says so). Each worker uses ``threads`` intra-op threads; ``env`` adds environment variables; output arrives
     in whole lines, ``rank_prefix=True`` starts each with ``[rank R] ``. Raises :class:`WorkerError` naming the
-    first rank that failed, with its traceback, or :class:`TimeoutError` naming the ranks still running after
+    first rank that failed, with its traceback (a fanfold error's headline first; fanfold's own frames cut, unless
+    ``FANFOLD_DEBUG=1`` here or in ``env``), or :class:`TimeoutError` naming the ranks still running after
     ``timeout`` seconds; either way no worker is left running.
     """
     if not isinstance(nprocs, int) or nprocs < 1:
@@ -229,7 +242,8 @@ def launch(
             p.start()
             send.close()
             procs.append(p)
-        return _collect(procs, conns, timeout)
+        debug = debug_tracebacks() or (env or {}).get(DEBUG_ENV) == "1"  # read here: a forkserver's env is old
+        return _collect(procs, conns, timeout, debug)
     finally:
         for p in procs:
             p.terminate()  # a process that has exited is skipped

@@ -1,5 +1,6 @@
 """Each ``fanfold run`` worker: ``python -u worker_shim.py [-m] target args...`` runs the target as ``python`` would,
-plus: its uncaught exception in torch's error file, ``faulthandler``, no worker (nor its helpers) outliving the
+plus: its uncaught exception with a fanfold error's headline first and fanfold's own frames cut (in full with
+``FANFOLD_DEBUG=1``), and in torch's error file; ``faulthandler``, no worker (nor its helpers) outliving the
 launcher, ``env://`` routed to the job's store, a ``TCPStore`` client of the job's store refused at once, output in
 whole lines. Imports neither torch nor fanfold."""
 from __future__ import annotations
@@ -15,6 +16,7 @@ import runpy
 import signal
 import socket
 import sys
+import sysconfig
 import threading
 import time
 import traceback
@@ -152,23 +154,111 @@ def _stop_own_group() -> None:
         os.killpg(0, signal.SIGTERM)
 
 
-def _user_frames(tb):
-    # Drop the shim's and runpy's frames so the traceback starts in the user's code, as with `python script.py`.
-    here = os.path.abspath(__file__)
-    while tb is not None and tb.tb_next is not None:
-        name = tb.tb_frame.f_code.co_filename
-        if os.path.abspath(name) != here and "runpy" not in name:
+DEBUG_ENV = "FANFOLD_DEBUG"  # "1": a failed worker's traceback in full, fanfold's own frames included
+_HIDDEN_NOTE = f"(fanfold's own frames are hidden; {DEBUG_ENV}=1 shows the full traceback)\n"
+_CHAIN_DEPTH = 8  # how far down __cause__/__context__ a headline is looked for
+
+
+def debug_tracebacks() -> bool:
+    """Whether ``$FANFOLD_DEBUG`` asks for full tracebacks."""
+    return os.environ.get(DEBUG_ENV) == "1"
+
+
+def headline(exc: BaseException) -> str | None:
+    """The one-line diagnosis of a fanfold error (``StallError.headline``) in ``exc`` or the exceptions it chains."""
+    seen = 0
+    while exc is not None and seen < _CHAIN_DEPTH:
+        line = getattr(exc, "headline", None)
+        if isinstance(line, str) and line and type(exc).__module__.startswith("fanfold."):
+            return line
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return None
+
+
+class _Frames:
+    """Which frames of a traceback are the launcher's (this shim, runpy, ``fanfold.launch``'s worker), fanfold's,
+    plumbing (torch, the standard library) or the user's: by file, under this package's directory (this file is
+    ``fanfold/launcher/worker_shim.py``) or torch's."""
+
+    def __init__(self):
+        here = os.path.dirname(os.path.realpath(__file__))
+        self.launcher, self.package = here + os.sep, os.path.dirname(here) + os.sep
+        trees = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib")}
+        torch = sys.modules.get("torch")  # never imported here: a script that failed before importing it has none
+        if getattr(torch, "__file__", None):
+            trees.add(os.path.dirname(torch.__file__))
+        self.plumbing = tuple(os.path.realpath(t) + os.sep for t in trees)
+        self._kinds: dict[str, str] = {}
+
+    def kind(self, filename: str) -> str:
+        kind = self._kinds.get(filename)
+        if kind is None:
+            path = filename if filename.startswith("<") else os.path.realpath(filename)
+            kind = ("launcher" if path.startswith(self.launcher) or "runpy" in filename else
+                    "fanfold" if path.startswith(self.package) else
+                    "plumbing" if path.startswith(self.plumbing) or filename.startswith("<frozen ") else "user")
+            self._kinds[filename] = kind
+        return kind
+
+    def cut(self, stack: list, debug: bool) -> tuple[list, bool]:
+        """``stack`` (frame summaries, outermost first) as the user reads it, and whether fanfold's frames were cut.
+        It starts after the launcher's frames, as ``python script.py`` shows none. Unless ``debug``: without
+        fanfold's frames, and ending at the user's last frame when the error came out of fanfold (the torch frames
+        that led into fanfold go too, so the last frame is the user's call: ``loss.backward()``, ``model(x)``);
+        where no frame is the user's, nothing more is cut."""
+        start = 0
+        while start < len(stack) - 1 and self.kind(stack[start].filename) == "launcher":
+            start += 1
+        stack = stack[start:]
+        kinds = [self.kind(f.filename) for f in stack]
+        users = [i for i, k in enumerate(kinds) if k == "user"]
+        if debug or not users:
+            return traceback.StackSummary.from_list(stack), False
+        last = users[-1]
+        kept = [f for f, k in zip(stack[:last + 1], kinds[:last + 1]) if k not in ("fanfold", "launcher")]
+        cut_between = len(kept) < last + 1
+        into_fanfold = any(k in ("fanfold", "launcher") for k in kinds[last + 1:])
+        if not into_fanfold:
+            kept += stack[last + 1:]
+        return traceback.StackSummary.from_list(kept), cut_between or into_fanfold
+
+
+def format_traceback(exc: BaseException, debug: bool = False) -> str:
+    """``exc``'s traceback as a failed worker shows it, its chained exceptions included. Unless ``debug``:
+    fanfold's own frames cut (:meth:`_Frames.cut`); a chained exception raised and caught inside fanfold (no frame
+    of the user's) dropped where the message after it names it already (a ``StallError``'s ``cause:`` line), else
+    shown without frames; a closing line says what was hidden."""
+    frames = _Frames()
+    report = traceback.TracebackException(type(exc), exc, exc.__traceback__)
+    hidden = False
+    step, value, outer = report, exc, None
+    for _ in range(64):  # TracebackException's chain ends; bounded all the same
+        step.stack, cut = frames.cut(list(step.stack), debug)
+        hidden |= cut
+        if outer is not None and not debug and not any(frames.kind(f.filename) == "user" for f in step.stack):
+            hidden = True
+            if type(value).__name__ in str(outer[1]):  # the message that follows carries it: nothing to add
+                outer[0].__cause__ = outer[0].__context__ = None
+                break
+            step.stack = traceback.StackSummary.from_list([])
+        outer = (step, value)
+        if step.__cause__ is not None:
+            step, value = step.__cause__, value.__cause__
+        elif step.__context__ is not None and not step.__suppress_context__:
+            step, value = step.__context__, value.__context__
+        else:
             break
-        tb = tb.tb_next
-    return tb
+    return "".join(report.format()) + (_HIDDEN_NOTE if hidden else "")
 
 
-def _record(exc: BaseException, text: str) -> None:
+def _record(exc: BaseException, text: str, line: str | None, when_ns: int) -> None:
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
     # time_ns: ProcessFailure keeps whole seconds only; ranks that fail in the same second are told apart by it
-    info = {"py_callstack": text, "timestamp": str(int(time.time())), "time_ns": time.time_ns()}
+    info = {"py_callstack": text, "timestamp": str(when_ns // 10**9), "time_ns": when_ns}
+    if line is not None:
+        info["headline"] = line
     try:
         with open(path, "w") as fp:
             json.dump({"message": {"message": f"{type(exc).__name__}: {exc}", "extraInfo": info}}, fp)
@@ -215,16 +305,20 @@ def main(argv: list[str]) -> int:
     except SystemExit:
         raise
     except BaseException as exc:  # KeyboardInterrupt too: the launcher reports it like any other failure
+        when_ns = time.time_ns()  # before the formatting: which rank failed first is told by this
         # As python does for an uncaught exception: the exception and its frames live until the interpreter exits.
         # Freed here instead, a collective's last Python reference to a failed torch work can go first, and the
         # backend's thread then frees the work's tensors during finalization: torch aborts the worker (SIGABRT).
         sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc, exc.__traceback__
         if sys.version_info >= (3, 12):
             sys.last_exc = exc
-        text = "".join(traceback.format_exception(type(exc), exc, _user_frames(exc.__traceback__)))
-        sys.stderr.write(_own_report(exc, text))
+        try:
+            text, line = format_traceback(exc, debug_tracebacks()), headline(exc)
+        except Exception:  # noqa: BLE001 - the failure must be reported, if not as fanfold would show it
+            text, line = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)), None
+        sys.stderr.write(_own_report(exc, text if line is None else f"fanfold: {line}\n{text}"))
         sys.stderr.flush()
-        _record(exc, text)
+        _record(exc, text, line, when_ns)
         return 1
     finally:
         for stream in streams:
