@@ -410,7 +410,7 @@ class InspectedTransport:
         # waits that long, so that it does not report as behind a peer that arrived with it.
         grace_until = time.monotonic() + (1.0 if cause is not None else 0.0)
         time.sleep(2 * WRITE_INTERVAL_S)
-        never, gave_up, disagreed, ahead, unknown, lines = [], [], [], [], [], []
+        never, gave_up, disagreed, ahead, unknown, lines, dead = [], [], [], [], [], [], []
         for r, p in sorted(self._read_peers().items()):
             if isinstance(p, str):
                 lines.append(f"  rank {r}: {p}")
@@ -440,6 +440,7 @@ class InspectedTransport:
                 what += f"; it gave up waiting on #{p['gave_up']}"
             if gone:
                 what += f"; its process {p['pid']} is gone"
+                dead.append(r)
             lines.append(f"  rank {r}: {what}")
         clash = _disagreement(cause)
         if clash is not None:  # the transport saw a peer in another size, dtype or op: that, not a wait, is the fault
@@ -470,7 +471,7 @@ class InspectedTransport:
         if alarm is None:
             self._raise_alarm(headline.partition(" started at ")[0] + f"; never arrived: {never}")
         return StallError("\n".join(parts), rank=self.rank, seq=op.seq, kind=op.kind, bucket=op.bucket,
-                          missing=sorted(never + disagreed + ahead), feature=self.feature)
+                          missing=sorted(never + disagreed + ahead), feature=self.feature, gone=dead)
 
     def all_reduce(self, tensor: torch.Tensor, bucket: int | None = None, divisor: float | None = None) -> Any:
         return self._run("all_reduce", bucket, lambda: self.inner.all_reduce(tensor, bucket, divisor))

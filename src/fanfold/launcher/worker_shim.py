@@ -122,12 +122,15 @@ def _user_frames(tb):
     return tb
 
 
-def _record(exc: BaseException, text: str) -> None:
+def _record(exc: BaseException, text: str, gone: list[int] | None) -> None:
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
-    # time_ns: ProcessFailure keeps whole seconds only; ranks that fail in the same second are told apart by it
+    # time_ns: ProcessFailure keeps whole seconds only; ranks that fail in the same second are told apart by it.
+    # peer_gone: this failure is a consequence (the ranks whose process was gone, [] when unknown), never the cause.
     info = {"py_callstack": text, "timestamp": str(int(time.time())), "time_ns": time.time_ns()}
+    if gone is not None:
+        info["peer_gone"] = gone
     try:
         with open(path, "w") as fp:
             json.dump({"message": {"message": f"{type(exc).__name__}: {exc}", "extraInfo": info}}, fp)
@@ -135,12 +138,30 @@ def _record(exc: BaseException, text: str) -> None:
         print(f"fanfold run: cannot write the error file {path}: {err}", file=sys.stderr)
 
 
-# A rank whose peer died fails in its next collective with gloo's or the store's "connection closed" errors: the
-# consequence, not the cause (the cause is the peer's own traceback, or the launcher's line on how it died).
+# A rank whose peer died fails in its next collective with gloo's or the store's "connection closed" errors, or
+# fanfold's StallError naming the dead peer: the consequence, not the cause (the cause is the peer's own traceback,
+# or the launcher's line on how it died). Text too: an exception that crossed torch's C++ keeps its message only.
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "DistNetworkError")
+_GONE_RANK = re.compile(r"rank (\d+)'s process \d+ is gone|rank (\d+): [^\n]*its process \d+ is gone|rank (\d+) died")
 
 
-def _own_report(exc: BaseException, text: str) -> str:
+def peers_gone(exc: BaseException) -> list[int] | None:
+    """The ranks whose process was gone when ``exc`` (or an exception it was raised from or while handling) was
+    raised, ``[]`` when a peer is gone but not known by rank; None: not a dead peer's consequence."""
+    found, seen = None, set()
+    while exc is not None and id(exc) not in seen and len(seen) < 16:
+        seen.add(id(exc))
+        text = f"{type(exc).__name__}: {exc}"
+        ranks = list(getattr(exc, "gone", None) or ()) or [int(a or b or c) for a, b, c in _GONE_RANK.findall(text)]
+        if ranks:
+            return sorted(set(ranks))
+        if any(s in text for s in _PEER_GONE):
+            found = []
+        exc = exc.__cause__ or exc.__context__
+    return found
+
+
+def _own_report(exc: BaseException, text: str, gone: list[int] | None) -> str:
     # The launcher shows the traceback of the rank that failed first once the run has failed; a failure the agent
     # restarts from is labelled here; --verbose shows every rank's.
     verbose = os.environ.get("FANFOLD_VERBOSE") == "1"
@@ -148,7 +169,7 @@ def _own_report(exc: BaseException, text: str) -> str:
     if done >= allowed:
         return text if verbose else ""
     rank, label = os.environ["RANK"], f"restarting (attempt {done + 1} of {allowed})"
-    if not verbose and any(s in f"{type(exc).__name__}: {exc}" for s in _PEER_GONE):
+    if not verbose and gone is not None:
         return (f"fanfold run: rank {rank} also failed: a peer is gone ({type(exc).__name__}); {label} "
                 f"(--verbose shows its traceback)\n")
     return f"fanfold run: rank {rank} failed; {label}. Traceback of rank {rank}:\n{text}"
@@ -181,9 +202,10 @@ def main(argv: list[str]) -> int:
         if sys.version_info >= (3, 12):
             sys.last_exc = exc
         text = "".join(traceback.format_exception(type(exc), exc, _user_frames(exc.__traceback__)))
-        sys.stderr.write(_own_report(exc, text))
+        gone = peers_gone(exc)
+        sys.stderr.write(_own_report(exc, text, gone))
         sys.stderr.flush()
-        _record(exc, text)
+        _record(exc, text, gone)
         return 1
     finally:
         for stream in streams:
