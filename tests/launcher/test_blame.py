@@ -156,7 +156,9 @@ def test_report_blames_the_rank_that_died_first(tmp_path, case, nproc):
         res, run_pids = _launch(tmp_path / f"run{i}", case, nproc)
         pids += run_pids
         assert len(run_pids) == nproc, f"run {i}: not every worker started:\n{res.stderr[-3000:]}"
-        if why := _verdict(res, run_pids, nproc, CASES[case]):
+        why = _verdict(res, run_pids, nproc, CASES[case])
+        print(f"blame {case} -n {nproc} run {i}: {why or 'right'}", flush=True)  # for a long run's count (-s)
+        if why:
             wrong.append(f"run {i}: {why}\n{res.stderr[-3000:]}")
     print(f"blame {case} -n {nproc}: {REPEATS - len(wrong)} of {REPEATS} right")
     assert _leftovers(pids) == [], "workers left running"
@@ -267,3 +269,26 @@ def test_stall_timeout_refuses_what_is_not_a_positive_number(tmp_path, capsys, v
         run_cli.main(parser.parse_args(["--stall-timeout", value, "missing.py"]))
     assert exit_.value.code == 2
     assert capsys.readouterr().err.splitlines()[-1] == f"fanfold run: error: --stall-timeout {why}, got {value!r}"
+
+
+def test_worker_shim_tells_a_dead_peers_consequence_from_a_failure_of_its_own():
+    from fanfold.collectives.protocol import StallError
+    from fanfold.launcher.worker_shim import peers_gone
+
+    stall = StallError("rank 0 of 3: all_reduce #4 did not complete", rank=0, seq=4, kind="all_reduce", bucket=None,
+                       missing=[1, 2], gone=[2])
+    assert peers_gone(stall) == [2]
+    # across torch's C++ only the message survives: fanfold's words for a dead process, gloo's for a closed socket
+    assert peers_gone(RuntimeError("... waited in all_reduce for rank 1, which never arrived (rank 1's process 77 "
+                                   "is gone)")) == [1]
+    assert peers_gone(RuntimeError("[pair.cc:534] Connection closed by peer [127.0.0.1]:4242")) == []
+    try:
+        try:
+            raise RuntimeError("Connection reset by peer")
+        except RuntimeError as exc:
+            raise ValueError("the user's wrapper") from exc
+    except ValueError as wrapped:
+        assert peers_gone(wrapped) == []
+    assert peers_gone(ValueError("boom from rank 1")) is None
+    assert peers_gone(StallError("rank 0 of 2: all_reduce #4 did not complete within 5 s", rank=0, seq=4,
+                                 kind="all_reduce", bucket=None, missing=[1])) is None  # alive and behind: a stall
