@@ -140,6 +140,7 @@ def test_failed_wait_names_dead_peer_and_cause():
     assert "cause: RuntimeError: Connection reset by peer" in msg
     assert "rank 1: behind: its last collective is all_reduce #1 (bucket 0)" in msg
     assert f"its process {dead.pid} is gone" in msg and e.value.missing == [1]
+    assert e.value.gone == [1]  # a consequence of rank 1's death: fanfold run blames rank 1
     assert isinstance(e.value.__cause__, RuntimeError)
 
 

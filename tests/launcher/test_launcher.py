@@ -24,6 +24,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 from _net import listening_addresses
 from fanfold.cli import run as run_cli
 from fanfold.launcher import agent as launcher
+from fanfold.launcher.blame import blame
 
 TIMEOUT = 240  # the CPU is shared with other test runs: generous, never relied on
 
@@ -262,10 +263,10 @@ def test_report_names_the_first_failure_by_time_not_by_rank(tmp_path):
     assert "connection closed" not in text
     assert "rank 0 also failed, after rank 1 (RuntimeError: connection closed by peer)" in launcher.format_failure(
         err, verbose=True)
-    assert launcher._exit_code(err) == 3
+    assert blame(err).exit_code == 3
     killed = ChildFailedError("x", {0: _failure(tmp_path, 0, -int(signal.SIGKILL))})
     assert "killed by signal SIGKILL" in launcher.format_failure(killed)
-    assert launcher._exit_code(killed) == 128 + int(signal.SIGKILL)
+    assert blame(killed).exit_code == 128 + int(signal.SIGKILL)
 
 
 def test_arguments_pass_through_and_bad_values_are_named(tmp_path):
@@ -333,7 +334,16 @@ def test_restart_notice_reads_the_agents_own_records(capsys):
     assert poll in inspect.getsource(importlib.import_module(launcher._POLL_LOGGER))
     agent_source = inspect.getsource(importlib.import_module(launcher._AGENT_LOGGER))
     assert '"%s/%s attempts left;"' in agent_source and '" will restart worker group"' in agent_source
-    notice = launcher._RestartNotice()
+    # and the two it writes when it stops a worker, SIGTERM then SIGKILL: the launcher's own, never a failure
+    stop = "Sending process %s closing signal %s"
+    force = "Unable to shutdown process %s via %s, forcefully exiting via %s"
+    assert stop in inspect.getsource(importlib.import_module(launcher._POLL_LOGGER))
+    assert force in inspect.getsource(importlib.import_module(launcher._POLL_LOGGER))
+    notice = launcher._AgentRecords()
+    notice.handle(logging.LogRecord(launcher._POLL_LOGGER, logging.WARNING, __file__, 0, stop, (4141, "SIGTERM"), None))
+    notice.handle(logging.LogRecord(launcher._POLL_LOGGER, logging.WARNING, __file__, 0, force,
+                                    (4040, "SIGTERM", "SIGKILL"), None))
+    assert sorted(notice.stopped) == [4040, 4141]
 
     def record(name, level, msg, args):
         notice.handle(logging.LogRecord(name, level, __file__, 0, msg, args, None))

@@ -24,6 +24,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="job id, the same on every node of a multi-node job")
     parser.add_argument("--max-restarts", "--max_restarts", type=int, default=0, metavar="K",
                         help="restart all workers up to K times after a failure")
+    parser.add_argument("--stall-timeout", "--stall_timeout", default=None, metavar="S",
+                        help="seconds a worker's fanfold collective waits for a peer before it diagnoses a stall "
+                             "(sets FANFOLD_STALL_TIMEOUT; default: that variable, else 300)")
     parser.add_argument("-m", "--module", action="store_true", help="run the target as a module (python -m)")
     parser.add_argument("--rank-prefix", action="store_true",
                         help="start every line the workers print with [rank R] (lines are always whole)")
@@ -44,7 +47,7 @@ def main(args: argparse.Namespace) -> int:
             [args.script, *args.script_args], nproc_per_node=args.nproc_per_node, nnodes=args.nnodes,
             node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint, rdzv_backend=args.rdzv_backend,
             rdzv_id=args.rdzv_id, max_restarts=args.max_restarts, module=args.module, verbose=args.verbose,
-            rank_prefix=args.rank_prefix,
+            rank_prefix=args.rank_prefix, stall_timeout=args.stall_timeout,
         )
     except ValueError as exc:
         parser.error(_as_flags(str(exc)))
@@ -58,7 +61,8 @@ def main(args: argparse.Namespace) -> int:
 
 # launch_script's messages name its Python arguments; the command line names the flags the user typed.
 _FLAGS = {"nproc_per_node": "-n/--nproc-per-node", "max_restarts": "--max-restarts", "nnodes": "--nnodes",
-          "rdzv_endpoint": "--rdzv-endpoint", "rdzv_backend": "--rdzv-backend", "node_rank": "--node-rank"}
+          "rdzv_endpoint": "--rdzv-endpoint", "rdzv_backend": "--rdzv-backend", "node_rank": "--node-rank",
+          "stall_timeout": "--stall-timeout"}
 
 
 def _as_flags(message: str) -> str:

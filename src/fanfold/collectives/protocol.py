@@ -17,15 +17,16 @@ __all__ = ["Transport", "Work", "TransportOwner", "StallError", "FanfoldWork", "
 class StallError(RuntimeError):
     """A collective did not complete: ``rank`` gave up on collective ``seq`` (``kind``) of ``feature`` (the fanfold
     feature that issued it, e.g. "clip_grad_norm_"); ``missing`` lists the ranks that never arrived (behind,
-    elsewhere, or dead). A peer's fault, told apart by its type from a misuse of the API (``ValueError``).
+    elsewhere, or dead); ``gone``: those of them whose process had exited (this failure is their death's consequence;
+    ``fanfold run`` blames them). A peer's fault, told apart by its type from a misuse of the API (``ValueError``).
     ``headline``: the diagnosis in one line, what ``fanfold run`` and ``fanfold.launch`` print first (default: the
     message's first line)."""
 
     def __init__(self, message: str, *, rank: int, seq: int, kind: str, bucket: int | None, missing: list[int],
-                 feature: str | None = None, headline: str | None = None):
+                 feature: str | None = None, gone: list[int] | None = None, headline: str | None = None):
         super().__init__(message)
         self.rank, self.seq, self.kind, self.bucket, self.missing = rank, seq, kind, bucket, missing
-        self.feature = feature
+        self.feature, self.gone = feature, list(gone or ())
         self.headline = headline or message.partition("\n")[0]
 
 

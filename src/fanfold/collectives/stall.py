@@ -414,7 +414,7 @@ class InspectedTransport:
         # waits that long, so that it does not report as behind a peer that arrived with it.
         grace_until = time.monotonic() + (1.0 if cause is not None else 0.0)
         time.sleep(2 * WRITE_INTERVAL_S)
-        never, gave_up, disagreed, ahead, unknown, lines = [], [], [], [], [], []
+        never, gave_up, disagreed, ahead, unknown, lines, dead = [], [], [], [], [], [], []
         notes: dict[int, str] = {}  # a rank that never arrived: where it is, in a few words (for the headline)
         for r, p in sorted(self._read_peers().items()):
             if isinstance(p, str):
@@ -449,6 +449,7 @@ class InspectedTransport:
             if gone:
                 what += f"; its process {p['pid']} is gone"
                 notes[r] = f"{notes[r]}; its process is gone" if r in notes else "its process is gone"
+                dead.append(r)
             lines.append(f"  rank {r}: {what}")
         clash = _disagreement(cause)
         if clash is not None:  # the transport saw a peer in another size, dtype or op: that, not a wait, is the fault
@@ -481,7 +482,8 @@ class InspectedTransport:
         short = self._headline(op, timeout, cause, clash, alarm, never=never, notes=notes, gave_up=gave_up,
                                ahead=ahead, unknown=unknown)
         return StallError("\n".join(parts), rank=self.rank, seq=op.seq, kind=op.kind, bucket=op.bucket,
-                          missing=sorted(never + disagreed + ahead), feature=self.feature, headline=short)
+                          missing=sorted(never + disagreed + ahead), feature=self.feature, gone=dead,
+                          headline=short)
 
     def _headline(self, op: Collective, timeout: float, cause: BaseException | None, clash: Any, alarm: dict | None,
                   *, never: list[int], notes: dict[int, str], gave_up: list[int], ahead: list[int],

@@ -4,7 +4,6 @@ a :func:`stall_timeout` block) and the store namespace its objects meet in (:fun
 """
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -15,11 +14,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .._core.stall_timeout import DEFAULT_STALL_TIMEOUT, ENV_VAR, resolve_stall_timeout
+
 __all__ = ["resolve_stall_timeout", "stall_timeout", "bound", "group_timeout", "group_store", "group_namespace",
            "StoreGroup", "DEFAULT_STALL_TIMEOUT", "ENV_VAR"]
-
-DEFAULT_STALL_TIMEOUT = 300.0
-ENV_VAR = "FANFOLD_STALL_TIMEOUT"
 
 # The phase's timeout (stall_timeout's block), or None; why a ContextVar: docs/stalls.md
 _PHASE: ContextVar[float | None] = ContextVar("fanfold_stall_timeout", default=None)
@@ -48,22 +46,6 @@ def group_store(group: Any, kind: str, rank: int) -> dist.Store:
     the same order, so the n-th of each rank meet under the same prefix, with no process-wide counter."""
     store = group_namespace(group, kind)
     return dist.PrefixStore(f"{store.add(f'instances/{rank}', 1)}/", store)
-
-
-def resolve_stall_timeout(timeout: float | timedelta | None = None) -> float:
-    """Seconds to wait for a collective: ``timeout`` if given, else ``$FANFOLD_STALL_TIMEOUT``, else 300."""
-    source = "stall_timeout"
-    if timeout is None:
-        timeout, source = os.environ.get(ENV_VAR) or DEFAULT_STALL_TIMEOUT, ENV_VAR
-    if isinstance(timeout, timedelta):
-        timeout = timeout.total_seconds()
-    try:
-        seconds = float(timeout)
-    except (TypeError, ValueError):
-        raise ValueError(f"{source} must be a number of seconds, got {timeout!r}") from None
-    if not seconds > 0:
-        raise ValueError(f"{source} must be positive, got {timeout!r}")
-    return seconds
 
 
 def group_timeout(group: Any = None) -> float | None:

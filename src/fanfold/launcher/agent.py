@@ -1,6 +1,6 @@
 """``fanfold run`` and ``launch_script``: N workers of a script on torch's elastic agent (torchrun's environment,
 rendezvous and restarts), plus: the target checked before any worker starts, a single node's rendezvous on
-127.0.0.1 behind the job's secret, and one report of the rank that failed first. docs/launching.md."""
+127.0.0.1 behind the job's secret, and one report that blames the root cause. docs/launching.md."""
 from __future__ import annotations
 
 import contextlib
@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 import tempfile
+import time
 import unittest.mock
 import uuid
 import zipfile
@@ -20,6 +21,9 @@ from torch.distributed.elastic.rendezvous.api import RendezvousInfo, RendezvousP
 from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous
 
 from .._core.job import SECRET_ENV, SECRET_FILE_ENV, STORE_ENV, JobStore, StoreServer, job_secret, new_secret
+from .._core.stall_timeout import ENV_VAR as STALL_TIMEOUT_ENV
+from .._core.stall_timeout import resolve_stall_timeout
+from .blame import Blame, blame, error_info
 from .spawn import LOOPBACK, later_failures, loopback_env
 
 _LOOPBACK_BACKEND = "fanfold-loopback"
@@ -150,14 +154,17 @@ def launch_script(
     extra_env: Mapping[str, str] | None = None,
     verbose: bool = False,
     rank_prefix: bool = False,
+    stall_timeout: float | None = None,
 ) -> int:
     """Run ``python cmd[0] cmd[1:]`` (``python -m`` with ``module=True``) in ``nproc_per_node`` processes; wait.
-    Returns 0 when every worker succeeded; else prints the rank that failed first and its traceback to stderr and
-    returns its exit code; no worker is left running. ``nnodes`` ("N" or "MIN:MAX") of 1 without ``rdzv_endpoint``
+    Returns 0 when every worker succeeded; else prints the root cause (the rank that failed first on its own, not
+    one that failed because a peer was gone, nor one the agent stopped) with its traceback to stderr and returns its
+    exit code; no worker is left running. ``nnodes`` ("N" or "MIN:MAX") of 1 without ``rdzv_endpoint``
     is a rendezvous on 127.0.0.1; more use torch's ``rdzv_backend`` at ``rdzv_endpoint`` (``node_rank``: read by
     the static backend only). ``extra_env`` is added to the workers' environment. ``verbose`` shows torch's agent
     log and every failed rank's traceback as it happens. Output arrives in whole lines; ``rank_prefix`` starts each
-    with ``[rank R] ``.
+    with ``[rank R] ``. ``stall_timeout``: seconds the workers' fanfold collectives wait for a peer
+    (``FANFOLD_STALL_TIMEOUT``; default: that variable's value here, else 300).
     """
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -175,6 +182,8 @@ def launch_script(
         raise ValueError(f"nproc_per_node must be >= 1, got {nproc_per_node!r}")
     if max_restarts < 0:
         raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
+    if stall_timeout is not None:
+        stall_timeout = resolve_stall_timeout(stall_timeout)  # ValueError naming stall_timeout
     try:
         min_nodes, max_nodes = parse_min_max_nnodes(str(nnodes))
     except (ValueError, RuntimeError) as exc:
@@ -186,6 +195,8 @@ def launch_script(
 
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads_per_worker(nproc_per_node))),
            "FANFOLD_VERBOSE": str(int(verbose)), "FANFOLD_RANK_PREFIX": str(int(rank_prefix))}
+    if stall_timeout is not None:
+        env[STALL_TIMEOUT_ENV] = repr(stall_timeout)
     single = max_nodes == 1 and not rdzv_endpoint
     if single:
         rendezvous_handler_registry.register(_LOOPBACK_BACKEND, _LoopbackRendezvous)  # idempotent
@@ -210,7 +221,7 @@ def launch_script(
     args = ["-u", shim, *(["-m"] if module else []), *cmd]
     # The agent hands os.environ to the workers (and writes to it itself): patch.dict puts everything back.
     with (tempfile.TemporaryDirectory(prefix="fanfold-run-") as logs, unittest.mock.patch.dict(os.environ, env),
-          _torch_logs(quiet=not verbose)):
+          _torch_logs(quiet=not verbose) as records):
         config = LaunchConfig(
             min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=nproc_per_node, run_id=run_id,
             rdzv_endpoint=endpoint, rdzv_backend=backend, rdzv_configs=configs, max_restarts=max_restarts,
@@ -220,8 +231,9 @@ def launch_script(
         try:
             elastic_launch(config, sys.executable)(*args)
         except ChildFailedError as err:
-            print(format_failure(err, verbose=verbose), file=sys.stderr, flush=True)
-            return _exit_code(err)
+            found = blame(err, records.stopped)
+            print(format_failure(err, verbose=verbose, found=found), file=sys.stderr, flush=True)
+            return found.exit_code
         except SignalException as exc:
             print(f"fanfold run: stopped by {exc.sigval.name}; every worker was stopped", file=sys.stderr)
             return 128 + int(exc.sigval)
@@ -232,16 +244,24 @@ _POLL_LOGGER = "torch.distributed.elastic.multiprocessing.api"  # logs "failed (
 _AGENT_LOGGER = "torch.distributed.elastic.agent.server.api"  # logs "... attempts left; will restart worker group"
 
 
-class _RestartNotice(logging.Handler):
-    """One line on stderr per restart, from torch's two records (the failure, then the restart), e.g. ``fanfold run:
-    local rank 1 (pid 41) was killed by signal SIGKILL; restarting (attempt 1 of 2)``."""
+class _AgentRecords(logging.Handler):
+    """What the launcher learns from torch's agent log records: one line on stderr per restart, from the two records
+    of a failure and its restart, e.g. ``fanfold run: local rank 1 (pid 41) was killed by signal SIGKILL; restarting
+    (attempt 1 of 2)``; and the workers the agent stopped itself (``stopped``: pid -> time.time_ns() of its signal),
+    which are never a failure's cause."""
 
-    _failure: tuple | None = None  # (exit code, local rank, pid) of the failure the agent will restart from
+    def __init__(self):
+        super().__init__()
+        self._failure: tuple | None = None  # (exit code, local rank, pid) of the failure the agent will restart from
+        self.stopped: dict[int, int] = {}
 
     def emit(self, record: logging.LogRecord) -> None:
         text = record.msg if isinstance(record.msg, str) else ""
         args = record.args if isinstance(record.args, tuple) else ()
-        if text.startswith("failed (exitcode") and len(args) >= 3:
+        if text.startswith(("Sending process", "Unable to shutdown process")) and args:  # SIGTERM, then SIGKILL
+            with contextlib.suppress(TypeError, ValueError):
+                self.stopped.setdefault(int(args[0]), time.time_ns())
+        elif text.startswith("failed (exitcode") and len(args) >= 3:
             self._failure = args[:3]  # exitcode, local rank, pid
         elif "will restart worker group" in text and "attempts left" in text and len(args) >= 4:
             left, total = int(args[2]), int(args[3])
@@ -253,14 +273,14 @@ class _RestartNotice(logging.Handler):
 
 
 @contextlib.contextmanager
-def _torch_logs(quiet: bool) -> Iterator[None]:
+def _torch_logs(quiet: bool) -> Iterator[_AgentRecords]:
     # Quiet: torch's loggers (levels of their own) log each SIGTERM and failure that the final report sums up once;
-    # the restart records reach the notice either way. Restored afterwards: this process may be a user's.
+    # the agent's records reach the notice either way. Restored afterwards: this process may be a user's.
     names = [n for n in list(logging.root.manager.loggerDict)
              if quiet and n.startswith(("torch.distributed.elastic", "torch.distributed.launcher"))]
     loggers = [logging.getLogger(n) for n in {*names, _POLL_LOGGER, _AGENT_LOGGER}]
     saved = [(lg.level, lg.propagate) for lg in loggers]
-    notice = _RestartNotice()
+    notice = _AgentRecords()
     for lg in loggers:
         if lg.name in (_POLL_LOGGER, _AGENT_LOGGER):
             lg.setLevel(logging.INFO)
@@ -269,7 +289,7 @@ def _torch_logs(quiet: bool) -> Iterator[None]:
         else:
             lg.setLevel(logging.CRITICAL)
     try:
-        yield
+        yield notice
     finally:
         for lg, (level, propagate) in zip(loggers, saved):
             lg.removeHandler(notice)
@@ -283,24 +303,16 @@ def _how(exitcode: int) -> str:
     return f"failed with exit code {exitcode}"
 
 
-def _root_cause(err) -> tuple[int, object]:
-    def when(rank_failure: tuple) -> tuple:
-        info = rank_failure[1].error_file_data.get("message")
-        if isinstance(info, dict) and "time_ns" in info.get("extraInfo", {}):
-            return int(info["extraInfo"]["time_ns"]), rank_failure[0]
-        # no error file: after any rank that recorded one in the same second
-        return rank_failure[1].timestamp * 1e9 + 1e9, rank_failure[0]
-
-    return min(err.failures.items(), key=when)
-
-
-def format_failure(err, verbose: bool = False) -> str:
-    """The report of a failed run (a ``ChildFailedError``): the rank that failed first with its traceback, the
-    ranks stopped, the ranks that failed after it (their error type; ``verbose``: their message), the exit code."""
-    rank, first = _root_cause(err)
-    info = first.error_file_data.get("message")
+def format_failure(err, verbose: bool = False, found: Blame | None = None) -> str:
+    """The report of a failed run (a ``ChildFailedError``; ``found``: its :func:`blame`, by default without the
+    agent's records): the root cause with its traceback, the ranks that failed because a peer was gone, the ranks
+    stopped, the ranks that failed on their own after it (their error type; ``verbose``: their message), the exit
+    code."""
+    found = found or blame(err)
+    rank, first = found.root, found.failure
+    info = error_info(first)
     lines = [f"fanfold run: rank {rank} (local rank {first.local_rank}, pid {first.pid}) {_how(first.exitcode)}"]
-    if isinstance(info, dict):
+    if info is not None:
         if info["extraInfo"].get("headline"):  # a fanfold diagnosis: before the traceback that ends with its details
             lines.append(f"fanfold: {info['extraInfo']['headline']}")
         lines += [f"Traceback of rank {rank}:", info["extraInfo"]["py_callstack"].rstrip()]
@@ -308,21 +320,15 @@ def format_failure(err, verbose: bool = False) -> str:
         lines.append("no Python traceback: the process was killed (any output it left is above)")
     else:
         lines.append("no Python exception was raised (sys.exit or os._exit with that code; its output is above)")
-    stopped, later = [], {}
-    for other, failure in err.failures.items():
-        msg = failure.error_file_data.get("message")
-        if other == rank:
-            continue
-        if failure.exitcode == -signal.SIGTERM and not isinstance(msg, dict):
-            stopped.append(other)  # the agent's own SIGTERM, sent when the first rank failed
-        else:
-            text = msg["message"] if isinstance(msg, dict) else ""
-            later[other] = (text if verbose else text.split(":", 1)[0]) or _how(failure.exitcode)
-    lines += later_failures("fanfold run", rank, sorted(stopped), later)
-    lines.append(f"fanfold run: exit code {_exit_code(err)}")
+
+    def what(other: int) -> str:
+        failure = err.failures[other]
+        msg = error_info(failure)
+        text = failure.error_file_data["message"]["message"] if msg is not None else ""
+        return (text if verbose else text.split(":", 1)[0]) or _how(failure.exitcode)
+
+    consequences = {r: (peers, what(r)) for r, peers in found.consequences.items()}
+    later = {r: what(r) for r in found.later}
+    lines += later_failures("fanfold run", rank, found.stopped, later, consequences)
+    lines.append(f"fanfold run: exit code {found.exit_code}")
     return "\n".join(lines)
-
-
-def _exit_code(err) -> int:
-    code = _root_cause(err)[1].exitcode
-    return code if code > 0 else 128 + (-code or 1)

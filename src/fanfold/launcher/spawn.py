@@ -188,9 +188,17 @@ def reap(procs: Sequence, grace_s: float = 3.0) -> None:
             p.join(2.0)
 
 
-def later_failures(who: str, rank: int, stopped: list[int], later: dict[int, str]) -> list[str]:
-    """The report's lines after the first failure's (``rank``): the ranks stopped, those that failed later."""
-    lines = [f"{who}: stopped the other workers (ranks {stopped})"] if stopped else []
+def later_failures(who: str, rank: int, stopped: list[int], later: dict[int, str],
+                   consequences: Mapping[int, tuple[list[int], str]] | None = None) -> list[str]:
+    """The report's lines after the root cause's (``rank``): the ranks that failed because a peer was gone
+    (``consequences``: rank -> (the peers, [] unknown; its error)), the ranks stopped, those that failed on their
+    own later (``later``: rank -> its error)."""
+    lines = []
+    for r, (peers, what) in sorted((consequences or {}).items()):
+        gone = (f"its peer rank {peers[0]} is gone" if len(peers) == 1 else
+                f"its peer ranks {peers} are gone" if peers else "a peer is gone")
+        lines.append(f"{who}: rank {r}: {gone} ({what})")
+    lines += [f"{who}: stopped the other workers (ranks {stopped})"] if stopped else []
     return lines + [f"{who}: rank {r} also failed, after rank {rank} ({what})" for r, what in sorted(later.items())]
 
 

@@ -251,14 +251,17 @@ def format_traceback(exc: BaseException, debug: bool = False) -> str:
     return "".join(report.format()) + (_HIDDEN_NOTE if hidden else "")
 
 
-def _record(exc: BaseException, text: str, line: str | None, when_ns: int) -> None:
+def _record(exc: BaseException, text: str, line: str | None, when_ns: int, gone: list[int] | None) -> None:
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
-    # time_ns: ProcessFailure keeps whole seconds only; ranks that fail in the same second are told apart by it
+    # time_ns: ProcessFailure keeps whole seconds only; ranks that fail in the same second are told apart by it.
+    # peer_gone: this failure is a consequence (the ranks whose process was gone, [] when unknown), never the cause.
     info = {"py_callstack": text, "timestamp": str(when_ns // 10**9), "time_ns": when_ns}
     if line is not None:
         info["headline"] = line
+    if gone is not None:
+        info["peer_gone"] = gone
     try:
         with open(path, "w") as fp:
             json.dump({"message": {"message": f"{type(exc).__name__}: {exc}", "extraInfo": info}}, fp)
@@ -266,12 +269,30 @@ def _record(exc: BaseException, text: str, line: str | None, when_ns: int) -> No
         print(f"fanfold run: cannot write the error file {path}: {err}", file=sys.stderr)
 
 
-# A rank whose peer died fails in its next collective with gloo's or the store's "connection closed" errors: the
-# consequence, not the cause (the cause is the peer's own traceback, or the launcher's line on how it died).
+# A rank whose peer died fails in its next collective with gloo's or the store's "connection closed" errors, or
+# fanfold's StallError naming the dead peer: the consequence, not the cause (the cause is the peer's own traceback,
+# or the launcher's line on how it died). Text too: an exception that crossed torch's C++ keeps its message only.
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "DistNetworkError")
+_GONE_RANK = re.compile(r"rank (\d+)'s process \d+ is gone|rank (\d+): [^\n]*its process \d+ is gone|rank (\d+) died")
 
 
-def _own_report(exc: BaseException, text: str) -> str:
+def peers_gone(exc: BaseException) -> list[int] | None:
+    """The ranks whose process was gone when ``exc`` (or an exception it was raised from or while handling) was
+    raised, ``[]`` when a peer is gone but not known by rank; None: not a dead peer's consequence."""
+    found, seen = None, set()
+    while exc is not None and id(exc) not in seen and len(seen) < 16:
+        seen.add(id(exc))
+        text = f"{type(exc).__name__}: {exc}"
+        ranks = list(getattr(exc, "gone", None) or ()) or [int(a or b or c) for a, b, c in _GONE_RANK.findall(text)]
+        if ranks:
+            return sorted(set(ranks))
+        if any(s in text for s in _PEER_GONE):
+            found = []
+        exc = exc.__cause__ or exc.__context__
+    return found
+
+
+def _own_report(exc: BaseException, text: str, gone: list[int] | None) -> str:
     # The launcher shows the traceback of the rank that failed first once the run has failed; a failure the agent
     # restarts from is labelled here; --verbose shows every rank's.
     verbose = os.environ.get("FANFOLD_VERBOSE") == "1"
@@ -279,7 +300,7 @@ def _own_report(exc: BaseException, text: str) -> str:
     if done >= allowed:
         return text if verbose else ""
     rank, label = os.environ["RANK"], f"restarting (attempt {done + 1} of {allowed})"
-    if not verbose and any(s in f"{type(exc).__name__}: {exc}" for s in _PEER_GONE):
+    if not verbose and gone is not None:
         return (f"fanfold run: rank {rank} also failed: a peer is gone ({type(exc).__name__}); {label} "
                 f"(--verbose shows its traceback)\n")
     return f"fanfold run: rank {rank} failed; {label}. Traceback of rank {rank}:\n{text}"
@@ -316,9 +337,10 @@ def main(argv: list[str]) -> int:
             text, line = format_traceback(exc, debug_tracebacks()), headline(exc)
         except Exception:  # noqa: BLE001 - the failure must be reported, if not as fanfold would show it
             text, line = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)), None
-        sys.stderr.write(_own_report(exc, text if line is None else f"fanfold: {line}\n{text}"))
+        gone = peers_gone(exc)
+        sys.stderr.write(_own_report(exc, text if line is None else f"fanfold: {line}\n{text}", gone))
         sys.stderr.flush()
-        _record(exc, text, line, when_ns)
+        _record(exc, text, line, when_ns, gone)
         return 1
     finally:
         for stream in streams:

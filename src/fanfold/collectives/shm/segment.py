@@ -205,7 +205,7 @@ class Segment:
             if self._abort.value:  # a survivor that gave up and left is dead too: its diagnosis names the victim
                 self._fail_aborted(describe, p, k)
             gone = "; ".join(f"rank {q}'s process {self.pid(q)} is gone" for q in dead)
-            self._fail(describe, p, k, f" ({gone})", dead)
+            self._fail(describe, p, k, f" ({gone})", dead, dead)
         return left
 
     def _behind(self, k: int) -> list[int]:
@@ -217,16 +217,19 @@ class Segment:
         mask = int.from_bytes(ctypes.string_at(self.base + _ABORT_MISSING, _MISSING_RANKS // 8), "little")
         named = [q for q in range(min(self.world_size, _MISSING_RANKS)) if mask >> q & 1]
         message = ctypes.string_at(self.base + _MSG).decode(errors="replace")
-        self._fail(describe, p, k, f"; rank {self._abort.value - 1} gave up first: {message}", named or None)
+        dead = [q for q in named if self.check_pids and not shm.alive(self.pid(q))]  # then a death's consequence
+        self._fail(describe, p, k, f"; rank {self._abort.value - 1} gave up first: {message}", named or None, dead)
 
-    def _fail(self, describe: Any, p: int, k: int | None, why: str, missing: list[int] | None = None) -> None:
+    def _fail(self, describe: Any, p: int, k: int | None, why: str, missing: list[int] | None = None,
+              gone: list[int] | None = None) -> None:
         doing, seq, bucket = describe()
         if missing is None:
             missing = (self._behind(k) if k is not None else []) or [p]
         who = f"rank {missing[0]}" if len(missing) == 1 else f"ranks {missing}"
         raise ShmTimeoutError(
             f"fanfold shm transport: rank {self.rank} of {self.world_size} waited in {doing} for {who}, which never "
-            f"arrived{why}", rank=self.rank, missing=missing, seq=seq, bucket=bucket, kind=doing.split(" of ", 1)[0])
+            f"arrived{why}", rank=self.rank, missing=missing, seq=seq, bucket=bucket, kind=doing.split(" of ", 1)[0],
+            gone=gone)
 
     def peer_failed(self, p: int, describe: Any, exc: OSError) -> None:
         # a failed read of rank p's memory: ShmTimeoutError naming p where it died, the abort's, else RuntimeError
@@ -241,7 +244,7 @@ class Segment:
             raise ShmTimeoutError(
                 f"fanfold shm transport: rank {self.rank} of {self.world_size} could not read rank {p}'s memory in "
                 f"{doing}: rank {p} died ({exc})", rank=self.rank, missing=[p], seq=seq, bucket=bucket,
-                kind=doing.split(" of ", 1)[0]) from exc
+                kind=doing.split(" of ", 1)[0], gone=[p]) from exc
         raise RuntimeError(f"fanfold shm transport: rank {self.rank} could not read rank {p}'s memory in "
                            f"{describe()[0]}: {exc}") from exc
 
