@@ -262,9 +262,13 @@ def _record(exc: BaseException, text: str, line: str | None, when_ns: int, gone:
         info["headline"] = line
     if gone is not None:
         info["peer_gone"] = gone
+    # Written aside and renamed into place: the agent may SIGTERM this rank while it writes, and torch's agent
+    # reads the file with json.load, which raises on a half-written one (the whole run's report lost).
+    part = f"{path}.{os.getpid()}.part"
     try:
-        with open(path, "w") as fp:
+        with open(part, "w") as fp:
             json.dump({"message": {"message": f"{type(exc).__name__}: {exc}", "extraInfo": info}}, fp)
+        os.replace(part, path)
     except OSError as err:
         print(f"fanfold run: cannot write the error file {path}: {err}", file=sys.stderr)
 
