@@ -22,6 +22,8 @@ from urllib.parse import urlparse
 
 import torch.distributed as dist
 
+from .rounds import agent_store_shared, round_store
+
 SECRET_ENV = "FANFOLD_JOB_SECRET"
 SECRET_FILE_ENV = "FANFOLD_JOB_SECRET_FILE"
 STORE_ENV = "FANFOLD_JOB_STORE"  # "1": MASTER_ADDR:MASTER_PORT is a StoreServer (fanfold's launchers set it)
@@ -342,7 +344,9 @@ class JobStore(dist.Store):
 def install_env_rendezvous() -> None:
     """Make torch's ``env://`` rendezvous join the job's authenticated store when the environment holds a job
     secret: the launcher's at MASTER_ADDR:MASTER_PORT (``FANFOLD_JOB_STORE=1``), else (torchrun) one rank 0 serves.
-    torch's registry entry is swapped for a handler that delegates to the one it replaced. Idempotent."""
+    Under torchrun's shared agent store, the ranks meet under a prefix of their round's own (``rounds.py``): a
+    restarted round never reads the keys of the round before it. torch's registry entry is swapped for a handler
+    that delegates to the one it replaced. Idempotent."""
     rdzv = importlib.import_module("torch.distributed.rendezvous")  # the module: the package exports a function
     torch_env = rdzv._rendezvous_handlers["env"]
     if getattr(torch_env, "fanfold_job_store", False):
@@ -350,22 +354,30 @@ def install_env_rendezvous() -> None:
 
     def env_handler(url: str, timeout: timedelta = timedelta(minutes=30), **kwargs):
         secret = job_secret()
-        if secret is None:
+        fanfold_store = secret is not None and os.environ.get(STORE_ENV) == "1"
+        shared = agent_store_shared() and not fanfold_store
+        if secret is None and not shared:
             yield from torch_env(url, timeout=timeout, **kwargs)
             return
+        if secret is None:
+            torch_store, rank, world_size = next(torch_env(url, timeout=timeout, **kwargs))
+            yield round_store(torch_store, rank, world_size, timeout), rank, world_size
+            raise RuntimeError("env:// rendezvous in torchrun's shared store cannot be re-run")
         query = dict(pair.split("=", 1) for pair in urlparse(url).query.split("&") if "=" in pair)
         rank = int(query.get("rank", os.environ.get("RANK", "-1")))
         world_size = int(query.get("world_size", os.environ.get("WORLD_SIZE", "-1")))
         if rank < 0 or world_size < 1:
             raise ValueError(f"env:// rendezvous: RANK={rank} and WORLD_SIZE={world_size} must be set")
         addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-        if os.environ.get(STORE_ENV) == "1":
+        if fanfold_store:
             store = JobStore(addr, port, secret, timeout)
         else:
             # Under torchrun, MASTER_ADDR:MASTER_PORT is torch's TCPStore, open to anyone: it holds only the address
             # of the store rank 0 serves. An impostor who rewrites it makes the ranks refuse to start, never join it.
             bootstrap = rdzv._create_c10d_store(addr, port, rank, world_size, timeout)
-            key = f"fanfold/job_store/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+            if shared:  # else the store is new every round (rank 0's, at a new port)
+                bootstrap = round_store(bootstrap, rank, world_size, timeout)
+            key = "fanfold/job_store"
             server = None
             if rank == 0:
                 local = addr == "localhost" or addr.startswith("127.")
