@@ -27,6 +27,7 @@ from torch._C._distributed_c10d import (
     _create_work_from_future,
 )
 
+from .._core.eager import eager
 from .hierarchical import HierarchicalTransport
 from .protocol import FanfoldWork, StallError, Transport, completed_work, failed_work
 from .select import ENV_VAR, choose, host_views
@@ -190,13 +191,9 @@ def _torch_method(name: str, impl: Callable[..., dist.Work | None], gloo: str | 
     torch.compile dynamo calls it instead of tracing into it (torch's DDP broadcasts its buffers from the traced
     forward): a collective runs the transport's threads, locks and futures, which no graph holds."""
 
-    @torch.compiler.disable
-    def eager(self: FanfoldProcessGroup, *args: Any, **kwargs: Any) -> dist.Work:
-        return method(self, *args, **kwargs)
-
     def method(self: FanfoldProcessGroup, *args: Any, **kwargs: Any) -> dist.Work:
         if torch.compiler.is_compiling():  # a graph break to ``eager``; outside dynamo, no disable wrapper a call
-            return eager(self, *args, **kwargs)
+            return eager(method, self, *args, **kwargs)
         *arguments, opts = _read(name, args, kwargs)
         work = impl(self, *arguments, opts)
         if work is None:

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from .._core.devices import normalize_device
+from .._core.eager import eager
 from .._core.tree import flatten, unflatten
 from ..collectives.objects import all_gather_object
 from ..collectives.protocol import Transport
@@ -317,14 +318,13 @@ class DistributedDataParallel(nn.Module):
                 t._ddp_ignored = True  # torch's mark, read by its FSDP and by torch.compile's DDP optimizer
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        inputs, kwargs, sync = self._pre_forward(inputs, kwargs)
+        # Under torch.compile only the module is traced: the bookkeeping and collectives around it run eagerly, as
+        # torch's DDP keeps its own out of the graph (dynamo cannot trace the transports' threads, finalizers, locks).
+        inputs, kwargs, sync = eager(self._pre_forward, inputs, kwargs)
         out = self.module(*inputs, **kwargs)
-        self._post_forward(out, sync)
+        eager(self._post_forward, out, sync)
         return out
 
-    # Under torch.compile only the module is traced: the bookkeeping and collectives around it run eagerly, as
-    # torch's DDP keeps its own out of the graph (dynamo cannot trace the transports' threads, finalizers and locks).
-    @torch.compiler.disable
     def _pre_forward(self, inputs: tuple, kwargs: dict) -> tuple[tuple, dict, bool]:
         self._ensure_built()
         if self.reducer.unfinished is not None and torch.is_grad_enabled():
@@ -350,7 +350,6 @@ class DistributedDataParallel(nn.Module):
             inputs, kwargs = self._mp.cast((inputs, kwargs))
         return inputs, kwargs, sync
 
-    @torch.compiler.disable
     def _post_forward(self, out: Any, sync: bool) -> None:
         grad = torch.is_grad_enabled()
         self.require_forward_param_sync = sync

@@ -17,16 +17,12 @@ import zipfile
 from collections.abc import Iterator, Mapping, Sequence
 
 import torch
-from torch.distributed.elastic.rendezvous.api import RendezvousInfo, RendezvousParameters, RendezvousStoreInfo
-from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous
 
-from .._core.job import SECRET_ENV, SECRET_FILE_ENV, STORE_ENV, JobStore, StoreServer, job_secret, new_secret
+from .._core.job import SECRET_ENV, SECRET_FILE_ENV, STORE_ENV, job_secret, new_secret
 from .._core.stall_timeout import ENV_VAR as STALL_TIMEOUT_ENV
 from .._core.stall_timeout import resolve_stall_timeout
 from .blame import Blame, blame, error_info
 from .spawn import LOOPBACK, later_failures, loopback_env
-
-_LOOPBACK_BACKEND = "fanfold-loopback"
 
 
 def default_nproc_per_node() -> int:
@@ -114,32 +110,6 @@ def check_module(module: str) -> None:
         _compiles(spec.origin, f"module {spec.name!r} ({spec.origin})")
 
 
-class _LoopbackRendezvous(StaticTCPRendezvous):
-    """Rendezvous of a single node: this agent is node 0 of 1, the store's socket listens on 127.0.0.1 only."""
-
-    def __init__(self, params: RendezvousParameters):
-        super().__init__(LOOPBACK, 0, 0, 1, params.run_id, params.get_as_int("timeout", 900))
-        # from the environment launch_script set up, never from params: torch logs its launch config
-        self._secret, self._server = job_secret(), None
-
-    def get_backend(self) -> str:
-        return _LOOPBACK_BACKEND  # torch checks the handler's backend against the one it asked the registry for
-
-    def next_rendezvous(self) -> RendezvousInfo:
-        # A fresh store for every round: restarted workers must not read the keys of the round that failed.
-        self.shutdown()
-        self._server = StoreServer(self._secret, host=LOOPBACK)
-        self._store = JobStore(LOOPBACK, self._server.port, self._secret, self.timeout)  # the agent's own client
-        return RendezvousInfo(self._store, 0, 1, RendezvousStoreInfo(LOOPBACK, self._server.port))
-
-    def shutdown(self) -> bool:
-        for part in (self._store, self._server):
-            if part is not None:
-                part.close()
-        self._store = self._server = None
-        return True
-
-
 def launch_script(
     cmd: Sequence[str],
     *,
@@ -173,6 +143,9 @@ def launch_script(
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
     from torch.distributed.run import parse_min_max_nnodes
 
+    from .loopback import BACKEND as _LOOPBACK_BACKEND
+    from .loopback import LoopbackRendezvous
+
     cmd = [str(c) for c in cmd]
     if not cmd:
         raise ValueError("no script given; expected a script path and its arguments")
@@ -199,7 +172,7 @@ def launch_script(
         env[STALL_TIMEOUT_ENV] = repr(stall_timeout)
     single = max_nodes == 1 and not rdzv_endpoint
     if single:
-        rendezvous_handler_registry.register(_LOOPBACK_BACKEND, _LoopbackRendezvous)  # idempotent
+        rendezvous_handler_registry.register(_LOOPBACK_BACKEND, LoopbackRendezvous)  # idempotent
         backend, endpoint, run_id, configs = _LOOPBACK_BACKEND, f"{LOOPBACK}:0", uuid.uuid4().hex, {}
         env.update(loopback_env())
         if job_secret() is None:  # the workers find it in their environment, never on a command line
