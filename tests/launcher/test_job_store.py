@@ -163,11 +163,12 @@ def test_secret_from_env_or_a_private_file(tmp_path, monkeypatch):
             monkeypatch.setenv(name, value)
         return job_secret()
 
+    in_file, in_env = secrets.token_hex(16), secrets.token_hex(16)
     path = tmp_path / "secret"
-    path.write_text("  s3cret\n")
+    path.write_text(f"  {in_file}\n")
     path.chmod(0o600)
-    assert secret_with(FANFOLD_JOB_SECRET_FILE=str(path)) == b"s3cret"
-    assert secret_with(FANFOLD_JOB_SECRET="from-env", FANFOLD_JOB_SECRET_FILE=str(path)) == b"from-env"
+    assert secret_with(FANFOLD_JOB_SECRET_FILE=str(path)) == in_file.encode()
+    assert secret_with(FANFOLD_JOB_SECRET=in_env, FANFOLD_JOB_SECRET_FILE=str(path)) == in_env.encode()
     assert secret_with() is None
     path.chmod(0o640)
     with pytest.raises(PermissionError, match=r"has mode 0640: other users may read or write it; .*chmod 600"):

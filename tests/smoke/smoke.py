@@ -18,6 +18,7 @@ import functools
 import importlib.util
 import io
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -429,7 +430,16 @@ def command_train(tmp: str) -> None:
     assert run.returncode == 2 and "fanfold[train]" in run.stderr, (run.returncode, run.stderr[-2000:])
 
 
-COMMANDS = {"demo": command_demo, "run": command_run, "doctor": command_doctor, "train": command_train}
+def command_secret(tmp: str) -> None:
+    printed = subprocess.run(["fanfold", "secret"], cwd=tmp, capture_output=True, text=True, timeout=120)
+    assert printed.returncode == 0 and re.fullmatch(r"[0-9a-f]{64}\n", printed.stdout), printed
+    path = Path(tmp, "job-secret")
+    _fanfold(["secret", "--file", str(path)], tmp)
+    assert path.stat().st_mode & 0o777 == 0o600 and re.fullmatch(r"[0-9a-f]{64}\n", path.read_text())
+
+
+COMMANDS = {"demo": command_demo, "run": command_run, "doctor": command_doctor, "train": command_train,
+            "secret": command_secret}
 
 
 def _fanfold(args: list[str], cwd: str) -> None:

@@ -58,3 +58,50 @@ def test_a_killed_writers_file_is_removed_and_a_live_writers_kept(tmp_path):
     finally:
         live.kill()
         live.wait(timeout=30)
+
+
+def _boot():
+    return open("/proc/sys/kernel/random/boot_id").read().strip().replace("-", "")[:16]
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/sys/kernel/random/boot_id"),
+                    reason="no boot id: no writer is judged dead")
+def test_save_removes_no_file_or_link_it_did_not_create(tmp_path, monkeypatch):
+    # A shared sticky directory, as /tmp: another user plants names the clean-up of dead writers' files would match,
+    # and the name save's own temporary file would take first. save removes none of them and writes the checkpoint.
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    target = shared / "ckpt.pt"
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(timeout=60)  # a pid that no longer exists: a dead writer's, by the name
+    stale = f".ckpt.pt.{_boot()}.{gone.pid}"
+    canary = tmp_path / "canary"
+    canary.write_bytes(b"precious")
+    link = shared / f"{stale}.0000000a.tmp"
+    link.symlink_to(canary)
+    own = shared / f"{stale}.0000000c.tmp"  # the positive control: a dead writer's file of this user goes
+    own.write_bytes(b"left by a killed save")
+    planted = [link]
+    if os.geteuid() == 0:  # root can make another user's files; others plant links only
+        foreign = shared / f"{stale}.0000000b.tmp"
+        foreign.write_bytes(b"another user's file")
+        os.chown(foreign, 65534, 65534)
+        os.lchown(link, 65534, 65534)
+        squat = shared / f".ckpt.pt.{_boot()}.{os.getpid()}.deadbeef.tmp"  # where this save's first try goes
+        squat.write_bytes(b"another user's file")
+        os.chown(squat, 65534, 65534)
+        planted += [foreign, squat]
+        tokens = iter(["deadbeef"])
+        real = fanfold.training.checkpoint.secrets.token_hex
+        monkeypatch.setattr(fanfold.training.checkpoint.secrets, "token_hex", lambda n: next(tokens, None) or real(n))
+    before = {p: (os.lstat(p).st_ino, os.lstat(p).st_uid) for p in planted}
+    state = {"w": torch.arange(5.0), "step": 3}
+    fanfold.save(target, state)
+    assert {p: (os.lstat(p).st_ino, os.lstat(p).st_uid) for p in planted if os.path.lexists(p)} == before
+    assert os.path.islink(link) and canary.read_bytes() == b"precious"
+    assert not own.exists()
+    loaded = torch.load(target, weights_only=True)  # torch's own reader as the oracle
+    assert torch.equal(loaded["w"], state["w"]) and loaded["step"] == 3
+    plain = fanfold.load(target, {"w": None, "step": None})
+    assert torch.equal(plain["w"], state["w"]) and plain["step"] == 3

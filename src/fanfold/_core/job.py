@@ -1,12 +1,17 @@
 """The job this process belongs to: its rank and world size, and its rendezvous store: a key-value server admitting
 only processes that prove the job's secret (HMAC-SHA256 both ways; ``FANFOLD_JOB_SECRET`` or a 0600 file named by
-``FANFOLD_JOB_SECRET_FILE``) and its client, a ``torch.distributed.Store``. Threat model: docs/reliability.md."""
+``FANFOLD_JOB_SECRET_FILE``; at least 128 bits as written) and its client, a ``torch.distributed.Store``.
+Connections that have not proved the secret are bounded in number, in time and in failed guesses per address, so
+that a flood or a guesser does not keep the job's own clients out. Threat model: docs/reliability.md."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import hmac
 import importlib
+import logging
 import os
+import resource
 import secrets
 import socket
 import stat
@@ -15,6 +20,7 @@ import threading
 import time
 import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from hashlib import sha256
 from typing import Any
@@ -31,7 +37,16 @@ STORE_ENV = "FANFOLD_JOB_STORE"  # "1": MASTER_ADDR:MASTER_PORT is a StoreServer
 _HELLO = b"fanfold-store/1\n"
 _NONCE = 32
 _DIGEST = 32
-_HANDSHAKE_S = 10.0  # a connection that has not proved the secret by then is closed
+_HANDSHAKE_S = 10.0  # how long a client waits for the server's greeting and its proof
+_PROOF_S = 5.0  # a connection that has not proved the secret this long after its greeting is closed
+_PENDING_PER_SOURCE = 8  # connections from one address that have not proved the secret yet
+_EVICT_AFTER_S = 1.0  # past a cap, an unproved connection this old makes room for a new one
+_FREE_FAILURES = 5  # failed proofs from one address before its next connections are greeted only after a pause
+_PAUSE_MAX_S = 2.0
+_FAILURE_WINDOW_S = 60.0  # failures older than this are forgotten; one log line per source per window
+MIN_SECRET_CHARS = 32  # 128 bits written as hex digits, more in any larger alphabet
+_MIN_DISTINCT = 8  # "aaaa..." is long but no secret
+_log = logging.getLogger(__name__)
 _OK, _TIMEOUT, _ERROR = b"\x00", b"\x01", b"\x02"
 
 
@@ -63,37 +78,70 @@ def new_secret() -> str:
     return secrets.token_hex(32)
 
 
-def job_secret() -> bytes | None:
-    """The job's secret from ``FANFOLD_JOB_SECRET``, else the stripped content of the file named by
-    ``FANFOLD_JOB_SECRET_FILE``, which must be a regular file of this user closed to others (PermissionError
-    otherwise); None when neither is set."""
-    value = os.environ.get(SECRET_ENV)
-    if value:
-        return value.encode()
-    path = os.environ.get(SECRET_FILE_ENV)
-    if not path:
-        return None
+def check_secret(secret: bytes, where: str) -> bytes:
+    """``secret`` when it is at least :data:`MIN_SECRET_CHARS` long with at least 8 different characters (128 bits if
+    it is hex digits, more otherwise: fanfold cannot tell a random secret from a guessable one of the same length);
+    PermissionError naming ``where`` and how to make one otherwise."""
+    if len(secret) < MIN_SECRET_CHARS or len(set(secret)) < _MIN_DISTINCT:
+        raise PermissionError(
+            f"{where} is too weak to guard the job's store: {len(secret)} characters, {len(set(secret))} different; a "
+            f"job secret needs at least {MIN_SECRET_CHARS} characters (128 bits as hex digits), at least "
+            f"{_MIN_DISTINCT} of them different. Make one with `fanfold secret` (prints 64 random hex digits) or "
+            f"`fanfold secret --file PATH` (writes them to a new file only you can read, for {SECRET_FILE_ENV})")
+    return secret
+
+
+_KINDS = {stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFDIR: "a directory", stat.S_IFCHR: "a character device",
+          stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket", stat.S_IFLNK: "a symbolic link"}
+
+
+def _secret_file(path: str) -> bytes:
+    """The stripped content of ``path``: a regular file of this user closed to others; anything else (a FIFO, a
+    device, a directory, a socket, a symbolic link) is refused before it is read, at once."""
+    where = f"{SECRET_FILE_ENV}={path!r}"
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        before = os.lstat(path)  # judged before opening: opening a FIFO waits for a writer, a device may act
     except OSError as exc:
-        raise PermissionError(f"{SECRET_FILE_ENV}={path!r} cannot be opened: {exc.strerror} (a symbolic link is "
-                              f"refused: name the file itself)") from None
+        raise PermissionError(f"{where} cannot be read: {exc.strerror}") from None
+    if not stat.S_ISREG(before.st_mode):
+        kind = _KINDS.get(stat.S_IFMT(before.st_mode), "not a regular file")
+        raise PermissionError(f"{where} is {kind}, not a regular file: name the file that holds the secret itself "
+                              f"(a symbolic link is refused too)")
+    try:
+        # O_NONBLOCK: a FIFO swapped in since the lstat does not block the open; it is refused below
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise PermissionError(f"{where} cannot be opened: {exc.strerror} (a symbolic link is refused: name the "
+                              f"file itself)") from None
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise PermissionError(f"{SECRET_FILE_ENV}={path!r} is not a regular file")
+        if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != (before.st_dev, before.st_ino):
+            raise PermissionError(f"{where} was replaced while being opened; not read")
         if st.st_uid != os.geteuid():
-            raise PermissionError(f"{SECRET_FILE_ENV}={path!r} belongs to uid {st.st_uid}, not to this job's user "
+            raise PermissionError(f"{where} belongs to uid {st.st_uid}, not to this job's user "
                                   f"(uid {os.geteuid()})")
         if st.st_mode & 0o077:
-            raise PermissionError(f"{SECRET_FILE_ENV}={path!r} has mode {stat.S_IMODE(st.st_mode):04o}: other users "
+            raise PermissionError(f"{where} has mode {stat.S_IMODE(st.st_mode):04o}: other users "
                                   f"may read or write it; make it readable by its owner only: chmod 600 {path}")
         data = os.read(fd, 1 << 20).strip()  # a regular file: read whole unless it is larger (no secret is)
     finally:
         os.close(fd)
     if not data:
-        raise PermissionError(f"{SECRET_FILE_ENV}={path!r} is empty")
+        raise PermissionError(f"{where} is empty")
     return data
+
+
+def job_secret() -> bytes | None:
+    """The job's secret from ``FANFOLD_JOB_SECRET``, else the stripped content of the file named by
+    ``FANFOLD_JOB_SECRET_FILE``, which must be a regular file of this user closed to others; either must pass
+    :func:`check_secret`. PermissionError otherwise; None when neither is set."""
+    value = os.environ.get(SECRET_ENV)
+    if value:
+        return check_secret(value.encode(), SECRET_ENV)
+    path = os.environ.get(SECRET_FILE_ENV)
+    if not path:
+        return None
+    return check_secret(_secret_file(path), f"the secret in {SECRET_FILE_ENV}={path!r}")
 
 
 def _proof(secret: bytes, side: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
@@ -124,9 +172,110 @@ def _recv(sock: socket.socket) -> list[bytes]:
     return [_recv_exact(sock, struct.unpack("!I", _recv_exact(sock, 4))[0]) for _ in range(n)]
 
 
+def _recv_by(sock: socket.socket, n: int, deadline: float) -> bytes:
+    """``n`` bytes before ``deadline`` (time.monotonic), however slowly they trickle in; TimeoutError otherwise."""
+    data = bytearray()
+    while len(data) < n:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the handshake's deadline passed")
+        sock.settimeout(left)
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError("the store connection was closed by the other end")
+        data += chunk
+    return bytes(data)
+
+
+@dataclass
+class _Unproved:
+    """A connection that has not proved the secret yet."""
+
+    conn: socket.socket
+    source: str
+    since: float
+
+
+@dataclass
+class _Failures:
+    """Failed proofs from one address within the window."""
+
+    count: int = 0
+    last: float = 0.0
+    logged: float = float("-inf")
+
+
+class _Gate:
+    """Admission before the secret is proved, so that a flood takes neither the server's handles nor its threads:
+    at most ``per_source`` unproved connections from one address and ``total`` in all. A connection past a cap
+    replaces the oldest unproved one that has had ``_EVICT_AFTER_S`` to prove itself (an idle intruder's), or is
+    closed before its greeting (a client of the job tries again). Failed proofs are counted by address: past
+    ``_FREE_FAILURES`` within ``_FAILURE_WINDOW_S``, that address's connections are greeted only after a pause
+    growing to ``_PAUSE_MAX_S``, which bounds its guesses to ``per_source`` per pause."""
+
+    def __init__(self, per_source: int, total: int):
+        self.per_source, self.total = per_source, total
+        self._lock = threading.Lock()
+        self._unproved: dict[socket.socket, _Unproved] = {}
+        self._failures: dict[str, _Failures] = {}
+
+    def enter(self, conn: socket.socket, source: str) -> bool:
+        now = time.monotonic()
+        with self._lock:
+            crowd = [u for u in self._unproved.values() if u.source == source]
+            if len(crowd) < self.per_source:
+                crowd = list(self._unproved.values()) if len(self._unproved) >= self.total else []
+            if crowd:
+                oldest = min(crowd, key=lambda u: u.since)
+                if now - oldest.since < _EVICT_AFTER_S:
+                    return False
+                self._evict(oldest)
+            self._unproved[conn] = _Unproved(conn, source, now)
+            return True
+
+    def evict_oldest(self) -> None:
+        """Free a handle: out of them, the oldest unproved connection goes, however young."""
+        with self._lock:
+            if self._unproved:
+                self._evict(min(self._unproved.values(), key=lambda u: u.since))
+
+    def _evict(self, victim: _Unproved) -> None:
+        del self._unproved[victim.conn]
+        # shut down, not closed: its own thread closes it, so its descriptor cannot be reused under that thread
+        with contextlib.suppress(OSError):
+            victim.conn.shutdown(socket.SHUT_RDWR)
+
+    def leave(self, conn: socket.socket) -> None:
+        """``conn`` no longer counts: it proved the secret, or it is gone."""
+        with self._lock:
+            self._unproved.pop(conn, None)
+
+    def pause(self, source: str) -> float:
+        with self._lock:
+            f = self._failures.get(source)
+            if f is None or f.count <= _FREE_FAILURES or time.monotonic() - f.last > _FAILURE_WINDOW_S:
+                return 0.0
+            return min(_PAUSE_MAX_S, 0.25 * 2 ** (f.count - _FREE_FAILURES - 1))
+
+    def failed(self, source: str) -> int:
+        """Count a failed proof from ``source``; the failures to report when this source is due a log line, else 0."""
+        now = time.monotonic()
+        with self._lock:
+            if len(self._failures) > 4096:  # many addresses (127.0.0.0/8 is all loopback): forget the stale ones
+                self._failures = {k: v for k, v in self._failures.items() if now - v.last <= _FAILURE_WINDOW_S}
+            f = self._failures.setdefault(source, _Failures())
+            if now - f.last > _FAILURE_WINDOW_S:
+                f.count = 0
+            f.count, f.last = f.count + 1, now
+            if now - f.logged < _FAILURE_WINDOW_S:
+                return 0
+            f.logged = now
+            return f.count
+
+
 class StoreServer:
     """Serves one job's keys on ``host`` (a free port) to clients that prove ``secret``. One thread accepting, one
-    per connection."""
+    per connection; unproved connections are bounded (:class:`_Gate`) and have ``_PROOF_S`` to prove the secret."""
 
     def __init__(self, secret: bytes, host: str = "127.0.0.1"):
         self._secret = secret
@@ -135,6 +284,10 @@ class StoreServer:
         self._store = dist.HashStore()  # a TCPStore's semantics; its waits release the GIL
         self._conns: set[socket.socket] = set()
         self._closed = False
+        handles = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        handles = 1 << 16 if handles == resource.RLIM_INFINITY else handles
+        # a quarter of this process's handles at most, so that a flood leaves the job's own the rest
+        self._gate = _Gate(_PENDING_PER_SOURCE, max(_PENDING_PER_SOURCE, min(128, handles // 4)))
         threading.Thread(target=self._accept, name=f"fanfold-store-{self.port}", daemon=True).start()
 
     def close(self) -> None:
@@ -145,29 +298,59 @@ class StoreServer:
             s.close()
 
     def _accept(self) -> None:
+        backoff = 0.01
         while not self._closed:
             try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                return
+                conn, peer = self._sock.accept()
+            except OSError as exc:
+                if self._closed or exc.errno in (errno.EBADF, errno.EINVAL, errno.ENOTSOCK):
+                    return  # the listening socket is closed
+                # Out of handles (EMFILE, ENFILE) or memory (ENOBUFS, ENOMEM), or a connection that died in the
+                # backlog: none is the end of the store. Make room if handles ran out, wait, and accept again.
+                if exc.errno in (errno.EMFILE, errno.ENFILE):
+                    self._gate.evict_oldest()
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 0.5)
+                continue
+            backoff = 0.01
+            if not self._gate.enter(conn, peer[0]):
+                conn.close()
+                continue
             self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+            try:
+                threading.Thread(target=self._serve, args=(conn, peer[0]), daemon=True).start()
+            except RuntimeError:  # no thread to be had now: as if out of handles
+                self._gate.leave(conn)
+                self._conns.discard(conn)
+                conn.close()
+                time.sleep(backoff)
 
-    def _admit(self, conn: socket.socket) -> bool:
-        conn.settimeout(_HANDSHAKE_S)
+    def _admit(self, conn: socket.socket, source: str) -> bool:
+        pause = self._gate.pause(source)
+        if pause:
+            time.sleep(pause)
+        deadline = time.monotonic() + _PROOF_S  # a whole deadline: a proof trickled in byte by byte gains nothing
         server_nonce = secrets.token_bytes(_NONCE)
+        conn.settimeout(_PROOF_S)
         conn.sendall(_HELLO + server_nonce)
-        reply = _recv_exact(conn, _NONCE + _DIGEST)
+        reply = _recv_by(conn, _NONCE + _DIGEST, deadline)
         client_nonce, proof = reply[:_NONCE], reply[_NONCE:]
         if not hmac.compare_digest(proof, _proof(self._secret, b"client", server_nonce, client_nonce)):
+            failures = self._gate.failed(source)
+            if failures:
+                _log.warning("fanfold's job store on port %d: %s failed the handshake, %d time(s) so far (a process "
+                             "without this job's secret); past %d failures its connections are greeted only after a "
+                             "pause; this address is reported at most once every %g s",
+                             self.port, source, failures, _FREE_FAILURES, _FAILURE_WINDOW_S)
             return False
+        self._gate.leave(conn)
         conn.sendall(_proof(self._secret, b"server", server_nonce, client_nonce))
         conn.settimeout(None)  # an admitted client may stay idle for the whole job
         return True
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _serve(self, conn: socket.socket, source: str) -> None:
         try:
-            admitted = self._admit(conn)
+            admitted = self._admit(conn, source)
             while admitted and not self._closed:
                 request = _recv(conn)
                 try:
@@ -176,8 +359,9 @@ class StoreServer:
                     answer = [_ERROR, f"malformed store request: {type(exc).__name__}: {exc}".encode()]
                 _send(conn, *answer)
         except (OSError, ConnectionError, struct.error):
-            pass  # the client went away (or never proved the secret in time)
+            pass  # the client went away (or never proved the secret in time, or was evicted)
         finally:
+            self._gate.leave(conn)  # gone: no longer counted
             self._conns.discard(conn)
             conn.close()
 
@@ -229,16 +413,25 @@ class JobStore(dist.Store):
         while True:
             try:
                 sock = socket.create_connection((host, port), timeout=_HANDSHAKE_S)
-                break
             except OSError as exc:  # nothing listens yet (refused, unreachable, timed out)
-                if time.monotonic() + delay > deadline:
-                    raise dist.DistStoreError(f"fanfold's job store at {self._where} did not answer within "
-                                              f"{timeout:g} s: {exc}") from None
-                time.sleep(delay)
-                delay = min(delay * 2, 1.0)
+                error = exc
+            else:
+                try:
+                    hello = _recv_exact(sock, len(_HELLO) + _NONCE)
+                    break
+                except ConnectionError as exc:  # closed before its greeting: a server busy with a flood; again
+                    sock.close()
+                    error = exc
+                except BaseException:
+                    sock.close()
+                    raise
+            if time.monotonic() + delay > deadline:
+                raise dist.DistStoreError(f"fanfold's job store at {self._where} did not answer within "
+                                          f"{timeout:g} s: {error}") from None
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            hello = _recv_exact(sock, len(_HELLO) + _NONCE)
             if not hello.startswith(_HELLO):
                 raise AuthenticationError(f"{self._where} is not fanfold's job store (it greeted with {hello[:16]!r})")
             server_nonce, client_nonce = hello[len(_HELLO):], secrets.token_bytes(_NONCE)

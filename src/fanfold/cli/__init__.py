@@ -10,6 +10,8 @@ _COMMANDS = {
     "run": ("fanfold.cli.run", "launch N worker processes of a script (torchrun's contract, tracebacks shown)"),
     "train": ("fanfold.cli.train", "the main job: data-parallel CNN training on the digits dataset"),
     "doctor": ("fanfold.cli.doctor", "what fanfold will do on this machine and why (exit 1 if something is missing)"),
+    "secret": ("fanfold.cli.secret", "a new job secret (256 random bits) for FANFOLD_JOB_SECRET or, with --file, "
+                                     "FANFOLD_JOB_SECRET_FILE"),
 }
 
 

@@ -12,6 +12,7 @@ import os
 import pickle
 import random
 import secrets
+import stat
 import struct
 import sys
 import warnings
@@ -58,7 +59,8 @@ class _HashingWriter:
 
 def remove_dead_writers_files(path: Path, boot: str) -> list[Path]:
     """Remove (and return) the temporary files of ``path`` whose writer died mid-save: named with this boot and a pid
-    that no longer exists; a live writer's, or another boot's or host's (a shared filesystem), are never touched."""
+    that no longer exists, and a regular file of this user with no other name; a live writer's, another boot's or
+    host's (a shared filesystem), another user's, and a symbolic link or hard link are never touched."""
     removed = []
     if not boot:
         return removed
@@ -66,10 +68,26 @@ def remove_dead_writers_files(path: Path, boot: str) -> list[Path]:
         parts = tmp.name[len(path.name) + 2:].split(".")  # boot, pid, token, "tmp"
         if len(parts) != 4 or parts[0] != boot or not parts[1].isdigit() or alive(int(parts[1])):
             continue
-        with contextlib.suppress(FileNotFoundError):  # another rank's save may have removed it first
+        try:
+            st = os.lstat(tmp)
+        except FileNotFoundError:  # another rank's save may have removed it first
+            continue
+        # Only what a writer of this user made can be a dead writer's file. In a shared sticky directory (/tmp)
+        # nobody else can rename or remove it either, so the name still holds it at the unlink.
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_nlink != 1:
+            continue
+        with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
             removed.append(tmp)
     return removed
+
+
+def _remove_if_same(path: Path, created: os.stat_result) -> None:
+    """Unlink ``path`` only while it still names the file ``created`` describes."""
+    with contextlib.suppress(FileNotFoundError):
+        st = os.lstat(path)
+        if (st.st_dev, st.st_ino) == (created.st_dev, created.st_ino):
+            os.unlink(path)
 
 
 def write_atomic(path: Path, payload: Any) -> None:
@@ -82,8 +100,16 @@ def write_atomic(path: Path, payload: Any) -> None:
         boot = ""
     remove_dead_writers_files(path, boot)
     # beside the target (os.replace is atomic within one filesystem), named by boot and pid (remove_dead_writers_files)
-    tmp = directory / f".{path.name}.{boot or 'noboot'}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    for attempt in range(8):
+        tmp = directory / f".{path.name}.{boot or 'noboot'}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+        try:
+            # a new file or nothing: whatever already has the name (a file, a symbolic link) is left alone
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+            break
+        except FileExistsError:
+            if attempt == 7:
+                raise
+    created = os.fstat(fd)
     try:
         with os.fdopen(fd, "wb") as f:
             writer = _HashingWriter(f)
@@ -93,8 +119,7 @@ def write_atomic(path: Path, payload: Any) -> None:
             os.fsync(f.fileno())  # the bytes are on disk before the name points at them
         os.replace(tmp, path)
     except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
+        _remove_if_same(tmp, created)
         raise
     # the rename is durable only once the directory entry is on disk; some systems cannot open a directory
     with contextlib.suppress(OSError):
