@@ -28,14 +28,17 @@ class Interrupted(Exception):
 
 def test_a_run_cut_short_leaves_nothing_to_the_next_configuration(monkeypatch):
     pool = RankPool(2)
+    cut: list = []  # the ranks the interrupted run was sent to
     try:
         def wait(*args, **kwargs):
+            cut.extend(pool._procs)
             raise Interrupted("the test's time limit, inside the pool's wait for the ranks")
 
         with monkeypatch.context() as m:
             m.setattr(pool_module, "wait", wait)
             with pytest.raises(Interrupted):
                 pool.run(BUFFERS, TIMEOUT, GRACE)
+        assert len(cut) == 2 and not any(p.is_alive() for p in cut), "the cut run's ranks are still running"
         config = ZeroConfig(stage=2)
         outcome = classify(config, pool.run(config, TIMEOUT, GRACE))
         assert outcome.kind == "match-oracle", outcome.detail
