@@ -75,15 +75,21 @@ class RankPool:
         """Every rank's ``RankResult`` for ``config``, in rank order, or the Failure that ended it (with what the
         ranks had sent by then). Ranks still in a run ``grace`` seconds after a peer's run raised are stuck in a
         collective the peer never joins: their run ends there, with a timeout error and the steps they finished, as
-        the group's timeout would end it, and the pool restarts for the implementations left."""
+        the group's timeout would end it, and the pool restarts for the implementations left. Cut short here (a
+        test's time limit, Ctrl-C), the pool restarts too: its ranks are still in ``config`` and would send its
+        results to whoever reads their pipes next."""
         results = [ranks.RankResult(r) for r in range(self.world)]
         deadline = time.monotonic() + timeout
         impls = ranks.impls_of(config)
-        while impls:
-            outcome = self._run(config, impls, results, deadline, grace)
-            if not isinstance(outcome, str):
-                return outcome if isinstance(outcome, Failure) else results
-            impls = impls[impls.index(outcome) + 1:]
+        try:
+            while impls:
+                outcome = self._run(config, impls, results, deadline, grace)
+                if not isinstance(outcome, str):
+                    return outcome if isinstance(outcome, Failure) else results
+                impls = impls[impls.index(outcome) + 1:]
+        except BaseException:
+            self._restart()
+            raise
         return results
 
     def _run(self, config, impls: tuple, results: list, deadline: float, grace: float) -> str | Failure | None:
