@@ -31,7 +31,7 @@ from .._core.eager import eager
 from .hierarchical import HierarchicalTransport
 from .protocol import FanfoldWork, StallError, Transport, completed_work, failed_work
 from .select import ENV_VAR, choose, host_views
-from .shm.engine import DTYPES
+from .shm.engine import DTYPES, GLOO, REFUSED, Claim, Op, ShmMismatchError, reduce_code
 from .shm.transport import SegmentSpaceError, ShmTransport
 from .timeouts import DEFAULT_STALL_TIMEOUT, StoreGroup, bound, resolve_stall_timeout
 from .timeouts import ENV_VAR as STALL_ENV_VAR
@@ -43,6 +43,9 @@ BACKEND = "fanfold"
 _SUM, _AVG = dist.ReduceOp.SUM, dist.ReduceOp.AVG
 _FAST_OPS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg", dist.ReduceOp.MIN: "min", dist.ReduceOp.MAX: "max",
              dist.ReduceOp.PRODUCT: "product"}
+# the header codes of the ops only gloo computes (engine.Header.reduce_name)
+_GLOO_ONLY_OPS = {dist.ReduceOp.BAND: 4, dist.ReduceOp.BOR: 5, dist.ReduceOp.BXOR: 6, dist.ReduceOp.PREMUL_SUM: 7}
+_OTHER_OP = 8
 
 
 def _op_name(op: Any) -> str | None:
@@ -58,6 +61,18 @@ def _supported(tensors: list[torch.Tensor], op: str | None = "sum") -> bool:
     dtype = tensors[0].dtype
     return all(t.device.type == "cpu" and t.dtype == dtype and not t.is_sparse for t in tensors) and (
         dtype in DTYPES and (op != "avg" or dtype.is_floating_point))
+
+
+def _reduce_code(op: Any) -> int:
+    # the code a header gives torch's ReduceOp: shared memory's, an average as the sum it is there; gloo's own ops
+    name = _op_name(op)
+    if name is not None:
+        return reduce_code("sum" if name == "avg" else name)
+    return next((code for gloo, code in _GLOO_ONLY_OPS.items() if op == gloo), _OTHER_OP)
+
+
+def _shape(t: torch.Tensor) -> str:
+    return f"{t.dtype} {tuple(t.shape)}".replace("torch.", "")
 
 
 def _of(kind: type, x: Any) -> Any:
@@ -156,6 +171,11 @@ _FORMS: dict[str, tuple[Callable[..., tuple], ...]] = {
         lambda output, input, output_split_sizes, input_split_sizes, timeout=None: (
             _tensor(output), _tensor(input), list(output_split_sizes), list(input_split_sizes),
             _made(AllToAllOptions, timeout)),
+    ),
+    "alltoall": (
+        lambda output_tensor, input_tensor, opts=None: (
+            _tensors(output_tensor), _tensors(input_tensor), _opts(AllToAllOptions, opts)),
+        lambda output, input, timeout=None: (_tensors(output), _tensors(input), _made(AllToAllOptions, timeout)),
     ),
     "barrier": (
         lambda opts=None: (_opts(BarrierOptions, opts),),
@@ -311,7 +331,10 @@ class FanfoldProcessGroup(dist.ProcessGroup):
             return seconds, f"the stall timeout (${STALL_ENV_VAR}, default {DEFAULT_STALL_TIMEOUT:g} s)"
         return group, "the timeout of the group"
 
-    # The implementations: None where shared memory does not take the call, which then goes to gloo as it is.
+    # The implementations: None where the call goes to gloo as it is. Each first takes the group's transport (every
+    # rank alike), then runs the call in shared memory where this rank's tensors allow it; else this rank claims the
+    # collective in shared memory (``_claim``) before it goes to gloo: a rank whose tensors differ from its peers'
+    # (sizes, dtypes, op, device) meets them at the first step of theirs, and every rank raises ShmMismatchError.
 
     def _allreduce(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work | None:
         # The latency path, tried once, with as few checks as make it safe (run_small checks the tensor): a small
@@ -325,67 +348,165 @@ class FanfoldProcessGroup(dist.ProcessGroup):
             except Exception as exc:  # noqa: BLE001 - raised by wait(), as gloo's errors are
                 return failed_work(exc, tensors)
         op = _op_name(opts.reduceOp)
-        if shm := self._exchange_ok(tensors, [], True, op):
+        if (shm := self.shared_transport()) is None:
+            return None
+        if len(tensors) == 1 and _supported(tensors, op):
             # detach: collectives write a tensor's data whatever autograd thinks of it (a Parameter), as gloo does
-            return FanfoldWork(shm.all_reduce(tensors[0].detach(), **self._reduction(op)).get_future(), tensors)
+            return shm.all_reduce(tensors[0].detach(), **self._reduction(op)).chain(tensors)
+        return self._claim(shm, Op.ALL_REDUCE, tensors, tensors, reduce=opts.reduceOp, several=len(tensors) != 1)
 
     def _allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work | None:
         op = _op_name(opts.reduceOp)
-        if _supported(tensors, op) and (shm := self.shared_transport()):
+        if (shm := self.shared_transport()) is None:
+            return None
+        if _supported(tensors, op):
             flat = torch.cat([t.detach().reshape(-1) for t in tensors])
-            return FanfoldWork(shm.all_reduce(flat, **self._reduction(op)).get_future(), tensors,
-                               lambda: split_into(flat, tensors))
+            return shm.all_reduce(flat, **self._reduction(op)).chain(tensors, lambda: split_into(flat, tensors))
+        return self._claim(shm, Op.ALL_REDUCE, tensors, tensors, reduce=opts.reduceOp)
 
     def _broadcast(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work | None:
-        if shm := self._exchange_ok(tensors, [], opts.rootTensor == 0):
+        if (shm := self.shared_transport()) is None:
+            return None
+        several = len(tensors) != 1 or opts.rootTensor != 0  # gloo's form of several tensors
+        if not several and _supported(tensors):
             shm.broadcast(tensors[0].detach(), opts.rootRank)  # returns once done: broadcasts are rare and small
             return completed_work(tensors)
+        return self._claim(shm, Op.BROADCAST, tensors, tensors, src=opts.rootRank, several=several)
 
     def _allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
                    opts: Any) -> dist.Work | None:
-        outs = output_tensors[0] if len(output_tensors) == 1 and len(input_tensors) == 1 else []
-        if shm := self._exchange_ok(input_tensors, outs, len(outs) == self.size() and
-                                    all(o.shape == input_tensors[0].shape for o in outs)):
-            flat = torch.empty(self.size() * input_tensors[0].numel(), dtype=input_tensors[0].dtype)
-            work = shm.all_gather(input_tensors[0].detach(), flat)
-            return FanfoldWork(work.get_future(), output_tensors, lambda: split_into(flat, outs))
+        if (shm := self.shared_transport()) is None:
+            return None
+        if len(output_tensors) != 1 or len(input_tensors) != 1:  # gloo's form of several inputs
+            return self._claim(shm, Op.ALL_GATHER, input_tensors, output_tensors, several=True)
+        x, outs = input_tensors[0], output_tensors[0]
+        why = None
+        if len(outs) != self.size() or any(o.shape != x.shape or o.dtype != x.dtype for o in outs):
+            why = (f"all_gather: rank {self.rank()}'s input is {_shape(x)}; its {len(outs)} outputs are "
+                   f"{', '.join(_shape(o) for o in outs) or 'none'}: the group's {self.size()} ranks need "
+                   f"{self.size()} outputs of the input's shape and dtype")
+        if why is None and _supported([x]):
+            flat = torch.empty(self.size() * x.numel(), dtype=x.dtype)
+            work = shm.all_gather(x.detach(), flat)
+            return work.chain(output_tensors, lambda: split_into(flat, outs))
+        return self._claim(shm, Op.ALL_GATHER, [x], output_tensors, why)
 
     def _all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> dist.Work | None:
-        if shm := self._exchange_ok([input], [output], output.numel() == self.size() * input.numel()):
-            return FanfoldWork(shm.all_gather(input.detach(), output.detach()).get_future(), [output])
+        if (shm := self.shared_transport()) is None:
+            return None
+        why = None
+        if output.numel() != self.size() * input.numel() or output.dtype != input.dtype:
+            why = (f"all_gather_into_tensor: rank {self.rank()}'s input is {_shape(input)}, its output "
+                   f"{_shape(output)}: the output needs the input's dtype and {self.size()} x {input.numel()} = "
+                   f"{self.size() * input.numel()} elements (the group's size times the input's)")
+        if why is None and _supported([input, output]):
+            return shm.all_gather(input.detach(), output.detach()).chain([output])
+        return self._claim(shm, Op.ALL_GATHER, [input], [output], why)
 
     def _reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
                         opts: Any) -> dist.Work | None:
-        ins = input_tensors[0] if len(input_tensors) == 1 and len(output_tensors) == 1 else []
         op = _op_name(opts.reduceOp)
-        if shm := self._exchange_ok(output_tensors, ins, len(ins) == self.size() and all(
-                t.shape == output_tensors[0].shape for t in ins), op):
+        if (shm := self.shared_transport()) is None:
+            return None
+        if len(input_tensors) != 1 or len(output_tensors) != 1:  # gloo's form of several outputs
+            return self._claim(shm, Op.REDUCE_SCATTER, [t for ins in input_tensors for t in ins], output_tensors,
+                               reduce=opts.reduceOp, several=True)
+        ins, out = input_tensors[0], output_tensors[0]
+        why = None
+        if len(ins) != self.size() or any(t.shape != out.shape or t.dtype != out.dtype for t in ins):
+            why = (f"reduce_scatter: rank {self.rank()}'s output is {_shape(out)}; its {len(ins)} inputs are "
+                   f"{', '.join(_shape(t) for t in ins) or 'none'}: the group's {self.size()} ranks need "
+                   f"{self.size()} inputs of the output's shape and dtype")
+        if why is None and _supported([out], op):
             flat = torch.cat([t.detach().reshape(-1) for t in ins])
-            work = shm.reduce_scatter(flat, output_tensors[0].detach(), **self._reduction(op))
-            return FanfoldWork(work.get_future(), output_tensors)
+            work = shm.reduce_scatter(flat, out.detach(), **self._reduction(op))
+            return work.chain(output_tensors)
+        return self._claim(shm, Op.REDUCE_SCATTER, ins, output_tensors, why, reduce=opts.reduceOp)
 
     def _reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> dist.Work | None:
         op = _op_name(opts.reduceOp)
-        if shm := self._exchange_ok([input], [output], input.numel() == self.size() * output.numel(), op):
+        if (shm := self.shared_transport()) is None:
+            return None
+        why = None
+        if input.numel() != self.size() * output.numel() or output.dtype != input.dtype:
+            why = (f"reduce_scatter_tensor: rank {self.rank()}'s input is {_shape(input)}, its output "
+                   f"{_shape(output)}: the input needs the output's dtype and {self.size()} x {output.numel()} = "
+                   f"{self.size() * output.numel()} elements (the group's size times the output's)")
+        if why is None and _supported([input, output], op):
             work = shm.reduce_scatter(input.detach(), output.detach(), **self._reduction(op))
-            return FanfoldWork(work.get_future(), [output])
+            return work.chain([output])
+        return self._claim(shm, Op.REDUCE_SCATTER, [input], [output], why, reduce=opts.reduceOp)
 
     def _all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
                            input_split_sizes: list[int], opts: Any) -> dist.Work | None:
+        if (shm := self.shared_transport()) is None:
+            return None
         counts = _all_to_all_counts(output, input, output_split_sizes, input_split_sizes, self.size())
+        why = None
+        if counts is None or output.dtype != input.dtype:
+            why = (f"all_to_all_single: rank {self.rank()}'s input is {_shape(input)} split "
+                   f"{input_split_sizes or 'equally'}, its output {_shape(output)} split "
+                   f"{output_split_sizes or 'equally'}: each needs {self.size()} splits of its dim 0 (or none: "
+                   "equal parts), and one dtype for both")
         # the hierarchical transport has no all_to_all: gloo's
-        if isinstance(shm := self._exchange_ok([input], [output], counts is not None), ShmTransport):
+        if why is None and isinstance(shm, ShmTransport) and _supported([input, output]):
             work = shm.all_to_all(input.detach(), output.detach(), counts[0], counts[1])
-            return FanfoldWork(work.get_future(), [output])
+            return work.chain([output])
+        # every rank's splits are checked against its peers' where gloo's would be; a claim's size is none
+        return self._claim(shm, Op.ALL_TO_ALL, [input], [output], why, numel=0)
+
+    def _alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
+                  opts: Any) -> dist.Work | None:
+        # the list form: the tensors laid end to end, each rank's count the tensor's, as all_to_all_single's
+        if (shm := self.shared_transport()) is None:
+            return None
+        n, x = self.size(), input_tensors[0] if input_tensors else None
+        why = None
+        if len(input_tensors) != n or len(output_tensors) != n or any(
+                t.dtype != x.dtype for t in input_tensors + output_tensors):
+            why = (f"all_to_all: rank {self.rank()} passes {len(input_tensors)} inputs and {len(output_tensors)} "
+                   f"outputs of dtypes {sorted({str(t.dtype) for t in input_tensors + output_tensors})}: the group's "
+                   f"{n} ranks need {n} of each, of one dtype")
+        if why is None and isinstance(shm, ShmTransport) and _supported(input_tensors + output_tensors):
+            flat = torch.cat([t.detach().reshape(-1) for t in input_tensors])
+            out = torch.empty(sum(t.numel() for t in output_tensors), dtype=x.dtype)
+            work = shm.all_to_all(flat, out, [t.numel() for t in input_tensors], [t.numel() for t in output_tensors])
+            return work.chain(output_tensors, lambda: split_into(out, output_tensors))
+        return self._claim(shm, Op.ALL_TO_ALL, input_tensors, output_tensors, why, numel=0)
 
     def _reduction(self, op: str) -> dict:
         # an average is a sum with a divisor
         return {"op": "sum", "divisor": self.size()} if op == "avg" else {"op": op, "divisor": None}
 
-    def _exchange_ok(self, ins: list[torch.Tensor], outs: list[torch.Tensor], shapes_ok: bool,
-                     op: str | None = "sum") -> Transport | None:
-        # One input, CPU, one supported dtype for inputs and outputs: all equal on every rank of a correct program
-        return self.shared_transport() if len(ins) == 1 and shapes_ok and _supported(ins + outs, op) else None
+    def _claim(self, shm: Transport, op: Op, tensors: list[torch.Tensor], result: Any, why: str | None = None, *,
+               reduce: Any = _SUM, src: int = 0, numel: int | None = None, several: bool = False
+               ) -> dist.Work | None:
+        """A collective this rank does not run in shared memory: ``why`` None, its tensors are for gloo (a dtype,
+        op, device or form the shared memory does not take); else they do not fit together (``why`` says how).
+        Claimed in shared memory (``ShmTransport.claim``) with what the shared-memory path would publish: None (gloo
+        runs it) once every rank handed the same to gloo; ValueError ``why`` where every rank refused it; a failed
+        Work (``ShmMismatchError``, raised by ``wait()``) where the ranks differ, as on the peers. One step of the
+        transport (a few microseconds), on these calls only."""
+        if not isinstance(shm, ShmTransport):  # the hierarchical transport claims nothing: gloo's, as before
+            if why is not None:
+                raise ValueError(why)
+            return None
+        dtype = tensors[0].dtype if tensors else None
+        claim = Claim(op | (GLOO if why is None else REFUSED), dtype,
+                      sum(t.numel() for t in tensors) if numel is None else numel, _reduce_code(reduce), src,
+                      len(tensors) if several else 0)
+        try:
+            shm.claim(claim)
+        except ShmMismatchError as exc:
+            if why is not None:  # this rank's own reason, besides what its peers are in
+                exc = ShmMismatchError(f"{exc}; {why}", rank=exc.rank, peer=exc.peer, seq=exc.seq,
+                                       seq_text=exc.seq_text, field=exc.field, detail=exc.detail)
+            return failed_work(exc, result)
+        except Exception as exc:  # noqa: BLE001 - a stall, a dead peer: raised by wait(), as a collective's errors
+            return failed_work(exc, result)
+        if why is not None:
+            raise ValueError(why)
+        return None
 
     def _barrier(self, opts: Any) -> None:
         shm = self.shared_transport()
@@ -420,26 +541,43 @@ class FanfoldProcessGroup(dist.ProcessGroup):
     reduce_scatter_single = _reduce_scatter_base = _torch_method("reduce_scatter_single", _reduce_scatter_single,
                                                                  "_reduce_scatter_base")
     all_to_all_single = alltoall_base = _torch_method("all_to_all_single", _all_to_all_single, "alltoall_base")
+    alltoall = _torch_method("alltoall", _alltoall)
     barrier = _torch_method("barrier", _barrier)
 
     def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                     opts: AllgatherOptions | None = None) -> dist.Work:
-        return self._pairwise(self.all_gather_single, outputs, inputs, opts or AllgatherOptions())
+        return self._pairwise("all_gather_into_tensor_coalesced", self.all_gather_single, Op.ALL_GATHER,
+                              _tensors(outputs), _tensors(inputs), opts or AllgatherOptions())
 
     def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                         opts: ReduceScatterOptions | None = None) -> dist.Work:
-        return self._pairwise(self.reduce_scatter_single, outputs, inputs, opts or ReduceScatterOptions())
+        return self._pairwise("reduce_scatter_tensor_coalesced", self.reduce_scatter_single, Op.REDUCE_SCATTER,
+                              _tensors(outputs), _tensors(inputs), opts or ReduceScatterOptions())
 
-    def _pairwise(self, method: Callable[..., dist.Work], outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+    def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], input_list: list[torch.Tensor],
+                            opts: AllgatherOptions | None = None) -> dist.Work:
+        # torch's all_gather_coalesced: output_lists[r][i] receives rank r's input i; input by input, as all_gather
+        outputs, inputs = _lists(output_lists), _tensors(input_list)
+        if any(len(outs) != len(inputs) for outs in outputs):
+            outputs = []  # refused below, as lists that do not pair up
+        by_input = [[outs[i] for outs in outputs] for i in range(len(inputs))] if outputs else []
+        return self._pairwise("all_gather_coalesced", lambda outs, x, o: self.allgather([outs], [x], o),
+                              Op.ALL_GATHER, by_input, inputs, opts or AllgatherOptions())
+
+    def _pairwise(self, name: str, method: Callable[..., dist.Work], op: Op, outputs: list, inputs: list[torch.Tensor],
                   opts: Any) -> dist.Work:
         # torch's functional collectives (DTensor's redistribute and full_tensor(), FSDP2's) call the coalesced
         # forms. Left to torch's C++, they went into gloo's queue with the caller holding the GIL, while a gloo
         # worker freeing the previous work (its tensors' Python objects) took the GIL under the queue's lock: a
         # deadlock until gloo's timeout. Pair by pair through the group's methods, they take the transport like
         # every other collective, and gloo's Python binding, which lets the GIL go, where it does not take them.
-        outputs, inputs = _tensors(outputs), _tensors(inputs)
         if len(outputs) != len(inputs):
-            raise ValueError(f"{len(outputs)} output tensors for {len(inputs)} input tensors: one each")
+            why = f"{name}: rank {self.rank()} passes outputs that do not pair with its {len(inputs)} input tensors"
+            if (shm := self.shared_transport()) is None:
+                raise ValueError(why)
+            # refused in shared memory, where the peers' first pair meets it (ValueError where every rank refused)
+            return self._handout(self._claim(shm, op, inputs[:1], outputs, why,
+                                             reduce=getattr(opts, "reduceOp", _SUM)), True)
         works = [method(out, inp, opts) for out, inp in zip(outputs, inputs)]
         for work in works[:-1]:
             work.wait()

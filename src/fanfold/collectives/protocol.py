@@ -104,6 +104,7 @@ class FanfoldWork(dist._Work):
     def __init__(self, future: torch.futures.Future | None, result: Any, finish: Callable[[], None] | None = None):
         super().__init__()
         self._future = future
+        self._origin: FanfoldWork | None = None  # chain()'s: the Work whose error wait() raises as it is
         if future is None:  # no future made unless asked for: the latency path makes one Work a call
             self._result, self._value = None, result
             return
@@ -115,7 +116,17 @@ class FanfoldWork(dist._Work):
             return result
         self._result = future.then(done)
 
+    def chain(self, result: Any, finish: Callable[[], None] | None = None) -> FanfoldWork:
+        """A Work done once this one is and ``finish`` ran, yielding ``result``; its ``wait()`` raises this one's
+        error as it is (ShmMismatchError, StallError), not as the RuntimeError of its text that a future's callback
+        makes of it (which its ``get_future()`` still yields, as torch's C++ expects)."""
+        work = FanfoldWork(self.get_future(), result, finish)
+        work._origin = self
+        return work
+
     def wait(self, timeout: timedelta | None = None) -> bool:
+        if self._origin is not None:
+            self._origin.wait()
         if self._future is not None:
             self._future.wait()  # the transport's error as it is, not wrapped by the callback's future
             self._result.wait()

@@ -20,23 +20,33 @@ import torch
 from .segment import Segment
 
 __all__ = ["Engine", "combine", "ShmMismatchError", "Collective", "Header", "DTYPES", "OPS", "Op", "SUM",
-           "reduce_code", "probe", "allow_peers", "PeerReader", "TABLE_BYTES"]
+           "reduce_code", "probe", "allow_peers", "PeerReader", "TABLE_BYTES", "Claim", "GLOO", "REFUSED"]
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.int16,
           torch.int8, torch.uint8]
 
 
 class Op(IntEnum):
-    """The collectives' codes: the ring's (through the segment's slots), then the peer reads' (the peers' tensors)."""
+    """The collectives' codes: the ring's (through the segment's slots), then the peer reads' (the peers' tensors),
+    then the claim: one step that only publishes and checks the header of a collective run elsewhere."""
 
     (ALL_REDUCE, BROADCAST, BARRIER, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL, REDUCE_TENSORS, SCATTER_TENSORS,
-     GATHER_PEERS) = range(1, 10)
+     GATHER_PEERS, CLAIM) = range(1, 11)
 
 
 OPS = {op: op.name.lower() for op in Op} | {Op.REDUCE_TENSORS: "all_reduce", Op.SCATTER_TENSORS: "reduce_scatter",
                                             Op.GATHER_PEERS: "all_gather"}
 SUM, MIN, MAX, PRODUCT = range(4)  # SUM is 0: the code of a collective that reduces nothing, too
 REDUCE_OPS = {SUM: "sum", MIN: "min", MAX: "max", PRODUCT: "product"}
+# the header's codes of the reductions only gloo computes (a claim's)
+_GLOO_REDUCE_OPS = {4: "band", 5: "bor", 6: "bxor", 7: "premul_sum", 8: "another reduction"}
+# A claim's header marks the collective's code with how this rank runs it: it never equals a header of a collective
+# run in shared memory, nor one of a rank that runs it the other way.
+GLOO, REFUSED = 0x100, 0x200
+# the dtypes of claims besides DTYPES, numbered from _OTHER_CODE (the last: any other dtype)
+_OTHER_DTYPES = (torch.bool, torch.complex32, torch.complex64, torch.complex128, torch.uint16, torch.uint32,
+                 torch.uint64, torch.float8_e4m3fn, torch.float8_e5m2)
+_OTHER_CODE = 0x80
 _CODES = {name: code for code, name in REDUCE_OPS.items()}
 _DESC = 16  # in a rank's line (after counter and pid), the headers of its current collective, by seq parity
 _FOLD = {SUM: torch.add, MIN: torch.minimum, MAX: torch.maximum, PRODUCT: torch.mul}
@@ -77,14 +87,38 @@ class Collective:
     splits: tuple[tuple[int, ...], tuple[int, ...]] | None = None
     reduce: int = SUM
     timeout: float | None = None
+    claim: Claim | None = None
+
+
+@dataclass(frozen=True)
+class Claim:
+    """What a rank publishes of a collective it does not run in shared memory (``Op.CLAIM``), for every rank to check
+    against its own at one step: ``op`` the collective's code marked ``GLOO`` (handed to gloo) or ``REFUSED`` (its
+    tensors do not fit together), ``dtype`` and ``numel`` as the shared-memory path would publish them, ``reduce``
+    a code of REDUCE_OPS or a gloo-only one, ``tensors`` how many the call passes where not one."""
+
+    op: int
+    dtype: torch.dtype | None
+    numel: int
+    reduce: int = SUM
+    src: int = 0
+    tensors: int = 0
 
 
 def _dtype_code(dtype: torch.dtype | None) -> int:
-    return 0 if dtype is None else DTYPES.index(dtype) + 1
+    if dtype is None:
+        return 0
+    if dtype in DTYPES:
+        return DTYPES.index(dtype) + 1
+    return _OTHER_CODE + (_OTHER_DTYPES.index(dtype) if dtype in _OTHER_DTYPES else len(_OTHER_DTYPES))
 
 
 def _dtype_name(code: int) -> str:
-    return str(DTYPES[code - 1]).replace("torch.", "") if 0 < code <= len(DTYPES) else f"dtype #{code}"
+    if 0 < code <= len(DTYPES):
+        return str(DTYPES[code - 1]).replace("torch.", "")
+    if 0 <= code - _OTHER_CODE < len(_OTHER_DTYPES):
+        return str(_OTHER_DTYPES[code - _OTHER_CODE]).replace("torch.", "")
+    return "another dtype" if code == _OTHER_CODE + len(_OTHER_DTYPES) else f"dtype #{code}"
 
 
 class Header(ctypes.Structure):
@@ -96,18 +130,27 @@ class Header(ctypes.Structure):
                 ("place", ctypes.c_uint64)]  # 24 bytes: the line's bytes 64.. are the probe's
 
     def reduce_name(self) -> str:
-        return REDUCE_OPS.get(self.reduce, f"reduction #{self.reduce}").upper()  # torch's ReduceOp names
+        names = REDUCE_OPS | _GLOO_REDUCE_OPS
+        return names.get(self.reduce, f"reduction #{self.reduce}").upper()  # torch's ReduceOp names
 
     def describe(self) -> str:
-        name = OPS.get(self.op, f"an unknown collective ({self.op})")
-        if self.op == Op.BARRIER:
+        code = self.op & 0xFF  # a claim's: the collective it stands for
+        name = OPS.get(code, f"an unknown collective ({self.op})")
+        if code == Op.BARRIER:
             return name
         if self.reduce != SUM:  # a sum goes unnamed: it is the reduction of every other collective too
             name += f" ({self.reduce_name()})"
         what = f"{name} of {self.numel} {_dtype_name(self.dtype)}" if self.dtype else name
+        if self.place and self.op & (GLOO | REFUSED):
+            what += f" in {self.place} tensors"
         if self.narrow:
             what += f" rounded to {_dtype_name(self.narrow)}"
-        return what + (f" from rank {self.src}" if self.op == Op.BROADCAST else "")
+        what += f" from rank {self.src}" if code == Op.BROADCAST else ""
+        if self.op & GLOO:
+            what += " (handed to gloo)"
+        elif self.op & REFUSED:
+            what += " (refused: its tensors do not fit together)"
+        return what
 
 
 def combine(parts: list[torch.Tensor], out: torch.Tensor, op: int, scratch: torch.Tensor,
@@ -137,7 +180,8 @@ def combine(parts: list[torch.Tensor], out: torch.Tensor, op: int, scratch: torc
 
 class ShmMismatchError(RuntimeError):
     """Rank ``rank``, in collective ``seq_text``, found rank ``peer`` in another one under the same number: ``field``
-    says what differs ("collective", "op", "dtype", "size", "root", "compression", "tensors"), ``detail`` both sides."""
+    says what differs ("collective", "op", "dtype", "size", "root", "compression", "tensors", "device"), ``detail``
+    both sides."""
 
     def __init__(self, message: str, *, rank: int, peer: int, seq: int, seq_text: str, field: str, detail: str):
         super().__init__(message)
@@ -146,11 +190,17 @@ class ShmMismatchError(RuntimeError):
 
 
 def _differs(theirs: Header, mine: Header) -> str:
-    for field, name in (("op", "collective"), ("reduce", "op"), ("dtype", "dtype"), ("numel", "size"),
-                        ("src", "root"), ("narrow", "compression"), ("place", "tensors")):
+    # the first field that differs, the collective by its name (the ring's and the peer reads' alike)
+    if OPS.get(theirs.op & 0xFF) != OPS.get(mine.op & 0xFF):
+        return "collective"
+    for field, name in (("reduce", "op"), ("dtype", "dtype"), ("numel", "size"), ("src", "root"),
+                        ("narrow", "compression"), ("place", "tensors")):
         if getattr(theirs, field) != getattr(mine, field):
             return name
-    return "collective"
+    if (theirs.op | mine.op) & REFUSED:
+        return "size"  # a rank whose output does not fit its input, or whose splits do not describe its tensors
+    # handed to gloo by one rank only, all else equal: a tensor on another device, or sparse
+    return "device" if (theirs.op ^ mine.op) & GLOO else "collective"
 
 
 class Engine:
@@ -234,6 +284,14 @@ class Engine:
         where = _where(seq, c.bucket)
         if op in _RING:
             _RING[op](self, c, header, where)
+            return
+        if op == Op.CLAIM:  # one step, like every collective's first: a peer in any collective checks it there
+            k = c.claim
+            header.op, header.reduce, header.src, header.numel = k.op, k.reduce, k.src, k.numel
+            header.dtype, header.place = _dtype_code(k.dtype), k.tensors
+            describe = _describe(header, where, 1, c.bucket, seq)
+            self.seg.wait_all(self.seg.arrive(), describe(0))
+            self.check(seq, header, describe(0))
             return
         cap = self.chunk_bytes // (flat.element_size() if flat is not None else 1)
         describe = _describe(header, where, max(1, -(-numel // cap)), c.bucket, seq)
@@ -387,10 +445,11 @@ def _all_to_all(engine: Any, c: Collective, header: Header, where: str) -> None:
     for p in range(n):
         for q in range(n):
             if table[p][q] != table[q][n + p]:
-                raise RuntimeError(
-                    f"fanfold shm transport: all_to_all #{c.seq}: rank {p} sends {table[p][q]} elements to rank {q}, "
-                    f"which expects {table[q][n + p]} from it: every rank's output splits must match what the "
-                    "others send it")
+                detail = f"rank {p} sends {table[p][q]} elements to rank {q}, which expects {table[q][n + p]} from it"
+                raise ShmMismatchError(
+                    f"fanfold shm transport: all_to_all #{c.seq}: {detail}: every rank's output splits must match "
+                    "what the others send it", rank=rank, peer=p if p != rank else q, seq=c.seq,
+                    seq_text=describe(0)()[0], field="size", detail=detail)
     k = engine.chunk_bytes // flat.element_size() // n  # a step carries k elements for each destination
     count = max(-(-table[p][q] // k) for p in range(n) for q in range(n))
     if count == 0:

@@ -194,6 +194,10 @@ class Segment:
 
     def _check(self, p: int, k: int, deadline: float, describe: Any) -> float:
         # between sleeps on peer p's counter: give up on an abort, the deadline or a dead peer; else sleep on
+        if not (self._counters[p].value - k) & 0x80000000:
+            # p arrived since the waiter looked: the step is complete, and every rank checks its headers (a peer
+            # that found a mismatch there and aborted must not turn this rank's own mismatch error into a stall)
+            return 0.0
         if self._abort.value:
             self._fail_aborted(describe, p, k)
         left = deadline - time.monotonic()

@@ -22,7 +22,7 @@ from ..._core.shm import SHM_DIR, pid_namespace
 from ..protocol import FanfoldWork, completed_work
 from ..timeouts import StoreGroup, bound, group_store, group_timeout, resolve_stall_timeout
 from ..transport import split_into
-from .engine import DTYPES, OPS, SUM, TABLE_BYTES, Collective, Engine, Op, probe, reduce_code
+from .engine import DTYPES, OPS, SUM, TABLE_BYTES, Claim, Collective, Engine, Op, probe, reduce_code
 from .segment import Segment, SegmentSpaceError, ShmTimeoutError
 
 __all__ = ["ShmTransport", "ShmTimeoutError", "SegmentSpaceError", "INLINE_BYTES", "SMALLEST_CHUNK", "flat_view"]
@@ -279,7 +279,8 @@ class ShmTransport:
                 finish()
             return completed_work(tensor)
         nbytes = 0 if flat is None else flat.numel() * flat.element_size()
-        if op == Op.ALL_REDUCE and back is None and self._reads_peers(nbytes):
+        # a non-contiguous tensor's contiguous copy is read where it lies too: the choice is the size's alone
+        if op == Op.ALL_REDUCE and self._reads_peers(nbytes):
             c = Collective(Op.REDUCE_TENSORS, 0, flat, bucket, divisor=divisor, outs=[flat], reduce=reduce)
         else:
             c = Collective(op, 0, flat, bucket, src, divisor, reduce=reduce)
@@ -335,6 +336,14 @@ class ShmTransport:
     def barrier(self) -> None:
         self._submit(Op.BARRIER, None).wait()
 
+    def claim(self, claim: Claim) -> None:
+        """Collective: publish ``claim``, the header of a collective this rank runs elsewhere (gloo) or refuses, and
+        check every rank's at one step, in issue order with this transport's collectives; returns once every rank
+        claimed the same. A rank in another collective, or in this one in shared memory, raises
+        :class:`ShmMismatchError` at its first step, as this rank does."""
+        if self.world_size > 1:
+            self._enqueue(Collective(Op.CLAIM, 0, claim=claim), None, None).wait()
+
     def abort(self, message: str) -> None:
         """End every rank's waits at once (they raise, naming this rank and ``message``)."""
         if self._segment is not None and self._finalizer.alive:
@@ -368,8 +377,9 @@ class ShmTransport:
                        divisor: float | None = None, op: str = "sum") -> FanfoldWork:
         reduce = reduce_code(op, divisor, "reduce_scatter")
         flat, out_flat, finish = exchange_tensors("reduce_scatter", tensor, out, per=self.world_size)
-        if reduce == SUM and self._reads_peers(flat.nbytes) and flat.numel() and \
-                not (_overlaps(flat, out_flat) or _overlaps(out_flat, flat)):
+        if reduce == SUM and self._reads_peers(flat.nbytes):
+            if flat.numel() and (_overlaps(flat, out_flat) or _overlaps(out_flat, flat)):
+                flat = flat.clone()  # peers read the input while this rank writes its part: apart, as on every rank
             return self._enqueue(Collective(Op.SCATTER_TENSORS, 0, flat, bucket, divisor=divisor, outs=[flat],
                                             out=out_flat), out, finish)
         return self._exchange(Collective(Op.REDUCE_SCATTER, 0, flat, bucket, divisor=divisor, out=out_flat,
