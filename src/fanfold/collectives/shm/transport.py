@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from ..._core.job import require_initialized
 from ..._core.shm import SHM_DIR, pid_namespace
-from ..protocol import FanfoldWork, completed_work
+from ..protocol import FanfoldWork, StallError, completed_work
 from ..timeouts import StoreGroup, bound, group_store, group_timeout, resolve_stall_timeout
 from ..transport import split_into
 from .engine import DTYPES, OPS, SUM, TABLE_BYTES, Claim, Collective, Engine, Op, probe, reduce_code
@@ -161,8 +161,7 @@ class Worker:
             error = None
             with self._running:  # behind a collective running on a caller's thread, numbered before this one
                 if self._error is not None:
-                    error = RuntimeError(f"the shm transport failed earlier and cannot be used: {self._error}")
-                    error.__cause__ = self._error  # what failed, for the stall inspector's diagnosis
+                    error = _failed_earlier(self._error, self.engine.rank, request.collective)
                 else:
                     try:
                         self._run(lambda: self.engine.run(request.collective), request.finish)
@@ -184,6 +183,23 @@ class Worker:
         if not self._thread.is_alive():
             self.engine.close()
             segment.close()
+
+
+def _failed_earlier(earlier: BaseException, rank: int, c: Collective) -> BaseException:
+    """The error of collective ``c``, queued behind one that failed with ``earlier``: a StallError naming the same
+    missing ranks where a peer died or stalled (the peer is still missing: every later collective of the backend
+    raises the type the first did), else a RuntimeError saying why the transport is unusable."""
+    text = f"the shm transport failed earlier and cannot be used: {earlier}"
+    if isinstance(earlier, StallError):
+        kind = OPS.get(c.op & 0xFF, "collective")
+        error: BaseException = ShmTimeoutError(
+            f"fanfold shm transport: rank {rank}: {kind} #{c.seq} not run: {text}", rank=rank, seq=c.seq,
+            kind=kind, bucket=c.bucket, missing=list(earlier.missing), feature=earlier.feature,
+            gone=earlier.gone)
+    else:
+        error = RuntimeError(text)
+    error.__cause__ = earlier  # what failed, for the stall inspector's diagnosis
+    return error
 
 
 class ShmTransport:
