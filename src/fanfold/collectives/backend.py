@@ -526,6 +526,8 @@ class FanfoldProcessGroup(dist.ProcessGroup):
             store.wait([str(r) for r in range(size)], timedelta(seconds=limit))
         except RuntimeError as exc:  # the store's "Wait timeout": say who
             missing = [r for r in range(size) if not store.check([str(r)])]
+            if not missing:  # every rank came just after the wait's end: the barrier is passed
+                return
             raise StallError(
                 f"fanfold backend: rank {rank} of {size}: barrier #{n} Timed out after {limit:g} s ({source}) "
                 f"waiting for ranks {missing}, which never arrived", rank=rank, seq=n, kind="barrier",

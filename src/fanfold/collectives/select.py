@@ -41,9 +41,11 @@ def host_views(store: dist.Store, rank: int, world_size: int, asked: str | None,
         store.wait(keys) if wait is None else store.wait(keys, timedelta(seconds=wait))
     except RuntimeError as exc:  # the store's own message is "Wait timeout": say who and what
         late = [r for r in range(world_size) if not store.check([str(r)])]
-        within = "" if wait is None else f" within {wait:g} s"
-        raise RuntimeError(f"{who}: rank {rank} of {world_size} waited for ranks {late}, which never arrived{within}"
-                           ) from exc
+        if late:  # none: every rank came just after the wait's end (or the store's error was not a timeout)
+            within = "" if wait is None else f" within {wait:g} s"
+            raise RuntimeError(f"{who}: rank {rank} of {world_size} waited for ranks {late}, which never "
+                               f"arrived{within}") from exc
+        store.wait(keys)  # the store answers at once; a store that fails raises its own error
     views = [json.loads(store.get(k)) for k in keys]
     if len({v[0] for v in views}) > 1:
         raise ValueError(f"ranks ask for different transports (by rank, ${ENV_VAR} or transport=): "

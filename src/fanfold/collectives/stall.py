@@ -193,6 +193,17 @@ def _ranks(ranks: list[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
 
 
+def _missing_text(never: list[int], gave_up: list[int], unknown: list[int]) -> str:
+    """Who the alarm's reader should look at, or why no rank can be named."""
+    if never:
+        return f"never arrived: {_ranks(never)}"
+    if unknown:
+        return f"none found missing: the progress of {_ranks(unknown)} is unknown (the store did not answer)"
+    if gave_up:
+        return f"none found missing: every rank arrived; {_ranks(gave_up)} gave up or died there"
+    return "none found missing: every rank arrived (their connections failed)"
+
+
 def _future_of(handle: Any) -> torch.futures.Future | None:
     if isinstance(handle, torch.futures.Future):
         return handle
@@ -478,7 +489,7 @@ class InspectedTransport:
             parts.append(f"  cause: {type(cause).__name__}: {str(cause)[:300]}")
         parts.append(_HINT)
         if alarm is None:
-            self._raise_alarm(headline.partition(" started at ")[0] + f"; never arrived: {never}")
+            self._raise_alarm(headline.partition(" started at ")[0] + f"; {_missing_text(never, gave_up, unknown)}")
         short = self._headline(op, timeout, cause, clash, alarm, never=never, notes=notes, gave_up=gave_up,
                                ahead=ahead, unknown=unknown)
         return StallError("\n".join(parts), rank=self.rank, seq=op.seq, kind=op.kind, bucket=op.bucket,

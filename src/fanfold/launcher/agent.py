@@ -157,6 +157,8 @@ def launch_script(
         raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
     if stall_timeout is not None:
         stall_timeout = resolve_stall_timeout(stall_timeout)  # ValueError naming stall_timeout
+    elif os.environ.get(STALL_TIMEOUT_ENV):  # the workers' value: refused here once, not in every worker
+        resolve_stall_timeout()
     try:
         min_nodes, max_nodes = parse_min_max_nnodes(str(nnodes))
     except (ValueError, RuntimeError) as exc:

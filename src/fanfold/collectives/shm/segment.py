@@ -157,6 +157,8 @@ class Segment:
         while not store.check(keys):
             if time.monotonic() > deadline:
                 late = [r for r, k in enumerate(keys) if not store.check([k])]
+                if not late:  # every report came in since the look above: none is late
+                    break
                 raise ShmTimeoutError(
                     f"rank {self.rank}: ranks {late} did not attach to the shm transport's segment within "
                     f"{self.timeout:g} s", rank=self.rank, missing=late, seq=0, bucket=None, kind="shm")
