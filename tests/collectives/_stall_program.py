@@ -41,6 +41,13 @@ def train(setup, case, path):
         if case == "killed" and culprit and last:
             entered("killed")
             os.kill(os.getpid(), signal.SIGKILL)
+        if case == "store_frozen_killed" and culprit and last:
+            entered("freeze the store")  # the test stops the store's process, then says so with a file
+            end = time.monotonic() + 60
+            while not os.path.exists(os.path.join(os.path.dirname(path), "frozen")) and time.monotonic() < end:
+                time.sleep(0.01)
+            entered("killed")
+            os.kill(os.getpid(), signal.SIGKILL)
         loss = model(torch.randn(8, 4)).pow(2).mean()
         if case == "extra_all_reduce" and culprit and last:
             entered("extra all_reduce")

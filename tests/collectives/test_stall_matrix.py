@@ -129,3 +129,55 @@ def test_every_rank_diagnoses_and_exits_within_the_stall_timeout(setup, case, np
         assert victim["missing"] == [1], logs
         assert victim["message"].startswith("rank 0 of 2: fanfold.save's all_gather #1"), logs
         assert "Ranks that never arrived: [1]." in victim["message"], logs
+
+
+_STORE_SERVER = ("import datetime, sys, time, torch.distributed as d; s = d.TCPStore('127.0.0.1', 0, 2, True, "
+                 "datetime.timedelta(seconds=120), wait_for_workers=False); print(s.port, flush=True); time.sleep(600)")
+
+
+def test_a_frozen_store_does_not_delay_the_exit(tmp_path):
+    """The store's serving process stopped (SIGSTOP), then rank 1 killed: rank 0 diagnoses the death without the
+    store (its diagnosis does not wait on a store that did not answer more than once) and its process is gone
+    within the stall timeout + 10 s of the kill: its exit waits on no store call in flight."""
+    folder = str(tmp_path)
+    server = subprocess.Popen([sys.executable, "-c", _STORE_SERVER], stdout=subprocess.PIPE, text=True)
+    procs, outs = [], []
+    try:
+        port = int(server.stdout.readline())
+        base = {**os.environ, "MASTER_ADDR": LOOPBACK, "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True",
+                "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0", "OMP_NUM_THREADS": "1",
+                "FANFOLD_STALL_TIMEOUT": str(STALL), **loopback_env()}
+        for rank in range(2):
+            outs.append(open(os.path.join(folder, f"rank{rank}.log"), "w+"))
+            procs.append(subprocess.Popen([sys.executable, PROGRAM, "ddp-shm", "store_frozen_killed", folder],
+                                          stdout=outs[rank], stderr=subprocess.STDOUT,
+                                          env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank)}))
+        end = time.monotonic() + DEADLINE
+        log1 = os.path.join(folder, "rank1.log")
+        while "freeze the store" not in open(log1).read():
+            assert time.monotonic() < end and procs[1].poll() is None, open(log1).read()[-3000:]
+            time.sleep(0.02)
+        os.kill(server.pid, signal.SIGSTOP)
+        open(os.path.join(folder, "frozen"), "w").close()  # rank 1 kills itself now
+        frozen = time.monotonic()
+        while procs[0].poll() is None and time.monotonic() - frozen < STALL + 30:
+            time.sleep(0.05)
+        took = time.monotonic() - frozen
+        outs[0].seek(0)
+        log0 = outs[0].read()
+        result = [json.loads(line[7:]) for line in log0.splitlines() if line.startswith("RESULT ")]
+        assert took < STALL + 10, (took, log0[-3000:])
+        assert procs[1].wait(10) == -signal.SIGKILL
+        assert result and result[0]["type"] == "StallError", log0[-3000:]
+        # the store did not answer: the dead rank is named from what the transport saw
+        assert result[0]["missing"] == [1], log0[-3000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(10)
+        for out in outs:
+            out.close()
+        os.kill(server.pid, signal.SIGCONT)
+        server.kill()
+        server.wait(10)

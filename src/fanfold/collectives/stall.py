@@ -82,6 +82,7 @@ class Publisher:
         self._cond = threading.Condition()
         self._latest: dict | None = None
         self._busy = self._closed = self._urgent = False
+        self._calling: float | None = None  # when the writer's store call in flight began (time.monotonic())
         # Its own connection: a store client serves one request at a time, and the training thread may sit in a
         # long store wait (a barrier) during which the record must still get through.
         self._thread = threading.Thread(target=self._run, args=(store.clone(), key, alarm), daemon=True,
@@ -97,20 +98,29 @@ class Publisher:
             if idle:
                 self._cond.notify_all()
 
-    def flush(self, timeout: float = 10.0) -> None:
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Whether the latest record is written (or the writer closed) within ``timeout``."""
         with self._cond:
             self._urgent = True
             self._cond.notify_all()
-            self._cond.wait_for(lambda: self._closed or (self._latest is None and not self._busy), timeout)
+            return self._cond.wait_for(lambda: self._closed or (self._latest is None and not self._busy), timeout)
 
     def close(self, timeout: float = CLOSE_WAIT_S) -> None:
         """Stop the writer and wait (at most ``timeout``) for a store call it is in to return: a daemon thread that
-        returns from C++ into an interpreter already finalizing ends the process with std::terminate (SIGABRT)."""
+        returns from C++ into an interpreter already finalizing ends the process with std::terminate (SIGABRT). A
+        call that has not returned within ``STORE_ANSWER_S`` is not waited for any longer: the store is frozen or
+        out of reach, and every rank's exit is bounded (docs/reliability.md); its thread ends with the process."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout)
+        if threading.current_thread() is self._thread:
+            return
+        end = time.monotonic() + timeout
+        while self._thread.is_alive():
+            now, began = time.monotonic(), self._calling
+            if now >= end or (began is not None and now - began >= STORE_ANSWER_S):
+                return
+            self._thread.join(min(0.05, end - now))
 
     def _run(self, store: dist.Store, key: str, alarm: tuple[str, Callable[[dict], None]] | None) -> None:
         written = -WRITE_INTERVAL_S
@@ -120,6 +130,7 @@ class Publisher:
                                               None if alarm is None else ALARM_POLL_S):
                     self._cond.release()  # no lock held across a store round trip
                     alarm_key, heard = alarm
+                    self._calling = time.monotonic()
                     try:
                         if store.check([alarm_key]):
                             alarm = None
@@ -127,6 +138,7 @@ class Publisher:
                     except Exception:  # the store is gone (the job is ending): no alarm can come any more
                         alarm = None
                     finally:
+                        self._calling = None
                         self._cond.acquire()
                 # the rest of the interval since the last write, unless a flush wants the record now
                 self._cond.wait_for(lambda: self._closed or self._urgent,
@@ -134,11 +146,13 @@ class Publisher:
                 if self._closed:
                     return
                 record, self._latest, self._busy, self._urgent = self._latest, None, True, False
+            self._calling = time.monotonic()
             try:
                 store.set(key, json.dumps(record))
                 written = time.monotonic()
             except Exception:  # the store is gone (its process died): nothing more can be published
                 self.close()
+            self._calling = None
             with self._cond:
                 self._busy = False
                 self._cond.notify_all()
@@ -268,6 +282,7 @@ class InspectedTransport:
         abort = getattr(inner, "abort", None)  # the shm transport's: its peers' waits end at once
         self._on_alarm = abort if callable(abort) else None
         self.alarm: dict | None = None  # the group's alarm, once seen
+        self._store_silent = False  # a diagnosis found the store not answering: later ones do not wait on it
         self._waiting: set[threading.Event] = set()  # the events of the waits in progress (the alarm sets them)
         self._seq = 0
         self._pending: list[Collective] = []  # started, not yet waited: a reducer has several buckets in flight
@@ -373,9 +388,10 @@ class InspectedTransport:
         self._state.update(fields, pending=list(self._pending))
         self._publisher.post(dict(self._state))
 
-    def flush(self, timeout: float = 10.0) -> None:
-        """Return once this rank's latest progress is in the store (or the store is gone), or after ``timeout``."""
-        self._publisher.flush(timeout)
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Return once this rank's latest progress is in the store (or the store is gone), or after ``timeout``:
+        whether it is."""
+        return self._publisher.flush(timeout)
 
     def _heard(self, record: dict) -> None:
         """The group's alarm (on the writer's thread): end this inspector's waits and the transport's."""
@@ -404,11 +420,15 @@ class InspectedTransport:
         if _within(STORE_ANSWER_S, tell, False):
             self._heard(record)
 
-    def _read_peers(self) -> dict[int, dict | str]:
+    def _read_peers(self, answers: bool = True) -> dict[int, dict | str]:
+        """Every peer's record; ``answers`` False: the store did not take this rank's own record in time, and is
+        not asked again."""
         peers = [r for r in range(self.world_size) if r != self.rank]
-        got = _within(STORE_ANSWER_S, lambda: {r: read_progress(self.store, r) for r in peers}, None)
+        got = _within(STORE_ANSWER_S, lambda: {r: read_progress(self.store, r) for r in peers}, None) if answers \
+            else None
         if isinstance(got, dict):
             return got
+        self._store_silent = True
         late = (f"progress unknown: the store did not answer within {STORE_ANSWER_S:g} s (its host unreachable, or "
                 "a link down)")
         return {r: late for r in peers}
@@ -419,7 +439,9 @@ class InspectedTransport:
         timeout = self.timeout if timeout is None else timeout
         alarm = self.alarm
         self._publish(gave_up=op.seq)
-        self.flush(STORE_ANSWER_S)  # bounded three times (this, the reads, the alarm): done within the timeout + 10 s
+        # Bounded (this, the reads, the alarm: STORE_ANSWER_S each), and once the store has not answered one of them
+        # the others are not tried: a frozen store costs this diagnosis STORE_ANSWER_S once, not three times.
+        answers = not self._store_silent and self.flush(STORE_ANSWER_S)
         # A peer whose connection just dropped is usually still exiting: give it up to a second to finish. And a peer's
         # record may lag its progress by up to WRITE_INTERVAL_S: a rank that fails at once (a dead peer, a mismatch)
         # waits that long, so that it does not report as behind a peer that arrived with it.
@@ -427,7 +449,7 @@ class InspectedTransport:
         time.sleep(2 * WRITE_INTERVAL_S)
         never, gave_up, disagreed, ahead, unknown, lines, dead = [], [], [], [], [], [], []
         notes: dict[int, str] = {}  # a rank that never arrived: where it is, in a few words (for the headline)
-        for r, p in sorted(self._read_peers().items()):
+        for r, p in sorted(self._read_peers(answers).items()):
             if isinstance(p, str):
                 lines.append(f"  rank {r}: {p}")
                 (never if p.startswith("has not") else unknown).append(r)
@@ -462,6 +484,13 @@ class InspectedTransport:
                 notes[r] = f"{notes[r]}; its process is gone" if r in notes else "its process is gone"
                 dead.append(r)
             lines.append(f"  rank {r}: {what}")
+        # a store that did not answer leaves the peers' progress unknown: the ranks the transport itself found
+        # missing (a dead peer's process, a peer that never arrived) are named still
+        named = [r for r in getattr(cause, "missing", None) or () if r in unknown]
+        if named:
+            unknown = [r for r in unknown if r not in named]
+            never += named
+            notes.update({r: "named by the transport; the store did not answer" for r in named})
         clash = _disagreement(cause)
         if clash is not None:  # the transport saw a peer in another size, dtype or op: that, not a wait, is the fault
             disagreed = [clash.peer]
@@ -488,7 +517,7 @@ class InspectedTransport:
         if cause is not None and clash is None:
             parts.append(f"  cause: {type(cause).__name__}: {str(cause)[:300]}")
         parts.append(_HINT)
-        if alarm is None:
+        if alarm is None and not self._store_silent:  # a store that did not answer: the peers see the stall themselves
             self._raise_alarm(headline.partition(" started at ")[0] + f"; {_missing_text(never, gave_up, unknown)}")
         short = self._headline(op, timeout, cause, clash, alarm, never=never, notes=notes, gave_up=gave_up,
                                ahead=ahead, unknown=unknown)
