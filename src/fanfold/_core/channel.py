@@ -80,12 +80,17 @@ class Channel:
     ``recv_key``, each with its sequence number in its direction. Not thread-safe: one sender and one receiver."""
 
     def __init__(self, sock: socket.socket, send_key: bytes, recv_key: bytes):
-        # imported here: `import fanfold` stays free of it until a store connection is made
+        cipher = self.cipher()
+        self.sock = sock
+        self._seal, self._open = cipher(send_key), cipher(recv_key)
+        self._sent = self._received = 0
+
+    @staticmethod
+    def cipher() -> type:
+        # imported on first use (tens of ms): `import fanfold` stays free of it until a store is served or joined
         from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 
-        self.sock = sock
-        self._seal, self._open = ChaCha20Poly1305(send_key), ChaCha20Poly1305(recv_key)
-        self._sent = self._received = 0
+        return ChaCha20Poly1305
 
     @staticmethod
     def _nonce(sequence: int) -> bytes:

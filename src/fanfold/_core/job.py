@@ -258,6 +258,7 @@ class StoreServer:
         handles = 1 << 16 if handles == resource.RLIM_INFINITY else handles
         # a quarter of this process's handles at most, so that a flood leaves the job's own the rest
         self._gate = _Gate(_PENDING_PER_SOURCE, max(_PENDING_PER_SOURCE, min(128, handles // 4)))
+        Channel.cipher()  # loaded now, not while the first client waits for its proof
         threading.Thread(target=self._accept, name=f"fanfold-store-{self.port}", daemon=True).start()
 
     def close(self) -> None:
