@@ -40,8 +40,8 @@ test-busy: $(STAMP)
 
 # tests/smoke/smoke.py (every name in fanfold.__all__, every subcommand) in a fresh venv holding only what
 # `pip install .` brings: torch, pinned to the CPU build on disk (any other torch spec pulls a multi-GB CUDA build),
-# and tqdm; no numpy (torch's own warning that it found none is silenced). Then the train extra is added and
-# `fanfold train` runs for real. Built from a copy of the package in a temporary directory (nothing written to the
+# tqdm and cryptography; no numpy (torch's own warning that it found none is silenced). Then the train extra is
+# added and `fanfold train` runs for real. Built from a copy of the package in a temporary directory (nothing written to the
 # tree), removed afterwards. Part of `make test`.
 smoke:
 	@tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && set -e && \
