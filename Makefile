@@ -28,7 +28,8 @@ test: lint
 # with BUSY_HOGS CPU-bound processes (plain Python busy loops) competing for the cores, as on a shared CI runner or
 # a laptop running other work; the hogs are killed when it ends, passed, failed or interrupted. All four directories
 # fit CI's budget: their CPU work is a small part of `make test`'s, so expect 15-30 minutes on 2 cores beside the
-# hogs. CI runs it after `make test` (.ci/run). BUSY_TESTS= to run a part, e.g. BUSY_TESTS=tests/optim
+# hogs (an estimate: no whole run measured yet, so not yet a step of .ci/run). BUSY_TESTS= to run a part, e.g.
+# BUSY_TESTS=tests/optim
 BUSY_HOGS ?= 4
 BUSY_TESTS ?= tests/distributed tests/collectives tests/differential tests/optim
 test-busy: $(STAMP)

@@ -65,6 +65,14 @@ def train(setup, case, path):
 def main(setup, case, folder):
     torch.set_num_threads(1)
     dist.init_process_group("fanfold" if setup == "backend" else "gloo", timeout=timedelta(seconds=60))
+    # Every rank starts training together: on a loaded machine a rank may start seconds after the others, longer
+    # than the stall timeout under test (2 s), which would then end the first collective instead of the case's.
+    store = dist.distributed_c10d._get_default_store()
+    store.add("stall-matrix/started", 1)
+    deadline = time.monotonic() + 60
+    while store.add("stall-matrix/started", 0) < dist.get_world_size():
+        assert time.monotonic() < deadline, "the other ranks never started"
+        time.sleep(0.01)
     result = {}
     try:
         train(setup, case, os.path.join(folder, "ckpt.pt"))
