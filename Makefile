@@ -20,7 +20,7 @@ demo: $(STAMP)
 	$(BIN)/fanfold demo --devices 3
 
 test: lint
-	@echo "fanfold: the test suite takes about 10-15 minutes on 2 cores (README.md, Set-up)"
+	@echo "fanfold: the test suite takes about 16-30 minutes on 2 cores (README.md, Set-up)"
 	$(BIN)/python -m pytest -q
 	$(MAKE) --no-print-directory smoke
 
