@@ -305,3 +305,26 @@ def test_worker_shim_tells_a_dead_peers_consequence_from_a_failure_of_its_own():
     assert peers_gone(ValueError("boom from rank 1")) is None
     assert peers_gone(StallError("rank 0 of 2: all_reduce #4 did not complete within 5 s", rank=0, seq=4,
                                  kind="all_reduce", bucket=None, missing=[1])) is None  # alive and behind: a stall
+
+
+def test_an_agent_error_is_not_reported_as_a_bad_flag(tmp_path, monkeypatch, capsys):
+    # The CLI turns launch_script's ValueError into a usage error naming a flag; one raised inside torch's agent
+    # (e.g. json.load of a worker's error file) is a failure of the run, shown with its traceback.
+    import json
+
+    import torch.distributed.launcher.api as torch_launcher
+
+    def broken(config, entrypoint):
+        def run(*args):
+            raise json.JSONDecodeError("Expecting value", "", 0)
+        return run
+
+    monkeypatch.setattr(torch_launcher, "elastic_launch", broken)
+    (tmp_path / "ok.py").write_text("pass\n")
+    with pytest.raises(RuntimeError, match="torch's elastic agent failed while it ran the workers.*Expecting value"):
+        launcher.launch_script([str(tmp_path / "ok.py")], nproc_per_node=1)
+    parser = ArgumentParser(prog="fanfold run")
+    run_cli.add_arguments(parser)
+    with pytest.raises(RuntimeError):
+        run_cli.main(parser.parse_args(["-n", "1", str(tmp_path / "ok.py")]))
+    assert "usage:" not in capsys.readouterr().err
