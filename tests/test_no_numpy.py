@@ -1,7 +1,7 @@
-"""fanfold with its declared dependencies only (torch, tqdm): numpy made unimportable in a fresh interpreter and in
-every rank it launches, then ZeRO, save/load of a sampler mid-epoch, exact evaluation and a spilled process-engine
-message. torch's object collectives fail there with "Numpy is not available"; the results are checked against
-torch's Adam on the whole batch in one process and against the dataset itself."""
+"""fanfold with its declared dependencies only (torch, tqdm, cryptography): numpy made unimportable in a fresh
+interpreter and in every rank it launches, then ZeRO, save/load of a sampler mid-epoch, exact evaluation and a spilled
+process-engine message. torch's object collectives fail there with "Numpy is not available"; the results are checked
+against torch's Adam on the whole batch in one process and against the dataset itself."""
 import os
 import subprocess
 import sys

@@ -72,6 +72,14 @@ def train(setup, case, path):
 def main(setup, case, folder):
     torch.set_num_threads(1)
     dist.init_process_group("fanfold" if setup == "backend" else "gloo", timeout=timedelta(seconds=60))
+    # Every rank starts training together: on a loaded machine a rank may start seconds after the others, longer
+    # than the stall timeout under test (2 s), which would then end the first collective instead of the case's.
+    store = dist.distributed_c10d._get_default_store()
+    store.add("stall-matrix/started", 1)
+    deadline = time.monotonic() + 60
+    while store.add("stall-matrix/started", 0) < dist.get_world_size():
+        assert time.monotonic() < deadline, "the other ranks never started"
+        time.sleep(0.01)
     result = {}
     try:
         train(setup, case, os.path.join(folder, "ckpt.pt"))
@@ -79,6 +87,7 @@ def main(setup, case, folder):
         result = {"type": type(exc).__name__, "message": str(exc), "missing": getattr(exc, "missing", None),
                   "feature": getattr(exc, "feature", None)}
     print("RESULT " + json.dumps(result), flush=True)
+    print(f"REPORTED {time.time()}", flush=True)  # what follows is the interpreter's exit
     return 1 if result else 0
 
 

@@ -25,14 +25,16 @@ def _skip_one(case, path):
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank, store = dist.get_rank(), dist.distributed_c10d._get_default_store()
     torch.manual_seed(0)
+    start = time.monotonic()
     try:
         issue = _prepare(case, rank, path)
+        start = time.monotonic()  # the collective rank 1 skips
         if rank == 0:
             issue()
             return "no stall"
         return "skipped"
     except fanfold.StallError as exc:
-        return str(exc), exc.feature, exc.kind, exc.missing
+        return str(exc), exc.feature, exc.kind, exc.missing, time.monotonic() - start
     finally:
         # rank 1 waits here until rank 0 has its verdict (its exit would fail rank 0's wait early); rank 0, whose
         # process holds the store, leaves last
@@ -96,11 +98,11 @@ def _prepare(case, rank, path):
     ("fanfold.load", "fanfold.load", "all_gather"),
 ])
 def test_a_rank_that_skips_the_feature_stalls_the_other_with_a_named_error(case, feature, kind, tmp_path):
-    start = time.monotonic()
-    (r0, res0), (r1, res1) = _run_ranks(_skip_one, case, str(tmp_path / "ckpt.pt"), timeout=STALL + 60)
-    assert time.monotonic() - start < STALL + 40
+    # start-up included, which a loaded machine makes slow; the stall itself is timed in the rank
+    (r0, res0), (r1, res1) = _run_ranks(_skip_one, case, str(tmp_path / "ckpt.pt"), timeout=STALL + 240)
     assert (r0, r1, res1) == ("ok", "ok", "skipped"), (res0, res1)
-    message, named, got_kind, missing = res0
+    message, named, got_kind, missing, waited = res0
+    assert waited < STALL + 20, waited  # the stall timeout with a margin for a loaded machine, not the group's 60 s
     assert (named, got_kind, missing) == (feature, kind, [1])
     assert message.startswith(f"rank 0 of 2: {feature}'s {kind} #")
     assert f"did not complete within {STALL:g} s. Ranks that never arrived: [1]." in message

@@ -91,7 +91,7 @@ def test_timeout_names_rank_collective_line_and_the_rank_behind():
     start = time.monotonic()
     with pytest.raises(StallError) as e:
         handle.wait()
-    assert time.monotonic() - start < 5
+    assert time.monotonic() - start < 15  # the stall timeout (0.3 s) with a margin for a loaded machine
     msg = str(e.value)
     assert msg.startswith(f"rank 0 of 2: all_reduce #4 (bucket 1) started at {line} did not complete within 0.3 s.")
     assert "Ranks that never arrived: [1]." in msg
@@ -134,7 +134,7 @@ def test_failed_wait_names_dead_peer_and_cause():
     start = time.monotonic()
     with pytest.raises(StallError) as e:
         h.wait()
-    assert time.monotonic() - start < 5  # a failure is diagnosed at once, not after the 30 s timeout
+    assert time.monotonic() - start < 15  # a failure is diagnosed at once, not after the 30 s timeout
     msg = str(e.value)
     assert msg.startswith("rank 0 of 2: all_reduce #2 (bucket 1) started at ") and "failed (RuntimeError)" in msg
     assert "cause: RuntimeError: Connection reset by peer" in msg
@@ -240,6 +240,7 @@ def _run_ranks(fn, *args, nprocs=2, timeout=60.0):
 
 def _scenario(name):
     dist.init_process_group("gloo", timeout=timedelta(seconds=30))
+    start = time.monotonic()  # the ranks leave the rendezvous together: the scenario's own time, start-up excluded
     rank, store = dist.get_rank(), dist.distributed_c10d._get_default_store()
     torch.manual_seed(rank)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
@@ -256,7 +257,7 @@ def _scenario(name):
         if name == "skip":
             ddp.transport.barrier()  # BARRIER: the usual barrier before saving a checkpoint
     except StallError as exc:
-        return str(exc), exc.missing, exc.seq
+        return (str(exc), exc.missing, exc.seq), time.monotonic() - start
     finally:
         # No rank leaves before every live rank has diagnosed (an exit would fail the others' waits early), and
         # rank 0, whose process holds the store, leaves last.
@@ -269,7 +270,7 @@ def _scenario(name):
                 store.wait([f"left/{r}" for r in alive], timedelta(seconds=30))
         except Exception:
             pass  # the result above is what the test checks
-    return "finished"
+    return "finished", time.monotonic() - start
 
 
 def _line(tag):
@@ -279,10 +280,13 @@ def _line(tag):
 
 
 def _timed(name):
-    start = time.monotonic()
-    out = _run_ranks(_scenario, name, timeout=STALL + 60)
-    assert time.monotonic() - start < STALL + 30
-    return out
+    """Each rank's result; each live rank's scenario (three steps and the stall) ended within the stall timeout
+    and a margin for a loaded machine, below the group's 30 s timeout."""
+    out = _run_ranks(_scenario, name, timeout=STALL + 240)  # start-up included: slow on a loaded machine
+    for r, (status, got) in enumerate(out):
+        if status == "ok":
+            assert got[1] < STALL + 20, (r, got)
+    return [(status, got[0] if status == "ok" else got) for status, got in out]
 
 
 def test_skipped_backward_is_diagnosed_on_both_ranks():
@@ -375,7 +379,7 @@ def test_the_groups_alarm_ends_every_inspectors_waits_at_once():
     start = time.monotonic()
     with pytest.raises(StallError) as e:
         pending.wait()
-    assert time.monotonic() - start < 5  # not the 60 s of its own timeout
+    assert time.monotonic() - start < 30  # at once, not after the 60 s of its own timeout
     assert str(e.value).startswith("rank 1 of 2: fanfold.save's all_reduce #1 ")
     assert "was ended: rank 0 had diagnosed a stall (rank 0 of 2: all_reduce #1 (bucket 0)" in str(e.value)
     with pytest.raises(StallError, match="was ended: rank 0 had diagnosed a stall"):

@@ -196,7 +196,7 @@ def _mismatch():
 
 def test_model_differing_between_ranks_fails_fast_with_the_first_mismatch():
     for msg, seconds in fanfold.launch(_mismatch, nprocs=2, timeout=120):
-        assert msg is not None and seconds < 10
+        assert msg is not None and seconds < 30  # at once, not after the group's 60 s timeout
         assert "differs between ranks [0, 1]" in msg
         assert "at entry 2 rank 0 has parameter '2.weight' shape (8, 8)" in msg
         assert "rank 1 has parameter '2.weight' shape (9, 8)" in msg

@@ -117,8 +117,9 @@ def _launch(work: Path, case: str, nproc: int) -> tuple[subprocess.CompletedProc
     try:
         if case == "external_kill":
             deadline = time.monotonic() + TIMEOUT
-            while not (work / f"pid{VICTIM}").exists():
-                assert proc.poll() is None and time.monotonic() < deadline, "the victim never started"
+            # every rank started (the report needs them all), then the victim dies
+            while not all((work / f"pid{r}").exists() for r in range(nproc)):
+                assert proc.poll() is None and time.monotonic() < deadline, "the workers never started"
                 time.sleep(0.05)
             time.sleep(1.0)  # into the all-reduce loop (or still joining the group: a death either way)
             os.kill(int((work / f"pid{VICTIM}").read_text()), signal.SIGKILL)
@@ -197,6 +198,18 @@ def test_consequence_seen_before_the_death_is_not_its_cause(tmp_path):
         "no Python traceback: the process was killed (any output it left is above)",
         "fanfold run: rank 0: its peer rank 1 is gone (StallError)",
         "fanfold run: exit code 137"]
+
+
+def test_a_dead_rank_the_agent_also_signalled_is_still_the_cause(tmp_path):
+    # Rank 0 saw rank 1's process gone and failed first; the agent, seeing that failure, signalled every other
+    # worker, rank 1 among them (killed, not yet reaped): rank 1 died on its own all the same.
+    err = ChildFailedError("x", {
+        0: _failure(tmp_path, 0, 1, "ShmTimeoutError: ... (rank 1's process 1001 is gone)", 1_700_000_004 * 10**9,
+                    gone=[1]),
+        1: _failure(tmp_path, 1, -int(signal.SIGKILL)),
+    })
+    found = blame(err, stopped={1001: 1_700_000_006 * 10**9})
+    assert (found.root, found.exit_code, found.consequences, found.stopped) == (1, 137, {0: [1]}, [])
 
 
 def test_the_agents_own_sigterm_is_never_the_cause(tmp_path):
@@ -292,3 +305,26 @@ def test_worker_shim_tells_a_dead_peers_consequence_from_a_failure_of_its_own():
     assert peers_gone(ValueError("boom from rank 1")) is None
     assert peers_gone(StallError("rank 0 of 2: all_reduce #4 did not complete within 5 s", rank=0, seq=4,
                                  kind="all_reduce", bucket=None, missing=[1])) is None  # alive and behind: a stall
+
+
+def test_an_agent_error_is_not_reported_as_a_bad_flag(tmp_path, monkeypatch, capsys):
+    # The CLI turns launch_script's ValueError into a usage error naming a flag; one raised inside torch's agent
+    # (e.g. json.load of a worker's error file) is a failure of the run, shown with its traceback.
+    import json
+
+    import torch.distributed.launcher.api as torch_launcher
+
+    def broken(config, entrypoint):
+        def run(*args):
+            raise json.JSONDecodeError("Expecting value", "", 0)
+        return run
+
+    monkeypatch.setattr(torch_launcher, "elastic_launch", broken)
+    (tmp_path / "ok.py").write_text("pass\n")
+    with pytest.raises(RuntimeError, match="torch's elastic agent failed while it ran the workers.*Expecting value"):
+        launcher.launch_script([str(tmp_path / "ok.py")], nproc_per_node=1)
+    parser = ArgumentParser(prog="fanfold run")
+    run_cli.add_arguments(parser)
+    with pytest.raises(RuntimeError):
+        run_cli.main(parser.parse_args(["-n", "1", str(tmp_path / "ok.py")]))
+    assert "usage:" not in capsys.readouterr().err

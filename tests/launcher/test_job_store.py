@@ -103,7 +103,7 @@ def test_the_client_refuses_a_server_that_cannot_prove_the_secret():
 
     def impostor():  # greets like the real server and accepts any proof
         conn, _ = listener.accept()
-        conn.sendall(b"fanfold-store/1\n" + secrets.token_bytes(32))
+        conn.sendall(b"fanfold-store/2\n" + secrets.token_bytes(32))
         seen.append(conn.recv(64))
         conn.sendall(secrets.token_bytes(32))
         time.sleep(0.5)

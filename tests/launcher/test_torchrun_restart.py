@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -142,7 +143,7 @@ def test_torchrun_restart_after_a_killed_worker_finishes_like_one_process(tmp_pa
     env = {k: v for k, v in os.environ.items() if not k.startswith("FANFOLD_") and k not in ("RANK", "WORLD_SIZE")}
     env.update(PYTHONPATH=SRC, OMP_NUM_THREADS="1")
     if store == "secret":  # fanfold's authenticated store, its address put in torchrun's
-        env["FANFOLD_JOB_SECRET"] = "a" * 64
+        env["FANFOLD_JOB_SECRET"] = secrets.token_hex(32)
     verdicts = []
     for run in range(RUNS):
         workdir = tmp_path / f"run{run}"

@@ -54,7 +54,7 @@ def test_every_wait_is_bounded_and_stop_wakes_the_worker():
     start = time.monotonic()
     with pytest.raises(TimeoutError):
         caller.receive(no_check, time.monotonic() + 0.3)
-    assert 0.25 < time.monotonic() - start < 5
+    assert 0.25 < time.monotonic() - start < 15  # its deadline, with a margin for a loaded machine
 
     def peer_gone():
         raise RuntimeError("the peer's process is gone")
@@ -62,7 +62,7 @@ def test_every_wait_is_bounded_and_stop_wakes_the_worker():
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="peer's process is gone"):
         caller.receive(peer_gone)  # no deadline: the check still runs every 50 ms
-    assert time.monotonic() - start < 5
+    assert time.monotonic() - start < 15
 
     errors = []
 

@@ -1,8 +1,8 @@
 """Smoke test of an installed fanfold: every name in ``fanfold.__all__`` and every ``fanfold`` subcommand, used once,
 small, each result checked against torch (single-device torch, torch's own samplers, BatchNorm on the whole batch).
 
-``make smoke`` runs it in a fresh venv that holds only what ``pip install .`` brings (torch and tqdm, no numpy), from
-a directory outside the repository, so the installed package is what runs. Not collected by pytest:
+``make smoke`` runs it in a fresh venv that holds only what ``pip install .`` brings (torch, tqdm and cryptography, no
+numpy), from a directory outside the repository, so the installed package is what runs. Not collected by pytest:
 ``tests/test_smoke_list.py`` checks that ``LOCAL``, ``RANKED`` and ``COMMANDS`` below cover every public name and
 every registered subcommand.
 

@@ -1,6 +1,7 @@
 """The job this process belongs to: its rank and world size, and its rendezvous store: a key-value server admitting
 only processes that prove the job's secret (HMAC-SHA256 both ways; ``FANFOLD_JOB_SECRET`` or a 0600 file named by
-``FANFOLD_JOB_SECRET_FILE``; at least 128 bits as written) and its client, a ``torch.distributed.Store``.
+``FANFOLD_JOB_SECRET_FILE``; at least 128 bits as written) and its client, a ``torch.distributed.Store``; every
+request and answer after the proof travels sealed with the connection's own keys (``channel.py``).
 Connections that have not proved the secret are bounded in number, in time and in failed guesses per address, so
 that a flood or a guesser does not keep the job's own clients out. Threat model: docs/reliability.md."""
 from __future__ import annotations
@@ -22,21 +23,18 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from hashlib import sha256
 from typing import Any
 from urllib.parse import urlparse
 
 import torch.distributed as dist
 
+from .channel import HELLO, NONCE, PROOF, Channel, TamperedError, handshake, recv_exact
 from .rounds import agent_store_shared, round_store
 
 SECRET_ENV = "FANFOLD_JOB_SECRET"
 SECRET_FILE_ENV = "FANFOLD_JOB_SECRET_FILE"
 STORE_ENV = "FANFOLD_JOB_STORE"  # "1": MASTER_ADDR:MASTER_PORT is a StoreServer (fanfold's launchers set it)
 
-_HELLO = b"fanfold-store/1\n"
-_NONCE = 32
-_DIGEST = 32
 _HANDSHAKE_S = 10.0  # how long a client waits for the server's greeting and its proof
 _PROOF_S = 5.0  # a connection that has not proved the secret this long after its greeting is closed
 _PENDING_PER_SOURCE = 8  # connections from one address that have not proved the secret yet
@@ -142,34 +140,6 @@ def job_secret() -> bytes | None:
     if not path:
         return None
     return check_secret(_secret_file(path), f"the secret in {SECRET_FILE_ENV}={path!r}")
-
-
-def _proof(secret: bytes, side: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
-    # "side" keeps a client's proof from being replayed as the server's, and the reverse
-    return hmac.new(secret, b"fanfold-store " + side + server_nonce + client_nonce, sha256).digest()
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    data = bytearray()
-    while len(data) < n:
-        chunk = sock.recv(min(n - len(data), 1 << 20))
-        if not chunk:
-            raise ConnectionError("the store connection was closed by the other end")
-        data += chunk
-    return bytes(data)
-
-
-def _send(sock: socket.socket, *fields: bytes) -> None:
-    parts = [struct.pack("!I", len(fields))]
-    for f in fields:
-        parts += [struct.pack("!I", len(f)), f]
-    sock.sendall(b"".join(parts))
-
-
-def _recv(sock: socket.socket) -> list[bytes]:
-    # read only from a peer that proved the secret: the job's own processes
-    (n,) = struct.unpack("!I", _recv_exact(sock, 4))
-    return [_recv_exact(sock, struct.unpack("!I", _recv_exact(sock, 4))[0]) for _ in range(n)]
 
 
 def _recv_by(sock: socket.socket, n: int, deadline: float) -> bytes:
@@ -288,6 +258,7 @@ class StoreServer:
         handles = 1 << 16 if handles == resource.RLIM_INFINITY else handles
         # a quarter of this process's handles at most, so that a flood leaves the job's own the rest
         self._gate = _Gate(_PENDING_PER_SOURCE, max(_PENDING_PER_SOURCE, min(128, handles // 4)))
+        Channel.cipher()  # loaded now, not while the first client waits for its proof
         threading.Thread(target=self._accept, name=f"fanfold-store-{self.port}", daemon=True).start()
 
     def close(self) -> None:
@@ -325,45 +296,61 @@ class StoreServer:
                 conn.close()
                 time.sleep(backoff)
 
-    def _admit(self, conn: socket.socket, source: str) -> bool:
+    def _admit(self, conn: socket.socket, source: str) -> Channel | None:
         pause = self._gate.pause(source)
         if pause:
             time.sleep(pause)
         deadline = time.monotonic() + _PROOF_S  # a whole deadline: a proof trickled in byte by byte gains nothing
-        server_nonce = secrets.token_bytes(_NONCE)
+        server_nonce = secrets.token_bytes(NONCE)
         conn.settimeout(_PROOF_S)
-        conn.sendall(_HELLO + server_nonce)
-        reply = _recv_by(conn, _NONCE + _DIGEST, deadline)
-        client_nonce, proof = reply[:_NONCE], reply[_NONCE:]
-        if not hmac.compare_digest(proof, _proof(self._secret, b"client", server_nonce, client_nonce)):
+        conn.sendall(HELLO + server_nonce)
+        reply = _recv_by(conn, NONCE + PROOF, deadline)
+        keys = handshake(self._secret, server_nonce, reply[:NONCE])
+        if not hmac.compare_digest(reply[NONCE:], keys.client_proof):
             failures = self._gate.failed(source)
             if failures:
                 _log.warning("fanfold's job store on port %d: %s failed the handshake, %d time(s) so far (a process "
                              "without this job's secret); past %d failures its connections are greeted only after a "
                              "pause; this address is reported at most once every %g s",
                              self.port, source, failures, _FREE_FAILURES, _FAILURE_WINDOW_S)
-            return False
+            return None
         self._gate.leave(conn)
-        conn.sendall(_proof(self._secret, b"server", server_nonce, client_nonce))
+        conn.sendall(keys.server_proof)
         conn.settimeout(None)  # an admitted client may stay idle for the whole job
-        return True
+        return Channel(conn, keys.server_key, keys.client_key)
 
     def _serve(self, conn: socket.socket, source: str) -> None:
         try:
-            admitted = self._admit(conn, source)
-            while admitted and not self._closed:
-                request = _recv(conn)
+            channel = self._admit(conn, source)
+            while channel is not None and not self._closed:
+                try:
+                    request = channel.recv()
+                except TamperedError as exc:
+                    self._tampered(channel, source, exc)
+                    return
                 try:
                     answer = self._answer(request[0].decode(), request[1:])
                 except (IndexError, TypeError, ValueError, UnicodeDecodeError) as exc:  # malformed: say so, go on
                     answer = [_ERROR, f"malformed store request: {type(exc).__name__}: {exc}".encode()]
-                _send(conn, *answer)
+                channel.send(*answer)
         except (OSError, ConnectionError, struct.error):
             pass  # the client went away (or never proved the secret in time, or was evicted)
         finally:
             self._gate.leave(conn)  # gone: no longer counted
             self._conns.discard(conn)
             conn.close()
+
+    def _tampered(self, channel: Channel, source: str, exc: TamperedError) -> None:
+        """A request that did not open: say so to the client, sealed (it alone can read and trust that), and end the
+        connection, whose sequence is broken."""
+        _log.warning("fanfold's job store on port %d: a request on a connection from %s did not open (%s); "
+                     "something between the client and the store tampers with the traffic; connection closed",
+                     self.port, source, exc)
+        with contextlib.suppress(OSError):
+            channel.send(_ERROR, f"the store received a request on this connection that failed authentication ({exc}):"
+                                 f" something between this process and the store tampers with the traffic; the store "
+                                 f"closed the connection".encode())
+            channel.sock.shutdown(socket.SHUT_WR)
 
     def _answer(self, op: str, args: list[bytes]) -> list[bytes]:
         store = self._store
@@ -405,9 +392,10 @@ class JobStore(dist.Store):
         self._address, self._secret = (host, port), secret
         self._lock = threading.Lock()
         self._clones: list[JobStore] = []
-        self._sock = self._connect(host, port, secret, timeout.total_seconds())
+        self._failed = ""  # why the connection was given up, for the calls that come after
+        self._channel: Channel | None = self._connect(host, port, secret, timeout.total_seconds())
 
-    def _connect(self, host: str, port: int, secret: bytes, timeout: float) -> socket.socket:
+    def _connect(self, host: str, port: int, secret: bytes, timeout: float) -> Channel:
         deadline = time.monotonic() + timeout
         delay = 0.01
         while True:
@@ -417,7 +405,7 @@ class JobStore(dist.Store):
                 error = exc
             else:
                 try:
-                    hello = _recv_exact(sock, len(_HELLO) + _NONCE)
+                    hello = recv_exact(sock, len(HELLO) + NONCE)
                     break
                 except ConnectionError as exc:  # closed before its greeting: a server busy with a flood; again
                     sock.close()
@@ -432,36 +420,45 @@ class JobStore(dist.Store):
             delay = min(delay * 2, 1.0)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if not hello.startswith(_HELLO):
-                raise AuthenticationError(f"{self._where} is not fanfold's job store (it greeted with {hello[:16]!r})")
-            server_nonce, client_nonce = hello[len(_HELLO):], secrets.token_bytes(_NONCE)
-            sock.sendall(client_nonce + _proof(secret, b"client", server_nonce, client_nonce))
+            if not hello.startswith(HELLO):
+                raise AuthenticationError(f"{self._where} is not fanfold's job store of this version (it greeted with "
+                                          f"{hello[:16]!r}, not {HELLO!r})")
+            server_nonce, client_nonce = hello[len(HELLO):], secrets.token_bytes(NONCE)
+            keys = handshake(secret, server_nonce, client_nonce)
+            sock.sendall(client_nonce + keys.client_proof)
             try:
-                answer = _recv_exact(sock, _DIGEST)
+                answer = recv_exact(sock, PROOF)
             except ConnectionError:
                 raise AuthenticationError(
                     f"fanfold's job store at {self._where} refused this process: its secret is not this job's "
                     f"(check {SECRET_ENV} / {SECRET_FILE_ENV} on every node)") from None
-            if not hmac.compare_digest(answer, _proof(secret, b"server", server_nonce, client_nonce)):
+            if not hmac.compare_digest(answer, keys.server_proof):
                 raise AuthenticationError(f"the store at {self._where} could not prove the job's secret: not this "
                                           f"job's store (another process may have taken its port); nothing sent")
         except BaseException:
             sock.close()
             raise
         sock.settimeout(None)
-        return sock
+        return Channel(sock, keys.client_key, keys.server_key)
 
     def _call(self, op: str, *args: bytes, wait_s: float = 0.0) -> list[bytes]:
         with self._lock:
-            if self._sock is None:
-                raise dist.DistStoreError(f"fanfold's job store client for {self._where} is closed")
+            channel = self._channel
+            if channel is None:
+                raise dist.DistStoreError(f"fanfold's job store client for {self._where} is closed{self._failed}")
             # bounded even if the server froze: its own answer to a blocking request comes within wait_s
-            self._sock.settimeout(wait_s + 60.0)
+            channel.sock.settimeout(wait_s + 60.0)
             try:
-                _send(self._sock, op.encode(), *args)
-                status, *values = _recv(self._sock)
-            except (OSError, ConnectionError) as exc:
-                raise dist.DistNetworkError(f"fanfold's job store at {self._where}: {op} failed: {exc}") from None
+                channel.send(op.encode(), *args)
+                status, *values = channel.recv()
+            except (OSError, ConnectionError, ValueError, struct.error) as exc:
+                # the connection's sequence is lost (an answer late, unread or forged): no later call may use it
+                what = ("an answer from the store did not open: something between this process and the store "
+                        "tampers with the traffic; " if isinstance(exc, TamperedError) else "")
+                self._give_up(f"{op} failed: {what}{exc}")
+                raise dist.DistNetworkError(f"fanfold's job store at {self._where}: {op} failed: {what}{exc}") from None
+            if status == _ERROR and b"failed authentication" in values[0]:
+                self._give_up(f"the store closed it: {values[0].decode()}")
         if status == _TIMEOUT:
             raise dist.DistStoreError(f"fanfold's job store at {self._where}: {op} timed out: {values[0].decode()}")
         if status != _OK:
@@ -515,11 +512,15 @@ class JobStore(dist.Store):
         self._clones.append(twin)  # torch keeps only the C++ half of the clone: it lives as long as this store
         return twin
 
+    def _give_up(self, why: str) -> None:
+        self._channel.sock.close()
+        self._channel, self._failed = None, f" (given up after: {why})"
+
     def close(self) -> None:  # the store is unusable afterwards: a call that still comes raises DistStoreError
         with self._lock:
-            if getattr(self, "_sock", None) is not None:
-                self._sock.close()
-                self._sock = None
+            if getattr(self, "_channel", None) is not None:
+                self._channel.sock.close()
+                self._channel = None
 
     def __del__(self) -> None:
         # torch's C++ half of this store (a group's PrefixStore, a clone in a writer thread) can still call it from

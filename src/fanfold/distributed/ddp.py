@@ -447,8 +447,13 @@ class DistributedDataParallel(nn.Module):
         state = JoinState(self.transport, throw_on_early_termination)
         state.begin_backward = self.reducer.begin_backward
         participants = [m for m in self.module.modules() if isinstance(m, DDPParticipant)]
-        if not divide_by_initial_world_size:
-            state.on_alive = lambda alive: setattr(self.reducer, "divisor", alive)
+
+        def on_alive(alive: int) -> None:
+            self.reducer.some_joined = alive < self.transport.world_size
+            if not divide_by_initial_world_size:
+                self.reducer.divisor = alive
+
+        state.on_alive = on_alive
         self.reducer.on_first_ready = lambda: state.announce(BACKWARD)
         try:
             for m in participants:  # may refuse (raises on every rank alike: the same model and settings)
@@ -465,6 +470,7 @@ class DistributedDataParallel(nn.Module):
             self._join = None
             self.reducer.on_first_ready = None
             self.reducer.divisor = self.transport.world_size
+            self.reducer.some_joined = False
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict:
         """The wrapped module's state dict: no ``module.`` prefix, loadable without DDP."""

@@ -166,6 +166,8 @@ class Reducer:
         # static_graph: a parameter is ready after as many hooks as in the first synchronised backward (only counted)
         self.static, self.expected = static_graph, None  # expected: hooks per parameter in that first backward
         self._static_used: list[float] | None = None  # static graph: which parameters some rank used, once
+        # join(): some rank has joined (set on every rank at each exchange): the first iteration's count is stale
+        self.some_joined = False
         self._shadowing = False
         self._double = False  # this backward differentiates the gradients of a create_graph one: averaged too
         self._used = [False] * len(self.params)  # got a gradient since the last synchronisation (no_sync included)
@@ -463,7 +465,9 @@ class Reducer:
 
     def _used_everywhere(self, counting: bool) -> list[float] | None:
         """Per parameter, how many ranks used it since the last synchronisation (None: all used, not asked)."""
-        if self.static and not counting and not self._double:
+        # With find_unused_parameters a parameter none of the active ranks used keeps .grad None, as in one process;
+        # the first iteration's count may name a rank that has joined since, so under join() it is asked again.
+        if self.static and not counting and not self._double and not (self.find_unused and self.some_joined):
             return self._static_used
         if not (self.find_unused or counting or self._double):
             return None

@@ -212,6 +212,8 @@ def launch_script(
         except SignalException as exc:
             print(f"fanfold run: stopped by {exc.sigval.name}; every worker was stopped", file=sys.stderr)
             return 128 + int(exc.sigval)
+        except ValueError as exc:  # a ValueError of launch_script is a bad argument (the CLI says which flag): not this
+            raise RuntimeError(f"torch's elastic agent failed while it ran the workers: {exc!r}") from exc
     return 0
 
 

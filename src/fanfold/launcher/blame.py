@@ -44,11 +44,17 @@ def blame(err, stopped: Mapping[int, int] | None = None) -> Blame:
     the worker's own clock (its error file), or for a death with no error file (a signal, ``os._exit``) by when the
     agent saw it: at the start of that second, as the death may have been earlier within it."""
     roles: dict[str, dict[int, object]] = {"stopped": {}, "consequence": {}, "own": {}}
+    # A rank that a peer's failure names as gone was dead before that failure: it died on its own, even where the
+    # agent, seeing the peer's failure first, signalled it too (its process not yet reaped).
+    named_gone = {r for f in err.failures.values() if (i := error_info(f))
+                  for r in i["extraInfo"].get("peer_gone") or ()}
     for rank, failure in err.failures.items():
         info = error_info(failure)
         raised_ns = int(info["extraInfo"].get("time_ns", 0)) if info else None
         signalled_ns = (stopped or {}).get(failure.pid)
-        if stopped is None:
+        if rank in named_gone and info is None:
+            was_stopped = False
+        elif stopped is None:
             was_stopped = failure.exitcode == -signal.SIGTERM and info is None
         else:  # its exception, if any, came after the stop: the stop's (a handler that raised on SIGTERM)
             was_stopped = signalled_ns is not None and (raised_ns is None or raised_ns >= signalled_ns)
