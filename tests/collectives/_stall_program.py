@@ -3,6 +3,7 @@ with the torchrun environment: a few steps of training with SETUP, where rank 1 
 says. Prints ``ENTERED <time>`` before each collective it may stall in, and ``RESULT <json>`` (the error it
 raised, if any), then ends by a normal interpreter exit (process group teardown included): the test measures when
 each process is gone."""
+import faulthandler
 import json
 import os
 import signal
@@ -17,6 +18,7 @@ from torch import nn
 import fanfold
 
 STEPS = 3
+EXIT_WARN_S = 5.0
 
 
 def entered(what):
@@ -72,8 +74,12 @@ def train(setup, case, path):
 def main(setup, case, folder):
     torch.set_num_threads(1)
     dist.init_process_group("fanfold" if setup == "backend" else "gloo", timeout=timedelta(seconds=60))
-    # Every rank starts training together: on a loaded machine a rank may start seconds after the others, longer
-    # than the stall timeout under test (2 s), which would then end the first collective instead of the case's.
+    # One step on a local copy first, no collective in it: a process's first forward and backward (autograd's
+    # threads, the kernels' first calls) can take seconds of a loaded machine's CPU, longer than the stall timeout
+    # under test, which would then end the first collective instead of the case's.
+    warm = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    warm(torch.randn(8, 4)).pow(2).mean().backward()
+    # Every rank starts training together: on a loaded machine a rank may start seconds after the others.
     store = dist.distributed_c10d._get_default_store()
     store.add("stall-matrix/started", 1)
     deadline = time.monotonic() + 60
@@ -88,6 +94,8 @@ def main(setup, case, folder):
                   "feature": getattr(exc, "feature", None)}
     print("RESULT " + json.dumps(result), flush=True)
     print(f"REPORTED {time.time()}", flush=True)  # what follows is the interpreter's exit
+    # an exit that takes long prints where it waits (the test bounds it), then goes on
+    faulthandler.dump_traceback_later(EXIT_WARN_S, exit=False)
     return 1 if result else 0
 
 
