@@ -92,7 +92,7 @@ endif
 
 # tests/multihost: 2 and 3 ranks on simulated hosts (network, mount, UTS and PID namespaces linked by veth; see
 # docs/multihost.md): collectives against gloo, DDP against one process, a killed rank, a link taken down,
-# `fanfold run --nnodes 2` restarting. Needs root (skipped with the reason otherwise) and 2-3 minutes on 2
+# `fanfold run --nnodes 2` restarting, a relay of the job's store on another host reading nothing. Needs root (skipped with the reason otherwise) and 2-3 minutes on 2
 # cores; not in `test` (CI runs it after `make test` where it runs as root).
 multihost: $(STAMP)
 	FANFOLD_MULTIHOST=1 $(BIN)/python -m pytest -q -rs tests/multihost

@@ -5,170 +5,21 @@ replays one, flips a bit of a request or of an answer, drops or reorders message
 none of the job's keys or values, and each alteration makes the client or the store raise, naming it, with nothing
 of it applied. Positive control: the same relay against torch's TCPStore (no authentication) reads the values and
 gets its replay and its altered request applied, so the relay itself works."""
-import functools
-import json
-import os
 import pwd
-import queue
 import secrets
-import shutil
 import socket
 import struct
-import subprocess
-import sys
-import threading
 import time
 from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
 
+from _relay import Relay, runner
 from fanfold._core.job import JobStore, StoreServer
 
 T = timedelta(seconds=20)
 SECRET = secrets.token_hex(32).encode()
-
-# Standard library only: `nobody` runs it with nothing of this checkout on its path. One line per command on stdin,
-# one JSON line per answer on stdout. Every chunk is logged, then forwarded unless held; the commands act on the
-# latest connection.
-_RELAY = r'''
-import json, os, socket, sys, threading
-target = (sys.argv[1], int(sys.argv[2]))
-listener = socket.create_server(("127.0.0.1", 0))
-lock = threading.Lock()
-log = {"c2s": bytearray(), "s2c": bytearray()}
-chunks = {"c2s": [], "s2c": []}
-mark = {"c2s": 0, "s2c": 0}
-held = {"c2s": None, "s2c": None}
-flip = {"c2s": False, "s2c": False}
-ends = {}
-
-def pump(src, dst, way):
-    while True:
-        try:
-            chunk = src.recv(1 << 16)
-        except OSError:
-            chunk = b""
-        if not chunk:
-            try:
-                dst.shutdown(socket.SHUT_WR)
-            except OSError:
-                pass
-            return
-        with lock:
-            log[way] += chunk
-            chunks[way].append(chunk)
-            if flip[way]:
-                chunk, flip[way] = chunk[:-1] + bytes([chunk[-1] ^ 1]), False
-            if held[way] is not None:
-                held[way].append(chunk)
-                continue
-            try:
-                dst.sendall(chunk)
-            except OSError:
-                return
-
-def accept():
-    while True:
-        down, _ = listener.accept()
-        up = socket.create_connection(target, timeout=10)
-        up.settimeout(None)
-        for s in (down, up):
-            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        with lock:
-            ends.update(c2s=up, s2c=down)
-        threading.Thread(target=pump, args=(down, up, "c2s"), daemon=True).start()
-        threading.Thread(target=pump, args=(up, down, "s2c"), daemon=True).start()
-
-threading.Thread(target=accept, daemon=True).start()
-print(json.dumps({"port": listener.getsockname()[1], "uid": os.geteuid()}), flush=True)
-for line in sys.stdin:
-    cmd, way, *rest = line.split()
-    answer = {}
-    with lock:
-        if cmd == "log":
-            answer = {w: log[w].hex() for w in log}
-        elif cmd == "mark":
-            mark[way] = len(chunks[way])
-        elif cmd == "replay":
-            for chunk in chunks[way][mark[way]:]:
-                ends[way].sendall(chunk)
-        elif cmd == "inject":
-            ends[way].sendall(bytes.fromhex(rest[0]))
-        elif cmd == "flip":
-            flip[way] = True
-        elif cmd == "hold":
-            held[way] = []
-        elif cmd == "count":
-            answer = {"held": len(held[way])}
-        elif cmd == "release":
-            for i in map(int, rest[0].split(",")):
-                ends[way].sendall(held[way][i])
-            held[way] = None
-    print(json.dumps(answer), flush=True)
-'''
-
-
-@functools.cache
-def _runner() -> tuple[str, dict, str]:
-    """(an interpreter, Popen's arguments, why not as `nobody`: "" when it is): the relay runs as `nobody` where this
-    run is root and `nobody` can run a Python (this checkout's may lie under a directory closed to others)."""
-    if os.geteuid() != 0:
-        return sys.executable, {}, "this run is not root, so it cannot switch to user `nobody`"
-    nobody = pwd.getpwnam("nobody")
-    as_nobody = dict(user=nobody.pw_uid, group=nobody.pw_gid, extra_groups=[])
-    for python in dict.fromkeys([sys.executable, os.path.realpath(sys.executable), shutil.which("python3") or "",
-                                 "/usr/bin/python3"]):
-        try:
-            if python and subprocess.run([python, "-I", "-c", "pass"], cwd="/", capture_output=True, timeout=60,
-                                         **as_nobody).returncode == 0:
-                return python, as_nobody, ""
-        except OSError:  # the exec itself refused: a directory on its path is closed to others
-            pass
-    return sys.executable, {}, "no Python interpreter on this machine is executable by user `nobody`"
-
-
-class Relay:
-    """The relay process, between clients that connect to :attr:`port` and the server at ``port``."""
-
-    def __init__(self, port: int):
-        python, as_nobody, _ = _runner()
-        self.proc = subprocess.Popen([python, "-I", "-c", _RELAY, "127.0.0.1", str(port)], cwd="/",
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, **as_nobody)
-        self._lines: queue.Queue = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-        first = self._answer()
-        self.port, self.uid = first["port"], first["uid"]
-
-    def _read(self):
-        for line in self.proc.stdout:
-            self._lines.put(line)
-
-    def _answer(self) -> dict:
-        try:
-            return json.loads(self._lines.get(timeout=30))
-        except queue.Empty:
-            raise AssertionError(f"the relay did not answer within 30 s (exit code {self.proc.poll()})") from None
-
-    def __call__(self, command: str) -> dict:
-        self.proc.stdin.write(command + "\n")
-        self.proc.stdin.flush()
-        return self._answer()
-
-    def seen(self) -> bytes:
-        log = self("log -")
-        return bytes.fromhex(log["c2s"]) + bytes.fromhex(log["s2c"])
-
-    def held(self, n: int) -> None:
-        deadline = time.monotonic() + 10
-        while self("count c2s")["held"] < n:
-            assert time.monotonic() < deadline, f"the relay did not receive message {n} within 10 s"
-            time.sleep(0.01)
-
-    def close(self):
-        self.proc.stdin.close()
-        self.proc.kill()
-        self.proc.wait(timeout=10)
 
 
 @pytest.fixture
@@ -204,7 +55,7 @@ def _eventually(read, expected, within=10.0):
 
 
 def test_the_relay_runs_as_another_user(job):
-    why_not = _runner()[2]
+    why_not = runner()[2]
     if why_not:
         pytest.skip(f"the relay runs as this run's own user: {why_not}")
     relay, _, _ = job
