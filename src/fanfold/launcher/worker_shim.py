@@ -276,7 +276,11 @@ def _record(exc: BaseException, text: str, line: str | None, when_ns: int, gone:
 # A rank whose peer died fails in its next collective with gloo's or the store's "connection closed" errors, or
 # fanfold's StallError naming the dead peer: the consequence, not the cause (the cause is the peer's own traceback,
 # or the launcher's line on how it died). Text too: an exception that crossed torch's C++ keeps its message only.
-_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "DistNetworkError")
+# gloo's words for a socket a dead peer closed (its own texts and the OS's, in either case: gloo writes "connection
+# reset by peer" too), including "Socket closed" for an operation on a pair that an earlier one found closed, and a
+# connection refused by a peer whose listening socket is gone; fanfold's store client's error type.
+_PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe", "socket closed",
+              "connection refused", "distnetworkerror")
 _GONE_RANK = re.compile(r"rank (\d+)'s process \d+ is gone|rank (\d+): [^\n]*its process \d+ is gone|rank (\d+) died")
 
 
@@ -290,7 +294,7 @@ def peers_gone(exc: BaseException) -> list[int] | None:
         ranks = list(getattr(exc, "gone", None) or ()) or [int(a or b or c) for a, b, c in _GONE_RANK.findall(text)]
         if ranks:
             return sorted(set(ranks))
-        if any(s in text for s in _PEER_GONE):
+        if any(s in text.lower() for s in _PEER_GONE):
             found = []
         exc = exc.__cause__ or exc.__context__
     return found
