@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: run test test-busy lint smoke demo bench fuzz conformance conformance-backend gpu-check multihost clean
+.PHONY: run test test-busy lint smoke demo bench docs-figures fuzz conformance conformance-backend gpu-check multihost clean
 
 $(STAMP): requirements.txt pyproject.toml
 	@echo "fanfold: one-time set-up: creating $(VENV) and installing torch (CPU build) and the pinned tools of requirements.txt; this takes about 1-2 minutes"
@@ -57,10 +57,15 @@ smoke:
 # The layering (import-linter contracts in pyproject.toml) and ruff's lint; part of `make test`.
 lint: $(STAMP)
 	$(BIN)/lint-imports --no-cache --no-logo
-	$(BIN)/ruff check src tests benchmarks examples conformance
+	$(BIN)/ruff check src tests benchmarks examples conformance tools
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/dp_overhead.py
+
+# Every generated block of README.md and docs/ (the only place a measured figure may stand) made again by the command
+# its marker names, then the docs check (tools/docscheck; part of `make test`). Long: it includes the fuzz report.
+docs-figures: $(STAMP)
+	$(BIN)/python tools/docscheck --rerun-figures
 
 # The long differential run: fanfold's DDP against torch's (and ZeRO against torch's optimizer) over 1,000 DDP and
 # 120 ZeRO configurations drawn on named seeds -> docs/differential.md (`make test` runs a bounded, fixed budget of

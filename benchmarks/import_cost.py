@@ -13,7 +13,7 @@ tree's ``src``. Before timing, one untimed interpreter of each warms the file ca
 cache, which every installed package has (pip compiles it; torch ships it), even where
 ``PYTHONDONTWRITEBYTECODE`` is set: without it each interpreter would compile fanfold's sources again.
 
-The page's block between ``<!-- import-cost -->`` and ``<!-- /import-cost -->`` is this script's output; edit the
+The page's generated block ``import-cost`` is this script's output; edit the
 script, not the block.
 """
 from __future__ import annotations
@@ -30,7 +30,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "benchmarks.md"
-START, END = "<!-- import-cost -->", "<!-- /import-cost -->"
+sys.path.insert(0, str(ROOT / "tools"))
+from docscheck.generated import write_block  # noqa: E402  (tools/docscheck/generated.py: the sealed block)
+
 TARGET = 1.2
 ROWS = ("torch", "fanfold")
 
@@ -97,8 +99,7 @@ def block(results: dict[str, list[dict]], command: str, load: tuple[float, float
     cpu_ratio = median("fanfold", "cpu") / median("torch", "cpu")
     pairs = statistics.median(f["seconds"] / t["seconds"] for f, t in zip(results["fanfold"], results["torch"]))
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    lines = [START, "",
-             f"Run of {when}{_commit()}: `{command}`, torch {torch.__version__}, Python "
+    lines = [f"Run of {when}{_commit()}: `{command}`, torch {torch.__version__}, Python "
              f"{platform.python_version()}, {os.cpu_count()} CPUs, load average {load[0]:.1f} at the start and "
              f"{load[1]:.1f} at the end. {runs} fresh interpreters each, alternating; seconds of the import "
              "statement alone.", "",
@@ -110,17 +111,8 @@ def block(results: dict[str, list[dict]], command: str, load: tuple[float, float
                      f"{median(name, 'cpu'):.3f} | {median(name, 'modules'):.0f} |")
     lines += ["", f"fanfold / torch, wall: **{ratio:.2f}** (target at most {TARGET}: "
               f"{'met' if ratio <= TARGET else 'NOT met'}); median of the {runs} pairs' ratios {pairs:.2f}; "
-              f"CPU: {cpu_ratio:.2f}.", "", END]
+              f"CPU: {cpu_ratio:.2f}."]
     return "\n".join(lines)
-
-
-def write_block(text: str, page: Path = PAGE) -> None:
-    content = page.read_text()
-    if START in content and END in content:
-        content = content[:content.index(START)] + text + content[content.index(END) + len(END):]
-    else:
-        content = content.rstrip() + "\n\n## Import cost\n\n" + text + "\n"
-    page.write_text(content)
 
 
 def main() -> int:
@@ -136,7 +128,7 @@ def main() -> int:
     results = measure(args.runs, args.timeout)
     text = block(results, command, (before, os.getloadavg()[0]))
     if not args.no_page:
-        write_block(text)
+        write_block(PAGE, "import-cost", command, text)
     print(text)
     return 0
 

@@ -34,7 +34,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "docs" / "benchmarks.md", ROOT / "docs" / "reliability.md"]
-START, END = "<!-- job-store -->", "<!-- /job-store -->"
+sys.path.insert(0, str(ROOT / "tools"))
+from docscheck.generated import write_block  # noqa: E402  (tools/docscheck/generated.py: the sealed block)
+
 SECRET = b"0123456789abcdef" * 4
 
 
@@ -117,8 +119,7 @@ def block(rows: dict[str, list[dict]], command: str, runs: int, n: int, load: tu
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
-    lines = [START, "",
-             f"Run of {when} on commit {commit}: `{command}`, torch {torch.__version__}, Python "
+    lines = [f"Run of {when} on commit {commit}: `{command}`, torch {torch.__version__}, Python "
              f"{platform.python_version()}, {os.cpu_count()} CPUs, load average {load[0]:.1f} at the start and "
              f"{load[1]:.1f} at the end; {runs} runs x {n} requests of each kind, the order of the rows rotated from "
              "one run to the next; medians over runs of each run's median.", "",
@@ -128,15 +129,7 @@ def block(rows: dict[str, list[dict]], command: str, runs: int, n: int, load: tu
         med = {k: statistics.median(r[k] for r in results) for k in results[0]}
         lines.append(f"| {label} | {med['connect'] * 1e3:.2f} | {med['again'] * 1e3:.2f} | {med['set'] * 1e6:.0f} | "
                      f"{med['get'] * 1e6:.0f} | {med['add'] * 1e6:.0f} |")
-    return "\n".join([*lines, "", END])
-
-
-def write_block(text: str) -> None:
-    for page in PAGES:
-        content = page.read_text()
-        if START in content and END in content:
-            content = content[:content.index(START)] + text + content[content.index(END) + len(END):]
-            page.write_text(content)
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -168,7 +161,8 @@ def main() -> None:
         ("" if args.quick else f" --runs {runs} --requests {n}") + (f" --old {args.old}" if args.old else "")
     text = block(rows, command, runs, n, (before, os.getloadavg()[0]))
     if not args.no_page:
-        write_block(text)
+        for page in PAGES:
+            write_block(page, "job-store", command, text)
     print(text)
 
 

@@ -39,11 +39,13 @@ from hypothesis import HealthCheck, Phase, given, seed, settings  # noqa: E402
 from differential.config import TORCH_KEYWORDS, DDPConfig, ddp_configs, known_defect, zero_configs  # noqa: E402
 from differential.runner import Runner, Tally  # noqa: E402
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "tools"))
+from docscheck.generated import write_block  # noqa: E402  (tools/docscheck/generated.py: the sealed block)
+
 SEEDS = ("alder", "birch", "cedar", "damson")
 DDP_DEFAULT, ZERO_DEFAULT = 1000, 120  # issue 24: at least 1,000 DDP configurations
 CHUNK = 25  # draws per seed and round
 REPORT = pathlib.Path(__file__).resolve().parents[2] / "docs" / "differential.md"
-START, END = "<!-- fuzz-report -->", "<!-- /fuzz-report -->"
 SLOW = 20.0  # seconds: a configuration this slow is printed whatever its outcome (a wait that ran into a timeout)
 OUTCOME_ORDER = ("match", "match-oracle", "both-raise", "DIFFER", "crash", "hang", "known-defect")
 PASSING = ("match", "match-oracle", "both-raise", "known-defect")
@@ -145,7 +147,7 @@ def report(runner: Runner, command: str, wall: float, drawn: dict, partial: str 
     skipped = ddp.outcomes.get("known-defect", 0)
     failed = sum(t.outcomes.get(k, 0) for t in (ddp, zero) for k in ("DIFFER", "crash", "hang"))
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    out = [START, ""]
+    out = []
     if partial:
         out += [f"**PARTIAL: {partial}; the counts below are what ran before it stopped.**", ""]
     made = " (what `make fuzz` runs)" if command.endswith(".py") else ""
@@ -200,17 +202,7 @@ def report(runner: Runner, command: str, wall: float, drawn: dict, partial: str 
     out += [f"- known defect `{name}`: {count} draws skipped" for name, count in sorted(known.items())]
     if not known and not failed:
         out.append("- none")
-    out += ["", END]
     return "\n".join(out)
-
-
-def write_report(text: str) -> None:
-    page = REPORT.read_text()
-    if START in page and END in page:
-        page = page[:page.index(START)] + text + page[page.index(END) + len(END):]
-    else:
-        page = page.rstrip() + "\n\n" + text + "\n"
-    REPORT.write_text(page)
 
 
 def _stop(signum, frame):
@@ -265,7 +257,7 @@ def main() -> None:
     text = report(runner, command, time.monotonic() - start, drawn, partial, args.hogs)
     print(text)
     if not args.no_report:
-        write_report(text)
+        write_block(REPORT, "fuzz-report", command, text)
 
 
 if __name__ == "__main__":
