@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .._core.tree import flatten, unflatten
+from .batchnorm import DeferredNorms
 from .channel import Channel
 from .schedule import Step
 
@@ -230,7 +231,7 @@ class StageRun:
     """Stage ``index`` of ``stages`` (``module`` on ``device``) during one pass of ``microbatches`` micro-batches.
     ``inputs`` (first stage) are its micro-batches; ``targets``, ``loss_fn``, ``weights`` (last stage, training) make
     the loss. ``train=False``: the connected mode, the last stage keeps ``outputs``. ``random``: None leaves the
-    generator alone."""
+    generator alone. ``norms``: the deferred BatchNorm layers (None: BatchNorm as it is)."""
 
     index: int
     stages: int
@@ -245,6 +246,7 @@ class StageRun:
     loss_fn: Callable[..., torch.Tensor] | None = None
     weights: list[float] | None = None
     random: StageRandom | None = None
+    norms: DeferredNorms | None = None
     outputs: dict[int, Any] = field(default_factory=dict)
     loss: torch.Tensor | None = None
     timeline: list[StepTime] = field(default_factory=list)
@@ -254,8 +256,10 @@ class StageRun:
 
     def run(self, step: Step) -> None:
         self._started = None
+        self.channel.check(self.index)  # another stage failed: no further micro-batch is scheduled here
+        norms = self.norms.deferred(self.module) if self.norms is not None else contextlib.nullcontext()
         # detached training: each stage owns its graph and .grad (the connected mode leaves backward to autograd)
-        with self._weights.linears(self.module) if self.train else contextlib.nullcontext():
+        with self._weights.linears(self.module) if self.train else contextlib.nullcontext(), norms:
             if step.phase == "F":
                 self.forward(step.microbatch)
             else:
@@ -271,13 +275,14 @@ class StageRun:
 
     def _call(self, x: Any, m: int, own: bool) -> Any:
         """The stage on ``x``; ``own``: ``x`` holds this stage's own leaves, which it must not modify in place."""
-        module, random, mode = self.module, self.random, self.checkpoint
+        module, random, mode, norms = self.module, self.random, self.checkpoint, self.norms
         cell = (lambda: random.cell(m)) if random is not None else contextlib.nullcontext
+        paused = (lambda: norms.paused(module)) if norms is not None else contextlib.nullcontext
         if torch.is_grad_enabled() and (mode == "always" or (mode == "except_last" and m < self.microbatches - 1)):
 
             @contextlib.contextmanager
             def recomputing() -> Iterator[None]:
-                with buffers_kept(module), cell():
+                with buffers_kept(module), paused(), cell():
                     yield
 
             # the copy inside the checkpointed function: a first layer working in place must not modify the saved
