@@ -16,7 +16,8 @@ from torch import nn
 from torch.testing import assert_close
 
 import fanfold
-from _pipeline_models import batch, grads, mlp, mse, sequential_step
+from _pipeline_models import batch, grads, mlp, mse, sequential_step, skip_model
+from fanfold.pipeline import Pop, Stash
 
 
 @pytest.fixture(autouse=True)
@@ -248,3 +249,61 @@ def test_checkpoint_modes_are_torchgpipes_names(bad):
 def test_deferred_batch_norm_is_a_bool():
     with pytest.raises(TypeError, match=r"deferred_batch_norm must be True or False, got 'yes'"):
         fanfold.Pipeline(mlp(), [3, 4], ["cpu", "cpu"], deferred_batch_norm="yes")
+
+
+# ---- skip connections ----------------------------------------------------------------------------------------------
+SKIP_BALANCES = [[8, 3], [2, 4, 5], [1, 4, 2, 4]]  # b popped on its own stage; over one stage; a over two
+
+
+@pytest.mark.parametrize("balance", SKIP_BALANCES, ids=["local-and-next", "3stages", "across-stages"])
+def test_skip_connections_equal_the_unsplit_model(balance):
+    x, y = batch("mlp", rows=13)
+    ref_out, ref_loss, ref_grads = sequential_step(skip_model(), x, y)
+    for chunks in range(1, 9):
+        checkpoint = ("never", "except_last", "always")[chunks % 3]
+        pipe = fanfold.Pipeline(skip_model(), balance, ["cpu"] * len(balance), chunks=chunks, checkpoint=checkpoint)
+        out = pipe(x)
+        assert_close(out, ref_out)
+        mse(out, y).backward()
+        assert_close(grads(pipe), ref_grads)
+        for schedule in ("gpipe", "1f1b"):
+            pipe.zero_grad(set_to_none=True)
+            assert_close(pipe.train_step(x, y, mse, schedule=schedule), ref_loss)
+            assert_close(grads(pipe), ref_grads, msg=lambda m: f"chunks={chunks} {schedule}: {m}")
+        pipe.close()
+
+
+def test_skip_declarations_are_checked():
+    a = Stash("a")
+    with pytest.raises(ValueError, match=r"1 stashes 'a' but no later layer pops it"):
+        fanfold.Pipeline([nn.Linear(2, 2), a, nn.Linear(2, 2)], [2, 1], ["cpu", "cpu"])
+    with pytest.raises(ValueError, match=r"0 pops 'a' but no layer before it stashes 'a'"):
+        fanfold.Pipeline([Pop(a), a, nn.Linear(4, 2)], [1, 2], ["cpu", "cpu"])
+    with pytest.raises(ValueError, match=r"2 stashes 'a', which 0 stashes already"):
+        fanfold.Pipeline([a, Pop(a), Stash("a"), Pop(a)], [2, 2], ["cpu", "cpu"])
+    with pytest.raises(TypeError, match=r"Pop takes the Stash"):
+        Pop("a")
+    plain = nn.Sequential(nn.Linear(2, 2), Pop(a))  # the plain model: a Pop with nothing stashed
+    with pytest.raises(RuntimeError, match=r"Pop\('a'\) ran but nothing is stashed under 'a'"):
+        plain(torch.randn(3, 2))
+    twice = nn.Sequential(a, nn.Linear(2, 2))  # never popped: the next forward stashes again
+    twice(torch.randn(3, 2))
+    with pytest.raises(RuntimeError, match=r"Stash\('a'\) ran again before its Pop took"):
+        twice(torch.randn(3, 2))
+
+
+def test_stash_and_pop_inside_blocks():
+    def model():
+        torch.manual_seed(0)
+        a = Stash("a")
+        return nn.Sequential(nn.Sequential(nn.Linear(8, 8), a), nn.Tanh(),
+                             nn.Sequential(Pop(a), nn.Linear(16, 4))).double()
+
+    x, y = batch("mlp", rows=9)
+    ref_out, ref_loss, ref_grads = sequential_step(model(), x, y)
+    pipe = fanfold.Pipeline(model(), [1, 1, 1], ["cpu"] * 3, chunks=3, checkpoint="except_last")
+    assert_close(pipe(x), ref_out)
+    assert_close(pipe.train_step(x, y, mse), ref_loss)
+    assert_close(grads(pipe), ref_grads)
+    with pytest.raises(ValueError, match=r'balance="profile" .* skip connection \(0\.1\)'):
+        fanfold.Pipeline(model(), "profile", ["cpu"] * 3, sample_input=x)

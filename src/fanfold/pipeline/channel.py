@@ -15,7 +15,8 @@ from .._core.tree import flatten, unflatten
 
 __all__ = ["Channel", "ThreadChannel", "ProcessChannel", "Message", "StageAborted", "encode", "decode"]
 
-Kind = Literal["activation", "grad", "abort"]
+Kind = Literal["activation", "grad", "skip", "skipgrad", "abort"]
+_TAG = {"activation": 0, "grad": 1, "skip": 2, "skipgrad": 3}  # between processes: tag = 4 * microbatch + this
 
 
 class StageAborted(RuntimeError):
@@ -115,7 +116,7 @@ class ProcessChannel:
     def send(self, src: int, dst: int, kind: Kind, microbatch: int, value: Any) -> None:
         header, payload = encode(value)
         heads = (torch.tensor([len(header)], dtype=torch.int64), torch.frombuffer(bytearray(header), dtype=torch.uint8))
-        tag, peer = 2 * microbatch + (kind != "activation"), self.ranks[dst]
+        tag, peer = 4 * microbatch + _TAG[kind], self.ranks[dst]
         for t in (*heads, *payload):
             t = t.detach().to(self.wire).contiguous()
             # each tensor stays referenced until its send completes
@@ -123,7 +124,7 @@ class ProcessChannel:
         self._pending = [(w, t) for w, t in self._pending if not w.is_completed()]
 
     def recv(self, dst: int, src: int, kind: Kind, microbatch: int) -> Any:
-        tag, peer = 2 * microbatch + (kind != "activation"), self.ranks[src]
+        tag, peer = 4 * microbatch + _TAG[kind], self.ranks[src]
 
         def receive(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
             t = torch.empty(shape, dtype=dtype, device=self.wire)

@@ -25,6 +25,7 @@ from .batchnorm import DeferredNorms, refuse_sync_batchnorm
 from .channel import Channel, ProcessChannel, StageAborted, ThreadChannel
 from .partition import batch_size, join, layers_of, loss_weights, resolve_balance, split, stage_modules
 from .schedule import ScheduleFn, Step, resolve, stage_orders
+from .skip import plan_skips
 from .stage import CHECKPOINT_MODES, StageRandom, StageRun, StepTime, draws_random_numbers, pass_seed, stage_randoms
 
 __all__ = ["Pipeline", "DistributedPipeline", "broadcast_state", "average_gradients"]
@@ -160,6 +161,7 @@ class Pipeline(nn.Module):
         for stage, device in zip(self._stages, self.devices):
             stage.to(device)
         self._norms = DeferredNorms(self._stages) if deferred_batch_norm else None
+        self._skips = plan_skips(layers, self.balance)
         self._pool: WorkerPool | None = None
         # (stage, its modules' training flags) seen drawing no random number in a controlled pass
         self._quiet: set[tuple[int, tuple[bool, ...]]] = set()
@@ -209,7 +211,7 @@ class Pipeline(nn.Module):
                     for s, stage in enumerate(self._stages)]
         randoms = stage_randoms(seed, self.devices, may_draw)
         runs = [StageRun(s, n, stage, dev, checkpoint, channel, m, schedule is not None,
-                         inputs=microbatches if s == 0 else None, random=random, norms=self._norms,
+                         inputs=microbatches if s == 0 else None, random=random, norms=self._norms, skips=self._skips,
                          **(last if s == n - 1 else {}))
                 for s, (stage, dev, random) in enumerate(zip(self._stages, self.devices, randoms))]
         orders = [[Step(s, k, "F") for k in range(m)] for s in range(n)] if schedule is None else \
@@ -324,6 +326,7 @@ class DistributedPipeline(nn.Module):
         self.num_stages = stages
         self.is_first, self.is_last = self.stage == 0, self.stage == stages - 1
         self.data_parallel_rank, self.data_parallel_size = rank // stages, world // stages
+        self._skips = plan_skips(layers, self.balance)
         start = sum(self.balance[:self.stage])
         mine = layers[start:start + self.balance[self.stage]]
         for name, layer in mine:
@@ -372,7 +375,7 @@ class DistributedPipeline(nn.Module):
         sizes, random = self._start_pass(input, checkpointing=False)
         microbatches = split(input, sizes, self.device) if self.is_first else None
         run = StageRun(self.stage, self.num_stages, self._local[0], self.device, "never", self._channel, len(sizes),
-                       train=False, inputs=microbatches, random=random, norms=self._norms)
+                       train=False, inputs=microbatches, random=random, norms=self._norms, skips=self._skips)
         self._run(run, [Step(self.stage, m, "F") for m in range(len(sizes))], grad=False)
         return join([run.outputs[m] for m in range(len(sizes))], self.device) if self.is_last else None
 
@@ -394,7 +397,7 @@ class DistributedPipeline(nn.Module):
             targets = split(target, sizes, self.device)
         run = StageRun(self.stage, self.num_stages, self._local[0], self.device, checkpoint, self._channel,
                        len(sizes), True, split(input, sizes, self.device) if self.is_first else None, targets,
-                       loss_fn, loss_weights(sizes, reduction), random, self._norms)
+                       loss_fn, loss_weights(sizes, reduction), random, self._norms, self._skips)
         orders = stage_orders(resolve(schedule)(self.num_stages, len(sizes)), self.num_stages, len(sizes))
         self._run(run, orders[self.stage], grad=True)
         loss = torch.tensor([run.loss.item() if self.is_last else 0.0], dtype=torch.float64)
