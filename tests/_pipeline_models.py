@@ -154,3 +154,27 @@ def pipelines_over_processes(kind: str, steps: int) -> dict:
                                       schedule="1f1b").item())
         sgd(pipe)
     return {"losses": losses, "state": pipe.state_dict(), "stage": pipe.stage, "dp": pipe.data_parallel_rank}
+
+
+def skip_model(seed: int = 0) -> nn.Sequential:
+    """An MLP with two skip connections (``Stash``/``Pop``), one popped by adding, one by concatenating."""
+    from fanfold.pipeline import Pop, Stash
+
+    torch.manual_seed(seed)
+    a, b = Stash("a"), Stash("b")
+    return nn.Sequential(
+        nn.Linear(8, 8), a, nn.Tanh(), nn.Linear(8, 8), b, nn.Tanh(), nn.Linear(8, 8),
+        Pop(b, lambda x, s: x + 2 * s), nn.Tanh(), Pop(a), nn.Linear(16, 4),
+    ).double()
+
+
+def skips_per_process(balance: list, chunks: int, checkpoint: str) -> dict:
+    """Each rank one stage of ``skip_model``; both schedules; this rank's loss and gradients."""
+    fanfold.distributed.init_process_group(timeout=120)
+    out = {}
+    x, y = batch("mlp", rows=13)
+    for schedule in ("gpipe", "1f1b"):
+        pipe = fanfold.DistributedPipeline(skip_model(), balance, chunks, checkpoint)
+        loss = pipe.train_step(x if pipe.is_first else None, y if pipe.is_last else None, mse, schedule=schedule)
+        out[schedule] = (loss.item(), grads(pipe))
+    return out

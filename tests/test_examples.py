@@ -56,3 +56,13 @@ def test_model_split_runs_as_written_on_a_gpu():
     assert res.returncode == 0, res.stdout + res.stderr
     assert res.stdout.startswith("cpu + cuda:0")
     assert res.stdout.rstrip().endswith("ok")
+
+
+UNET = str(ROOT / "examples" / "unet_skips.py")
+
+
+def test_unet_skips_checks_itself():
+    res = _run(UNET, "--stages", "4", "--chunks", "3", "--checkpoint", "always")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.count("equals the unsplit model's") == 3  # a plain backward and two schedules
+    assert res.stdout.rstrip().endswith("the split U-Net equals the unsplit one: outputs, losses and gradients")

@@ -81,3 +81,16 @@ def test_pipelines_of_one_stage_per_process_in_data_parallel_equal_one_process()
         assert_close(res["state"], {k: state[k] for k in res["state"]})
     halves = [sum(pair) / 2 for pair in zip(results[0]["losses"], results[2]["losses"])]
     assert halves == pytest.approx(losses, rel=1e-9)
+
+
+def test_skip_connections_between_processes_equal_one_process():
+    # 3 stages: "a" is stashed on stage 0 and popped on stage 2, over stage 1
+    results = run(models.skips_per_process, [2, 4, 5], 3, "always", nprocs=3)
+    x, y = models.batch("mlp", rows=13)
+    _, ref_loss, ref_grads = models.sequential_step(models.skip_model(), x, y)
+    for schedule in ("gpipe", "1f1b"):
+        merged = {}
+        for loss, grads in (r[schedule] for r in results):
+            assert_close(torch.tensor(loss, dtype=torch.float64), ref_loss)
+            merged.update(grads)
+        assert_close(merged, ref_grads)

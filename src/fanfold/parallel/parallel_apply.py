@@ -150,7 +150,8 @@ def _call(module: nn.Module, args: tuple, kwargs: dict, device: torch.device, st
 
 def reraise(where: str, exc: BaseException) -> None:
     """Raise ``exc`` again, its message starting with ``where`` (e.g. "in replica 1 on device cpu"), as its own type
-    where that type takes one message; KeyboardInterrupt and the like as they are."""
+    where that type takes one message, with the original traceback (the worker's frames, down to the failing line);
+    KeyboardInterrupt and the like as they are."""
     if not isinstance(exc, Exception):
         raise exc
     message = f"{where}: {type(exc).__name__}: {exc}"
@@ -158,7 +159,7 @@ def reraise(where: str, exc: BaseException) -> None:
         err = type(exc)(message)
     except Exception:
         err = RuntimeError(message)
-    raise err from exc
+    raise err.with_traceback(exc.__traceback__) from exc
 
 
 def _run(pool: WorkerPool, fns: list, devices: list) -> list:

@@ -15,7 +15,8 @@ from .._core.tree import flatten, unflatten
 
 __all__ = ["Channel", "ThreadChannel", "ProcessChannel", "Message", "StageAborted", "encode", "decode"]
 
-Kind = Literal["activation", "grad", "abort"]
+Kind = Literal["activation", "grad", "skip", "skipgrad", "abort"]
+_TAG = {"activation": 0, "grad": 1, "skip": 2, "skipgrad": 3}  # between processes: tag = 4 * microbatch + this
 
 
 class StageAborted(RuntimeError):
@@ -34,13 +35,16 @@ class Message:
 
 class Channel(Protocol):
     """``send`` does not wait for the receive; ``recv`` waits for what ``src`` sent to ``dst`` as (kind,
-    microbatch); ``abort``: stage ``src`` failed, every other stage's pending and future receives raise."""
+    microbatch); ``abort``: stage ``src`` failed, every other stage's pending and future receives raise, and so does
+    its ``check`` (called before each step: no later micro-batch is scheduled)."""
 
     def send(self, src: int, dst: int, kind: Kind, microbatch: int, value: Any) -> None: ...
 
     def recv(self, dst: int, src: int, kind: Kind, microbatch: int) -> Any: ...
 
     def abort(self, src: int) -> None: ...
+
+    def check(self, dst: int) -> None: ...
 
 
 class ThreadChannel:
@@ -50,6 +54,7 @@ class ThreadChannel:
         self._inboxes: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(stages)]
         # only stage dst's own thread touches _stash[dst]: no lock needed
         self._stash: list[dict[tuple[int, str, int], Any]] = [{} for _ in range(stages)]
+        self._failed: int | None = None  # the stage that failed first; set once, read by every worker
 
     def send(self, src: int, dst: int, kind: Kind, microbatch: int, value: Any) -> None:
         self._inboxes[dst].put(Message(src, kind, microbatch, value))
@@ -64,7 +69,14 @@ class ThreadChannel:
             stash[(msg.src, msg.kind, msg.microbatch)] = msg.value
         return stash.pop(key)
 
+    def check(self, dst: int) -> None:
+        failed = self._failed
+        if failed is not None and failed != dst:
+            raise StageAborted(f"pipeline stage {dst} stopped because stage {failed} failed")
+
     def abort(self, src: int) -> None:
+        if self._failed is None:
+            self._failed = src
         for dst, inbox in enumerate(self._inboxes):
             if dst != src:
                 inbox.put(Message(src, "abort", -1))
@@ -104,7 +116,7 @@ class ProcessChannel:
     def send(self, src: int, dst: int, kind: Kind, microbatch: int, value: Any) -> None:
         header, payload = encode(value)
         heads = (torch.tensor([len(header)], dtype=torch.int64), torch.frombuffer(bytearray(header), dtype=torch.uint8))
-        tag, peer = 2 * microbatch + (kind != "activation"), self.ranks[dst]
+        tag, peer = 4 * microbatch + _TAG[kind], self.ranks[dst]
         for t in (*heads, *payload):
             t = t.detach().to(self.wire).contiguous()
             # each tensor stays referenced until its send completes
@@ -112,7 +124,7 @@ class ProcessChannel:
         self._pending = [(w, t) for w, t in self._pending if not w.is_completed()]
 
     def recv(self, dst: int, src: int, kind: Kind, microbatch: int) -> Any:
-        tag, peer = 2 * microbatch + (kind != "activation"), self.ranks[src]
+        tag, peer = 4 * microbatch + _TAG[kind], self.ranks[src]
 
         def receive(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
             t = torch.empty(shape, dtype=dtype, device=self.wire)
@@ -126,6 +138,9 @@ class ProcessChannel:
     def abort(self, src: int) -> None:
         # another process cannot be woken from here: its receive ends at the group's timeout, or the launcher
         # (fanfold run / fanfold.launch) stops every rank as soon as this one exits with the error
+        pass
+
+    def check(self, dst: int) -> None:
         pass
 
     def finish(self) -> None:  # every send of this pass completed

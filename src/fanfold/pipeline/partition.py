@@ -14,6 +14,7 @@ from torch import nn
 
 from .._core.tree import flatten
 from ..parallel.scatter_gather import gather, scatter
+from .skip import Pop, Stash
 from .stage import buffers_kept, map_tensors, tensor_leaves
 
 __all__ = ["layers_of", "resolve_balance", "balance_by_parameters", "balance_by_time", "stage_modules", "batch_size",
@@ -51,6 +52,11 @@ def resolve_balance(balance: Any, layers: list[tuple[str, nn.Module]], stages: i
     if balance == "profile":
         if sample_input is None:
             raise ValueError('balance="profile" times each layer on a sample batch: pass sample_input=<a batch>')
+        skips = [path for name, layer in layers for path, m in layer.named_modules(prefix=name)
+                 if isinstance(m, (Stash, Pop))]
+        if skips:
+            raise ValueError(f'balance="profile" times each layer alone, which a skip connection ({skips[0]}) '
+                             'cannot do: give balance as a list or "auto"')
         return balance_by_time([m for _, m in layers], sample_input, stages)
     if isinstance(balance, str) or not isinstance(balance, Sequence):
         raise TypeError(f'balance must be "auto", "profile" or a list of layer counts, got {balance!r}')

@@ -3,10 +3,11 @@ caller's thread-local torch state; ``DistributedPipeline``: one stage per proces
 ranks; and the data parallelism over pipelines that both share."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -20,9 +21,11 @@ from ..collectives.transport import split_into
 from ..distributed.reducer import MiB, assign_buckets
 from ..parallel.parallel_apply import WorkerPool, _caller_state, in_caller_state, reraise
 from ..parallel.scatter_gather import split_sizes
+from .batchnorm import DeferredNorms, refuse_sync_batchnorm
 from .channel import Channel, ProcessChannel, StageAborted, ThreadChannel
 from .partition import batch_size, join, layers_of, loss_weights, resolve_balance, split, stage_modules
 from .schedule import ScheduleFn, Step, resolve, stage_orders
+from .skip import plan_skips
 from .stage import CHECKPOINT_MODES, StageRandom, StageRun, StepTime, draws_random_numbers, pass_seed, stage_randoms
 
 __all__ = ["Pipeline", "DistributedPipeline", "broadcast_state", "average_gradients"]
@@ -47,6 +50,22 @@ def _run_threads(runs: Sequence[StageRun], orders: list[list[Step]], channel: Ch
         # the stage that failed first is the one whose error is not "stopped because another stage failed"
         s, exc = next(((s, e) for s, e in failed if not isinstance(e, StageAborted)), failed[0])
         reraise(f"in pipeline stage {s} on {runs[s].device}", exc)
+
+
+@contextlib.contextmanager
+def _committed(norms: DeferredNorms | None) -> Iterator[None]:
+    """A pass: the deferred BatchNorm statistics move once it has run every micro-batch; a failed pass leaves them
+    as they were."""
+    if norms is None:
+        yield
+        return
+    norms.discard()
+    try:
+        yield
+    except BaseException:
+        norms.discard()
+        raise
+    norms.commit()
 
 
 # ---- data parallelism over pipelines ------------------------------------------------------------------------------
@@ -78,12 +97,19 @@ def average_gradients(parameters: Iterable[nn.Parameter], group: Any) -> None:
         split_into(flat, bucket)
 
 
-def check_options(chunks: Any, checkpoint: Any) -> tuple[int, str]:
+def check_options(chunks: Any, checkpoint: Any, deferred_batch_norm: Any) -> tuple[int, str, bool]:
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
         raise ValueError(f"chunks must be an int >= 1 (micro-batches per batch), got {chunks!r}")
-    if checkpoint not in CHECKPOINT_MODES:
+    if not isinstance(checkpoint, str) or checkpoint not in CHECKPOINT_MODES:
         raise ValueError(f"checkpoint must be one of {list(CHECKPOINT_MODES)}, got {checkpoint!r}")
-    return chunks, checkpoint
+    if not isinstance(deferred_batch_norm, bool):
+        raise TypeError(f"deferred_batch_norm must be True or False, got {deferred_batch_norm!r}")
+    return chunks, checkpoint, deferred_batch_norm
+
+
+def pass_checkpoint(checkpoint: str, training: bool) -> str:
+    # in eval mode no backward is expected: recomputation would only cost a second forward
+    return checkpoint if training else "never"
 
 
 def check_loss_fn(loss_fn: Any) -> None:
@@ -93,22 +119,27 @@ def check_loss_fn(loss_fn: Any) -> None:
 
 class Pipeline(nn.Module):
     """``module`` (an ``nn.Sequential`` or a list of modules) cut into stages: stage s holds ``balance[s]``
-    consecutive layers on ``devices[s]``; each batch runs as ``chunks`` micro-batches.
+    consecutive layers on ``devices[s]``; each batch runs as ``chunks`` micro-batches. It behaves as the sequential
+    model: ``len``, indexing (an int, a slice), iteration and ``named_children()`` are its layers'.
 
     ``balance``: a list of layer counts, ``"auto"`` (even parameter counts) or ``"profile"`` (even measured time on
     ``sample_input``). ``devices``: one per stage, repeats allowed (``["cpu", "cpu"]``); None puts every stage where
     the model is (then ``balance`` must be a list). ``checkpoint``: ``"never"``, ``"except_last"`` (all micro-batches
-    but the last recompute their activations in backward) or ``"always"``. ``data_parallel_group``: a process group
+    but the last recompute their activations in backward) or ``"always"``, in training mode only.
+    ``deferred_batch_norm``: BatchNorm layers move their running statistics once per mini-batch, from all its
+    micro-batches (the sequential model's on the whole batch). ``data_parallel_group``: a process group
     over which ``train_step`` averages gradients (each rank runs a pipeline on its share of the batch).
     The layers are moved to their devices in place and registered under their own names, so ``state_dict()`` has
     the keys of the sequential model.
     """
 
     def __init__(self, module: nn.Sequential | Sequence[nn.Module], balance: Sequence[int] | str = "auto",
-                 devices: Sequence[DeviceLike] | None = None, chunks: int = 1, checkpoint: str = "never", *,
-                 sample_input: Any = None, threads_per_stage: int = 1, data_parallel_group: Any = None) -> None:
+                 devices: Sequence[DeviceLike] | None = None, chunks: int = 1, checkpoint: str = "never",
+                 deferred_batch_norm: bool = False, *, sample_input: Any = None, threads_per_stage: int = 1,
+                 data_parallel_group: Any = None) -> None:
         super().__init__()
-        layers = layers_of(module)
+        layers = layers_of(module.module if isinstance(module, Pipeline) else module)
+        refuse_sync_batchnorm(layers)
         if devices is None:
             if isinstance(balance, str):
                 raise ValueError(f'balance={balance!r} needs devices (one per stage) to know the number of stages; '
@@ -119,7 +150,8 @@ class Pipeline(nn.Module):
             raise ValueError(f"devices must be a non-empty list with one device per stage, got {devices!r}")
         self.devices = [normalize_device(d) for d in devices]
         self.balance = resolve_balance(balance, layers, len(self.devices), sample_input)
-        self.chunks, self.checkpoint = check_options(chunks, checkpoint)
+        self.chunks, self.checkpoint, self.deferred_batch_norm = check_options(chunks, checkpoint,
+                                                                                deferred_batch_norm)
         if isinstance(threads_per_stage, bool) or not isinstance(threads_per_stage, int) or threads_per_stage < 1:
             raise ValueError(f"threads_per_stage must be an int >= 1, got {threads_per_stage!r}")
         self.threads_per_stage = threads_per_stage
@@ -128,6 +160,8 @@ class Pipeline(nn.Module):
         self._stages = stage_modules(layers, self.balance)  # a plain list: the layers are registered above
         for stage, device in zip(self._stages, self.devices):
             stage.to(device)
+        self._norms = DeferredNorms(self._stages) if deferred_batch_norm else None
+        self._skips = plan_skips(layers, self.balance)
         self._pool: WorkerPool | None = None
         # (stage, its modules' training flags) seen drawing no random number in a controlled pass
         self._quiet: set[tuple[int, tuple[bool, ...]]] = set()
@@ -149,6 +183,16 @@ class Pipeline(nn.Module):
         """Stage s's layers as an ``nn.Sequential``, one per stage."""
         return list(self._stages)
 
+    def __len__(self) -> int:
+        return sum(self.balance)
+
+    def __iter__(self) -> Iterator[nn.Module]:
+        return iter(dict(self.named_children()).values())
+
+    def __getitem__(self, index: int | slice) -> nn.Module:
+        """Layer ``index`` (negative counts from the end); a slice: those layers as an ``nn.Sequential``."""
+        return self.module[index]
+
     def split(self, input: Any) -> list[Any]:
         """``input`` as micro-batches on the first stage's device (fewer than ``chunks`` for a small batch)."""
         return split(input, split_sizes(batch_size(input, "input"), self.chunks), self.devices[0])
@@ -159,20 +203,23 @@ class Pipeline(nn.Module):
     def _pass(self, microbatches: list, state: dict, schedule: ScheduleFn | None = None, **last: Any) -> StageRun:
         """One pass on the workers, forwards only (``schedule`` None) or training; returns the last stage's run."""
         n, m, seed, channel = len(self._stages), len(microbatches), pass_seed(), ThreadChannel(len(self._stages))
-        controlled = (state["grad"] and self.checkpoint != "never") or any(map(draws_random_numbers, self._stages))
+        checkpoint = pass_checkpoint(self.checkpoint, self.training)
+        controlled = (state["grad"] and checkpoint != "never") or any(map(draws_random_numbers, self._stages))
         # a stage that drew nothing in an earlier controlled pass in the same modes is left alone: with no lock it
         # overlaps the others (known random layers always draw)
         may_draw = [controlled and (self._quiet_key(s) not in self._quiet or draws_random_numbers(stage))
                     for s, stage in enumerate(self._stages)]
         randoms = stage_randoms(seed, self.devices, may_draw)
-        runs = [StageRun(s, n, stage, dev, self.checkpoint, channel, m, schedule is not None,
-                         inputs=microbatches if s == 0 else None, random=random, **(last if s == n - 1 else {}))
+        runs = [StageRun(s, n, stage, dev, checkpoint, channel, m, schedule is not None,
+                         inputs=microbatches if s == 0 else None, random=random, norms=self._norms, skips=self._skips,
+                         **(last if s == n - 1 else {}))
                 for s, (stage, dev, random) in enumerate(zip(self._stages, self.devices, randoms))]
         orders = [[Step(s, k, "F") for k in range(m)] for s in range(n)] if schedule is None else \
             stage_orders(schedule(n, m), n, m)
         if self._pool is None:
             self._pool = WorkerPool(threads_per_worker=self.threads_per_stage)
-        _run_threads(runs, orders, channel, state, self._pool)
+        with _committed(self._norms):
+            _run_threads(runs, orders, channel, state, self._pool)
         for s, run in enumerate(runs):
             if run.random is not None:
                 (self._quiet.discard if run.random.drew else self._quiet.add)(self._quiet_key(s))
@@ -234,7 +281,7 @@ class Pipeline(nn.Module):
 
     def extra_repr(self) -> str:
         return f"balance={self.balance}, devices={[str(d) for d in self.devices]}, chunks={self.chunks}, " \
-               f"checkpoint={self.checkpoint!r}"
+               f"checkpoint={self.checkpoint!r}, deferred_batch_norm={self.deferred_batch_norm}"
 
 
 # ---- one stage per process --------------------------------------------------------------------------------------
@@ -259,16 +306,18 @@ class DistributedPipeline(nn.Module):
     """
 
     def __init__(self, module: nn.Sequential | Sequence[nn.Module], balance: Sequence[int] | str = "auto",
-                 chunks: int = 1, checkpoint: str = "never", *, stages: int | None = None,
-                 device: DeviceLike | None = None, sample_input: Any = None) -> None:
+                 chunks: int = 1, checkpoint: str = "never", deferred_batch_norm: bool = False, *,
+                 stages: int | None = None, device: DeviceLike | None = None, sample_input: Any = None) -> None:
         super().__init__()
         require_initialized("DistributedPipeline")
         world, rank = dist.get_world_size(), dist.get_rank()
         stages = world if stages is None else stages
         if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1 or world % stages:
             raise ValueError(f"stages must be an int >= 1 that divides the {world} processes, got {stages!r}")
-        self.chunks, self.checkpoint = check_options(chunks, checkpoint)
+        self.chunks, self.checkpoint, self.deferred_batch_norm = check_options(chunks, checkpoint,
+                                                                                deferred_batch_norm)
         layers = layers_of(module)
+        refuse_sync_batchnorm(layers)
         agreed = torch.tensor(resolve_balance(balance, layers, stages, sample_input), dtype=torch.int64)
         # rank 0's on every rank: a timing profile differs from process to process
         group_transport(None, "DistributedPipeline").broadcast(agreed, 0)
@@ -277,6 +326,7 @@ class DistributedPipeline(nn.Module):
         self.num_stages = stages
         self.is_first, self.is_last = self.stage == 0, self.stage == stages - 1
         self.data_parallel_rank, self.data_parallel_size = rank // stages, world // stages
+        self._skips = plan_skips(layers, self.balance)
         start = sum(self.balance[:self.stage])
         mine = layers[start:start + self.balance[self.stage]]
         for name, layer in mine:
@@ -286,6 +336,7 @@ class DistributedPipeline(nn.Module):
             device = next((t.device for t in itertools.chain(self.parameters(), self.buffers())), "cpu")
         self.device = normalize_device(device)
         self._local[0].to(self.device)
+        self._norms = DeferredNorms(self._local) if deferred_batch_norm else None
         self.pipeline_group, self.data_parallel_group = _groups(world, stages)
         self.ranks = list(range(rank - self.stage, rank - self.stage + stages))
         self._channel = ProcessChannel(self.ranks, torch.device("cpu") if dist.get_backend() == "gloo" else self.device)
@@ -311,7 +362,8 @@ class DistributedPipeline(nn.Module):
 
     def _run(self, run: StageRun, order: list[Step], grad: bool) -> None:
         try:
-            with torch.set_grad_enabled(grad), torch.accelerator.device_index(self.device.index):
+            with _committed(self._norms), torch.set_grad_enabled(grad), \
+                    torch.accelerator.device_index(self.device.index):
                 for step in order:
                     run.run(step)
         finally:
@@ -323,7 +375,7 @@ class DistributedPipeline(nn.Module):
         sizes, random = self._start_pass(input, checkpointing=False)
         microbatches = split(input, sizes, self.device) if self.is_first else None
         run = StageRun(self.stage, self.num_stages, self._local[0], self.device, "never", self._channel, len(sizes),
-                       train=False, inputs=microbatches, random=random)
+                       train=False, inputs=microbatches, random=random, norms=self._norms, skips=self._skips)
         self._run(run, [Step(self.stage, m, "F") for m in range(len(sizes))], grad=False)
         return join([run.outputs[m] for m in range(len(sizes))], self.device) if self.is_last else None
 
@@ -335,16 +387,17 @@ class DistributedPipeline(nn.Module):
         pipeline's batch on every one of its ranks; with several pipelines, gradients are averaged over them.
         """
         check_loss_fn(loss_fn)
-        sizes, random = self._start_pass(input, checkpointing=self.checkpoint != "never")
+        checkpoint = pass_checkpoint(self.checkpoint, self.training)
+        sizes, random = self._start_pass(input, checkpointing=checkpoint != "never")
         targets = None
         if self.is_last and target is not None:
             if batch_size(target, "target") != sum(sizes):
                 raise ValueError(f"target has {batch_size(target, 'target')} rows along dim 0 (rank "
                                  f"{dist.get_rank()}) but the first stage's input has {sum(sizes)}")
             targets = split(target, sizes, self.device)
-        run = StageRun(self.stage, self.num_stages, self._local[0], self.device, self.checkpoint, self._channel,
+        run = StageRun(self.stage, self.num_stages, self._local[0], self.device, checkpoint, self._channel,
                        len(sizes), True, split(input, sizes, self.device) if self.is_first else None, targets,
-                       loss_fn, loss_weights(sizes, reduction), random)
+                       loss_fn, loss_weights(sizes, reduction), random, self._norms, self._skips)
         orders = stage_orders(resolve(schedule)(self.num_stages, len(sizes)), self.num_stages, len(sizes))
         self._run(run, orders[self.stage], grad=True)
         loss = torch.tensor([run.loss.item() if self.is_last else 0.0], dtype=torch.float64)

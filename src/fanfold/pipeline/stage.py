@@ -18,8 +18,10 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .._core.tree import flatten, unflatten
+from .batchnorm import DeferredNorms
 from .channel import Channel
 from .schedule import Step
+from .skip import SkipPlan, SkipRoute, routed
 
 __all__ = ["StageRun", "StepTime", "CHECKPOINT_MODES", "WeightGradAccumulator", "tensor_leaves", "map_tensors",
            "buffers_kept", "StageRandom", "draws_random_numbers", "pass_seed", "stage_randoms"]
@@ -230,7 +232,8 @@ class StageRun:
     """Stage ``index`` of ``stages`` (``module`` on ``device``) during one pass of ``microbatches`` micro-batches.
     ``inputs`` (first stage) are its micro-batches; ``targets``, ``loss_fn``, ``weights`` (last stage, training) make
     the loss. ``train=False``: the connected mode, the last stage keeps ``outputs``. ``random``: None leaves the
-    generator alone."""
+    generator alone. ``norms``: the deferred BatchNorm layers (None: BatchNorm as it is). ``skips``: which stages
+    stash and pop each skip connection."""
 
     index: int
     stages: int
@@ -245,17 +248,23 @@ class StageRun:
     loss_fn: Callable[..., torch.Tensor] | None = None
     weights: list[float] | None = None
     random: StageRandom | None = None
+    norms: DeferredNorms | None = None
+    skips: SkipPlan = field(default_factory=SkipPlan)
     outputs: dict[int, Any] = field(default_factory=dict)
     loss: torch.Tensor | None = None
     timeline: list[StepTime] = field(default_factory=list)
     _leaves: dict[int, list] = field(default_factory=dict)
+    _skip_leaves: dict[int, dict[int, dict[str, torch.Tensor | None]]] = field(default_factory=dict)
+    _stashed: dict[int, dict[int, dict[str, Any]]] = field(default_factory=dict)
     _started: float | None = None
     _weights: WeightGradAccumulator = field(default_factory=WeightGradAccumulator)
 
     def run(self, step: Step) -> None:
         self._started = None
+        self.channel.check(self.index)  # another stage failed: no further micro-batch is scheduled here
+        norms = self.norms.deferred(self.module) if self.norms is not None else contextlib.nullcontext()
         # detached training: each stage owns its graph and .grad (the connected mode leaves backward to autograd)
-        with self._weights.linears(self.module) if self.train else contextlib.nullcontext():
+        with self._weights.linears(self.module) if self.train else contextlib.nullcontext(), norms:
             if step.phase == "F":
                 self.forward(step.microbatch)
             else:
@@ -269,26 +278,31 @@ class StageRun:
         # a step's time starts when its inputs are here: waiting for them is the bubble, not work
         self._started = time.perf_counter()
 
-    def _call(self, x: Any, m: int, own: bool) -> Any:
-        """The stage on ``x``; ``own``: ``x`` holds this stage's own leaves, which it must not modify in place."""
-        module, random, mode = self.module, self.random, self.checkpoint
+    def _call(self, x: Any, m: int, own: bool, received: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        """The stage on ``x`` and what its ``Stash`` layers stashed; ``own``: ``x`` holds this stage's own leaves,
+        which it must not modify in place; ``received``: the skips other stages stashed for this micro-batch."""
+        module, random, mode, norms = self.module, self.random, self.checkpoint, self.norms
+        first = SkipRoute(dict(received), recomputing=False)
         cell = (lambda: random.cell(m)) if random is not None else contextlib.nullcontext
+        paused = (lambda: norms.paused(module)) if norms is not None else contextlib.nullcontext
         if torch.is_grad_enabled() and (mode == "always" or (mode == "except_last" and m < self.microbatches - 1)):
 
             @contextlib.contextmanager
             def recomputing() -> Iterator[None]:
-                with buffers_kept(module), cell():
+                with buffers_kept(module), paused(), cell(), routed(module, SkipRoute(dict(received), True)):
                     yield
 
             # the copy inside the checkpointed function: a first layer working in place must not modify the saved
             # input. Not torch's saved generator state: it would be set outside the cell's lock
-            with cell():
-                return checkpoint(lambda x: module(_fresh(x)), x, use_reentrant=False, preserve_rng_state=False,
-                                  context_fn=lambda: (contextlib.nullcontext(), recomputing()))
-        with cell():
-            return module(_fresh(x) if own else x)
+            with cell(), routed(module, first):
+                out = checkpoint(lambda x: module(_fresh(x)), x, use_reentrant=False, preserve_rng_state=False,
+                                 context_fn=lambda: (contextlib.nullcontext(), recomputing()))
+            return out, first.stashed
+        with cell(), routed(module, first):
+            return module(_fresh(x) if own else x), first.stashed
 
-    def _receive_leaves(self, x: Any, m: int) -> Any:
+    def _as_leaves(self, x: Any) -> tuple[Any, list[torch.Tensor | None]]:
+        """``x`` on this stage's device, its floating tensors fresh leaves that require grad (None for others)."""
         device, leaves = self.device, []
 
         def leaf(t: torch.Tensor) -> torch.Tensor:
@@ -297,19 +311,47 @@ class StageRun:
             leaves.append(own)
             return t if own is None else own
 
-        x = map_tensors(x, leaf)
-        self._leaves[m] = leaves
+        return map_tensors(x, leaf), leaves
+
+    def _receive_leaves(self, x: Any, m: int) -> Any:
+        x, self._leaves[m] = self._as_leaves(x)
         return x
+
+    def _receive_skips(self, m: int) -> dict[str, Any]:
+        """The skips stashed for this stage's micro-batch ``m`` by earlier stages, on this stage's device."""
+        received: dict[str, Any] = {}
+        for src, names in self.skips.receives(self.index).items():
+            got = self.channel.recv(self.index, src, "skip", m)
+            for name in names:
+                if name not in got:
+                    raise RuntimeError(f"Pop({name!r}) on stage {self.index}: stage {src}'s Stash({name!r}) stashed "
+                                       f"nothing in micro-batch {m}")
+                if self.train:
+                    received[name], leaves = self._as_leaves(got[name])
+                    self._skip_leaves.setdefault(m, {}).setdefault(src, {})[name] = received[name], leaves
+                else:
+                    received[name] = map_tensors(got[name], lambda t: t.to(self.device))
+        return received
+
+    def _send_skips(self, m: int, stashed: dict[str, Any]) -> None:
+        for dst, names in self.skips.sends(self.index).items():
+            mine = {n: stashed[n] for n in names if n in stashed}
+            if self.train:
+                self._stashed.setdefault(m, {})[dst] = mine
+            self.channel.send(self.index, dst, "skip", m,
+                              {n: map_tensors(v, torch.Tensor.detach) for n, v in mine.items()} if self.train else mine)
 
     def forward(self, m: int) -> None:
         s, device = self.index, self.device
         first, last = s == 0, s == self.stages - 1
         x = self.inputs[m] if first else self.channel.recv(s, s - 1, "activation", m)
+        received = self._receive_skips(m)
         self._received()
         if self.train:
-            out = self._call(x if first else self._receive_leaves(x, m), m, own=not first)
+            out, stashed = self._call(x if first else self._receive_leaves(x, m), m, not first, received)
         else:  # connected: one graph spans the stages
-            out = self._call(x if first else map_tensors(x, lambda t: t.to(device)), m, own=False)
+            out, stashed = self._call(x if first else map_tensors(x, lambda t: t.to(device)), m, False, received)
+        self._send_skips(m, stashed)
         if last and self.train:
             loss = self.loss_fn(out, self.targets[m]) if self.targets is not None else self.loss_fn(out)
             if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
@@ -325,16 +367,23 @@ class StageRun:
     def backward(self, m: int) -> None:
         s = self.index
         out = self.outputs.pop(m)
-        if s == self.stages - 1:
-            self._received()
-            out.backward()
-        else:
+        pairs = []
+        if s < self.stages - 1:
             grads = self.channel.recv(s, s + 1, "grad", m)
-            self._received()
-            pairs = [(t, g.to(t.device)) for t, g in zip(tensor_leaves(out), grads)
-                     if g is not None and t.requires_grad]
-            if pairs:
-                torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+            pairs = list(zip(tensor_leaves(out), grads))
+        for dst, stashed in self._stashed.pop(m, {}).items():  # the skips' gradients, from the stages that popped
+            grads = self.channel.recv(s, dst, "skipgrad", m)
+            for name, value in stashed.items():
+                pairs += zip(tensor_leaves(value), grads[name])
+        self._received()
+        pairs = [(t, g.to(t.device)) for t, g in pairs if g is not None and t.requires_grad]
+        if s == self.stages - 1:
+            torch.autograd.backward([out, *(t for t, _ in pairs)], [None, *(g for _, g in pairs)])
+        elif pairs:
+            torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
         leaves = self._leaves.pop(m, [])
         if s > 0:
             self.channel.send(s, s - 1, "grad", m, [None if t is None else t.grad for t in leaves])
+        for src, popped in self._skip_leaves.pop(m, {}).items():
+            grads = {name: [None if t is None else t.grad for t in leaves] for name, (_, leaves) in popped.items()}
+            self.channel.send(s, src, "skipgrad", m, grads)
