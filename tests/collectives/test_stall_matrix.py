@@ -105,7 +105,8 @@ def test_every_rank_diagnoses_and_exits_within_the_stall_timeout(setup, case, np
     if case in culprit_in:
         assert c["type"] == "StallError" and c["missing"] == [0], logs
         assert c["message"].startswith(f"rank 1 of 2: {culprit_in[case]}"), logs
-        assert f"did not complete within {STALL:g} s" in c["message"] or "rank 0 had diagnosed a stall" in c["message"], logs
+        assert (f"did not complete within {STALL:g} s" in c["message"]
+                or "rank 0 had diagnosed a stall" in c["message"]), logs
     if case == "skip_backward":
         # rank 0 waits in its last backward's all_reduce; rank 1 skipped it and waits in fanfold.save
         assert victim["type"] == "StallError" and victim["missing"] == [1], logs
