@@ -28,6 +28,7 @@ from torch._C._distributed_c10d import (
 )
 
 from .._core.eager import eager
+from .creator import refuse_unwrapped
 from .hierarchical import HierarchicalTransport
 from .protocol import FanfoldWork, StallError, Transport, completed_work, failed_work
 from .select import ENV_VAR, choose, host_views
@@ -208,9 +209,10 @@ def _all_to_all_counts(output: torch.Tensor, input: torch.Tensor, out_splits: li
 _AVERAGING = ("allreduce", "allreduce_coalesced", "reduce_scatter", "reduce_scatter_single")
 
 
-def _integer_average(name: str, first: Any, opts: Any) -> list[torch.Tensor] | None:
-    """The output tensors of ``name`` when it is an AVG of integer tensors (bool excluded: gloo's), else None."""
-    if name not in _AVERAGING or opts.reduceOp != _AVG:
+def _integer_average(first: Any, opts: Any) -> list[torch.Tensor] | None:
+    """The output tensors of a reduction (``first``: its first argument) that is an AVG of integer tensors (bool
+    excluded: gloo's), else None."""
+    if opts.reduceOp != _AVG:
         return None
     outputs = [first] if isinstance(first, torch.Tensor) else list(first)
     if not outputs or any(t.is_floating_point() or t.is_complex() or t.dtype == torch.bool for t in outputs):
@@ -243,7 +245,7 @@ def _torch_method(name: str, impl: Callable[..., dist.Work | None], gloo: str | 
         if torch.compiler.is_compiling():  # a graph break to ``eager``; outside dynamo, no disable wrapper a call
             return eager(method, self, *args, **kwargs)
         *arguments, opts = _read(name, args, kwargs)
-        outputs = _integer_average(name, arguments[0], opts)
+        outputs = _integer_average(arguments[0], opts) if name in _AVERAGING else None
         if outputs is not None:  # NCCL's integer AVG: the sum (shared memory's or gloo's), then divided here
             opts.reduceOp = _SUM
             try:
@@ -299,6 +301,7 @@ class FanfoldProcessGroup(dist.ProcessGroup):
     fanfold's own DDP can take it from the group."""
 
     def __init__(self, store: dist.Store, rank: int, world_size: int, timeout: timedelta):
+        refuse_unwrapped(world_size)  # Accelerate's silent single-replica mode, refused before any connection
         super().__init__(rank, world_size)
         self._store, self._timeout = store, timeout
         self.gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, world_size, timeout)
