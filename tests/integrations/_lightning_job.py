@@ -34,6 +34,7 @@ class Net(pl.LightningModule):
 
     def on_train_epoch_end(self):
         s, r = self.trainer.strategy, self.global_rank
+        self.wrapper = f"{type(s.model).__module__}.{type(s.model).__name__}"
         epoch = self.current_epoch
         self.calls[f"all_gather {epoch}"] = self.all_gather(torch.arange(3) + 10 * r)
         self.calls[f"reduce mean float {epoch}"] = s.reduce(torch.tensor([1.5, -2.25]) * (r + 1), reduce_op="mean")
@@ -68,7 +69,7 @@ def main(kind: str, out: str) -> None:
                     "metrics": {k: v.detach().clone() for k, v in trainer.callback_metrics.items()},
                     "calls": model.calls, "backend": torch.distributed.get_backend() if
                     torch.distributed.is_initialized() else trainer.strategy.process_group_backend,
-                    "wrapper": type(trainer.strategy).__name__}, out)
+                    "strategy": type(trainer.strategy).__name__, "wrapper": model.wrapper}, out)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,9 @@ class FanfoldDDPStrategy(DDPStrategy):
 
     def _register_ddp_hooks(self) -> None:
         # Lightning registers its comm hook keywords on CUDA only, on torch's DDP; fanfold's takes the same call
+        if self._ddp_comm_wrapper is not None:
+            raise ValueError("FanfoldDDPStrategy: ddp_comm_wrapper wraps torch's DDP hooks; pass a hook that "
+                             "compresses itself (fanfold.distributed.fp16_compress_hook, bf16_compress_hook)")
         if self._ddp_comm_hook is not None and isinstance(self.model, DistributedDataParallel):
             self.model.register_comm_hook(self._ddp_comm_state, self._ddp_comm_hook)
 
