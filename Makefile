@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: run test test-busy lint smoke demo bench docs-figures fuzz conformance conformance-backend gpu-check multihost clean
+.PHONY: run test test-busy lint smoke demo bench docs-figures fuzz conformance conformance-backend gpu-check multihost integrations clean
 
 $(STAMP): requirements.txt pyproject.toml
 	@echo "fanfold: one-time set-up: creating $(VENV) and installing torch (CPU build) and the pinned tools of requirements.txt; this takes about 1-2 minutes"
@@ -59,6 +59,20 @@ lint: $(STAMP)
 	$(BIN)/lint-imports --no-cache --no-logo
 	$(BIN)/ruff check src tests benchmarks examples conformance tools
 
+# tests/integrations: Lightning, Accelerate and the transformers Trainer (pyproject.toml's pinned `integrations`
+# extra), each a 2-process CPU job on gloo and on fanfold, compared bitwise; in a venv of its own (.venv-int), so
+# `make test`'s is unaffected (there these tests skip). About 10 minutes on 2 cores; a step of .ci/run after `make test`.
+INT_VENV  := .venv-int
+INT_STAMP := $(INT_VENV)/.installed
+$(INT_STAMP): requirements.txt pyproject.toml
+	@echo "fanfold: one-time set-up: creating $(INT_VENV) with torch (CPU build), lightning, accelerate and transformers"
+	$(PY) -m venv $(INT_VENV)
+	$(INT_VENV)/bin/pip install -q --disable-pip-version-check --constraint requirements.txt -e ".[integrations]"
+	touch $(INT_STAMP)
+
+integrations: $(INT_STAMP)
+	$(INT_VENV)/bin/python -m pytest -q -rs tests/integrations
+
 bench: $(STAMP)
 	$(BIN)/python benchmarks/dp_overhead.py
 
@@ -103,4 +117,4 @@ multihost: $(STAMP)
 	FANFOLD_MULTIHOST=1 $(BIN)/python -m pytest -q -rs tests/multihost
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info runs
+	rm -rf $(VENV) $(INT_VENV) build src/*.egg-info runs

@@ -28,6 +28,7 @@ from torch._C._distributed_c10d import (
 )
 
 from .._core.eager import eager
+from .creator import refuse_unwrapped
 from .hierarchical import HierarchicalTransport
 from .protocol import FanfoldWork, StallError, Transport, completed_work, failed_work
 from .select import ENV_VAR, choose, host_views
@@ -204,6 +205,35 @@ def _all_to_all_counts(output: torch.Tensor, input: torch.Tensor, out_splits: li
     return counts[0], counts[1]
 
 
+# the reductions whose first argument holds the outputs an average divides
+_AVERAGING = ("allreduce", "allreduce_coalesced", "reduce_scatter", "reduce_scatter_single")
+
+
+def _integer_average(first: Any, opts: Any) -> list[torch.Tensor] | None:
+    """The output tensors of a reduction (``first``: its first argument) that is an AVG of integer tensors (bool
+    excluded: gloo's), else None."""
+    if opts.reduceOp != _AVG:
+        return None
+    outputs = [first] if isinstance(first, torch.Tensor) else list(first)
+    if not outputs or any(t.is_floating_point() or t.is_complex() or t.dtype == torch.bool for t in outputs):
+        return None
+    return outputs
+
+
+def _divided(work: dist.Work, outputs: list[torch.Tensor], size: int) -> dist.Work:
+    """``work``'s sums divided by the group's ``size`` as NCCL divides an integer AVG: C's integer division,
+    rounded toward zero (-7 // 2 is -3), of the sum wrapped around in the tensor's dtype. Waited for here, as a
+    broadcast is: integer averages are metrics and counters, small and rare; an error is the Work's, raised by
+    ``wait()``."""
+    try:
+        work.wait()
+    except Exception as exc:  # noqa: BLE001 - raised by wait(), as the collective's own errors are
+        return failed_work(exc, outputs)
+    for t in outputs:
+        t.copy_(torch.div(t, size, rounding_mode="trunc"))
+    return completed_work(outputs)
+
+
 def _torch_method(name: str, impl: Callable[..., dist.Work | None], gloo: str | None = None
                   ) -> Callable[..., dist.Work]:
     """torch's ``ProcessGroup`` method ``name``, in every calling form (``_read``), running ``impl``, else the gloo
@@ -215,12 +245,23 @@ def _torch_method(name: str, impl: Callable[..., dist.Work | None], gloo: str | 
         if torch.compiler.is_compiling():  # a graph break to ``eager``; outside dynamo, no disable wrapper a call
             return eager(method, self, *args, **kwargs)
         *arguments, opts = _read(name, args, kwargs)
+        outputs = _integer_average(arguments[0], opts) if name in _AVERAGING else None
+        if outputs is not None:  # NCCL's integer AVG: the sum (shared memory's or gloo's), then divided here
+            opts.reduceOp = _SUM
+            try:
+                work = _divided(run(self, arguments, opts), outputs, self.size())
+            finally:
+                opts.reduceOp = _AVG
+            return self._handout(work, opts.asyncOp)
+        return self._handout(run(self, arguments, opts), opts.asyncOp)
+
+    def run(self: FanfoldProcessGroup, arguments: list, opts: Any) -> dist.Work:
         work = impl(self, *arguments, opts)
         if work is None:
             # gloo ends a collective after its options' timeout and closes its connections: the peers' waits end too
             opts.timeout = timedelta(seconds=self._wait_limit()[0])
             work = getattr(self.gloo, gloo or name)(*arguments, opts)
-        return self._handout(work, opts.asyncOp)
+        return work
 
     method.__name__ = method.__qualname__ = name
     return method
@@ -260,6 +301,7 @@ class FanfoldProcessGroup(dist.ProcessGroup):
     fanfold's own DDP can take it from the group."""
 
     def __init__(self, store: dist.Store, rank: int, world_size: int, timeout: timedelta):
+        refuse_unwrapped(world_size)  # Accelerate's silent single-replica mode, refused before any connection
         super().__init__(rank, world_size)
         self._store, self._timeout = store, timeout
         self.gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, world_size, timeout)
