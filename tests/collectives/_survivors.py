@@ -16,7 +16,9 @@ def run_surviving(fn, args, nprocs, timeout=90):
     """Run ``fn(*args)`` on ``nprocs`` ranks of a loopback gloo job; wait (bounded) for all, kill any still
     running after ``timeout`` seconds; the exit codes by rank."""
     ctx = mp.get_context("forkserver")
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(nprocs)}
+    # the caller's environment as it is now (a test's FANFOLD_STALL_TIMEOUT included): the forkserver's children
+    # inherit the environment of the moment the forkserver started, which an earlier test may have set otherwise
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(nprocs)}
     procs = [ctx.Process(target=_rank_entry, args=(fn, args, r, env)) for r in range(nprocs)]
     for p in procs:
         p.start()
@@ -31,6 +33,7 @@ def run_surviving(fn, args, nprocs, timeout=90):
 
 
 def _rank_entry(fn, args, r, env):
+    os.environ.clear()
     os.environ.update(env, RANK=str(r), LOCAL_RANK=str(r))
     torch.set_num_threads(1)
     fn(*args)

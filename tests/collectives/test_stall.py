@@ -193,6 +193,7 @@ STALL = 4.0  # seconds; each scenario must end within STALL + 30 s
 
 
 def _child(fn, args, rank, env, conn):
+    os.environ.clear()
     os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     try:
@@ -207,7 +208,8 @@ def _run_ranks(fn, *args, nprocs=2, timeout=60.0):
     """Like fanfold.launch, but a rank that dies (the SIGKILL scenario) does not end the run: the others report.
     Returns per rank ("ok", result), ("error", message) or ("died", exitcode)."""
     ctx = mp.get_context("forkserver")
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(nprocs),
+    # the caller's environment as it is now: the forkserver's children inherit the one of its start
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(nprocs),
            "LOCAL_WORLD_SIZE": str(nprocs), "OMP_NUM_THREADS": "1"}
     procs, conns = [], []
     try:
