@@ -150,6 +150,11 @@ def check(runner, config) -> None:
                           keywords=(("bucket_cap_mb", 0.0001), ("find_unused_parameters", True),
                                     ("gradient_as_bucket_view", True), ("init_sync", False),
                                     ("output_device", "cpu"), ("static_graph", True))))
+# found by `make fuzz`, torch's: its hook launches the delayed parameters' all-reduce and never waits for it, so under
+# load its optimizer stepped on rank 0's own head gradient / 3 (TORCH_WRONG: held to the one-process oracle)
+@example(config=DDPConfig(world=3, transport=None, family="sparse_embedding", dtype="float32",
+                          checkpointing="reentrant", steps=1, set_to_none=False, seed=81,
+                          keywords=(("delay_all_reduce_named_params", "head"),)))
 @settings(BUDGET, max_examples=70)
 @given(config=ddp_configs(compile_p=0.0))
 def test_fanfold_ddp_matches_torch_ddp(runner, config):
