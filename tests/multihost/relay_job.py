@@ -1,4 +1,4 @@
-"""The job of the multi-host relay test (``test_store_relay.py``), run by ``fanfold run --nnodes 2``:
+"""The job of the multi-host relay test (``test_relay_across_hosts.py``), run by ``fanfold run --nnodes 2``:
 ``init_process_group`` (env://: the job's authenticated store when the nodes share a secret), each rank's canary
 written to the default store and read back by every other rank, an all-reduce checked against its sum.
 
