@@ -1,5 +1,5 @@
-"""The attacker of the multi-host relay test (``test_relay_across_hosts.py``), run as root in one simulated host: a relay
-process as user `nobody` (``tests/_relay.py``) listens on this host's address; from the moment the workers' open
+"""The attacker of the multi-host relay test (``test_relay_across_hosts.py``), run as root in one simulated host: a
+relay process as user `nobody` (``tests/_relay.py``) listens on this host's address; from the moment the workers' open
 store (MASTER_ADDR:MASTER_PORT, read from ``OUT_DIR/master``) answers, this process writes the relay's address under
 the key where rank 0 publishes the job store's, and writes it again each time rank 0's address replaces it (whose
 address it then gives the relay as its target): the ranks that read the key after it connect through the relay.
