@@ -1,8 +1,8 @@
 """A relay between store clients and a store server, for the relay tests (tests/launcher/test_store_relay.py and
-tests/multihost/test_relay_across_hosts.py). :class:`Relay` starts it as a process of its own, as user `nobody` where this
-run is root and `nobody` can run a Python; run as a program it accepts connections, opens one to the target for
-each, logs every chunk each way and forwards it, unless told to hold, flip, replay or inject. Standard library only:
-`nobody` runs this file's text (``python -I -c``) with nothing of the checkout on its path.
+tests/multihost/test_relay_across_hosts.py). :class:`Relay` starts it as a process of its own, as user `nobody`
+where this run is root and `nobody` can run a Python; run as a program it accepts connections, opens one to the
+target for each, logs every chunk each way and forwards it, unless told to hold, flip, replay or inject. Standard
+library only: `nobody` runs this file's text (``python -I -c``) with nothing of the checkout on its path.
 
     python _relay.py TARGET_HOST TARGET_PORT [LISTEN_HOST]
 
