@@ -3,6 +3,7 @@ with the torchrun environment: a few steps of training with SETUP, where rank 1 
 says. Prints ``ENTERED <time>`` before each collective it may stall in, and ``RESULT <json>`` (the error it
 raised, if any), then ends by a normal interpreter exit (process group teardown included): the test measures when
 each process is gone."""
+import contextlib
 import faulthandler
 import json
 import os
@@ -19,6 +20,7 @@ import fanfold
 
 STEPS = 3
 EXIT_WARN_S = 5.0
+WARM_STALL_S = 60.0
 
 
 def entered(what):
@@ -30,36 +32,22 @@ def train(setup, case, path):
     culprit = rank == 1
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
-    if setup == "backend":
-        model = nn.parallel.DistributedDataParallel(net)  # torch's own DDP on the fanfold backend
-    else:
-        model = fanfold.DistributedDataParallel(net, transport="torch" if setup == "ddp-torch" else "shm")
-    if setup == "zero":
-        opt = fanfold.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
-    else:
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with fanfold.stall_timeout(WARM_STALL_S):  # the set-up's collectives: as the steps before the case's, below
+        if setup == "backend":
+            model = nn.parallel.DistributedDataParallel(net)  # torch's own DDP on the fanfold backend
+        else:
+            model = fanfold.DistributedDataParallel(net, transport="torch" if setup == "ddp-torch" else "shm")
+        if setup == "zero":
+            opt = fanfold.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+        else:
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(STEPS):
         last = step == STEPS - 1
-        if case == "killed" and culprit and last:
-            entered("killed")
-            os.kill(os.getpid(), signal.SIGKILL)
-        if case == "store_frozen_killed" and culprit and last:
-            entered("freeze the store")  # the test stops the store's process, then says so with a file
-            end = time.monotonic() + 60
-            while not os.path.exists(os.path.join(os.path.dirname(path), "frozen")) and time.monotonic() < end:
-                time.sleep(0.01)
-            entered("killed")
-            os.kill(os.getpid(), signal.SIGKILL)
-        loss = model(torch.randn(8, 4)).pow(2).mean()
-        if case == "extra_all_reduce" and culprit and last:
-            entered("extra all_reduce")
-            dist.all_reduce(torch.ones(1))  # the user's own, one the other ranks never issue
-        if case in ("skip_backward", "skip_to_dist_barrier") and culprit and last:
-            continue
-        entered(f"backward {step}")
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+        # the steps before the case's run under a generous stall timeout: on a loaded machine a rank's first steps
+        # (lazy imports, first calls) can take longer than the 3 s under test, which would end an earlier
+        # collective instead of the case's
+        with contextlib.nullcontext() if last else fanfold.stall_timeout(WARM_STALL_S):
+            _step(model, opt, setup, case, culprit, last, step, path)
     if case == "skip_to_dist_barrier":
         entered("dist.barrier")
         dist.barrier()  # torch's own, on the gloo group where rank 0 still waits in its last backward's all_reduce
@@ -69,6 +57,29 @@ def train(setup, case, path):
     if case != "missing_save" or not culprit:
         entered("save")
         fanfold.save(path, {"model": net.state_dict()})
+
+
+def _step(model, opt, setup, case, culprit, last, step, path):
+    if case == "killed" and culprit and last:
+        entered("killed")
+        os.kill(os.getpid(), signal.SIGKILL)
+    if case == "store_frozen_killed" and culprit and last:
+        entered("freeze the store")  # the test stops the store's process, then says so with a file
+        end = time.monotonic() + 60
+        while not os.path.exists(os.path.join(os.path.dirname(path), "frozen")) and time.monotonic() < end:
+            time.sleep(0.01)
+        entered("killed")
+        os.kill(os.getpid(), signal.SIGKILL)
+    loss = model(torch.randn(8, 4)).pow(2).mean()
+    if case == "extra_all_reduce" and culprit and last:
+        entered("extra all_reduce")
+        dist.all_reduce(torch.ones(1))  # the user's own, one the other ranks never issue
+    if case in ("skip_backward", "skip_to_dist_barrier") and culprit and last:
+        return
+    entered(f"backward {step}")
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
 
 
 def main(setup, case, folder):

@@ -34,8 +34,9 @@ WRITE_INTERVAL_S = 0.05  # the least time between two writes of a rank's record,
 ALARM_POLL_S = 0.5  # how often an idle writer looks for the group's alarm
 CLOSE_WAIT_S = 5.0  # how long closing waits for the writer's store call in flight (a store call is not cancellable)
 # How long a diagnosis waits for the store: over a link that went down a store call blocks in TCP's retransmissions,
-# far past the store's own timeout; the diagnosis must end regardless.
-STORE_ANSWER_S = 3.0
+# far past the store's own timeout; the diagnosis must end regardless. Not shorter: a store starved of CPU on a busy
+# host took over 3 s to answer, and its peers' progress then read as unknown.
+STORE_ANSWER_S = 5.0
 _MAX_PENDING = 64
 _BARRIER_SLICE_S = 0.5  # the inspector's barrier looks for the group's alarm this often
 _HINT = (
