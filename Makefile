@@ -27,13 +27,13 @@ test: lint
 # The multi-process tests (tests/distributed, tests/collectives, tests/differential, tests/optim: every one of them)
 # with BUSY_HOGS CPU-bound processes (plain Python busy loops) competing for the cores, as on a shared CI runner or
 # a laptop running other work; the hogs are killed when it ends, passed, failed or interrupted. All four directories
-# fit CI's budget: their CPU work is a small part of `make test`'s, so expect 15-30 minutes on 2 cores beside the
-# hogs (an estimate: no whole run measured yet, so not yet a step of .ci/run). BUSY_TESTS= to run a part, e.g.
+# fit CI's budget: their CPU work is a small part of `make test`'s; expect 30-40 minutes on 2 cores beside the
+# hogs. A step of .ci/run after `make test`. BUSY_TESTS= to run a part, e.g.
 # BUSY_TESTS=tests/optim
 BUSY_HOGS ?= 4
 BUSY_TESTS ?= tests/distributed tests/collectives tests/differential tests/optim
 test-busy: $(STAMP)
-	@echo "fanfold: the multi-process tests beside $(BUSY_HOGS) CPU hogs: expect 15-30 minutes on 2 cores"
+	@echo "fanfold: the multi-process tests beside $(BUSY_HOGS) CPU hogs: expect 30-40 minutes on 2 cores"
 	@hogs=""; stop() { [ -z "$$hogs" ] || kill $$hogs 2>/dev/null; wait 2>/dev/null; hogs=""; }; \
 	trap 'stop' EXIT; trap 'stop; exit 130' INT; trap 'stop; exit 143' TERM; \
 	for i in $$(seq $(BUSY_HOGS)); do $(BIN)/python -c "while True: pass" & hogs="$$hogs $$!"; done; \
