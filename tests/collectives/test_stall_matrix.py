@@ -63,13 +63,18 @@ def _run(setup, case, nprocs, folder):
                           "gone": gone[r], "reported": reported[0] if reported else None, "log": text[-3000:]})
         return ranks
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait(10)
-        for out in outs:
-            out.close()
+        _reap(procs, outs)
         del store
+
+
+def _reap(procs, outs):
+    """Kill whatever rank is still running, wait for each, close their logs."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait(10)
+    for out in outs:
+        out.close()
 
 
 CASES = [  # setup, case, ranks
@@ -191,12 +196,7 @@ def test_a_frozen_store_does_not_delay_the_exit(tmp_path):
         # the store did not answer: the dead rank is named from what the transport saw
         assert result[0]["missing"] == [1], log0[-3000:]
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait(10)
-        for out in outs:
-            out.close()
+        _reap(procs, outs)
         os.kill(server.pid, signal.SIGCONT)
         server.kill()
         server.wait(10)
